@@ -1,0 +1,164 @@
+"""GRPO-style RLVR: sample a group per prompt, score with a verifiable reward, train on
+group-relative advantages with a clipped policy-gradient loss."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tempering.data import ExampleStream, load_examples
+from tempering.evaluate import StageEvaluator
+from tempering.progress import progress
+from tempering.rollout import sample_groups, score_groups
+from tempering.scoring import RewardRunner
+from tempering.stage import EvalConfig, OptimizerConfig, sub_config
+from tempering.types import Batch, Datum, Group, SamplingParams
+
+from tempering.algorithms.grpo.advantages import zero_variance_groups
+
+
+@dataclass
+class GRPO:
+    """One optimizer step per batch of ``prompts_per_step x group_size`` on-policy samples.
+
+    ``recompute_logprobs``: the ratio's "old" logprobs are the sampler's own when sampling was
+    plain (temperature 1, no top-k/top-p), and a forward pass of the same weights otherwise
+    (``auto``), because the sampler's logprobs are those of the tempered/filtered distribution
+    while the trainer scores the untempered policy: using them would make an on-policy step
+    look off-policy.
+    """
+
+    dataset: Any = field(default_factory=lambda: {"name": "arithmetic"})
+    reward: Any = "exact_match"
+    advantage: Any = "group_norm"
+    loss: Any = "grpo"
+    steps: int = 50
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list = field(default_factory=list)  # type: ignore[type-arg]
+    optimizer: Any = field(default_factory=lambda: {"learning_rate": 1e-4})
+    drop_zero_variance: bool = False
+    recompute_logprobs: str = "auto"  # auto | always | never
+    reward_timeout: float = 60.0
+    success_threshold: float = 1.0
+    eval: Any = field(default_factory=dict)
+    seed: int = 0
+
+    def run(self, ctx: Any) -> dict[str, Any]:
+        path = ctx.path
+        if self.recompute_logprobs not in ("auto", "always", "never"):
+            raise ValueError(f"{path}.recompute_logprobs: use auto, always or never (got '{self.recompute_logprobs}')")
+        opt = sub_config(OptimizerConfig, self.optimizer, f"{path}.optimizer")
+        ev = sub_config(EvalConfig, self.eval, f"{path}.eval")
+        reward = ctx.build("reward", self.reward, "reward")
+        estimator = ctx.build("advantage", self.advantage, "advantage")
+        loss = ctx.build("loss", self.loss, "loss")
+        if getattr(loss, "max_completion_length", 0) is None:
+            loss.max_completion_length = self.max_tokens  # Dr. GRPO's constant normaliser
+        runner = RewardRunner(reward, timeout=self.reward_timeout)
+        examples = load_examples(ctx, self.dataset, "dataset")
+        state = ctx.resume_state or {}
+        stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
+        start = int(state.get("step", 0))
+        evaluator = StageEvaluator(ctx, ev)
+        sampling = SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, list(self.stop))
+        recompute = self.recompute_logprobs == "always" or (
+            self.recompute_logprobs == "auto" and (self.temperature != 1.0 or self.top_p < 1.0 or self.top_k > 0)
+        )
+        last: dict[str, Any] = {}
+        if start == 0 and (first := evaluator.run(at_start=True)):
+            ctx.log(first)
+            last.update(first)
+        bar = progress(self.steps, f"{ctx.stage_id} (grpo)", initial=start)
+        for step in range(start, self.steps):
+            if not ctx.budget_left():
+                break
+            metrics = self._step(ctx, stream, runner, estimator, loss, sampling, recompute, opt.adam(step, self.steps))
+            ctx.end_step({"step": step + 1, "position": stream.position})
+            if ev.every and (step + 1) % ev.every == 0 and step + 1 < self.steps:
+                metrics.update(evaluator.run())
+            ctx.log(metrics)
+            last.update(metrics)
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['accuracy']:.2f}")
+        bar.close()
+        if final := evaluator.run():
+            ctx.log(final)
+            last.update(final)
+        keep = ("reward/mean", "accuracy", "loss", "kl")
+        return {k: v for k, v in last.items() if k in keep or k.startswith("eval/")}
+
+    def _step(self, ctx: Any, stream: ExampleStream, runner: RewardRunner, estimator: Any, loss: Any,
+              sampling: SamplingParams, recompute: bool, adam: Any) -> dict[str, Any]:
+        backend = ctx.backend
+        t0 = time.perf_counter()
+        groups = sample_groups(backend, stream.take(self.prompts_per_step), self.group_size, sampling)
+        t_sample = time.perf_counter() - t0
+        stats = score_groups(runner, groups)
+        t_reward = time.perf_counter() - t0 - t_sample
+        batch, info = self.build_batch(groups, estimator)
+        metrics: dict[str, Any] = {**info, **stats.as_metrics(), "sample_time": t_sample, "reward_time": t_reward}
+        if batch is None:  # every group was dropped: nothing to learn from this batch
+            metrics.update(loss=0.0, skipped=1.0, step_time=time.perf_counter() - t0)
+            return metrics
+        if recompute:
+            fresh = backend.logprobs(batch).result()
+            for d, lp in zip(batch.data, fresh):
+                d.sampler_logprobs = [x if w else 0.0 for x, w in zip(lp, d.weights)]
+        if getattr(loss, "beta", 0.0):
+            for d, lp in zip(batch.data, backend.logprobs(batch, reference=True).result()):
+                d.extra["ref_logprobs"] = list(lp)
+        t1 = time.perf_counter()
+        fb = backend.forward_backward(batch, loss)
+        op = backend.optim_step(adam)  # submitted back to back, awaited together
+        metrics.update(fb.result())
+        metrics.update(op.result())
+        metrics["train_time"] = time.perf_counter() - t1
+        metrics["step_time"] = time.perf_counter() - t0
+        n_tokens = sum(len(s.completion.tokens) for g in groups for s in g.samples)
+        metrics["tokens_per_s"] = n_tokens / metrics["step_time"]
+        metrics["skipped"] = 0.0
+        return metrics
+
+    def build_batch(self, groups: list[Group], estimator: Any) -> tuple[Batch | None, dict[str, float]]:
+        """Advantages over the non-failed samples, then one :class:`Datum` per sample.
+
+        Failed samples and (optionally) zero-variance groups get weight 0: they stay visible
+        in the metrics but do not move the policy.
+        """
+        samples = [s for g in groups for s in g.samples]
+        gids = torch.tensor([g.group_id for g in groups for _ in g.samples])
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        valid = torch.tensor([not s.failed for s in samples])
+        adv = torch.zeros_like(rewards)
+        if valid.any():
+            adv[valid] = estimator(rewards[valid], gids[valid]).float()
+        zero_var = torch.zeros_like(valid)
+        if valid.any():
+            zero_var[valid] = zero_variance_groups(rewards[valid], gids[valid])
+        keep = valid & ~zero_var if self.drop_zero_variance else valid
+        lengths = [len(s.completion.tokens) for s in samples]
+        ok = rewards[valid]
+        info = {
+            "reward/mean": float(ok.mean()) if len(ok) else 0.0,
+            "reward/std": float(ok.std()) if len(ok) > 1 else 0.0,
+            "accuracy": float((ok >= self.success_threshold - 1e-9).float().mean()) if len(ok) else 0.0,
+            "groups/zero_variance_frac": float(zero_var[valid].float().mean()) if valid.any() else 0.0,
+            "advantage/abs_mean": float(adv[keep].abs().mean()) if keep.any() else 0.0,
+            "completion/mean_len": sum(lengths) / max(len(lengths), 1),
+            "completion/stop_frac": sum(s.completion.stop_reason == "stop" for s in samples) / max(len(samples), 1),
+        }
+        if not keep.any():
+            return None, info
+        data = [
+            Datum.from_completion(s.completion, advantage=float(a), weight=1.0 if k else 0.0)
+            for s, a, k in zip(samples, adv.tolist(), keep.tolist())
+        ]
+        return Batch(data, meta={"num_groups": len(groups)}), info

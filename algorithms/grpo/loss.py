@@ -1,0 +1,310 @@
+"""The GRPO clipped-surrogate loss, with the aggregation modes of TRL 1.16's ``GRPOTrainer``.
+
+Layout: ``logprobs`` and every per-position tensor of the batch are ``(B, T)`` over *target*
+positions, as :meth:`tempering.types.Batch.to_tensors` pads them: ``weights`` is 1 on
+completion tokens and 0 on prompt and padding positions, ``sampler_logprobs`` are the
+behaviour-policy ("old") logprobs, ``advantages`` are per token (GRPO repeats the sequence's
+advantage on each of its tokens) and ``ref_logprobs`` (only read when ``beta > 0``) the
+reference policy's. Positions with weight 0 never reach the loss or its gradient, whatever
+values they hold.
+
+Per-token objective (``importance_sampling_level="token"``; ``r_t = exp(lp_t - old_t)``)::
+
+    l_t = -min(r'_t * A_t, clip(r_t, 1 - epsilon_low, 1 + epsilon_high) * A_t)
+          + beta * r_t * k3_t                                    (only when beta > 0)
+    r'_t = min(r_t, delta) if delta is not None else r_t         (INTELLECT-2 two-sided clip)
+    k3_t = exp(ref_t - lp_t) - (ref_t - lp_t) - 1
+
+With ``importance_sampling_level="sequence"`` (GSPO) ``r`` is one ratio per sequence,
+``exp(mean_t(lp_t - old_t))`` over its completion tokens, broadcast to its tokens.
+
+The KL term is multiplied by the (differentiable) ratio when ``use_bias_correction_kl`` is
+True -- TRL 1.16's default, which makes the KL gradient the unbiased reverse-KL gradient
+(DeepSeek-V3.2). It changes the gradient even on-policy, where the ratio's value is 1.
+
+Aggregation (``loss_type``; ``m`` = ``weights``, ``B`` = rows, sums over all ``(b, t)``):
+
+- ``"grpo"``: ``mean_b( sum_t m*l / max(sum_t m, 1) )`` -- per-sequence token mean, then the
+  mean over all ``B`` rows (a row with no completion token counts as 0). Length-biased.
+- ``"bnpo"``: ``sum m*l / max(sum m, 1)`` -- token mean over this call's batch.
+- ``"dapo"`` (default): ``sum m*l / N`` with ``N`` the number of completion tokens in the
+  *whole* batch the optimizer step covers. TRL passes ``num_items_in_batch`` (tokens of the
+  generation batch, all processes) and rescales it by processes, gradient-accumulation steps
+  and ``steps_per_generation`` so that the summed micro-batch gradients equal a global token
+  mean. Our loss sees the whole batch in one call, so ``N = sum m`` and dapo equals bnpo;
+  a backend that splits a batch into micro-batches passes the total token count of the step
+  as ``batch["num_items_in_batch"]`` (a scalar) and sums the micro-batch losses (no further
+  division), which reproduces TRL exactly.
+- ``"dr_grpo"``: ``sum m*l / (B * L)`` with the constant ``L = max_completion_length``. TRL
+  uses its config's ``max_completion_length`` (default 512); ours defaults to the padded width
+  ``T`` of the batch, which includes prompt positions, so set it (to the sampler's
+  ``max_tokens``) to get a step-independent constant and TRL's value.
+
+For ``grpo``, ``bnpo`` and ``dr_grpo`` TRL also divides by the gradient-accumulation steps;
+with our one-call-per-step semantics that factor is 1 (a backend that accumulates several
+calls per step divides itself).
+
+Metrics (python floats), named as TRL logs them: ``clip_ratio/low_mean`` (fraction of
+completion tokens with ``r < 1 - epsilon_low`` and ``A < 0``), ``clip_ratio/high_mean``
+(``r' > 1 + epsilon_high`` and ``A > 0``), ``clip_ratio/region_mean`` (either),
+``clip_ratio/low_min`` / ``clip_ratio/high_max`` (min / max over sequences of the per-sequence
+fractions), ``kl`` (token mean of the KL term as added to the loss, i.e. ``r * k3`` with bias
+correction, only when ``beta > 0``), plus ``ratio/mean`` and ``ratio/max`` of ``r``. With
+sequence-level ratios the clip and ratio metrics are over sequences (TRL does the same).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from tempering.interfaces import LossOutput
+
+__all__ = [
+    "GRPOLoss",
+    "LOSS_TYPES",
+    "aggregate",
+    "clip_metrics",
+    "clipped_surrogate",
+    "grpo_token_loss",
+    "k3_kl",
+    "log_importance_weights",
+]
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+IS_LEVELS = ("token", "sequence")
+
+
+def _active(mask: torch.Tensor) -> torch.Tensor:
+    return mask != 0
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi || ref) per token: ``exp(d) - d - 1``, ``d = ref - lp``.
+
+    Non-negative, zero where the two agree. With ``mask``, masked positions get exactly 0 (and
+    no gradient), so padding with arbitrary values cannot overflow ``exp``.
+    """
+    d = ref_logprobs - logprobs
+    if mask is not None:
+        d = torch.where(_active(mask), d, torch.zeros_like(d))
+    return torch.exp(d) - d - 1
+
+
+def log_importance_weights(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, level: str = "token"
+) -> torch.Tensor:
+    """``log(pi / pi_old)``: per token ``(B, T)`` (0 on masked positions), or with
+    ``level="sequence"`` the masked mean per row, ``(B, 1)`` (GSPO)."""
+    log_ratio = torch.where(_active(mask), logprobs - old_logprobs, torch.zeros_like(logprobs))
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    raise ValueError(f"importance_sampling_level must be one of {IS_LEVELS}, got {level!r}")
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
+    delta: float | None = None,
+) -> torch.Tensor:
+    """PPO/GRPO per-token loss ``-min(r' A, clip(r, 1-eps_low, 1+eps_high) A)``, where ``r' =
+    min(r, delta)`` when ``delta`` is set (two-sided clipping). Shapes broadcast."""
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    return -torch.minimum(unclipped * advantages, clipped * advantages)
+
+
+def grpo_token_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    delta: float | None = None,
+    importance_sampling_level: str = "token",
+    beta: float = 0.0,
+    ref_logprobs: torch.Tensor | None = None,
+    use_bias_correction_kl: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-token GRPO loss before aggregation.
+
+    Returns ``(per_token_loss (B, T), ratio, kl_term)``: ``ratio`` is ``(B, T)`` or ``(B, 1)``
+    (sequence level), and ``kl_term`` is the ``(B, T)`` KL penalty per token before ``beta``
+    (``ratio * k3`` with bias correction, ``k3`` without), or ``None`` when ``beta == 0``.
+    Values on masked positions are meaningless; :func:`aggregate` masks them.
+    """
+    ratio = torch.exp(log_importance_weights(logprobs, old_logprobs, mask, importance_sampling_level))
+    per_token = clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high, delta)
+    per_token = per_token.expand_as(logprobs)
+    kl_term = None
+    if beta != 0.0:
+        if ref_logprobs is None:
+            raise ValueError("GRPO loss with beta != 0 needs reference logprobs (batch['ref_logprobs'])")
+        kl_term = k3_kl(logprobs, ref_logprobs, mask)
+        if use_bias_correction_kl:
+            kl_term = kl_term * ratio
+        per_token = per_token + beta * kl_term
+    return per_token, ratio, kl_term
+
+
+def aggregate(
+    per_token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: str = "dapo",
+    max_completion_length: int | None = None,
+    num_items: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reduce a ``(B, T)`` per-token loss to a scalar; see the module docstring for each
+    ``loss_type``'s normaliser. ``max_completion_length`` (dr_grpo) defaults to ``T``;
+    ``num_items`` (dapo) defaults to ``mask.sum()``."""
+    masked = per_token_loss * mask
+    if loss_type == "grpo":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":
+        return masked.sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "dapo":
+        n = mask.sum() if num_items is None else torch.as_tensor(num_items, dtype=masked.dtype, device=masked.device)
+        return masked.sum() / n.clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        length = per_token_loss.size(-1) if max_completion_length is None else max_completion_length
+        return masked.sum() / (per_token_loss.size(0) * length)
+    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+
+
+@torch.no_grad()
+def clip_metrics(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
+    delta: float | None = None,
+) -> dict[str, float]:
+    """The clip-fraction and ratio metrics TRL logs (see the module docstring). ``ratio`` is
+    ``(B, T)`` or ``(B, 1)``; in the latter case each row's advantage is its masked mean and
+    every statistic is over the rows that have completion tokens."""
+    active = _active(mask)
+    if ratio.size(-1) == 1 and mask.size(-1) != 1:  # sequence level: one value per row
+        rows = active.any(-1)
+        adv = (advantages * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+        weight = rows.unsqueeze(-1).to(ratio.dtype)
+        seq_weight = weight
+    else:
+        adv = advantages
+        weight = mask.to(ratio.dtype)
+        seq_weight = mask.to(ratio.dtype)
+    high_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
+    low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(ratio.dtype)
+    high = ((high_ratio > 1 + epsilon_high) & (adv > 0)).to(ratio.dtype)
+    region = torch.maximum(low, high)
+    count = weight.sum().clamp(min=1.0)
+
+    def mean(x: torch.Tensor) -> float:
+        return float(((x * weight).sum() / count).item())
+
+    def per_seq(x: torch.Tensor) -> torch.Tensor:
+        n = seq_weight.sum(-1)
+        frac = (x * seq_weight).sum(-1) / n.clamp(min=1.0)
+        return frac[n > 0]
+
+    low_seq, high_seq = per_seq(low), per_seq(high)
+    ratio_active = ratio.expand_as(weight)[weight != 0]
+    return {
+        "clip_ratio/low_mean": mean(low),
+        "clip_ratio/high_mean": mean(high),
+        "clip_ratio/region_mean": mean(region),
+        "clip_ratio/low_min": float(low_seq.min().item()) if low_seq.numel() else 0.0,
+        "clip_ratio/high_max": float(high_seq.max().item()) if high_seq.numel() else 0.0,
+        "ratio/mean": float(ratio_active.mean().item()) if ratio_active.numel() else 1.0,
+        "ratio/max": float(ratio_active.max().item()) if ratio_active.numel() else 1.0,
+    }
+
+
+@dataclass
+class GRPOLoss:
+    """GRPO / DAPO / Dr. GRPO / BNPO policy loss (TRL 1.16 ``GRPOTrainer._compute_loss``).
+
+    Config keys: ``loss_type`` (``"dapo"`` default, ``"grpo"``, ``"dr_grpo"``, ``"bnpo"``),
+    ``epsilon_low`` / ``epsilon_high`` (clip range ``[1 - low, 1 + high]``; DAPO recommends
+    ``epsilon_high=0.28``), ``delta`` (two-sided clip: cap on the unclipped ratio, ``None``
+    off), ``beta`` (k3 KL coefficient; needs ``batch["ref_logprobs"]``),
+    ``max_completion_length`` (the dr_grpo constant; default: the batch's padded width),
+    ``importance_sampling_level`` (``"token"`` or ``"sequence"`` = GSPO), and
+    ``use_bias_correction_kl`` (multiply the KL term by the ratio; TRL 1.16's default).
+
+    Reads ``batch["weights"]``, ``batch["sampler_logprobs"]``, ``batch["advantages"]``,
+    ``batch["ref_logprobs"]`` (beta > 0) and optionally ``batch["num_items_in_batch"]`` (dapo's
+    global token count when a step is split over several calls). See the module docstring
+    for the maths and the normalisers.
+    """
+
+    loss_type: str = "dapo"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float | None = None
+    beta: float = 0.0
+    max_completion_length: int | None = None
+    importance_sampling_level: str = "token"
+    use_bias_correction_kl: bool = True
+
+    needs_logits: ClassVar[bool] = False
+    tinker_builtin: ClassVar[str | None] = None
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"GRPOLoss.loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.importance_sampling_level not in IS_LEVELS:
+            raise ValueError(
+                f"GRPOLoss.importance_sampling_level must be one of {IS_LEVELS}, got {self.importance_sampling_level!r}"
+            )
+        if self.epsilon_low < 0 or self.epsilon_high < 0:
+            raise ValueError(
+                f"GRPOLoss: epsilon_low and epsilon_high must be >= 0, got {self.epsilon_low}, {self.epsilon_high}"
+            )
+        if self.delta is not None and self.delta <= 0:
+            raise ValueError(f"GRPOLoss.delta must be > 0 (or None), got {self.delta}")
+        if self.max_completion_length is not None and self.max_completion_length <= 0:
+            raise ValueError(f"GRPOLoss.max_completion_length must be > 0, got {self.max_completion_length}")
+
+    def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
+        for key in ("weights", "sampler_logprobs", "advantages"):
+            if key not in batch:
+                raise KeyError(f"GRPOLoss needs batch[{key!r}]; the batch has {sorted(batch)}")
+        mask = batch["weights"].to(logprobs.dtype)
+        old = batch["sampler_logprobs"].to(logprobs.dtype)
+        advantages = batch["advantages"].to(logprobs.dtype)
+        if advantages.dim() == 1:  # one advantage per row
+            advantages = advantages.unsqueeze(-1)
+        ref = batch.get("ref_logprobs") if self.beta != 0.0 else None
+        if self.beta != 0.0 and ref is None:
+            raise KeyError(f"GRPOLoss with beta={self.beta} needs batch['ref_logprobs']; the batch has {sorted(batch)}")
+        per_token, ratio, kl_term = grpo_token_loss(
+            logprobs,
+            old,
+            advantages,
+            mask,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            delta=self.delta,
+            importance_sampling_level=self.importance_sampling_level,
+            beta=self.beta,
+            ref_logprobs=None if ref is None else ref.to(logprobs.dtype),
+            use_bias_correction_kl=self.use_bias_correction_kl,
+        )
+        loss = aggregate(
+            per_token, mask, self.loss_type, self.max_completion_length, num_items=batch.get("num_items_in_batch")
+        )
+        metrics = clip_metrics(
+            ratio.detach(), advantages.expand_as(logprobs), mask, self.epsilon_low, self.epsilon_high, self.delta
+        )
+        if kl_term is not None:
+            metrics["kl"] = float(((kl_term.detach() * mask).sum() / mask.sum().clamp(min=1.0)).item())
+        return LossOutput(loss=loss, metrics=metrics)

@@ -1,0 +1,1 @@
+"""Supervised fine-tuning: the warmup stage of staged recipes."""

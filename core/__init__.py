@@ -1,0 +1,34 @@
+"""tempering: plugin-based LLM post-training that runs locally or on Tinker.
+
+The core is small on purpose: data types (:mod:`tempering.types`), the component interfaces
+(:mod:`tempering.interfaces`), the plugin registry (:mod:`tempering.registry`), config handling
+(:mod:`tempering.config`), recipes (:mod:`tempering.recipe`) and the CLI. Everything that does
+work -- backends, rewards, losses, algorithms -- is a plugin, the built-ins included.
+
+Importing this package must stay cheap (no torch), so that ``tempering plugins`` and
+``--help`` are fast.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from tempering.errors import ConfigError, PluginError, TemperingError, UnknownComponentError
+from tempering.hookspecs import hookimpl
+from tempering.types import AdamParams, Batch, Completion, Datum, Group, Sample, SamplingParams
+
+__all__ = [
+    "__version__",
+    "AdamParams",
+    "Batch",
+    "Completion",
+    "ConfigError",
+    "Datum",
+    "Group",
+    "PluginError",
+    "Sample",
+    "SamplingParams",
+    "TemperingError",
+    "UnknownComponentError",
+    "hookimpl",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from tempering.cli import main
+
+sys.exit(main())

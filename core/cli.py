@@ -1,0 +1,128 @@
+"""The ``tempering`` command: ``plugins`` lists what is installed, ``run`` runs a recipe.
+
+Kept import-light: torch is only imported once a recipe actually runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from tempering.errors import TemperingError
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*header), fmt.format(*["-" * w for w in widths])]
+    lines += [fmt.format(*map(str, r)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from tempering.registry import get_registry
+
+    reg = get_registry()
+    conflicts = {(c[0].kind, c[0].name) for c in reg.conflicts()}
+    if args.json:
+        data = {
+            "plugins": [vars(p) | {"key": p.key} for p in reg.plugins],
+            "components": [
+                {"kind": c.kind, "name": c.name, "package": c.plugin.dist, "version": c.plugin.version,
+                 "plugin": c.plugin.name, "description": c.description,
+                 "conflict": (c.kind, c.name) in conflicts}
+                for c in reg.components(args.kind)
+            ],
+        }
+        print(json.dumps(data, indent=2))
+        return 0
+    plugin_rows = [[p.name, p.dist, p.version, "FAILED: " + p.error if p.error else "ok"] for p in reg.plugins]
+    print("Plugins")
+    print(_table(plugin_rows, ["plugin", "package", "version", "status"]))
+    print()
+    rows = [
+        [c.kind, c.name + (" (CONFLICT)" if (c.kind, c.name) in conflicts else ""), f"{c.plugin.dist} {c.plugin.version}", c.description]
+        for c in reg.components(args.kind)
+    ]
+    print("Components")
+    print(_table(rows, ["kind", "name", "package", "description"]))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tempering.recipe import find_recipe
+
+    overrides = list(args.overrides)
+    if args.output_dir:
+        overrides.append(f"output_dir={args.output_dir}")
+    if args.fresh:
+        overrides.append("resume=false")
+    recipe = find_recipe(args.recipe, overrides)
+    result = recipe.run()
+    print(f"\nDone. Metrics, plot and checkpoints are in {result.output_dir}")
+    for sid, metrics in result.stages.items():
+        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+        print(f"  {sid}: {shown}")
+    return 0
+
+
+def cmd_serve_reward(args: argparse.Namespace) -> int:  # pragma: no cover - wired by the rewards plugin
+    from tempering.plugins.rewards.server import serve
+
+    serve(args.target, host=args.host, port=args.port)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tempering",
+        description="Plugin-based LLM post-training: run recipes locally or on Tinker.",
+    )
+    from tempering import __version__
+
+    parser.add_argument("--version", action="version", version=f"tempering {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("plugins", help="list installed plugins and the components they provide",
+                       description="List installed plugins, their components and source packages.")
+    p.add_argument("--kind", help="only components of this kind (reward, loss, algorithm, ...)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("run", help="run a recipe (a bundled name such as 'arithmetic', or a YAML path)",
+                       description="Run a recipe. Overrides are key=value, e.g. stages.rl.steps=10 seed=1.")
+    p.add_argument("recipe", help="bundled recipe name (see `tempering plugins --kind recipe`) or path to YAML")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides (stage lists take an index or stage id)")
+    p.add_argument("--output-dir", help="where metrics, plot and checkpoints go (default runs/<name>)")
+    p.add_argument("--fresh", action="store_true", help="ignore an earlier run's progress in the output dir")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("serve-reward", help="serve a reward function over HTTP (JSON in/out)",
+                       description="Serve MODULE:FUNC as a remote reward over HTTP.")
+    p.add_argument("target", help="MODULE:FUNC of the reward function")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8765)
+    p.set_defaults(func=cmd_serve_reward)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except TemperingError as exc:
+        print(f"tempering: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # pragma: no cover
+        print("tempering: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""pluggy hook specifications: one hook per component kind.
+
+A plugin module implements any of these with ``@tempering.hookimpl`` and calls ``register``
+once per component::
+
+    @hookimpl
+    def register_rewards(register):
+        register("brier", "my_pkg.rewards:brier", description="Brier score of a forecast")
+
+``register(name, target, *, description="")`` takes the component's factory or a lazy
+``"module:attr"`` string (preferred: plugins must not import torch at load time so that
+``tempering plugins`` stays fast). Hooks return nothing: the registry collects every call, so a
+duplicate name from two packages is detected instead of silently shadowed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pluggy
+
+PROJECT = "tempering"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+Register = Callable[..., None]
+
+
+@hookspec
+def register_backends(register: Register) -> None:
+    """Register training backends (``local``, ``tinker``)."""
+
+
+@hookspec
+def register_samplers(register: Register) -> None:
+    """Register samplers: objects that turn prompts into completions (e.g. a judge's model)."""
+
+
+@hookspec
+def register_rewards(register: Register) -> None:
+    """Register reward functions."""
+
+
+@hookspec
+def register_advantages(register: Register) -> None:
+    """Register advantage estimators."""
+
+
+@hookspec
+def register_losses(register: Register) -> None:
+    """Register losses."""
+
+
+@hookspec
+def register_algorithms(register: Register) -> None:
+    """Register algorithms (training stages)."""
+
+
+@hookspec
+def register_datasets(register: Register) -> None:
+    """Register datasets."""
+
+
+@hookspec
+def register_loggers(register: Register) -> None:
+    """Register metric loggers."""
+
+
+@hookspec
+def register_models(register: Register) -> None:
+    """Register model builders for the local backend."""
+
+
+@hookspec
+def register_recipes(register: Register) -> None:
+    """Register bundled recipes: ``target`` is a path to a YAML file (or a callable returning
+    a dict), so ``tempering run NAME`` can find it."""
+
+
+#: component kind -> hook name. The single source of truth for the kinds.
+KINDS: dict[str, str] = {
+    "backend": "register_backends",
+    "sampler": "register_samplers",
+    "reward": "register_rewards",
+    "advantage": "register_advantages",
+    "loss": "register_losses",
+    "algorithm": "register_algorithms",
+    "dataset": "register_datasets",
+    "logger": "register_loggers",
+    "model": "register_models",
+    "recipe": "register_recipes",
+}
+

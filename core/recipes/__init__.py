@@ -1,0 +1,24 @@
+"""Bundled recipes, shipped as YAML inside the package so `tempering run NAME` works after
+`pip install`. Each function returns the recipe as a dict."""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Any
+
+import yaml
+
+
+def _load(name: str) -> dict[str, Any]:
+    text = resources.files(__name__).joinpath(f"{name}.yaml").read_text(encoding="utf-8")
+    return yaml.safe_load(text)
+
+
+def arithmetic() -> dict[str, Any]:
+    """The main CPU demo: SFT warmup then GRPO on 2-digit addition with a tiny Llama."""
+    return _load("arithmetic")
+
+
+def arithmetic_ci() -> dict[str, Any]:
+    """A CI-sized arithmetic run (a couple of minutes on 2 cores)."""
+    return _load("arithmetic_ci")

@@ -1,0 +1,422 @@
+"""Plugin discovery and the component registry.
+
+Plugins are modules named by entry points of group ``tempering``; the built-ins are one such
+entry point of the ``tempering`` distribution itself. Each plugin implements hooks of
+:mod:`tempering.hookspecs` and calls ``register(name, target)`` once per component.
+
+Why not ``PluginManager.load_setuptools_entrypoints``: it stops at the first plugin that fails
+to import, and silently skips an entry point whose name is taken. We load each entry point
+ourselves, catch and record its failure (a warning; the rest keep working; an error in strict
+mode), key plugins by distribution, and call each hook implementation with a ``register``
+bound to its plugin, so every component knows which package provided it. Two packages
+providing the same name is an error that names both -- never silent shadowing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import importlib.metadata as md
+import inspect
+import os
+import types
+import typing
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+
+from tempering import hookspecs
+from tempering.errors import ConfigError, PluginError, UnknownComponentError
+
+ENTRY_POINT_GROUP = "tempering"
+ENV_LOAD = "TEMPERING_LOAD_PLUGINS"  # comma list of external plugins to load; "" = none
+ENV_STRICT = "TEMPERING_STRICT_PLUGINS"  # "1": a plugin that fails to load is an error
+BUILTIN_DIST = "tempering"
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """One loaded (or failed) plugin: an entry point of some distribution."""
+
+    name: str
+    dist: str
+    version: str
+    module: str
+    error: str | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.dist}:{self.name}"
+
+    @property
+    def builtin(self) -> bool:
+        return self.dist == BUILTIN_DIST
+
+
+@dataclass
+class Component:
+    """A registered component: a factory (or lazy ``"module:attr"``) plus where it came from."""
+
+    kind: str
+    name: str
+    target: Callable[..., Any] | str
+    plugin: PluginInfo
+    description: str = ""
+    override: bool = False
+
+    def load(self) -> Callable[..., Any]:
+        """Import a lazy target on first use, so listing plugins never imports torch."""
+        if isinstance(self.target, str):
+            module, _, attr = self.target.partition(":")
+            try:
+                obj: Any = importlib.import_module(module)
+                for part in attr.split(".") if attr else []:
+                    obj = getattr(obj, part)
+            except (ImportError, AttributeError) as exc:
+                raise PluginError(
+                    f"{self.kind} '{self.name}' from {self.plugin.dist} points to '{self.target}', "
+                    f"which cannot be loaded: {exc!r}. Reinstall or fix that plugin."
+                ) from exc
+            self.target = obj
+        return self.target
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.plugin.dist}:{self.name}"
+
+
+def _allowed_external() -> set[str] | None:
+    """Which external plugins ``TEMPERING_LOAD_PLUGINS`` allows (None = all)."""
+    raw = os.environ.get(ENV_LOAD)
+    if raw is None:
+        return None
+    return {p.strip() for p in raw.split(",") if p.strip()}
+
+
+def _dist_of(ep: md.EntryPoint) -> tuple[str, str]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:  # pragma: no cover - very old importlib.metadata
+        return "unknown", "?"
+    return dist.metadata["Name"] or "unknown", dist.version or "?"
+
+
+class Registry:
+    """Loads plugins and resolves component names of every kind.
+
+    ``Registry()`` loads the entry points of the environment; ``Registry(entry_points=False)``
+    starts empty (tests, embedding). :meth:`add_plugin` registers a module or object directly.
+    """
+
+    def __init__(self, entry_points: bool = True, strict: bool | None = None) -> None:
+        self.strict = os.environ.get(ENV_STRICT, "") == "1" if strict is None else strict
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.plugins: list[PluginInfo] = []
+        self._components: dict[str, dict[str, list[Component]]] = {k: {} for k in hookspecs.KINDS}
+        if entry_points:
+            self.load_entry_points()
+
+    # ------------------------------------------------------------------ loading
+    def load_entry_points(self) -> None:
+        allowed = _allowed_external()
+        seen: set[tuple[str, str]] = set()
+        for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            dist, version = _dist_of(ep)
+            if (dist, ep.name) in seen:  # the same distribution visible twice on sys.path
+                continue
+            seen.add((dist, ep.name))
+            if dist != BUILTIN_DIST and allowed is not None and not ({ep.name, dist} & allowed):
+                continue
+            try:
+                module = ep.load()
+            except Exception as exc:  # noqa: BLE001 - one broken plugin must not stop the rest
+                self._fail(PluginInfo(ep.name, dist, version, ep.value, f"{type(exc).__name__}: {exc}"))
+                continue
+            self.add_plugin(module, PluginInfo(ep.name, dist, version, ep.value))
+
+    def _fail(self, info: PluginInfo) -> None:
+        self.plugins.append(info)
+        message = (
+            f"tempering: plugin '{info.name}' ({info.dist} {info.version}, entry point "
+            f"'{info.module}') failed to load: {info.error}. The other plugins keep working; "
+            f"fix or uninstall it, or exclude it with {ENV_LOAD}."
+        )
+        if self.strict:
+            raise PluginError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def add_plugin(self, plugin: object, info: PluginInfo | None = None) -> PluginInfo:
+        """Register a plugin module/object and collect the components it registers."""
+        if info is None:
+            name = getattr(plugin, "__name__", type(plugin).__name__)
+            info = PluginInfo(name, name, "0", name)
+        try:
+            self.pm.register(plugin, name=info.key)
+            self.pm.check_pending()  # a misspelt hook name is an error, not silently ignored
+        except pluggy.PluginValidationError as exc:
+            if self.pm.is_registered(plugin):
+                self.pm.unregister(plugin)
+            self._fail(dataclasses.replace(info, error=f"invalid hook: {exc}"))
+            return info
+        for kind, hook_name in hookspecs.KINDS.items():
+            for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+                if impl.plugin is plugin:
+                    try:
+                        impl.function(register=self._register_fn(kind, info))
+                    except Exception as exc:  # noqa: BLE001
+                        self._fail(dataclasses.replace(info, error=f"{hook_name} raised {type(exc).__name__}: {exc}"))
+        self.plugins.append(info)
+        return info
+
+    def _register_fn(self, kind: str, info: PluginInfo) -> Callable[..., None]:
+        def register(
+            name: str, target: Callable[..., Any] | str, *, description: str = "", override: bool = False
+        ) -> None:
+            if not isinstance(name, str) or not name or ":" in name:
+                raise PluginError(f"{info.dist}: invalid {kind} name {name!r} (a non-empty string without ':')")
+            comp = Component(kind, name, target, info, description, override)
+            self._components[kind].setdefault(name, []).append(comp)
+
+        return register
+
+    # ------------------------------------------------------------------ lookup
+    def names(self, kind: str) -> list[str]:
+        return sorted(self._components[self._kind(kind)])
+
+    def components(self, kind: str | None = None) -> list[Component]:
+        kinds = [self._kind(kind)] if kind else list(self._components)
+        return [c for k in kinds for name in sorted(self._components[k]) for c in self._components[k][name]]
+
+    def conflicts(self) -> list[list[Component]]:
+        """Names provided by more than one distribution (and not resolved by ``override``)."""
+        out = []
+        for by_name in self._components.values():
+            for comps in by_name.values():
+                if len({c.plugin.dist for c in comps}) > 1 and not self._override(comps):
+                    out.append(comps)
+        return out
+
+    @staticmethod
+    def _override(comps: list[Component]) -> Component | None:
+        """A single ``override=True`` registration deliberately replaces the others."""
+        overrides = [c for c in comps if c.override]
+        return overrides[0] if len(overrides) == 1 else None
+
+    def _kind(self, kind: str) -> str:
+        if kind not in self._components:
+            raise PluginError(f"unknown component kind '{kind}'; kinds are: {', '.join(self._components)}")
+        return kind
+
+    def get(self, kind: str, name: str) -> Component:
+        """Resolve ``name`` (or ``dist:name`` to pin a provider) to one component."""
+        kind = self._kind(kind)
+        dist, _, bare = name.rpartition(":")
+        comps = self._components[kind].get(bare, [])
+        if dist:
+            comps = [c for c in comps if c.plugin.dist == dist]
+        if not comps:
+            raise UnknownComponentError(self._unknown_message(kind, name))
+        if len(comps) > 1:
+            chosen = self._override(comps)
+            if chosen is not None:
+                return chosen
+            if len({c.plugin.dist for c in comps}) == 1:
+                raise PluginError(
+                    f"{kind} '{bare}' is registered {len(comps)} times by {comps[0].plugin.dist}; "
+                    "register each name once."
+                )
+            providers = " and ".join(f"'{c.plugin.dist}' ({c.plugin.version})" for c in comps)
+            raise PluginError(
+                f"{kind} '{bare}' is registered by two packages: {providers}. Pin one with "
+                + " or ".join(f"'{c.qualified}'" for c in comps)
+                + ", uninstall one of them, or have the replacement register with override=True."
+            )
+        return comps[0]
+
+    def _unknown_message(self, kind: str, name: str) -> str:
+        known = self.names(kind)
+        lines = [f"unknown {kind} '{name}'."]
+        close = difflib.get_close_matches(name.rpartition(":")[2], known, n=3)
+        if close:
+            lines[0] += " Did you mean " + " or ".join(f"'{c}'" for c in close) + "?"
+        if known:
+            listing = ", ".join(
+                f"{n} ({'/'.join(sorted({c.plugin.dist for c in self._components[kind][n]}))})" for n in known
+            )
+            lines.append(f"Known {kind}s: {listing}.")
+        else:
+            lines.append(f"No {kind} is registered.")
+        failed = [p for p in self.plugins if p.error]
+        if failed:
+            lines.append(
+                "Note: these plugins failed to load and may provide it: "
+                + "; ".join(f"{p.key} ({p.error})" for p in failed)
+            )
+        lines.append(
+            f"Install a plugin that provides it (pip install <package>), check `tempering plugins`, "
+            f"or unset {ENV_LOAD} if it restricts loading."
+        )
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ building
+    def build(self, kind: str, spec: Any, path: str = "", **context: Any) -> Any:
+        """Build a component from ``spec``: a name, or a mapping ``{name: ..., <params>}``.
+
+        Params are validated against the factory's schema (see :func:`params_schema`) so that a
+        misspelt key fails with its full path; ``context`` passes runtime objects (backend,
+        tokenizer) that are not config.
+        """
+        if not isinstance(spec, (str, Mapping)) and not _is_omegaconf(spec):
+            return spec  # already an object (Python-composed recipe): use it as it is
+        name, params = split_spec(spec, path or kind)
+        comp = self.get(kind, name)
+        factory = comp.load()
+        kwargs = validate_params(factory, params, path or kind, exclude=set(context))
+        obj = factory(**kwargs, **context)
+        return obj
+
+
+def _is_omegaconf(obj: Any) -> bool:
+    return type(obj).__module__.startswith("omegaconf")
+
+
+def split_spec(spec: Any, path: str) -> tuple[str, dict[str, Any]]:
+    """``"name"`` or ``{name: ..., **params}`` -> (name, params)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(spec, str):
+        return spec, {}
+    if isinstance(spec, DictConfig):
+        spec = OmegaConf.to_container(spec, resolve=True)
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"expected a component name or a mapping with 'name:', got {type(spec).__name__}", path)
+    if "name" not in spec or not isinstance(spec["name"], str):
+        raise ConfigError("a component needs 'name: <registered name>'", path)
+    params = {k: v for k, v in spec.items() if k != "name"}
+    return spec["name"], params
+
+
+def params_schema(factory: Callable[..., Any], exclude: Iterable[str] = ()) -> type | None:
+    """The dataclass describing a factory's config keys.
+
+    A dataclass factory is its own schema; a factory with a ``Params`` dataclass attribute uses
+    that; otherwise one is derived from the signature. ``None`` means "accepts any keys"
+    (the factory takes ``**kwargs``).
+    """
+    if dataclasses.is_dataclass(factory) and isinstance(factory, type):
+        fields = [f for f in dataclasses.fields(factory) if f.init and f.name not in set(exclude)]
+        return _make_schema(factory.__name__, [(f.name, _hint(factory, f.name, f.type), _default_of(f)) for f in fields])
+    params = getattr(factory, "Params", None)
+    if dataclasses.is_dataclass(params):
+        return params  # type: ignore[return-value]
+    sig = inspect.signature(factory)
+    entries = []
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            return None
+        if p.kind is p.VAR_POSITIONAL or p.name in set(exclude) or p.name == "self":
+            continue
+        default = dataclasses.MISSING if p.default is p.empty else p.default
+        entries.append((p.name, _hint(factory, p.name, p.annotation), default))
+    return _make_schema(getattr(factory, "__name__", "Params"), entries)
+
+
+_SIMPLE = (int, float, bool, str)
+
+
+def _hint(owner: Any, name: str, annotation: Any) -> Any:
+    """An omegaconf-friendly type for ``name``: the real hint when omegaconf can check it."""
+    try:
+        target = owner.__init__ if isinstance(owner, type) and not dataclasses.is_dataclass(owner) else owner
+        hints = typing.get_type_hints(target)
+        annotation = hints.get(name, annotation)
+    except Exception:  # noqa: BLE001 - unresolvable forward refs: fall back to Any
+        return Any
+    return _omegaconf_type(annotation)
+
+
+def _omegaconf_type(t: Any) -> Any:
+    if t in _SIMPLE:
+        return t
+    origin = typing.get_origin(t)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        if len(args) == 1 and args[0] in _SIMPLE:
+            return typing.Optional[args[0]]
+    return Any
+
+
+def _default_of(f: dataclasses.Field) -> Any:  # type: ignore[type-arg]
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return dataclasses.MISSING
+
+
+def _make_schema(name: str, entries: list[tuple[str, Any, Any]]) -> type:
+    spec = []
+    for fname, ftype, default in entries:
+        if default is dataclasses.MISSING:
+            spec.append((fname, ftype))
+        elif isinstance(default, (list, dict)):
+            spec.append((fname, Any, field(default_factory=lambda d=default: type(d)(d))))
+        elif default is None or isinstance(default, _SIMPLE):
+            spec.append((fname, ftype, field(default=default)))
+        else:  # non-config default (a callable, an object): keep it out of omegaconf's checks
+            spec.append((fname, Any, field(default=None)))
+    return dataclasses.make_dataclass(f"{name}Params", spec)
+
+
+def validate_params(
+    factory: Callable[..., Any], params: Mapping[str, Any], path: str, exclude: Iterable[str] = ()
+) -> dict[str, Any]:
+    """Check ``params`` against the factory's schema; errors name the key's full path.
+
+    Only the keys the user gave are passed on, so the factory's own defaults (which may be
+    objects omegaconf cannot hold) stay in charge of the rest.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    schema = params_schema(factory, exclude)
+    if schema is None:
+        return dict(params)
+    known = {f.name for f in dataclasses.fields(schema)}
+    for key in params:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"unknown key '{key}'.{hint} Valid keys: {', '.join(sorted(known)) or '(none)'}", f"{path}.{key}"
+            )
+    missing = [f.name for f in dataclasses.fields(schema) if f.name not in params and _is_required(f)]
+    if missing:
+        raise ConfigError(f"missing required key '{missing[0]}'", f"{path}.{missing[0]}")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), dict(params))
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or ""
+        raise ConfigError(str(exc).splitlines()[0], f"{path}.{key}" if key else path) from exc
+    container = OmegaConf.to_container(merged, resolve=True)
+    assert isinstance(container, dict)
+    return {k: container[k] for k in params}
+
+
+def _is_required(f: dataclasses.Field) -> bool:  # type: ignore[type-arg]
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+
+
+_default: Registry | None = None
+
+
+def get_registry(reload: bool = False) -> Registry:
+    """The process-wide registry, loaded from entry points on first use."""
+    global _default
+    if _default is None or reload:
+        _default = Registry()
+    return _default

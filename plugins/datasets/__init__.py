@@ -1,0 +1,1 @@
+"""Built-in datasets: synthetic arithmetic, JSONL files and anything `datasets` can load."""

@@ -1,0 +1,10 @@
+"""Registers the built-in datasets."""
+
+from tempering.hookspecs import hookimpl
+
+
+@hookimpl
+def register_datasets(register):
+    register("arithmetic", "tempering.plugins.datasets.arithmetic:arithmetic", description="synthetic a+b=c, train/test split")
+    register("jsonl", "tempering.plugins.datasets.files:jsonl", description="rows of a local JSON-lines file")
+    register("hf", "tempering.plugins.datasets.files:hf", description="datasets.load_dataset (hub name or local files)")

@@ -1,0 +1,1 @@
+"""Built-in metric loggers: JSONL lines and a reward-curve PNG."""

@@ -1,0 +1,9 @@
+"""Registers the tiny in-code models (no downloads) for the local backend."""
+
+from tempering.hookspecs import hookimpl
+
+
+@hookimpl
+def register_models(register):
+    register("tiny_llama", "tempering.plugins.models.tiny:tiny_llama", description="small Llama + char tokenizer built in code")
+    register("tiny_qwen", "tempering.plugins.models.tiny:tiny_qwen", description="small Qwen2 + char tokenizer built in code")

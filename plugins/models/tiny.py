@@ -1,0 +1,135 @@
+"""Tiny causal LMs built in code, so tests and the CPU demo need no downloads.
+
+A character-level tokenizer (``<pad>``, ``<bos>``, ``<eos>`` plus one token per character) and a
+few-hundred-thousand-parameter Llama or Qwen2 are enough to learn 2-digit addition on a laptop
+CPU in about a minute. torch and transformers are imported inside the functions so that listing
+plugins (which imports this module's registrations lazily, by name) stays fast.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+SPECIAL_TOKENS = (PAD, BOS, EOS)
+DEFAULT_CHARS = "0123456789+= "
+
+
+def build_char_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
+    """A tokenizer with one token per character of ``chars`` and ids 0, 1, 2 for pad/bos/eos.
+
+    Encoding prepends ``<bos>`` (with ``add_special_tokens=True``, the default) so every prompt
+    has at least one token to condition on; decoding joins characters without separators.
+    There is no unknown token on purpose: a character outside ``chars`` is an error rather than
+    a silent ``<unk>`` that the model can never learn to read.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    unique = list(dict.fromkeys(chars))  # keep order, drop repeats
+    clash = [c for c in unique if c in SPECIAL_TOKENS]
+    if clash or not unique:
+        raise ValueError(f"build_char_tokenizer: chars must be non-empty single characters, got {chars!r}")
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *unique])}
+
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    # One pre-token per character (any character, newlines included), each looked up whole.
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    core.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _set_special_ids(config: Any, tokenizer: PreTrainedTokenizerFast) -> None:
+    config.pad_token_id = tokenizer.pad_token_id
+    config.bos_token_id = tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+
+
+def _finish(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast) -> tuple[Any, Any]:
+    """Put the special ids on the generation config too: ``generate`` reads them from there."""
+    gen = model.generation_config
+    gen.pad_token_id = tokenizer.pad_token_id
+    gen.bos_token_id = tokenizer.bos_token_id
+    gen.eos_token_id = tokenizer.eos_token_id
+    model.eval()
+    return model, tokenizer
+
+
+def _build(model_cls: Any, config: Any, seed: int) -> Any:
+    """Initialise ``model_cls(config)`` from ``seed`` without touching the global RNG state."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return model_cls(config)
+
+
+def tiny_llama(
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    intermediate_size: int = 256,
+    chars: str = DEFAULT_CHARS,
+    max_position_embeddings: int = 64,
+    seed: int = 0,
+) -> tuple[Any, PreTrainedTokenizerFast]:
+    """A randomly initialised ``LlamaForCausalLM`` (about 660k parameters by default) and its
+    character tokenizer. The same ``seed`` gives bit-identical weights, which the local backend
+    relies on for data-parallel ranks and for rebuilding the frozen reference model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_char_tokenizer(chars)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+    )
+    _set_special_ids(config, tokenizer)
+    return _finish(_build(LlamaForCausalLM, config, seed), tokenizer)
+
+
+def tiny_qwen(
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    intermediate_size: int = 256,
+    chars: str = DEFAULT_CHARS,
+    max_position_embeddings: int = 64,
+    seed: int = 0,
+) -> tuple[Any, PreTrainedTokenizerFast]:
+    """Like :func:`tiny_llama` but a ``Qwen2ForCausalLM`` (q/k/v biases), to check that nothing
+    in the stack is Llama-specific."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_char_tokenizer(chars)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+    )
+    _set_special_ids(config, tokenizer)
+    return _finish(_build(Qwen2ForCausalLM, config, seed), tokenizer)
