@@ -116,8 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         return int(args.func(args) or 0)
-    except TemperingError as exc:
-        print(f"tempering: error: {exc}", file=sys.stderr)
+    except TemperingError as exc:  # one line, no traceback: the message says what to fix
+        print("tempering: error: " + " ".join(line.strip() for line in str(exc).splitlines() if line.strip()), file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # pragma: no cover
         print("tempering: interrupted", file=sys.stderr)

@@ -35,7 +35,7 @@ class RecipeConfig:
     seed: int = 0
     output_dir: str = "runs/${name}"
     backend: Any = field(default_factory=lambda: {"name": "local"})
-    loggers: Any = field(default_factory=lambda: ["jsonl", "plot", "progress"])
+    loggers: Any = field(default_factory=lambda: ["jsonl", "plot"])
     stages: Any = field(default_factory=list)
     #: Stop after this many optimizer steps in total (handy for smoke tests); null = no cap.
     max_total_steps: Any = None
@@ -75,8 +75,13 @@ def apply_overrides(cfg: dict[str, Any], overrides: Iterable[str]) -> dict[str, 
                 if last:
                     node[part] = parse_value(raw)
                 else:
-                    if not isinstance(node.get(part), (dict, list)):
+                    child = node.get(part)
+                    if isinstance(child, str):  # a component given by name: keep the name
+                        node[part] = {"name": child}
+                    elif child is None:
                         node[part] = {}
+                    elif not isinstance(child, (dict, list)):
+                        raise ConfigError(f"cannot set '{key}': '{where}' is a value ({child!r}), not a mapping", key)
                     node = node[part]
             else:
                 raise ConfigError(f"cannot set '{key}': '{'.'.join(parts[:i])}' is a value, not a mapping", key)

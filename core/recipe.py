@@ -11,6 +11,7 @@ interrupted run continues with the very step it would have taken next.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -125,7 +126,7 @@ class Recipe:
     name: str = "recipe"
     stages: Sequence[Any] = ()
     backend: Any = field(default_factory=lambda: {"name": "local"})
-    loggers: Any = field(default_factory=lambda: ["jsonl", "plot", "progress"])
+    loggers: Any = field(default_factory=lambda: ["jsonl", "plot"])
     seed: int = 0
     output_dir: str | None = None
     max_total_steps: int | None = None
@@ -184,7 +185,10 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Any = 
         stages.append((sid, registry.build("algorithm", spec, f"stages[{i}]")))
 
     if backend is None:
-        backend = registry.build("backend", cfg["backend"], "backend")
+        spec = cfg["backend"]
+        if isinstance(spec, Mapping) and "seed" not in spec and _accepts(registry, spec, "seed"):
+            spec = {**spec, "seed": cfg["seed"]}  # one seed for the whole recipe unless overridden
+        backend = registry.build("backend", spec, "backend")
     loggers = [registry.build("logger", spec, f"loggers[{i}]", output_dir=out_dir) for i, spec in enumerate(_as_list(cfg["loggers"]))]
     metadata = _metadata(registry, cfg)
     _write_json(os.path.join(out_dir, "run.json"), metadata)
@@ -216,6 +220,13 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Any = 
         for logger in loggers:
             logger.close()
     return RunResult(out_dir, results, ctx.history, metadata)
+
+
+def _accepts(registry: Registry, spec: Mapping[str, Any], key: str) -> bool:
+    from tempering.registry import params_schema
+
+    schema = params_schema(registry.get("backend", spec["name"]).load())
+    return schema is None or key in {f.name for f in dataclasses.fields(schema)}
 
 
 def _as_list(x: Any) -> list[Any]:

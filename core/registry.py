@@ -20,6 +20,7 @@ import importlib
 import importlib.metadata as md
 import inspect
 import os
+import re
 import types
 import typing
 import warnings
@@ -89,12 +90,17 @@ class Component:
         return f"{self.plugin.dist}:{self.name}"
 
 
+def _norm(name: str) -> str:
+    """Distribution names compare normalised (PEP 503): ``My_Plugin`` is ``my-plugin``."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def _allowed_external() -> set[str] | None:
-    """Which external plugins ``TEMPERING_LOAD_PLUGINS`` allows (None = all)."""
+    """Which external plugins ``TEMPERING_LOAD_PLUGINS`` allows (None = all), normalised."""
     raw = os.environ.get(ENV_LOAD)
     if raw is None:
         return None
-    return {p.strip() for p in raw.split(",") if p.strip()}
+    return {_norm(p.strip()) for p in raw.split(",") if p.strip()}
 
 
 def _dist_of(ep: md.EntryPoint) -> tuple[str, str]:
@@ -121,15 +127,16 @@ class Registry:
             self.load_entry_points()
 
     # ------------------------------------------------------------------ loading
-    def load_entry_points(self) -> None:
-        allowed = _allowed_external()
+    def load_entry_points(self, external: bool = True) -> None:
+        """Load the ``tempering`` entry points; ``external=False``: tempering's own only."""
+        allowed = _allowed_external() if external else set()
         seen: set[tuple[str, str]] = set()
         for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
             dist, version = _dist_of(ep)
             if (dist, ep.name) in seen:  # the same distribution visible twice on sys.path
                 continue
             seen.add((dist, ep.name))
-            if dist != BUILTIN_DIST and allowed is not None and not ({ep.name, dist} & allowed):
+            if dist != BUILTIN_DIST and allowed is not None and not ({_norm(ep.name), _norm(dist)} & allowed):
                 continue
             try:
                 module = ep.load()
@@ -154,6 +161,9 @@ class Registry:
         if info is None:
             name = getattr(plugin, "__name__", type(plugin).__name__)
             info = PluginInfo(name, name, "0", name)
+        if self.pm.is_registered(plugin) or self.pm.has_plugin(info.key):  # pluggy would raise ValueError
+            self._fail(dataclasses.replace(info, error="already registered (the same module or name twice)"))
+            return info
         try:
             self.pm.register(plugin, name=info.key)
             self.pm.check_pending()  # a misspelt hook name is an error, not silently ignored
@@ -162,13 +172,18 @@ class Registry:
                 self.pm.unregister(plugin)
             self._fail(dataclasses.replace(info, error=f"invalid hook: {exc}"))
             return info
+        errors = []
         for kind, hook_name in hookspecs.KINDS.items():
             for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
                 if impl.plugin is plugin:
                     try:
                         impl.function(register=self._register_fn(kind, info))
                     except Exception as exc:  # noqa: BLE001
-                        self._fail(dataclasses.replace(info, error=f"{hook_name} raised {type(exc).__name__}: {exc}"))
+                        errors.append(f"{hook_name} raised {type(exc).__name__}: {exc}")
+        if errors:  # listed once, as failed; what its other hooks registered stays usable
+            info = dataclasses.replace(info, error="; ".join(errors))
+            self._fail(info)
+            return info
         self.plugins.append(info)
         return info
 
@@ -217,7 +232,7 @@ class Registry:
         dist, _, bare = name.rpartition(":")
         comps = self._components[kind].get(bare, [])
         if dist:
-            comps = [c for c in comps if c.plugin.dist == dist]
+            comps = [c for c in comps if _norm(c.plugin.dist) == _norm(dist)]
         if not comps:
             raise UnknownComponentError(self._unknown_message(kind, name))
         if len(comps) > 1:
@@ -273,7 +288,10 @@ class Registry:
         if not isinstance(spec, (str, Mapping)) and not _is_omegaconf(spec):
             return spec  # already an object (Python-composed recipe): use it as it is
         name, params = split_spec(spec, path or kind)
-        comp = self.get(kind, name)
+        try:
+            comp = self.get(kind, name)
+        except UnknownComponentError as exc:
+            raise UnknownComponentError(f"{path or kind}.name: {exc}") from None
         factory = comp.load()
         kwargs = validate_params(factory, params, path or kind, exclude=set(context))
         obj = factory(**kwargs, **context)
@@ -397,14 +415,27 @@ def validate_params(
     missing = [f.name for f in dataclasses.fields(schema) if f.name not in params and _is_required(f)]
     if missing:
         raise ConfigError(f"missing required key '{missing[0]}'", f"{path}.{missing[0]}")
+    # omegaconf holds plain data only: Python objects (a reward function in a Python-composed
+    # recipe) skip its type checks and are passed on as they are.
+    plain = {k: v for k, v in params.items() if _is_plain(v)}
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), dict(params))
+        merged = OmegaConf.merge(OmegaConf.structured(schema), plain)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or ""
         raise ConfigError(str(exc).splitlines()[0], f"{path}.{key}" if key else path) from exc
     container = OmegaConf.to_container(merged, resolve=True)
     assert isinstance(container, dict)
-    return {k: container[k] for k in params}
+    return {k: container[k] if k in plain else v for k, v in params.items()}
+
+
+def _is_plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, Mapping):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    return _is_omegaconf(value)
 
 
 def _is_required(f: dataclasses.Field) -> bool:  # type: ignore[type-arg]

@@ -3,19 +3,39 @@
 A reward that raises, returns NaN/inf or exceeds ``timeout`` marks its sample ``failed``: the
 sample stays in its group (so counts stay honest) and the loop masks it out of the loss.
 Failures are counted in :class:`ScoreStats` and surface in the step's metrics.
+
+Three ways to score:
+
+* :meth:`RewardRunner.score` -- a list in, blocks until every sample is scored;
+* ``await`` :meth:`RewardRunner.ascore` -- the same inside a running event loop;
+* :meth:`RewardRunner.stream` -- an (async) iterable of samples in, scored samples out *as they
+  complete*, so scoring overlaps with whatever produces the samples (a sampler that returns
+  completions one by one); :meth:`RewardRunner.score_as_completed` is its blocking form.
+
+Optional hooks a reward may define (the runner only uses them when present):
+
+* ``max_concurrency`` (int): the most calls the reward can usefully run at once (a process
+  pool's worker count). The runner then keeps at most that many calls in flight, so its
+  ``timeout`` measures a call's run time, not its wait for a free worker.
+* ``async aclose()``: release resources bound to the current event loop (HTTP clients). The
+  runner calls it at the end of :meth:`score` / :meth:`score_as_completed`, which own their
+  event loop; the reward must reopen what it needs on its next call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tempering.interfaces import RewardResult
 from tempering.types import Sample, is_bad_number
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -44,19 +64,33 @@ class RewardRunner:
     concurrency: int = 64
     max_logged_errors: int = 5
 
+    # ------------------------------------------------------------------ batch
     def score(self, samples: Iterable[Sample]) -> ScoreStats:
         """Score in place; blocks until every sample has a reward or a recorded failure."""
         samples = list(samples)
         if not _is_async(self.reward):
             return self._score_sync(samples)
-        return asyncio.run(self.ascore(samples))
+
+        async def owned() -> ScoreStats:
+            try:
+                return await self.ascore(samples)
+            finally:
+                await _aclose(self.reward)
+
+        return run_coroutine(owned())
 
     def _score_sync(self, samples: list[Sample]) -> ScoreStats:
         stats = ScoreStats()
         t0 = time.perf_counter()
         for s in samples:
             try:
-                self._apply(s, self.reward(s.completion.text, s.example), stats)
+                value = self.reward(s.completion.text, s.example)
+                if inspect.isawaitable(value):  # a sync callable that returned a coroutine
+                    value = run_coroutine(self._with_timeout(value))
+                self._apply(s, value, stats)
+            except (asyncio.TimeoutError, TimeoutError) as exc:
+                stats.timeouts += 1
+                self._fail(s, str(exc) or f"timed out after {self.timeout}s", stats)
             except Exception as exc:  # noqa: BLE001 - a reward bug must not kill the run
                 self._fail(s, f"{type(exc).__name__}: {exc}", stats)
         stats.seconds = time.perf_counter() - t0
@@ -65,24 +99,126 @@ class RewardRunner:
     async def ascore(self, samples: Iterable[Sample]) -> ScoreStats:
         stats = ScoreStats()
         t0 = time.perf_counter()
-        sem = asyncio.Semaphore(self.concurrency)
+        sem = asyncio.Semaphore(self._limit())
 
         async def one(s: Sample) -> None:
             async with sem:
-                try:
-                    value = self.reward(s.completion.text, s.example)
-                    if inspect.isawaitable(value):
-                        value = await asyncio.wait_for(value, self.timeout)
-                    self._apply(s, value, stats)
-                except asyncio.TimeoutError:
-                    stats.timeouts += 1
-                    self._fail(s, f"timed out after {self.timeout}s", stats)
-                except Exception as exc:  # noqa: BLE001
-                    self._fail(s, f"{type(exc).__name__}: {exc}", stats)
+                await self._score_one(s, stats)
 
         await asyncio.gather(*(one(s) for s in samples))
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    # ------------------------------------------------------------------ streaming
+    async def stream(
+        self, samples: AsyncIterable[Sample] | Iterable[Sample], stats: ScoreStats | None = None
+    ) -> AsyncIterator[Sample]:
+        """Score each sample as soon as it arrives; yield samples in the order they finish.
+
+        ``samples`` may be an async iterable (a producer that yields completions as a sampler
+        returns them) or a plain iterable. At most ``concurrency`` (or the reward's
+        ``max_concurrency``) are scored at once; the producer is not read further ahead than
+        that (backpressure). Failures are recorded on the sample, as with :meth:`score`; pass
+        ``stats`` to have them counted there (``stats.seconds`` is the stream's wall time).
+        An exception raised by the producer itself propagates after in-flight samples are
+        cancelled.
+        """
+        stats = stats if stats is not None else ScoreStats()
+        t0 = time.perf_counter()
+        sem = asyncio.Semaphore(self._limit())
+        finished: asyncio.Queue[Any] = asyncio.Queue()
+        tasks: set[asyncio.Task[None]] = set()
+        in_flight = 0
+
+        async def one(s: Sample) -> None:
+            try:
+                await self._score_one(s, stats)
+            finally:
+                sem.release()
+                finished.put_nowait(s)
+
+        async def feed() -> None:
+            nonlocal in_flight
+            try:
+                if isinstance(samples, AsyncIterable):
+                    async for s in samples:
+                        await sem.acquire()
+                        in_flight += 1
+                        tasks.add(asyncio.ensure_future(one(s)))
+                else:
+                    for s in samples:
+                        await sem.acquire()
+                        in_flight += 1
+                        tasks.add(asyncio.ensure_future(one(s)))
+                finished.put_nowait(_FEED_DONE)
+            except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
+                finished.put_nowait(_FeedError(exc))
+
+        feeder = asyncio.ensure_future(feed())
+        feed_done = False
+        try:
+            while not (feed_done and in_flight == 0):
+                item = await finished.get()
+                if item is _FEED_DONE:
+                    feed_done = True
+                elif isinstance(item, _FeedError):
+                    raise item.error
+                else:
+                    in_flight -= 1
+                    stats.seconds = time.perf_counter() - t0
+                    yield item
+        finally:
+            feeder.cancel()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(feeder, *tasks, return_exceptions=True)
+            stats.seconds = time.perf_counter() - t0
+
+    def score_as_completed(
+        self,
+        samples: AsyncIterable[Sample] | Iterable[Sample],
+        on_scored: Callable[[Sample], Any] | None = None,
+    ) -> ScoreStats:
+        """Blocking form of :meth:`stream`: score samples as they arrive, call ``on_scored``
+        with each one as it finishes, return the counts once the producer is exhausted."""
+
+        async def main() -> ScoreStats:
+            stats = ScoreStats()
+            try:
+                async for s in self.stream(samples, stats):
+                    if on_scored is not None:
+                        out = on_scored(s)
+                        if inspect.isawaitable(out):
+                            await out
+            finally:
+                await _aclose(self.reward)
+            return stats
+
+        return run_coroutine(main())
+
+    # ------------------------------------------------------------------ one sample
+    def _limit(self) -> int:
+        hint = getattr(self.reward, "max_concurrency", None)
+        limit = max(1, int(self.concurrency))
+        if isinstance(hint, int) and hint > 0:
+            limit = min(limit, hint)
+        return limit
+
+    async def _with_timeout(self, value: Awaitable[T]) -> T:
+        return await asyncio.wait_for(value, self.timeout)
+
+    async def _score_one(self, s: Sample, stats: ScoreStats) -> None:
+        """Score one sample; never raises (except cancellation)."""
+        try:
+            value = self.reward(s.completion.text, s.example)
+            if inspect.isawaitable(value):
+                value = await self._with_timeout(value)
+            self._apply(s, value, stats)
+        except (asyncio.TimeoutError, TimeoutError) as exc:
+            stats.timeouts += 1
+            self._fail(s, str(exc) or f"timed out after {self.timeout}s", stats)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(s, f"{type(exc).__name__}: {exc}", stats)
 
     def _apply(self, s: Sample, value: Any, stats: ScoreStats) -> None:
         info: dict[str, Any] = {}
@@ -102,6 +238,37 @@ class RewardRunner:
         stats.failed += 1
         if len(stats.errors) < self.max_logged_errors:
             stats.errors.append(message)
+
+
+_FEED_DONE = object()
+
+
+@dataclass
+class _FeedError:
+    error: BaseException
+
+
+def run_coroutine(coro: Awaitable[T]) -> T:
+    """``asyncio.run(coro)``, also from code that already runs inside an event loop (a
+    notebook, an async trainer): then the coroutine runs on a fresh loop in a helper thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)  # type: ignore[arg-type]
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tempering-reward") as pool:
+        return pool.submit(asyncio.run, coro).result()  # type: ignore[arg-type]
+
+
+async def _aclose(reward: Any) -> None:
+    close = getattr(reward, "aclose", None)
+    if close is None:
+        return
+    try:
+        out = close()
+        if inspect.isawaitable(out):
+            await out
+    except Exception:  # noqa: BLE001 - cleanup must not turn a scored batch into an error
+        pass
 
 
 def _is_async(fn: Any) -> bool:

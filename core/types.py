@@ -164,7 +164,8 @@ class Batch:
         Returns ``input_ids``, ``attention_mask``, ``target_ids``, ``weights`` and, when every
         row has them, ``sampler_logprobs`` and ``advantages``; per-position float lists in
         ``extra`` with the row's length are padded too (so losses can read e.g.
-        ``ref_logprobs``).
+        ``ref_logprobs``), and so are per-position nested lists or tensors of shape
+        ``(len(target_tokens), ...)`` (e.g. teacher top-k logprobs), zero-padded to ``(B, T, ...)``.
         """
         import torch
 
@@ -188,8 +189,20 @@ class Batch:
         keys = set.intersection(*(set(d.extra) for d in self.data))
         for key in sorted(keys):
             vals = [d.extra[key] for d in self.data]
-            if all(isinstance(v, list) and len(v) == len(d.target_tokens) for v, d in zip(vals, self.data)):
-                out[key] = pad(vals, 0.0, torch.float32)
+            lengths = [len(d.target_tokens) for d in self.data]
+            if all(isinstance(v, list) and len(v) == n for v, n in zip(vals, lengths)):
+                if not any(v and isinstance(v[0], (list, tuple)) for v in vals):
+                    out[key] = pad(vals, 0.0, torch.float32)
+                    continue
+                vals = [torch.tensor(v, dtype=torch.float32) for v in vals]  # (T, K) per row
+            if all(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n for v, n in zip(vals, lengths)):
+                # per-position tensors, e.g. (T, K) teacher top-k logprobs: zero-padded along T
+                inner = {tuple(v.shape[1:]) for v in vals}
+                if len(inner) == 1:
+                    padded = vals[0].new_zeros((len(vals), width, *vals[0].shape[1:]))
+                    for i, v in enumerate(vals):
+                        padded[i, : v.shape[0]] = v
+                    out[key] = padded.to(device) if device is not None else padded
         return out
 
 

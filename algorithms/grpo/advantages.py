@@ -63,11 +63,12 @@ def group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.T
     n_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
     valid = ~torch.isnan(rewards)
     r = torch.where(valid, rewards, torch.zeros_like(rewards))
-    count = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, valid.to(rewards.dtype))
-    total = torch.zeros_like(count).index_add_(0, inverse, r)
+    zeros = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device)
+    count = zeros.clone().index_add_(0, inverse, valid.to(rewards.dtype))
+    total = zeros.clone().index_add_(0, inverse, r)
     mean = total / count.clamp(min=1)
     dev2 = torch.where(valid, (r - mean[inverse]) ** 2, torch.zeros_like(r))
-    sq = torch.zeros_like(count).index_add_(0, inverse, dev2)
+    sq = zeros.clone().index_add_(0, inverse, dev2)
     std = torch.where(count > 1, (sq / (count - 1).clamp(min=1)).sqrt(), torch.zeros_like(sq))
     return count[inverse], total[inverse], mean[inverse], std[inverse]
 

@@ -1,0 +1,1 @@
+"""Training backends: ``local`` (transformers in this process) and ``tinker`` (the Tinker API)."""

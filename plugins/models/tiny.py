@@ -2,8 +2,8 @@
 
 A character-level tokenizer (``<pad>``, ``<bos>``, ``<eos>`` plus one token per character) and a
 few-hundred-thousand-parameter Llama or Qwen2 are enough to learn 2-digit addition on a laptop
-CPU in about a minute. torch and transformers are imported inside the functions so that listing
-plugins (which imports this module's registrations lazily, by name) stays fast.
+CPU in about a minute. torch and transformers are imported inside the functions, so importing
+this module (e.g. while listing plugins) stays fast.
 """
 
 from __future__ import annotations

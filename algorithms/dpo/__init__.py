@@ -1,0 +1,1 @@
+"""Direct preference optimisation: a warmup stage on (prompt, chosen, rejected) pairs."""

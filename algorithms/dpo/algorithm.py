@@ -1,0 +1,189 @@
+"""DPO stage: preference pairs -> one optimizer step per batch of pairs.
+
+Reference policy (``reference`` x ``reference_model``):
+
+* ``reference: live`` (default) scores each batch with the reference at every step;
+  ``precomputed`` scores the whole dataset once at stage start (one forward per row, no
+  reference forward during training), caches it in ``<output_dir>/dpo/<stage>_reference.json``
+  and reloads that cache when the stage resumes mid-way.
+* ``reference_model: base`` (default) is the backend's reference: the LoRA adapter disabled,
+  or (full fine-tuning) the frozen initial weights -- what TRL uses. ``stage_start`` is the
+  policy as it was when this stage began (a weight snapshot, saved in checkpoints): the right
+  reference when DPO follows an SFT stage. With ``precomputed`` it is just the policy at the
+  start; with ``live`` it needs a backend with ``snapshot`` (the local one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tempering.data import ExampleStream, encode_completion, encode_prompt, load_examples
+from tempering.evaluate import StageEvaluator
+from tempering.progress import progress
+from tempering.stage import EvalConfig, OptimizerConfig, sub_config
+from tempering.types import Batch, Datum
+
+REFERENCES = ("live", "precomputed")
+REFERENCE_MODELS = ("base", "stage_start")
+_REF_C, _REF_R = "_ref_chosen", "_ref_rejected"
+
+
+def completion_datum(prompt: list[int], completion: list[int], **extra: Any) -> Datum:
+    """A row that scores ``completion`` after ``prompt``: weight 1 on completion targets."""
+    tokens = prompt + completion
+    return Datum(tokens[:-1], tokens[1:], [0.0] * (len(prompt) - 1) + [1.0] * len(completion), extra=dict(extra))
+
+
+@dataclass
+class DPO:
+    """Direct preference optimisation on ``dataset`` rows with ``prompt``/``chosen``/``rejected``.
+
+    ``batch_size`` counts pairs (the backend sees ``2 x batch_size`` rows, chosen and rejected
+    interleaved, see :mod:`tempering.algorithms.dpo.loss`). ``loss`` is a registered loss
+    (default ``dpo``: ``{name: dpo, loss_type: sigmoid, beta: 0.1}``).
+    """
+
+    dataset: Any = field(default_factory=lambda: {"name": "synthetic_preferences"})
+    prompt_key: str = "prompt"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    steps: int = 50
+    batch_size: int = 16
+    optimizer: Any = field(default_factory=lambda: {"learning_rate": 1e-4})
+    loss: Any = "dpo"
+    reference: str = "live"
+    reference_model: str = "base"
+    precompute_batch_size: int = 64
+    eval: Any = field(default_factory=dict)
+    seed: int = 0
+
+    def run(self, ctx: Any) -> dict[str, Any]:
+        path = ctx.path
+        if self.reference not in REFERENCES:
+            raise ValueError(f"{path}.reference: use one of {REFERENCES} (got '{self.reference}')")
+        if self.reference_model not in REFERENCE_MODELS:
+            raise ValueError(f"{path}.reference_model: use one of {REFERENCE_MODELS} (got '{self.reference_model}')")
+        if self.batch_size < 1 or self.steps < 0:
+            raise ValueError(f"{path}: batch_size must be >= 1 and steps >= 0")
+        opt = sub_config(OptimizerConfig, self.optimizer, f"{path}.optimizer")
+        ev = sub_config(EvalConfig, self.eval, f"{path}.eval")
+        loss = ctx.build("loss", self.loss, "loss")
+        examples = load_examples(ctx, self.dataset, "dataset")
+        for key_name in ("prompt_key", "chosen_key", "rejected_key"):
+            key = getattr(self, key_name)
+            if examples and key not in examples[0] and not (key == "prompt" and "messages" in examples[0]):
+                raise KeyError(f"{path}.{key_name}: rows have no '{key}' (keys: {sorted(examples[0])})")
+        state = ctx.resume_state or {}
+        start = int(state.get("step", 0))
+        backend = ctx.backend
+        snap = f"{ctx.stage_id}/dpo_reference"
+        live_snapshot = self.reference == "live" and self.reference_model == "stage_start"
+        if live_snapshot:
+            if not hasattr(backend, "snapshot"):
+                raise ValueError(
+                    f"{path}.reference_model: 'stage_start' with reference 'live' needs a backend with weight "
+                    "snapshots (the local backend); use reference: precomputed instead"
+                )
+            if start == 0:
+                backend.snapshot(snap).result()
+            elif snap not in backend.snapshot_names():
+                raise RuntimeError(f"{path}: resuming, but the checkpoint has no '{snap}' snapshot")
+        if self.reference == "precomputed":
+            self._precompute(ctx, examples, resuming=bool(state))
+        stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
+        evaluator = StageEvaluator(ctx, ev)
+        last: dict[str, Any] = {}
+        if start == 0 and (first := evaluator.run(at_start=True)):
+            ctx.log(first)
+            last.update(first)
+        bar = progress(self.steps, f"{ctx.stage_id} (dpo)", initial=start)
+        done = start
+        for step in range(start, self.steps):
+            if not ctx.budget_left():
+                break
+            t0 = time.perf_counter()
+            batch = self.build_batch(backend.tokenizer, stream.take(self.batch_size))
+            if self.reference == "live":
+                kwargs = {"weights": snap} if live_snapshot else {"reference": True}
+                for d, lp in zip(batch.data, backend.logprobs(batch, **kwargs).result()):
+                    d.extra["ref_logprobs"] = list(lp)
+            fb = backend.forward_backward(batch, loss)
+            op = backend.optim_step(opt.adam(step, self.steps))
+            metrics = {**fb.result(), **op.result()}
+            metrics["step_time"] = time.perf_counter() - t0
+            ctx.end_step({"step": step + 1, "position": stream.position})
+            if ev.every and (step + 1) % ev.every == 0 and step + 1 < self.steps:
+                metrics.update(evaluator.run())
+            ctx.log(metrics)
+            last.update(metrics)
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", margin=f"{metrics.get('rewards/margins', 0.0):.2f}")
+            done = step + 1
+        bar.close()
+        if live_snapshot and done >= self.steps:  # kept while the stage may still resume
+            backend.drop_snapshot(snap).result()
+        if final := evaluator.run():
+            ctx.log(final)
+            last.update(final)
+        return {k: v for k, v in last.items() if k == "loss" or k.startswith(("rewards/", "eval/"))}
+
+    # ------------------------------------------------------------------ batches
+    def encode(self, tokenizer: Any, row: dict[str, Any]) -> tuple[list[int], list[int], list[int]]:
+        example = dict(row)
+        if self.prompt_key != "prompt" and self.prompt_key in row:
+            example["prompt"] = row[self.prompt_key]
+        prompt = encode_prompt(tokenizer, example)
+        chosen = encode_completion(tokenizer, str(row[self.chosen_key]))
+        rejected = encode_completion(tokenizer, str(row[self.rejected_key]))
+        return prompt, chosen, rejected
+
+    def build_batch(self, tokenizer: Any, rows: list[dict[str, Any]]) -> Batch:
+        """Interleaved rows: ``2i`` = pair i's chosen, ``2i + 1`` its rejected; precomputed
+        reference logprobs (if any) ride along as ``extra["ref_logprobs"]``."""
+        data = []
+        for row in rows:
+            prompt, chosen, rejected = self.encode(tokenizer, row)
+            c_extra = {"ref_logprobs": list(row[_REF_C])} if _REF_C in row else {}
+            r_extra = {"ref_logprobs": list(row[_REF_R])} if _REF_R in row else {}
+            data.append(completion_datum(prompt, chosen, **c_extra))
+            data.append(completion_datum(prompt, rejected, **r_extra))
+        return Batch(data, meta={"num_pairs": len(rows)})
+
+    # ------------------------------------------------------------------ precomputed reference
+    def _cache_path(self, ctx: Any) -> str:
+        return os.path.join(ctx.output_dir, "dpo", f"{ctx.stage_id.replace('/', '_')}_reference.json")
+
+    def _precompute(self, ctx: Any, examples: list[dict[str, Any]], resuming: bool) -> None:
+        """Reference logprobs of every example's chosen and rejected rows, stored on the rows.
+
+        A resumed stage reads them back from the cache written at its start: with
+        ``reference_model: stage_start`` the policy has moved since, so recomputing would
+        give a different reference than the uninterrupted run used.
+        """
+        cache = self._cache_path(ctx)
+        if resuming and os.path.exists(cache):
+            with open(cache, encoding="utf-8") as fh:
+                refs = json.load(fh)
+            if len(refs) != len(examples):
+                raise RuntimeError(f"{cache}: {len(refs)} cached rows, the dataset has {len(examples)}")
+        else:
+            if resuming and self.reference_model == "stage_start":
+                raise RuntimeError(f"{ctx.path}: resuming, but the precomputed reference cache {cache} is missing")
+            refs = []
+            tok = ctx.backend.tokenizer
+            kwargs = {"reference": True} if self.reference_model == "base" else {}
+            for start in range(0, len(examples), self.precompute_batch_size):
+                batch = self.build_batch(tok, examples[start : start + self.precompute_batch_size])
+                lps = ctx.backend.logprobs(batch, **kwargs).result()
+                refs += [[lps[2 * i], lps[2 * i + 1]] for i in range(len(lps) // 2)]
+            os.makedirs(os.path.dirname(cache), exist_ok=True)
+            tmp = cache + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(refs, fh)
+            os.replace(tmp, cache)
+        for row, (c, r) in zip(examples, refs):
+            row[_REF_C], row[_REF_R] = c, r

@@ -1,0 +1,259 @@
+"""SDFT stage: on-policy self-distillation from a demonstration-conditioned teacher.
+
+Each step: the student (the policy) samples completions of the dataset's prompts alone; the
+teacher -- the same model, conditioned on ``teacher_template`` (prompt + demonstration) --
+scores those very completions; the loss pulls the student's per-token distribution towards
+the teacher's (:mod:`tempering.algorithms.sdft.loss`).
+
+Alignment: the student row is ``prompt_s + completion`` and the teacher row ``prompt_t +
+completion``; the last ``L = len(completion)`` target positions of both predict the same
+completion tokens, so the teacher's values for those positions are copied into the student
+row's positions ``len(prompt_s) - 1 ...`` (prompt positions get placeholders the mask hides).
+
+Teacher weights (``teacher``):
+
+* ``base``: the backend's reference -- LoRA adapter disabled, or the frozen initial weights;
+* ``stage_start``: the policy frozen as it was when this stage began (a weight snapshot);
+* ``live``: the current policy;
+* ``ema`` (default, the paper's): an exponential moving average of the policy that starts at
+  the stage-start weights and moves by ``ema_rate`` after every optimizer step
+  (``teacher = (1 - rate) teacher + rate policy``; the paper uses 0.01-0.05, TRL 0.05).
+
+``stage_start`` and ``ema`` need a backend with weight snapshots (the local one); they are
+saved in checkpoints, so a stage resumes with the same teacher.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tempering.data import ExampleStream, encode_prompt, load_examples
+from tempering.evaluate import StageEvaluator
+from tempering.progress import progress
+from tempering.stage import EvalConfig, OptimizerConfig, sub_config
+from tempering.types import Batch, Datum, SamplingParams
+
+from tempering.algorithms.sdft.loss import fold_normaliser
+
+TEACHERS = ("base", "stage_start", "live", "ema")
+#: The paper's teacher prompt (arXiv 2601.19897). ``{prompt}`` / ``{question}`` is the student's
+#: prompt, ``{demonstration}`` / ``{demo}`` / ``{privileged_context}`` the demonstration.
+DEFAULT_TEACHER_TEMPLATE = (
+    "{prompt} This is an example for a response to the question: {demonstration} "
+    "Now answer with a response of your own, including the thinking process."
+)
+
+
+def teacher_prompt(template: str, prompt: str, demonstration: str) -> str:
+    return template.format(
+        prompt=prompt, question=prompt, demonstration=demonstration, demo=demonstration,
+        privileged_context=demonstration,
+    )  # fmt: skip
+
+
+@dataclass
+class SDFT:
+    """Self-distillation fine-tuning on rows with ``prompt`` and ``demonstration``.
+
+    ``loss`` is a registered loss, default ``sdft`` (``{name: sdft, mode: topk_logits, topk:
+    100, alpha: 0.5}``); its ``mode`` decides what the teacher provides (sampled-token
+    logprobs, top-k or full logits). ``skip_first_tokens`` drops the first completion tokens
+    from the loss (the paper skips 3, to ignore teacher-prompt artefacts such as "Sure, ...").
+    """
+
+    dataset: Any = None
+    prompt_key: str = "prompt"
+    demonstration_key: str = "demonstration"
+    teacher: str = "ema"
+    ema_rate: float = 0.05
+    teacher_template: str = DEFAULT_TEACHER_TEMPLATE
+    loss: Any = "sdft"
+    steps: int = 50
+    prompts_per_step: int = 16
+    samples_per_prompt: int = 1
+    max_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list = field(default_factory=list)  # type: ignore[type-arg]
+    skip_first_tokens: int = 0
+    recompute_logprobs: str = "auto"  # auto | always | never
+    optimizer: Any = field(default_factory=lambda: {"learning_rate": 1e-4})
+    eval: Any = field(default_factory=dict)
+    seed: int = 0
+
+    def run(self, ctx: Any) -> dict[str, Any]:
+        path = ctx.path
+        self._check(path)
+        opt = sub_config(OptimizerConfig, self.optimizer, f"{path}.optimizer")
+        ev = sub_config(EvalConfig, self.eval, f"{path}.eval")
+        loss = ctx.build("loss", self.loss, "loss")
+        kind = getattr(loss, "teacher_input", "token")
+        examples = load_examples(ctx, self.dataset, "dataset")
+        for key in (self.prompt_key, self.demonstration_key):
+            if examples and key not in examples[0]:
+                raise KeyError(f"{path}: rows have no '{key}' (keys: {sorted(examples[0])})")
+        try:
+            teacher_prompt(self.teacher_template, "p", "d")
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(f"{path}.teacher_template: bad placeholder ({err!r}); use {{prompt}} and {{demonstration}}") from err
+        state = ctx.resume_state or {}
+        start = int(state.get("step", 0))
+        backend = ctx.backend
+        snap = f"{ctx.stage_id}/sdft_teacher"
+        if self.teacher in ("stage_start", "ema"):
+            if not hasattr(backend, "snapshot"):
+                raise ValueError(f"{path}.teacher: '{self.teacher}' needs a backend with weight snapshots (the local one)")
+            if start == 0:
+                backend.snapshot(snap).result()
+            elif snap not in backend.snapshot_names():
+                raise RuntimeError(f"{path}: resuming, but the checkpoint has no '{snap}' teacher snapshot")
+        self._teacher_kwargs = {"base": {"reference": True}, "live": {}}.get(self.teacher, {"weights": snap})
+        stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
+        evaluator = StageEvaluator(ctx, ev)
+        sampling = SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, list(self.stop))
+        recompute = self.recompute_logprobs == "always" or (
+            self.recompute_logprobs == "auto" and (self.temperature != 1.0 or self.top_p < 1.0 or self.top_k > 0)
+        )
+        aggregation = getattr(loss, "aggregation", "seq_mean")
+        topk = int(getattr(loss, "topk", 0) or 0)
+        last: dict[str, Any] = {}
+        if start == 0 and (first := evaluator.run(at_start=True)):
+            ctx.log(first)
+            last.update(first)
+        bar = progress(self.steps, f"{ctx.stage_id} (sdft)", initial=start)
+        done = start
+        for step in range(start, self.steps):
+            if not ctx.budget_left():
+                break
+            t0 = time.perf_counter()
+            rows = stream.take(self.prompts_per_step)
+            batch, teacher_batch, info = self.sample_batch(backend, rows, sampling)
+            t_sample = time.perf_counter() - t0
+            if recompute:
+                for d, lp in zip(batch.data, backend.logprobs(batch).result()):
+                    d.sampler_logprobs = [x if w else 0.0 for x, w in zip(lp, d.weights)]
+            self.attach_teacher(backend, batch, teacher_batch, kind, topk)
+            t_teacher = time.perf_counter() - t0 - t_sample
+            info.update(self._sampled_kl(batch))
+            if kind == "token":
+                norm = fold_normaliser([d.weights for d in batch.data], aggregation)
+                for d, n in zip(batch.data, norm):
+                    q, t = d.sampler_logprobs or [], d.extra["teacher_token_logprobs"]
+                    d.advantages = [-(qi - ti) * ni for qi, ti, ni in zip(q, t, n)]
+            fb = backend.forward_backward(batch, loss)
+            op = backend.optim_step(opt.adam(step, self.steps))
+            if self.teacher == "ema":
+                backend.ema_update(snap, self.ema_rate)  # FIFO: after the step, before the checkpoint
+            metrics = {**info, **fb.result(), **op.result(), "sample_time": t_sample, "teacher_time": t_teacher}
+            metrics["step_time"] = time.perf_counter() - t0
+            ctx.end_step({"step": step + 1, "position": stream.position})
+            if ev.every and (step + 1) % ev.every == 0 and step + 1 < self.steps:
+                metrics.update(evaluator.run())
+            ctx.log(metrics)
+            last.update(metrics)
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", kl=f"{metrics['sdft/reverse_kl_sampled']:.3f}")
+            done = step + 1
+        bar.close()
+        if self.teacher in ("stage_start", "ema") and done >= self.steps:
+            backend.drop_snapshot(snap).result()
+        if final := evaluator.run():
+            ctx.log(final)
+            last.update(final)
+        keep = ("loss", "sdft/distill_loss", "sdft/reverse_kl_sampled")
+        return {k: v for k, v in last.items() if k in keep or k.startswith("eval/")}
+
+    def _check(self, path: str) -> None:
+        if self.teacher not in TEACHERS:
+            raise ValueError(f"{path}.teacher: use one of {TEACHERS} (got '{self.teacher}')")
+        if not 0.0 < self.ema_rate <= 1.0:
+            raise ValueError(f"{path}.ema_rate: must be in (0, 1], got {self.ema_rate}")
+        if self.recompute_logprobs not in ("auto", "always", "never"):
+            raise ValueError(f"{path}.recompute_logprobs: use auto, always or never (got '{self.recompute_logprobs}')")
+        if self.skip_first_tokens < 0 or self.prompts_per_step < 1 or self.samples_per_prompt < 1:
+            raise ValueError(f"{path}: skip_first_tokens must be >= 0, prompts_per_step and samples_per_prompt >= 1")
+        if self.dataset is None:
+            raise ValueError(f"{path}.dataset: SDFT needs a dataset with '{self.prompt_key}' and '{self.demonstration_key}'")
+
+    # ------------------------------------------------------------------ batches
+    def sample_batch(self, backend: Any, rows: list[dict[str, Any]], sampling: SamplingParams) -> tuple[Batch, Batch, dict[str, float]]:
+        """Sample from the student prompts; return the student batch (weights = loss mask,
+        sampler logprobs) and the teacher batch (teacher prompt + the same completions)."""
+        tok = backend.tokenizer
+        student_prompts, teacher_prompts = [], []
+        for row in rows:
+            prompt = str(row[self.prompt_key])
+            student_prompts.append(encode_prompt(tok, {"prompt": prompt}))
+            text = teacher_prompt(self.teacher_template, prompt, str(row[self.demonstration_key]))
+            teacher_prompts.append(encode_prompt(tok, {"prompt": text}))
+        groups = backend.sample(student_prompts, self.samples_per_prompt, sampling).result()
+        student, teacher = [], []
+        lengths = []
+        for t_prompt, group in zip(teacher_prompts, groups):
+            for c in group:
+                if not c.tokens:
+                    continue
+                d = Datum.from_completion(c, weight=1.0, completion_len=len(c.tokens))
+                skip = len(c.prompt_tokens) - 1 + min(self.skip_first_tokens, len(c.tokens))
+                d.weights = [0.0 if i < skip else w for i, w in enumerate(d.weights)]
+                student.append(d)
+                tokens = t_prompt + list(c.tokens)
+                teacher.append(Datum(tokens[:-1], tokens[1:], [0.0] * (len(t_prompt) - 1) + [1.0] * len(c.tokens)))
+                lengths.append(len(c.tokens))
+        if not student:
+            raise RuntimeError("SDFT: every sampled completion was empty; raise max_tokens")
+        info = {
+            "completion/mean_len": sum(lengths) / len(lengths),
+            "completion/stop_frac": sum(c.stop_reason == "stop" for g in groups for c in g) / sum(len(g) for g in groups),
+        }
+        return Batch(student), Batch(teacher), info
+
+    def attach_teacher(self, backend: Any, batch: Batch, teacher_batch: Batch, kind: str, topk: int) -> None:
+        """Score the teacher rows and put the values, aligned to the student's positions, in
+        each student row's ``extra``: ``teacher_token_logprobs`` always, plus
+        ``teacher_logits`` (``full``) or ``teacher_topk_logprobs``/``_ids`` (``topk``)."""
+        kw = self._teacher_kwargs
+        if kind == "token":
+            values = backend.logprobs(teacher_batch, **kw).result()
+            for d, t in zip(batch.data, values):
+                n = d.extra["completion_len"]
+                d.extra["teacher_token_logprobs"] = [0.0] * (len(d.target_tokens) - n) + list(t[-n:])
+            return
+        dists = backend.distributions(teacher_batch, topk=topk if kind == "topk" else None, **kw).result()
+        for d, dist in zip(batch.data, dists):
+            n = d.extra["completion_len"]
+            pad = len(d.target_tokens) - n
+            targets = torch.tensor(d.target_tokens[pad:], dtype=torch.long)
+            if kind == "full":
+                full = dist[-n:]
+                vocab = full.shape[-1]
+                filler = torch.full((pad, vocab), -math.log(vocab), dtype=full.dtype)
+                d.extra["teacher_logits"] = torch.cat([filler, full], dim=0)
+                token_lp = full.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            else:
+                values, ids = dist[0][-n:], dist[1][-n:]
+                k = values.shape[-1]
+                d.extra["teacher_topk_logprobs"] = torch.cat([torch.full((pad, k), -math.log(k)), values], dim=0)
+                d.extra["teacher_topk_ids"] = torch.cat([torch.zeros((pad, k), dtype=ids.dtype), ids], dim=0)
+                hit = ids == targets.unsqueeze(-1)  # a token outside the teacher's top-k: no value
+                token_lp = torch.where(hit.any(-1), (values * hit).sum(-1), torch.full_like(values[:, 0], float("nan")))
+            d.extra["teacher_token_logprobs"] = [0.0] * pad + token_lp.tolist()
+
+    @staticmethod
+    def _sampled_kl(batch: Batch) -> dict[str, float]:
+        """Token mean of ``q - lp_teacher`` over loss tokens: a one-sample estimate of the
+        per-token reverse KL(student || teacher) when sampling at temperature 1."""
+        diffs = [
+            q - t
+            for d in batch.data
+            for q, t, w in zip(d.sampler_logprobs or [], d.extra["teacher_token_logprobs"], d.weights)
+            if w and not math.isnan(t)
+        ]
+        return {"sdft/reverse_kl_sampled": sum(diffs) / len(diffs) if diffs else 0.0}
+

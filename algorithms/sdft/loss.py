@@ -1,0 +1,275 @@
+"""SDFT losses: per-token divergences between the student and a demonstration-conditioned teacher.
+
+Everything is over *target* positions ``(B, T)`` as :meth:`tempering.types.Batch.to_tensors` pads
+them (the SDFT stage aligns the teacher's positions with the student's, see
+:mod:`tempering.algorithms.sdft.algorithm`). ``batch["weights"]`` is the loss mask (non-zero on
+completion tokens that count; the stage zeroes the first ``skip_first_tokens``).
+
+Divergence ``D_alpha(S, T)`` between the student's and the teacher's next-token distributions
+(log-probabilities ``s``, ``t`` over the same support), TRL 1.16's convention:
+
+* ``alpha = 0``: forward KL, ``KL(T || S) = sum p_t (t - s)``;
+* ``alpha = 1``: reverse KL, ``KL(S || T) = sum p_s (s - t)``;
+* otherwise the generalised Jensen-Shannon divergence with mixture
+  ``M = (1 - alpha) S + alpha T``: ``(1 - alpha) KL(S || M) + alpha KL(T || M)`` (it tends to 0,
+  not to the forward KL, as alpha -> 0: the end points are special-cased, as in TRL).
+
+Modes (``mode``):
+
+* ``full_logits``: ``D_alpha`` over the whole vocabulary; needs the student's logits
+  (``batch["logits"]``, ``(B, T, V)``) and the teacher's (``batch["teacher_logits"]``, any
+  logits or log-probabilities; they are log-softmaxed here).
+* ``topk_logits``: ``D_alpha`` on a ``topk`` support. ``topk_support: student`` (TRL's choice)
+  takes the student's top-k token ids and gathers the teacher there (needs the full
+  ``teacher_logits``); ``teacher`` uses the teacher's top-k, given as
+  ``batch["teacher_topk_logprobs"]`` and ``batch["teacher_topk_ids"]`` (``(B, T, K)``: what a
+  server or Tinker can return). ``add_tail: false`` renormalises both distributions on the
+  support; ``true`` appends one bucket holding the leftover mass ``1 - sum``.
+* ``sampled_token``: the sampled-token reverse-KL estimate used as an advantage, exactly
+  Tinker's ``importance_sampling`` loss: ``-sum_t exp(lp_t - q_t) * A_t`` with ``q`` the
+  sampler's logprobs (``batch["sampler_logprobs"]``) and ``A_t = -(q_t - lp_teacher_t)`` times
+  the aggregation normaliser, which the stage folds into ``batch["advantages"]`` (Tinker's
+  losses sum over tokens). On-policy its gradient is TRL's ``sampled_token`` gradient,
+  ``(lp - lp_teacher) * grad lp`` per token; only ``alpha = 1`` is meaningful.
+
+Aggregation of the per-token loss ``l`` for the logit modes (``aggregation``): ``seq_mean``
+(TRL: per-sequence mean over its loss tokens, then mean over the ``B`` rows) or
+``token_mean`` (over all loss tokens of the batch). ``is_clip`` (TRL's
+``distillation_is_clip``) multiplies each token's loss by the detached, clipped ratio
+``min(exp(lp - q), is_clip)`` -- a correction for off-policy samples, 1 on-policy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from tempering.interfaces import LossOutput
+
+__all__ = [
+    "AGGREGATIONS",
+    "ImportanceSamplingLoss",
+    "MODES",
+    "SDFTLoss",
+    "add_tail_bucket",
+    "aggregate",
+    "divergence",
+    "full_logits_loss",
+    "importance_sampling_loss",
+    "topk_logits_loss",
+]
+
+MODES = ("sampled_token", "topk_logits", "full_logits")
+AGGREGATIONS = ("seq_mean", "token_mean")
+SUPPORTS = ("student", "teacher")
+
+
+def divergence(student_logp: torch.Tensor, teacher_logp: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``D_alpha`` summed over the last dimension (see the module docstring)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"divergence: alpha must be in [0, 1], got {alpha}")
+    p_s, p_t = student_logp.exp(), teacher_logp.exp()
+    if alpha == 0.0:
+        return (p_t * (teacher_logp - student_logp)).sum(-1)
+    if alpha == 1.0:
+        return (p_s * (student_logp - teacher_logp)).sum(-1)
+    mix = torch.logaddexp(student_logp + math.log(1.0 - alpha), teacher_logp + math.log(alpha))
+    return ((1.0 - alpha) * p_s * (student_logp - mix) + alpha * p_t * (teacher_logp - mix)).sum(-1)
+
+
+def add_tail_bucket(logp: torch.Tensor) -> torch.Tensor:
+    """Append ``log(1 - sum exp(logp))`` (the mass outside the support) as one more category.
+    The captured mass is capped just below 1 so the bucket stays finite."""
+    captured = torch.logsumexp(logp, dim=-1, keepdim=True).clamp(max=-1e-7)
+    return torch.cat([logp, torch.log1p(-captured.exp())], dim=-1)
+
+
+def _on_support(student_logp: torch.Tensor, teacher_logp: torch.Tensor, add_tail: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if add_tail:
+        return add_tail_bucket(student_logp), add_tail_bucket(teacher_logp)
+    return (
+        student_logp - torch.logsumexp(student_logp, -1, keepdim=True),
+        teacher_logp - torch.logsumexp(teacher_logp, -1, keepdim=True),
+    )
+
+
+def full_logits_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Per-position ``D_alpha`` over the full vocabulary, ``(..., V) -> (...)``."""
+    return divergence(torch.log_softmax(student_logits, -1), torch.log_softmax(teacher_logits, -1), alpha)
+
+
+def topk_logits_loss(
+    student_logits: torch.Tensor,
+    alpha: float,
+    k: int,
+    add_tail: bool = False,
+    teacher_logits: torch.Tensor | None = None,
+    teacher_topk_logprobs: torch.Tensor | None = None,
+    teacher_topk_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-position ``D_alpha`` on a top-k support: the student's top-k (when
+    ``teacher_logits`` is given) or the teacher's (``teacher_topk_logprobs`` + ``_ids``)."""
+    student_logp = torch.log_softmax(student_logits, -1)
+    if teacher_logits is not None:
+        ids = torch.topk(student_logp, k=min(k, student_logp.size(-1)), dim=-1).indices
+        s = student_logp.gather(-1, ids)
+        t = torch.log_softmax(teacher_logits, -1).gather(-1, ids)
+    else:
+        if teacher_topk_logprobs is None or teacher_topk_ids is None:
+            raise ValueError("topk_logits_loss: give teacher_logits, or teacher_topk_logprobs and teacher_topk_ids")
+        ids = teacher_topk_ids.long()[..., :k]
+        s = student_logp.gather(-1, ids)
+        t = teacher_topk_logprobs.to(student_logp.dtype)[..., :k]
+    s, t = _on_support(s, t, add_tail)
+    return divergence(s, t, alpha)
+
+
+def importance_sampling_loss(
+    logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Tinker's ``importance_sampling``: ``-sum(exp(lp - q) * A)`` over the positions where
+    ``mask`` is non-zero (elsewhere the ratio is never evaluated)."""
+    active = mask != 0
+    log_ratio = torch.where(active, logprobs - sampler_logprobs, torch.zeros_like(logprobs))
+    return -(torch.exp(log_ratio) * torch.where(active, advantages, torch.zeros_like(advantages))).sum()
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str = "seq_mean") -> torch.Tensor:
+    m = (mask != 0).to(per_token.dtype)
+    per_token = torch.where(m != 0, per_token, torch.zeros_like(per_token))
+    if aggregation == "seq_mean":
+        return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    if aggregation == "token_mean":
+        return (per_token * m).sum() / m.sum().clamp(min=1.0)
+    raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+
+
+def fold_normaliser(mask: list[list[float]], aggregation: str) -> list[list[float]]:
+    """The per-token factor that makes a token *sum* equal ``aggregate(..., aggregation)``:
+    ``1 / (B * n_b)`` (seq_mean) or ``1 / N`` (token_mean) on loss tokens, 0 elsewhere."""
+    counts = [sum(1 for w in row if w != 0) for row in mask]
+    if aggregation == "seq_mean":
+        b = len(mask)
+        return [[(1.0 / (b * n) if w != 0 else 0.0) for w in row] for row, n in zip(mask, counts)]
+    if aggregation == "token_mean":
+        total = max(sum(counts), 1)
+        return [[(1.0 / total if w != 0 else 0.0) for w in row] for row in mask]
+    raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+
+
+@dataclass
+class ImportanceSamplingLoss:
+    """``-sum(exp(lp - q) * A)``: Tinker's built-in ``importance_sampling`` (a sum over tokens;
+    fold any normaliser into the advantages). Reads ``weights`` (mask), ``sampler_logprobs``
+    and ``advantages``."""
+
+    needs_logits = False
+    tinker_builtin = "importance_sampling"
+
+    def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
+        for key in ("weights", "sampler_logprobs", "advantages"):
+            if key not in batch:
+                raise KeyError(f"importance_sampling needs batch[{key!r}]; the batch has {sorted(batch)}")
+        mask = batch["weights"]
+        q = batch["sampler_logprobs"].to(logprobs.dtype)
+        loss = importance_sampling_loss(logprobs, q, batch["advantages"].to(logprobs.dtype), mask)
+        active = mask != 0
+        ratio = torch.exp((logprobs - q)[active].detach())
+        metrics = {"ratio/mean": float(ratio.mean()) if ratio.numel() else 1.0}
+        return LossOutput(loss, metrics)
+
+
+@dataclass
+class SDFTLoss:
+    """The SDFT distillation loss (see the module docstring).
+
+    Config keys: ``mode`` (``topk_logits`` default, ``full_logits``, ``sampled_token``),
+    ``alpha`` (divergence direction; default 0.5 for the logit modes, and 1 -- the only valid
+    value -- for ``sampled_token``), ``topk`` (support size, 100), ``topk_support``
+    (``student`` or ``teacher``), ``add_tail`` (False), ``aggregation`` (``seq_mean`` or
+    ``token_mean``), ``is_clip`` (None = off; TRL's ``distillation_is_clip``).
+    """
+
+    mode: str = "topk_logits"
+    alpha: float | None = None
+    topk: int = 100
+    topk_support: str = "student"
+    add_tail: bool = False
+    aggregation: str = "seq_mean"
+    is_clip: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"SDFTLoss.mode must be one of {MODES}, got {self.mode!r}")
+        if self.alpha is None:
+            self.alpha = 1.0 if self.mode == "sampled_token" else 0.5
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"SDFTLoss.alpha must be in [0, 1], got {self.alpha}")
+        if self.mode == "sampled_token" and self.alpha != 1.0:
+            raise ValueError(
+                "SDFTLoss: mode 'sampled_token' estimates the reverse KL from sampled tokens only, so alpha must be 1 "
+                f"(got {self.alpha}); use topk_logits or full_logits for forward KL / JSD"
+            )
+        if self.topk < 1:
+            raise ValueError(f"SDFTLoss.topk must be >= 1, got {self.topk}")
+        if self.topk_support not in SUPPORTS:
+            raise ValueError(f"SDFTLoss.topk_support must be one of {SUPPORTS}, got {self.topk_support!r}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"SDFTLoss.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        if self.is_clip is not None and self.is_clip <= 0:
+            raise ValueError(f"SDFTLoss.is_clip must be > 0 (or null), got {self.is_clip}")
+
+    @property
+    def needs_logits(self) -> bool:
+        return self.mode != "sampled_token"
+
+    @property
+    def tinker_builtin(self) -> str | None:
+        return "importance_sampling" if self.mode == "sampled_token" else None
+
+    @property
+    def teacher_input(self) -> str:
+        """What the stage must put in the batch: ``token`` logprobs, ``topk`` or ``full`` logits."""
+        if self.mode == "sampled_token":
+            return "token"
+        if self.mode == "topk_logits" and self.topk_support == "teacher":
+            return "topk"
+        return "full"
+
+    def per_token(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The ``(B, T)`` per-token divergence of the logit modes, before masking."""
+        logits = batch["logits"].float()
+        if self.mode == "full_logits":
+            return full_logits_loss(logits, batch["teacher_logits"].float(), float(self.alpha))
+        if self.topk_support == "student":
+            return topk_logits_loss(logits, float(self.alpha), self.topk, self.add_tail, teacher_logits=batch["teacher_logits"].float())
+        return topk_logits_loss(
+            logits, float(self.alpha), self.topk, self.add_tail,
+            teacher_topk_logprobs=batch["teacher_topk_logprobs"], teacher_topk_ids=batch["teacher_topk_ids"],
+        )  # fmt: skip
+
+    def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
+        mask = batch["weights"]
+        active = mask != 0
+        if self.mode == "sampled_token":
+            out = ImportanceSamplingLoss()(logprobs, batch)
+            teacher = batch.get("teacher_token_logprobs")
+            if teacher is not None and active.any():
+                q = batch["sampler_logprobs"]
+                out.metrics["sdft/distill_loss"] = float((q - teacher)[active].mean())
+            return out
+        needed = ["logits", "teacher_topk_logprobs", "teacher_topk_ids"] if self.teacher_input == "topk" else ["logits", "teacher_logits"]
+        for key in needed:
+            if key not in batch:
+                raise KeyError(f"SDFTLoss (mode {self.mode}) needs batch[{key!r}]; the batch has {sorted(batch)}")
+        per_token = self.per_token(logprobs, batch)
+        if self.is_clip is not None and "sampler_logprobs" in batch:
+            log_ratio = (logprobs - batch["sampler_logprobs"].to(logprobs.dtype)).detach().clamp(-20.0, 20.0)
+            per_token = per_token * torch.exp(log_ratio).clamp(max=self.is_clip)
+        loss = aggregate(per_token, mask, self.aggregation)
+        with torch.no_grad():
+            mean = per_token[active].mean() if active.any() else per_token.new_zeros(())
+        return LossOutput(loss, {"sdft/distill_loss": float(mean)})

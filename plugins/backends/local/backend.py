@@ -1,0 +1,842 @@
+"""The local training backend: Tinker's primitives on a transformers model in this process.
+
+One object owns the policy model, its optimizer and the RNG, and exposes the same calls a
+recipe makes on Tinker (``sample``, ``logprobs``, ``forward_backward``, ``optim_step``,
+``save``/``load``), so a recipe never needs to know where it runs. Calls run in submission
+order on one worker thread and return :class:`concurrent.futures.Future`: the loop can submit
+``forward_backward`` and ``optim_step`` back to back and score rewards while the model works.
+
+Things a recipe relies on, each tested in ``tests/test_local_backend.py``:
+
+* sampler logprobs are those of the distribution actually sampled from (after temperature and
+  top-k/top-p), and match a separate forward pass at temperature 1;
+* ``reference=True`` scores with the LoRA adapter disabled, or (full fine-tuning) with the
+  initial weights, rebuilt lazily from the same source and seed;
+* ``weights=NAME`` scores with a named snapshot of the trainable weights (:meth:`snapshot`,
+  :meth:`ema_update`): the "policy as it was at stage start" and EMA teachers of DPO and SDFT;
+  snapshots are part of checkpoints;
+* a checkpoint holds weights, optimizer state, step, every RNG and the caller's ``extra``, so a
+  resumed run takes exactly the step an uninterrupted one would;
+* under ``torchrun`` gradients are averaged across ranks before clipping, and rank 0 alone
+  writes checkpoints.
+
+This module imports torch and transformers at the top: the registry refers to it by a lazy
+``"module:attr"`` string, so it is only imported when a local backend is actually built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import os
+import random
+import shutil
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria
+from transformers import StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from tempering.errors import ConfigError
+from tempering.interfaces import Loss
+from tempering.plugins.backends.local import distributed
+from tempering.types import AdamParams, Batch, Completion, SamplingParams
+
+T = TypeVar("T")
+
+
+
+def _registered_model(name: str) -> Callable[..., tuple[Any, Any]] | None:
+    """A model builder registered under ``name`` by any plugin (``tiny_llama``, ...), or None
+    so that the name is treated as a Hugging Face path / hub name."""
+    from tempering.registry import get_registry
+
+    registry = get_registry()
+    if name.rpartition(":")[2] not in registry.names("model"):
+        return None
+    return registry.get("model", name).load()
+
+LORA_DEFAULTS: dict[str, Any] = {"rank": 32, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CHECKPOINT_FORMAT = 1
+STATE_FILE, META_FILE = "state.pt", "meta.json"
+
+
+class LocalBackend:
+    """Train and sample a transformers causal LM in this process (CPU or one GPU per rank).
+
+    Args:
+        model: a model-builder name (``tiny_llama``, ``tiny_qwen`` or whatever ``model_builder``
+            builds) or a Hugging Face path / hub name for ``AutoModelForCausalLM``.
+        model_kwargs: keyword arguments for the builder, or for ``from_pretrained``.
+        lora: ``None`` for full fine-tuning, else a dict with keys ``rank``, ``alpha``,
+            ``dropout``, ``target_modules`` (defaults 32, 32, 0.0, ``"all-linear"``).
+        seed: seeds model init, LoRA init and the global RNGs (offset by the rank, so data-
+            parallel ranks sample different completions from one model).
+        device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``; under torchrun ``cuda`` means the
+            rank's local GPU.
+        dtype: ``float32``, ``bfloat16`` or ``float16``.
+        sample_batch_size: most sequences per ``generate`` call (bounds KV-cache memory).
+        num_threads: if > 0, ``torch.set_num_threads`` for the process. Tiny models are
+            fastest with 1; on a busy 2-core machine 2 threads can be 10x slower than 1.
+        threaded: run calls on a worker thread (True) or inline, returning finished futures
+            (handy for debugging: tracebacks point at the caller).
+        model_builder: a runtime callable returning ``(model, tokenizer)``; not a config key.
+    """
+
+    def __init__(
+        self,
+        model: str = "tiny_llama",
+        model_kwargs: Mapping[str, Any] | None = None,
+        lora: Mapping[str, Any] | None = None,
+        seed: int = 0,
+        device: str = "cpu",
+        dtype: str = "float32",
+        sample_batch_size: int = 256,
+        num_threads: int = 0,
+        threaded: bool = True,
+        model_builder: Callable[..., tuple[Any, Any]] | None = None,
+    ) -> None:
+        if sample_batch_size < 1:
+            raise ConfigError(f"must be >= 1, got {sample_batch_size}", path="sample_batch_size")
+        if num_threads > 0:
+            torch.set_num_threads(num_threads)
+        self.model_name = model
+        self.model_kwargs = dict(model_kwargs or {})
+        self.lora = _check_lora(lora)
+        self.seed = int(seed)
+        self.rank = distributed.rank()
+        self.world_size = distributed.world_size()
+        self.device = _resolve_device(device)
+        self.dtype = _resolve_dtype(dtype)
+        self.sample_batch_size = sample_batch_size
+        self._model_builder = model_builder
+        self.step = 0
+
+        base, self.tokenizer = self._build_base()
+        self.pad_token_id, self.eos_token_ids = _special_ids(base, self.tokenizer)
+        base.generation_config = self._neutral_generation_config()
+        self.model = _apply_lora(base, self.lora, self.seed) if self.lora else base
+        self._trainable_named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self._trainable = [p for _, p in self._trainable_named]
+        self._snapshots: dict[str, dict[str, torch.Tensor]] = {}
+        distributed.broadcast_(self._trainable)  # one starting point even for unseeded builders
+        self._fingerprint = None if self.lora else _fingerprint(self.model)
+        self._reference: Any = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        _seed_everything(self.seed + self.rank)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tempering-local") if threaded else None
+
+    # ------------------------------------------------------------------ public primitives
+    def sample(
+        self, prompts: list[list[int]], num_samples: int, params: SamplingParams
+    ) -> Future[list[list[Completion]]]:
+        """``num_samples`` completions for each prompt (grouped per prompt, in order).
+
+        Conventions (those of vLLM and the OpenAI API): ``tokens`` end with the eos / stop
+        token or the token that completed a stop string, so training teaches stopping;
+        ``text`` drops special tokens and ends before the first stop string. ``logprobs`` are
+        under the distribution sampled from (after temperature, top-k, top-p); for greedy
+        (``temperature=0``) they are the untempered model logprobs, since a point mass would
+        carry no information. ``params.seed`` samples from a private RNG; without it the
+        global RNG is used, which checkpoints save and restore.
+        """
+        return self._submit(self._sample, [list(p) for p in prompts], num_samples, params)
+
+    def logprobs(
+        self, batch: Batch, reference: bool = False, weights: str | None = None
+    ) -> Future[list[list[float]]]:
+        """Per-target-token logprobs of each row (one forward pass, no gradients).
+
+        ``reference=True`` scores with the reference policy (adapter off / initial copy);
+        ``weights="name"`` with the named snapshot (see :meth:`snapshot`)."""
+        return self._submit(self._logprobs, batch, reference, weights)
+
+    def distributions(
+        self, batch: Batch, reference: bool = False, weights: str | None = None, topk: int | None = None
+    ) -> Future[list[Any]]:
+        """The next-token distribution at every target position of each row (no gradients).
+
+        Returns one ``(T_i, V)`` float32 CPU tensor of log-probabilities (log-softmax over the
+        vocabulary) per row, or with ``topk=K`` one ``(values, ids)`` pair of ``(T_i, K)``
+        tensors (the K most likely tokens, descending). ``reference`` / ``weights`` choose the
+        scoring model as in :meth:`logprobs`. Used by distillation (SDFT teacher logits).
+        """
+        if topk is not None and topk < 1:
+            raise ValueError(f"distributions: topk must be >= 1 (or None), got {topk}")
+        return self._submit(self._distributions, batch, reference, weights, topk)
+
+    def snapshot(self, name: str) -> Future[None]:
+        """Keep a frozen copy of the current trainable weights under ``name`` (the adapter with
+        LoRA, every weight otherwise); score with it via ``weights=name``. Saved in checkpoints."""
+        return self._submit(self._snapshot, str(name))
+
+    def ema_update(self, name: str, rate: float) -> Future[None]:
+        """``snapshot[name] = (1 - rate) * snapshot[name] + rate * current`` (an EMA teacher);
+        a missing snapshot starts as a copy of the current weights."""
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"ema_update: rate must be in [0, 1], got {rate}")
+        return self._submit(self._ema_update, str(name), float(rate))
+
+    def drop_snapshot(self, name: str) -> Future[None]:
+        """Forget a snapshot (no error if there is none)."""
+        return self._submit(self._snapshots.pop, str(name), None)
+
+    def snapshot_names(self) -> list[str]:
+        """Names of the snapshots held (after all queued calls)."""
+        return self._submit(lambda: sorted(self._snapshots)).result()
+
+    def reference_logprobs(self, batch: Batch) -> Future[list[list[float]]]:
+        """Same as ``logprobs(batch, reference=True)``."""
+        return self.logprobs(batch, reference=True)
+
+    def forward_backward(self, batch: Batch, loss: Loss) -> Future[dict[str, float]]:
+        """Add the gradients of ``loss`` on ``batch`` to the accumulated ones (until
+        :meth:`optim_step`); returns the loss's metrics plus ``loss``."""
+        return self._submit(self._forward_backward, batch, loss)
+
+    def optim_step(self, params: AdamParams) -> Future[dict[str, float]]:
+        """One AdamW step on the accumulated (rank-averaged) gradients, then clear them."""
+        return self._submit(self._optim_step, params)
+
+    def save(self, path: str, extra: Mapping[str, Any] | None = None) -> str:
+        """Write a checkpoint directory at ``path`` (after all queued calls); returns ``path``.
+
+        Under torchrun every rank must call this (it gathers each rank's RNG state); rank 0
+        alone writes. ``extra`` must be JSON-serialisable (e.g. the loop position).
+        """
+        payload = dict(extra or {})
+        try:
+            json.dumps(payload)
+        except TypeError as err:
+            raise TypeError(f"LocalBackend.save: extra must be JSON-serialisable ({err})") from err
+        return self._submit(self._save, str(path), payload).result()
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Restore a checkpoint written by :meth:`save`; returns its ``extra``."""
+        return self._submit(self._load, str(path)).result()
+
+    def export_pretrained(self, path: str) -> str:
+        """Write the policy in Hugging Face format (full model, or the peft adapter) plus the
+        tokenizer, for use outside tempering. Rank 0 only."""
+        return self._submit(self._export, str(path)).result()
+
+    def close(self) -> None:
+        """Finish queued calls and stop the worker thread."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    # ------------------------------------------------------------------ execution
+    def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run ``fn`` on the worker thread (FIFO, so calls apply in submission order)."""
+        if self._executor is not None:
+            return self._executor.submit(fn, *args)
+        future: Future[T] = Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # noqa: BLE001 - the future carries it to the caller
+            future.set_exception(err)
+        return future
+
+    # ------------------------------------------------------------------ model building
+    def _build_base(self) -> tuple[Any, Any]:
+        """Build the base model from its source with a private RNG seeded by ``seed``.
+
+        Deterministic on purpose: data-parallel ranks and the full-FT reference model are
+        rebuilt this way and must come out identical.
+        """
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            model, tokenizer = self._load_source()
+        model = model.to(device=self.device, dtype=self.dtype)
+        model.eval()
+        return model, tokenizer
+
+    def _load_source(self) -> tuple[Any, Any]:
+        builder = self._model_builder
+        if builder is None:
+            builder = _registered_model(self.model_name)
+        if builder is not None:
+            kwargs = dict(self.model_kwargs)
+            if "seed" not in kwargs and "seed" in inspect.signature(builder).parameters:
+                kwargs["seed"] = self.seed
+            return builder(**kwargs)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        kwargs = dict(self.model_kwargs)
+        revision = kwargs.get("revision")
+        model = AutoModelForCausalLM.from_pretrained(self.model_name, dtype=self.dtype, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(self.model_name, revision=revision)
+        return model, tokenizer
+
+    def _neutral_generation_config(self) -> GenerationConfig:
+        """Only the special ids: a checkpoint's sampling defaults (Qwen ships top_k=20,
+        repetition_penalty=1.05, ...) would otherwise leak into every ``generate`` call and
+        make sampler logprobs disagree with the model. Sampling is set by SamplingParams alone."""
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        return GenerationConfig(pad_token_id=self.pad_token_id, bos_token_id=bos, eos_token_id=sorted(self.eos_token_ids))
+
+    def _reference_model(self) -> Any:
+        """The frozen initial model for full fine-tuning, built on first use.
+
+        Rebuilt from the source rather than deep-copied at start-up: it costs no memory until
+        a recipe asks for it, and it is still the *initial* model when that happens after
+        training (or after resuming from a checkpoint).
+        """
+        if self._reference is None:
+            ref, _ = self._build_base()
+            for p in ref.parameters():
+                p.requires_grad_(False)
+            if _fingerprint(ref) != self._fingerprint:
+                raise RuntimeError(
+                    f"LocalBackend: rebuilding '{self.model_name}' for the reference model gave different "
+                    "weights than at start-up; the model builder must be deterministic given its seed"
+                )
+            self._reference = ref
+        return self._reference
+
+    @contextlib.contextmanager
+    def _scoring_model(self, reference: bool, weights: str | None = None) -> Iterator[Any]:
+        """The module to score with: the policy, the policy with its adapter off, the copy, or
+        the policy with a named snapshot's weights swapped in (and back out afterwards)."""
+        if weights is not None:
+            if reference:
+                raise ValueError("logprobs: pass reference=True or weights=NAME, not both")
+            with self._swapped(weights):
+                yield self.model
+        elif not reference:
+            yield self.model
+        elif self.lora:
+            with self.model.disable_adapter():
+                yield self.model
+        else:
+            yield self._reference_model()
+
+    @contextlib.contextmanager
+    def _swapped(self, name: str) -> Iterator[None]:
+        if name not in self._snapshots:
+            raise KeyError(f"LocalBackend: no weight snapshot named '{name}' (have: {sorted(self._snapshots)})")
+        snap = self._snapshots[name]
+        with torch.no_grad():
+            saved = [p.detach().clone() for p in self._trainable]
+            for n, p in self._trainable_named:
+                p.copy_(snap[n])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, value in zip(self._trainable, saved):
+                    p.copy_(value)
+
+    def _snapshot(self, name: str) -> None:
+        with torch.no_grad():
+            self._snapshots[name] = {n: p.detach().clone() for n, p in self._trainable_named}
+
+    def _ema_update(self, name: str, rate: float) -> None:
+        if name not in self._snapshots:  # kept in float32 so small rates do not round away
+            with torch.no_grad():
+                self._snapshots[name] = {n: p.detach().float().clone() for n, p in self._trainable_named}
+            return
+        snap = self._snapshots[name]
+        with torch.no_grad():
+            for n, p in self._trainable_named:
+                snap[n].lerp_(p.detach().to(snap[n].dtype), rate)
+
+    # ------------------------------------------------------------------ sampling
+    def _sample(self, prompts: list[list[int]], num_samples: int, params: SamplingParams) -> list[list[Completion]]:
+        if num_samples < 1:
+            raise ValueError(f"sample: num_samples must be >= 1, got {num_samples}")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"sample: prompt {i} is empty; encode it with a BOS token or some text")
+        rows = [p for p in prompts for _ in range(num_samples)]
+        completions: list[Completion] = []
+        self.model.eval()
+        with _seeded(params.seed, self.device), torch.no_grad():
+            for start in range(0, len(rows), self.sample_batch_size):
+                completions += self._generate(rows[start : start + self.sample_batch_size], params)
+        return [completions[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
+
+    def _generate(self, rows: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """One left-padded ``generate`` call; logprobs recorded from the final sampling scores."""
+        stop_strings, stop_ids = _split_stop(params.stop)
+        eos = sorted(self.eos_token_ids | set(stop_ids))
+        if params.max_tokens <= 0:
+            return [self._completion(r, [], [], "length", "", params) for r in rows]
+        input_ids, attention_mask = _left_pad(rows, self.pad_token_id, self.device)
+        width = input_ids.shape[1]
+        recorder = _SampledLogprobs()
+        processors = LogitsProcessorList([*_warpers(params), recorder])
+        stopper = _StopStrings(self.tokenizer, stop_strings, width, len(rows)) if stop_strings else None
+        sequences = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=self._generation_config(params, eos),
+            logits_processor=processors,
+            stopping_criteria=StoppingCriteriaList([stopper] if stopper else []),
+        )
+        new_tokens = sequences[:, width:]
+        logprobs = recorder.result(new_tokens)
+        out = []
+        for i, row in enumerate(rows):
+            toks, lps = new_tokens[i].tolist(), logprobs[i].tolist()
+            end, by_string = _cut_point(toks, set(eos), stopper.done_at[i] if stopper else None)
+            if end is not None:
+                toks, lps = toks[:end], lps[:end]
+            text = self.tokenizer.decode(toks, skip_special_tokens=True)
+            if by_string:
+                text = _before_first(text, stop_strings)
+            out.append(self._completion(row, toks, lps, "stop" if end is not None else "length", text, params))
+        return out
+
+    def _generation_config(self, params: SamplingParams, eos: list[int]) -> GenerationConfig:
+        """Neutral sampling settings: temperature/top-k/top-p are applied by our own warpers
+        (see :func:`_warpers`) so the logprob recorder sees exactly the final distribution."""
+        sampling = params.temperature > 0
+        extra = {"temperature": 1.0, "top_k": 0, "top_p": 1.0} if sampling else {}
+        return GenerationConfig(
+            max_new_tokens=params.max_tokens,
+            do_sample=sampling,
+            pad_token_id=self.pad_token_id,
+            eos_token_id=eos,
+            use_cache=True,
+            **extra,
+        )
+
+    def _completion(
+        self, prompt: list[int], toks: list[int], lps: list[float], reason: str, text: str, params: SamplingParams
+    ) -> Completion:
+        return Completion(
+            prompt_tokens=list(prompt),
+            tokens=toks,
+            logprobs=lps,
+            stop_reason=reason,
+            text=text,
+            policy_version=self.step,
+            temperature=params.temperature,
+        )
+
+    # ------------------------------------------------------------------ scoring and training
+    def _logprobs(self, batch: Batch, reference: bool, weights: str | None = None) -> list[list[float]]:
+        tensors = batch.to_tensors(self.pad_token_id, device=self.device)
+        with torch.no_grad(), self._scoring_model(reference, weights) as model:
+            model.eval()
+            logits = model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
+            lp = token_logprobs(logits, tensors["target_ids"])
+        return [lp[i, : len(d.target_tokens)].tolist() for i, d in enumerate(batch.data)]
+
+    def _distributions(self, batch: Batch, reference: bool, weights: str | None, topk: int | None) -> list[Any]:
+        tensors = batch.to_tensors(self.pad_token_id, device=self.device)
+        with torch.no_grad(), self._scoring_model(reference, weights) as model:
+            model.eval()
+            logits = model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
+            logp = torch.log_softmax(logits.float(), dim=-1)
+        out: list[Any] = []
+        for i, d in enumerate(batch.data):
+            row = logp[i, : len(d.target_tokens)]
+            if topk is None:
+                out.append(row.cpu())
+            else:
+                values, ids = torch.topk(row, k=min(topk, row.shape[-1]), dim=-1)
+                out.append((values.cpu(), ids.cpu()))
+        return out
+
+    def _forward_backward(self, batch: Batch, loss: Loss) -> dict[str, float]:
+        tensors = batch.to_tensors(self.pad_token_id, device=self.device)
+        self.model.train()
+        logits = self.model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
+        lp = token_logprobs(logits, tensors["target_ids"])
+        if getattr(loss, "needs_logits", False):
+            tensors["logits"] = logits
+        out = loss(lp, tensors)
+        value = getattr(out, "loss", None)
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            raise TypeError(f"forward_backward: {type(loss).__name__} must return a LossOutput with a scalar tensor .loss")
+        value.backward()
+        metrics = _float_metrics(getattr(out, "metrics", {}) or {}, type(loss).__name__)
+        metrics["loss"] = float(value.detach())
+        return metrics
+
+    def _optim_step(self, params: AdamParams) -> dict[str, float]:
+        grads = self._averaged_grads()
+        max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
+        finite = bool(torch.isfinite(torch.tensor(norm)))
+        optimizer = self._get_optimizer()
+        for group in optimizer.param_groups:
+            group.update(
+                lr=params.learning_rate,
+                betas=(params.beta1, params.beta2),
+                eps=params.eps,
+                weight_decay=params.weight_decay,
+            )
+        if finite:  # a NaN/inf gradient would poison the weights and Adam's moments for good
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {
+            "grad_norm": norm,
+            "lr": float(params.learning_rate),
+            "grad_clipped": float(finite and norm > max_norm),
+            "skipped_nonfinite": float(not finite),
+        }
+
+    def _averaged_grads(self) -> list[torch.Tensor]:
+        """The parameters that have gradients, with those averaged across ranks.
+
+        Under data parallelism every rank reduces every trainable tensor (a missing gradient
+        counts as zeros) so that the collective calls line up and all ranks step identically.
+        """
+        if self.world_size > 1:
+            for p in self._trainable:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            distributed.all_reduce_mean_([p.grad for p in self._trainable])
+        return [p for p in self._trainable if p.grad is not None]
+
+    def _get_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW over the trainable tensors, created on first use; hyper-parameters are set on
+        its param groups at every step, so changing AdamParams never loses its moments."""
+        if self._optimizer is None:
+            self._optimizer = torch.optim.AdamW(self._trainable, lr=1e-4)
+        return self._optimizer
+
+    # ------------------------------------------------------------------ checkpoints
+    def _weights_state(self) -> dict[str, torch.Tensor]:
+        """Only what training changes: the adapter with LoRA, the whole state dict otherwise."""
+        if self.lora:
+            return {n: p.detach().cpu() for n, p in self.model.named_parameters() if p.requires_grad}
+        return {n: t.detach().cpu() for n, t in self.model.state_dict().items()}
+
+    def _save(self, path: str, extra: dict[str, Any]) -> str:
+        rng = distributed.gather_to_main(_rng_state())
+        if distributed.is_main():
+            state = {
+                "weights": self._weights_state(),
+                "optimizer": None if self._optimizer is None else self._optimizer.state_dict(),
+                "rng": rng,
+                "snapshots": {k: {n: t.detach().cpu() for n, t in v.items()} for k, v in self._snapshots.items()},
+            }
+            meta = {
+                "format": CHECKPOINT_FORMAT,
+                "step": self.step,
+                "extra": extra,
+                "model": self.model_name,
+                "lora": self.lora,
+                "world_size": self.world_size,
+            }
+            _write_dir_atomically(path, lambda tmp: _write_checkpoint(tmp, state, meta))
+        distributed.barrier()  # nobody reads the checkpoint before it is complete
+        return path
+
+    def _load(self, path: str) -> dict[str, Any]:
+        meta_path = os.path.join(path, META_FILE)
+        if not os.path.isfile(meta_path):
+            raise FileNotFoundError(f"LocalBackend.load: no checkpoint at '{path}' (missing {META_FILE})")
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"LocalBackend.load: '{path}' has format {meta.get('format')}, expected {CHECKPOINT_FORMAT}")
+        if bool(meta.get("lora")) != bool(self.lora):
+            kind = "a LoRA adapter" if meta.get("lora") else "full weights"
+            raise ValueError(f"LocalBackend.load: '{path}' holds {kind}; configure lora to match ({meta.get('lora')})")
+        state = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=True)
+        self._load_weights(state["weights"])
+        if state["optimizer"] is None:
+            self._optimizer = None
+        else:
+            self._get_optimizer().load_state_dict(state["optimizer"])
+        self._snapshots = {
+            k: {n: t.to(device=self.device) for n, t in v.items()} for k, v in (state.get("snapshots") or {}).items()
+        }
+        self.step = int(meta["step"])
+        rngs = state["rng"]
+        _set_rng_state(rngs[self.rank] if self.rank < len(rngs) else rngs[0])
+        return dict(meta.get("extra") or {})
+
+    def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        if not self.lora:
+            self.model.load_state_dict(weights)
+            return
+        params = dict(self.model.named_parameters())
+        missing = [n for n, p in params.items() if p.requires_grad and n not in weights]
+        if missing:
+            raise ValueError(f"LocalBackend.load: the checkpoint lacks adapter tensors {missing[:3]}... (lora config differs?)")
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                params[name].copy_(tensor)
+
+    def _export(self, path: str) -> str:
+        if distributed.is_main():
+            self.model.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
+        distributed.barrier()
+        return path
+
+
+# ---------------------------------------------------------------------- sampling helpers
+class _SampledLogprobs(LogitsProcessor):
+    """Records the log-probability of each sampled token under the final scores.
+
+    Runs last in the processor list (after our temperature/top-k/top-p warpers, which HF's
+    own are switched off for), so what it sees is the distribution the token is drawn from.
+    The token drawn at step t is only known at step t+1 (it is then ``input_ids[:, -1]``), so
+    one step's log-softmax is kept: memory stays O(batch x vocab), unlike ``output_scores``.
+    """
+
+    def __init__(self) -> None:
+        self.columns: list[torch.Tensor] = []
+        self._pending: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._pending is not None:
+            self.columns.append(self._pending.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self._pending = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def result(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """``(B, n)`` logprobs of ``new_tokens`` (``generate`` may have undone extra steps)."""
+        n = new_tokens.shape[1]
+        cols = self.columns[:n]
+        if len(cols) < n and self._pending is not None:
+            cols.append(self._pending.gather(-1, new_tokens[:, len(cols) : len(cols) + 1]).squeeze(-1))
+        if not cols:
+            return torch.zeros(new_tokens.shape, dtype=torch.float32)
+        return torch.stack(cols, dim=1).cpu()
+
+
+class _StopStrings(StoppingCriteria):
+    """Stops a row when its *completion* (never the prompt) contains a stop string.
+
+    HF's ``stop_strings`` also match across the prompt boundary; this one decodes only a
+    trailing window of generated tokens each step and records when each row stopped, which is
+    where the completion is cut afterwards.
+    """
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str], prompt_width: int, batch_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.stops = list(stops)
+        self.prompt_width = prompt_width
+        self.window = 4 * max(len(s) for s in self.stops) + 4  # a character may take up to 4 byte-tokens
+        self.done_at: list[int | None] = [None] * batch_size
+
+    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
+        generated = input_ids[:, self.prompt_width :]
+        n = generated.shape[1]
+        open_rows = [i for i, d in enumerate(self.done_at) if d is None]
+        if open_rows and n:
+            tails = generated[open_rows, -self.window :].tolist()
+            texts = self.tokenizer.batch_decode(tails, skip_special_tokens=True)
+            for i, text in zip(open_rows, texts):
+                if any(s in text for s in self.stops):
+                    self.done_at[i] = n
+        done = [d is not None for d in self.done_at]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+def _warpers(params: SamplingParams) -> list[LogitsProcessor]:
+    """Temperature, then top-k, then top-p (HF's and vLLM's order); none for greedy."""
+    if params.temperature <= 0:
+        return []
+    out: list[LogitsProcessor] = []
+    if params.temperature != 1.0:
+        out.append(TemperatureLogitsWarper(float(params.temperature)))
+    if params.top_k and params.top_k > 0:
+        out.append(TopKLogitsWarper(top_k=int(params.top_k)))
+    if params.top_p is not None and params.top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p=float(params.top_p)))
+    return out
+
+
+def _split_stop(stop: Any) -> tuple[list[str], list[int]]:
+    """``SamplingParams.stop`` holds strings or token ids (a bare string is one stop)."""
+    items = [stop] if isinstance(stop, (str, int)) else list(stop or [])
+    strings = [s for s in items if isinstance(s, str)]
+    ids = [int(s) for s in items if not isinstance(s, str)]
+    if any(s == "" for s in strings):
+        raise ValueError("SamplingParams.stop: empty stop string")
+    return strings, ids
+
+
+def _cut_point(tokens: list[int], eos: set[int], string_end: int | None) -> tuple[int | None, bool]:
+    """Length to keep (eos / stop token included) and whether a stop *string* ended it."""
+    eos_end = next((j + 1 for j, t in enumerate(tokens) if t in eos), None)
+    if string_end is not None and (eos_end is None or string_end < eos_end):
+        return string_end, True
+    return eos_end, False
+
+
+def _before_first(text: str, stops: Sequence[str]) -> str:
+    """``text`` up to the earliest stop string (the OpenAI/vLLM convention for ``text``)."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[: min(hits)] if hits else text
+
+
+def _left_pad(rows: list[list[int]], pad_id: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left padding so every row's next token is in the last column, as ``generate`` needs."""
+    width = max(len(r) for r in rows)
+    ids = [[pad_id] * (width - len(r)) + r for r in rows]
+    mask = [[0] * (width - len(r)) + [1] * len(r) for r in rows]
+    return torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(mask, dtype=torch.long, device=device)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
+    """Sample from a private RNG seeded with ``seed`` (leaving the global stream alone), or
+    from the global stream (which checkpoints save) when ``seed`` is None."""
+    if seed is None:
+        yield
+        return
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(int(seed))
+        yield
+
+
+# ---------------------------------------------------------------------- model helpers
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``log p(targets[b, t] | prefix)`` as a ``(B, T)`` float32 tensor."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _special_ids(model: Any, tokenizer: Any) -> tuple[int, set[int]]:
+    """Pad id (eos when the tokenizer has none) and every id that ends a completion."""
+    eos: set[int] = set()
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            eos.add(source)
+        elif source is not None:
+            eos.update(int(t) for t in source)
+    if not eos:
+        raise ValueError("LocalBackend: the tokenizer has no eos token; completions could never stop")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    return int(pad), eos
+
+
+def _apply_lora(model: Any, cfg: Mapping[str, Any], seed: int) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=int(cfg["rank"]),
+        lora_alpha=float(cfg["alpha"]),
+        lora_dropout=float(cfg["dropout"]),
+        target_modules=cfg["target_modules"],
+        task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft 0.21 calls a transformers-5 deprecated alias; the warning is not actionable here.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        torch.manual_seed(seed)
+        return get_peft_model(model, config)
+
+
+def _fingerprint(model: Any) -> list[float]:
+    """A cheap checksum of up to 8 parameter tensors spread over the model."""
+    params = list(model.parameters())
+    picked = params[:: max(1, len(params) // 8)]
+    with torch.no_grad():
+        return [float(p.detach().reshape(-1)[:65536].double().sum()) for p in picked]
+
+
+def _float_metrics(metrics: Mapping[str, Any], who: str) -> dict[str, float]:
+    out = {}
+    for key, value in metrics.items():
+        try:
+            out[str(key)] = float(value)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise TypeError(f"forward_backward: metric '{key}' from {who} is not a number ({value!r})") from err
+    return out
+
+
+# ---------------------------------------------------------------------- config helpers
+def _check_lora(lora: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if lora is None:
+        return None
+    unknown = sorted(set(lora) - set(LORA_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown}; allowed: {sorted(LORA_DEFAULTS)}", path="lora")
+    cfg = {**LORA_DEFAULTS, **dict(lora)}
+    if int(cfg["rank"]) < 1:
+        raise ConfigError(f"must be >= 1, got {cfg['rank']}", path="lora.rank")
+    tm = cfg["target_modules"]
+    cfg["target_modules"] = tm if isinstance(tm, str) else [str(m) for m in tm]
+    return cfg
+
+
+def _resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"unknown dtype '{name}'; choose one of {sorted(DTYPES)}", path="dtype")
+    return DTYPES[name]
+
+
+def _resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when present; under torchrun a bare ``cuda`` is the local GPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and distributed.world_size() > 1:
+        name = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    try:
+        return torch.device(name)
+    except RuntimeError as err:
+        raise ConfigError(f"invalid device '{name}' ({err})", path="device") from err
+
+
+# ---------------------------------------------------------------------- RNG and files
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    with contextlib.suppress(ImportError):
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+
+
+def _rng_state() -> dict[str, Any]:
+    """Every RNG a run draws from, in a form ``torch.load(weights_only=True)`` accepts."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    with contextlib.suppress(ImportError):
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+
+
+def _write_checkpoint(directory: str, state: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
+    torch.save(dict(state), os.path.join(directory, STATE_FILE))
+    with open(os.path.join(directory, META_FILE), "w") as f:
+        json.dump(meta, f, indent=2)
+
+
+def _write_dir_atomically(path: str, write: Callable[[str], None]) -> None:
+    """Fill a temporary sibling directory, then swap it in: a crash mid-save never leaves a
+    half-written checkpoint where a resume would look for one."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp, old = f"{path}.tmp-{os.getpid()}", f"{path}.old-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    write(tmp)
+    if os.path.exists(path):
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)

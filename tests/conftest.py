@@ -1,0 +1,68 @@
+"""Shared fixtures: a fresh registry, and hand-made distributions with real entry points."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+os.environ["TEMPERING_PROGRESS"] = "0"  # no progress bars in test output
+
+import pytest
+
+from tempering import registry as registry_module
+from tempering.registry import ENV_LOAD, ENV_STRICT, Registry
+from tempering.testing import empty_registry  # noqa: F401 - the plugin authors' fixture, used here too
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def clean_plugin_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forget the caller's TEMPERING_LOAD_PLUGINS / TEMPERING_STRICT_PLUGINS and the cached
+    process-wide registry, so every test sees exactly the plugins it sets up."""
+    monkeypatch.delenv(ENV_LOAD, raising=False)
+    monkeypatch.delenv(ENV_STRICT, raising=False)
+    monkeypatch.setattr(registry_module, "_default", None)
+
+
+@pytest.fixture
+def fresh_registry(clean_plugin_env: None, monkeypatch: pytest.MonkeyPatch) -> Registry:
+    """A registry loaded from the installed entry points, also used as the process-wide one
+    (``get_registry()``, the CLI, ``run_recipe``) for the duration of the test."""
+    reg = Registry()
+    monkeypatch.setattr(registry_module, "_default", reg)
+    return reg
+
+
+FakeDist = Callable[..., str]
+
+
+@pytest.fixture
+def fake_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean_plugin_env: None) -> Iterator[FakeDist]:
+    """``fake_dist(dist, source, ep_name=None, version="1.0")`` writes a plugin module and a
+    ``<dist>-<version>.dist-info`` (METADATA + entry_points.txt) into a folder on sys.path:
+    a real distribution with a real ``tempering`` entry point, as importlib.metadata sees an
+    installed package. Returns the module name."""
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    made: list[str] = []
+
+    def make(dist: str, source: str, ep_name: str | None = None, version: str = "1.0") -> str:
+        module = dist.replace("-", "_") + "_plugin"
+        (site / f"{module}.py").write_text(textwrap.dedent(source), encoding="utf-8")
+        info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n", encoding="utf-8")
+        (info / "entry_points.txt").write_text(f"[tempering]\n{ep_name or module} = {module}\n", encoding="utf-8")
+        made.append(module)
+        importlib.invalidate_caches()
+        return module
+
+    yield make
+    for module in made:
+        sys.modules.pop(module, None)
