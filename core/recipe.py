@@ -57,6 +57,9 @@ class RunContext:
     def build(self, kind: str, spec: Any, key: str, **context: Any) -> Any:
         return self.registry.build(kind, spec, f"{self.path}.{key}", **context)
 
+    def check(self, kind: str, spec: Any, key: str, context: Iterable[str] = ()) -> None:
+        self.registry.check(kind, spec, f"{self.path}.{key}", context)
+
     def log(self, metrics: Mapping[str, Any]) -> None:
         """Log one step of the current stage (adds stage id and global step)."""
         row = {"stage": self.stage_id, "step": self.global_step, "time": time.time(), **metrics}
@@ -202,6 +205,11 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Any = 
         ctx.global_step = int(progress.get("global_step", 0))
         if progress.get("current"):
             ctx.resume_state = dict(extra.get("state") or {})
+
+    for i, (sid, algorithm) in enumerate(stages):  # check every stage's nested config up front
+        if sid not in completed and hasattr(algorithm, "validate"):
+            ctx.stage_index, ctx.stage_id = i, sid
+            algorithm.validate(ctx)
 
     results: dict[str, dict[str, Any]] = {}
     try:

@@ -287,15 +287,23 @@ class Registry:
         """
         if not isinstance(spec, (str, Mapping)) and not _is_omegaconf(spec):
             return spec  # already an object (Python-composed recipe): use it as it is
+        factory, kwargs = self._resolve(kind, spec, path, set(context))
+        return factory(**kwargs, **context)
+
+    def check(self, kind: str, spec: Any, path: str = "", context: Iterable[str] = ()) -> None:
+        """Validate ``spec`` (its name and keys) without building it: lets a recipe fail on a
+        typo in its last stage before its first stage trains."""
+        if isinstance(spec, (str, Mapping)) or _is_omegaconf(spec):
+            self._resolve(kind, spec, path, set(context))
+
+    def _resolve(self, kind: str, spec: Any, path: str, context: set[str]) -> tuple[Callable[..., Any], dict[str, Any]]:
         name, params = split_spec(spec, path or kind)
         try:
             comp = self.get(kind, name)
         except UnknownComponentError as exc:
             raise UnknownComponentError(f"{path or kind}.name: {exc}") from None
         factory = comp.load()
-        kwargs = validate_params(factory, params, path or kind, exclude=set(context))
-        obj = factory(**kwargs, **context)
-        return obj
+        return factory, validate_params(factory, params, path or kind, exclude=context)
 
 
 def _is_omegaconf(obj: Any) -> bool:

@@ -51,3 +51,12 @@ class EvalConfig:
     max_tokens: int = 8
     temperature: float = 0.0
     at_start: bool = True
+
+
+def check_eval(ctx: Any, value: Any) -> EvalConfig:
+    """Validate an ``eval:`` block and the components it names."""
+    ev = sub_config(EvalConfig, value, f"{ctx.path}.eval")
+    if ev.dataset is not None and not isinstance(ev.dataset, list):
+        ctx.check("dataset", ev.dataset, "eval.dataset")
+        ctx.check("reward", ev.reward, "eval.reward")
+    return ev

@@ -14,10 +14,12 @@ from tempering.evaluate import StageEvaluator
 from tempering.progress import progress
 from tempering.rollout import sample_groups, score_groups
 from tempering.scoring import RewardRunner
-from tempering.stage import EvalConfig, OptimizerConfig, sub_config
+from tempering.errors import ConfigError
+from tempering.stage import EvalConfig, OptimizerConfig, check_eval, sub_config
 from tempering.types import Batch, Datum, Group, SamplingParams
 
 from tempering.algorithms.grpo.advantages import zero_variance_groups
+from tempering.algorithms.grpo.loss import k3_kl
 
 
 @dataclass
@@ -49,12 +51,28 @@ class GRPO:
     reward_timeout: float = 60.0
     success_threshold: float = 1.0
     eval: Any = field(default_factory=dict)
+    log_kl: bool = True  # log KL to the reference each step (one extra forward pass)
+    #: KL reference: the policy as this stage began (after an SFT/DPO warmup: what TRL's
+    #: ref_model would be) or the backend's base (LoRA adapter off / initial weights).
+    reference: str = "stage_start"  # stage_start | base
     seed: int = 0
+
+    def validate(self, ctx: Any) -> None:
+        """Check every nested block before any stage trains."""
+        if self.recompute_logprobs not in ("auto", "always", "never"):
+            raise ConfigError(f"use auto, always or never (got '{self.recompute_logprobs}')", f"{ctx.path}.recompute_logprobs")
+        if self.reference not in ("stage_start", "base"):
+            raise ConfigError(f"use stage_start or base (got '{self.reference}')", f"{ctx.path}.reference")
+        sub_config(OptimizerConfig, self.optimizer, f"{ctx.path}.optimizer")
+        check_eval(ctx, self.eval)
+        for kind, key in (("reward", "reward"), ("advantage", "advantage"), ("loss", "loss")):
+            ctx.check(kind, getattr(self, key), key)
+        if not isinstance(self.dataset, list):
+            ctx.check("dataset", self.dataset, "dataset")
 
     def run(self, ctx: Any) -> dict[str, Any]:
         path = ctx.path
-        if self.recompute_logprobs not in ("auto", "always", "never"):
-            raise ValueError(f"{path}.recompute_logprobs: use auto, always or never (got '{self.recompute_logprobs}')")
+        self.validate(ctx)
         opt = sub_config(OptimizerConfig, self.optimizer, f"{path}.optimizer")
         ev = sub_config(EvalConfig, self.eval, f"{path}.eval")
         reward = ctx.build("reward", self.reward, "reward")
@@ -72,6 +90,8 @@ class GRPO:
         recompute = self.recompute_logprobs == "always" or (
             self.recompute_logprobs == "auto" and (self.temperature != 1.0 or self.top_p < 1.0 or self.top_k > 0)
         )
+        if start == 0 and self.reference == "stage_start" and (getattr(loss, "beta", 0.0) or self.log_kl):
+            ctx.backend.snapshot(self._ref_name(ctx)).result()  # saved in checkpoints: resume keeps it
         last: dict[str, Any] = {}
         if start == 0 and (first := evaluator.run(at_start=True)):
             ctx.log(first)
@@ -92,7 +112,7 @@ class GRPO:
         if final := evaluator.run():
             ctx.log(final)
             last.update(final)
-        keep = ("reward/mean", "accuracy", "loss", "kl")
+        keep = ("reward/mean", "accuracy", "loss", "kl", "kl_ref")
         return {k: v for k, v in last.items() if k in keep or k.startswith("eval/")}
 
     def _step(self, ctx: Any, stream: ExampleStream, runner: RewardRunner, estimator: Any, loss: Any,
@@ -112,9 +132,14 @@ class GRPO:
             fresh = backend.logprobs(batch).result()
             for d, lp in zip(batch.data, fresh):
                 d.sampler_logprobs = [x if w else 0.0 for x, w in zip(lp, d.weights)]
-        if getattr(loss, "beta", 0.0):
-            for d, lp in zip(batch.data, backend.logprobs(batch, reference=True).result()):
+        if getattr(loss, "beta", 0.0) or self.log_kl:
+            if self.reference == "stage_start":
+                ref = backend.logprobs(batch, weights=self._ref_name(ctx)).result()
+            else:
+                ref = backend.logprobs(batch, reference=True).result()
+            for d, lp in zip(batch.data, ref):
                 d.extra["ref_logprobs"] = list(lp)
+            metrics["kl_ref"] = self._kl_to_reference(batch)
         t1 = time.perf_counter()
         fb = backend.forward_backward(batch, loss)
         op = backend.optim_step(adam)  # submitted back to back, awaited together
@@ -126,6 +151,20 @@ class GRPO:
         metrics["tokens_per_s"] = n_tokens / metrics["step_time"]
         metrics["skipped"] = 0.0
         return metrics
+
+    @staticmethod
+    def _ref_name(ctx: Any) -> str:
+        return f"reference/{ctx.stage_id}"
+
+    @staticmethod
+    def _kl_to_reference(batch: Batch) -> float:
+        """Token-mean k3 estimate of KL(policy || reference) on the sampled tokens, from the
+        behaviour logprobs: logged even when the loss has no KL term (``beta = 0``)."""
+        t = batch.to_tensors()
+        mask = t["weights"] > 0
+        if not mask.any():
+            return 0.0
+        return float(k3_kl(t["sampler_logprobs"], t["ref_logprobs"], mask)[mask].mean())
 
     def build_batch(self, groups: list[Group], estimator: Any) -> tuple[Batch | None, dict[str, float]]:
         """Advantages over the non-failed samples, then one :class:`Datum` per sample.

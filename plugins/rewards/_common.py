@@ -156,21 +156,24 @@ def load_target(target: str) -> Any:
 def resolve_reward(spec: Any, params: Mapping[str, Any] | None = None, path: str = "reward") -> Callable[..., Any]:
     """A reward from ``spec``:
 
-    * a callable: used as it is;
+    * a class: instantiated with ``params``; any other callable: used as it is;
     * ``"module:attr"``: imported; a class is instantiated with ``params``;
     * a registered name (``"exact_match"``, or ``"dist:name"``) or a mapping
       ``{name: ..., <params>}``: built through the registry, like any component.
     """
     params = dict(params or {})
+    if inspect.isclass(spec):
+        return spec(**params)
     if callable(spec) and not isinstance(spec, str):
         if params:
             raise ValueError(f"{path}: params are only allowed with a reward name or 'module:attr', not an object")
         return spec
+    import_error: Exception | None = None
     if isinstance(spec, str) and ":" in spec:
         try:
             obj = load_target(spec)
-        except (ImportError, AttributeError, ValueError):
-            obj = None  # maybe "dist:name": let the registry resolve it
+        except (ImportError, AttributeError, ValueError) as exc:
+            obj, import_error = None, exc  # maybe "dist:name": let the registry resolve it
         if obj is not None:
             if inspect.isclass(obj):
                 return obj(**params)
@@ -179,13 +182,22 @@ def resolve_reward(spec: Any, params: Mapping[str, Any] | None = None, path: str
             if not callable(obj):
                 raise TypeError(f"{path}: '{spec}' is a {type(obj).__name__}, not a reward function")
             return obj
+    from tempering.errors import ConfigError, UnknownComponentError
     from tempering.registry import get_registry
 
     if isinstance(spec, str):
         spec = {"name": spec, **params} if params else spec
     elif params:
         spec = {**dict(spec), **params}
-    return get_registry().build("reward", spec, path)
+    try:
+        return get_registry().build("reward", spec, path)
+    except UnknownComponentError as exc:
+        if import_error is None:
+            raise
+        raise ConfigError(
+            f"'{spec}' is neither an importable module:attr ({type(import_error).__name__}: {import_error}) "
+            f"nor a registered reward ({str(exc).splitlines()[0]})", path
+        ) from None
 
 
 def reward_name(reward: Any) -> str:
