@@ -48,6 +48,8 @@ class RunContext:
     max_total_steps: int | None = None
     checkpoint_every: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
+    interrupted: bool = False
+    last_state: dict[str, Any] | None = None
 
     @property
     def path(self) -> str:
@@ -68,10 +70,15 @@ class RunContext:
             logger.log(row, self.global_step)
 
     def budget_left(self) -> bool:
-        return self.max_total_steps is None or self.global_step < self.max_total_steps
+        """False once ``max_total_steps`` is reached; a stage that sees False stops early and
+        is *not* marked finished, so the next run resumes it where it stopped."""
+        left = self.max_total_steps is None or self.global_step < self.max_total_steps
+        self.interrupted = self.interrupted or not left
+        return left
 
     def end_step(self, state: Mapping[str, Any]) -> None:
         """Call after each optimizer step: counts it and checkpoints when due."""
+        self.last_state = dict(state)
         self.global_step += 1
         if self.checkpoint_every and self.global_step % self.checkpoint_every == 0:
             self.checkpoint(state)
@@ -219,7 +226,11 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Any = 
             ctx.stage_index, ctx.stage_id = i, sid
             if progress and progress.get("current") != sid:
                 ctx.resume_state = None
+            ctx.interrupted, ctx.last_state = False, None
             results[sid] = algorithm.run(ctx) or {}
+            if ctx.interrupted:  # out of budget mid-stage: checkpoint where it stands, resumable
+                ctx.checkpoint(ctx.last_state, done=False)
+                break
             ctx.checkpoint(None, done=True)
             ctx.resume_state = None
             if not ctx.budget_left():

@@ -4,6 +4,7 @@ Skills over strings of ``letters`` (default ``abcdefgh``), lengths ``min_len..ma
 
 * ``reverse``: ``"R abcd="`` -> ``"dcba"``;
 * ``shift``:   ``"S abcd="`` -> ``"bcde"`` (each letter moves one step on, cyclically);
+* ``copy``:    ``"C abcd="`` -> ``"abcd"``;
 * ``hint``: ``"{hint}|{T} {x}="`` -> ``"{hint}"`` for a random task letter ``T``, string ``x``
   and an unrelated random ``hint``: *in-context copying*.
 
@@ -25,9 +26,10 @@ import zlib
 from typing import Any
 
 TOY_LETTERS = "abcdefgh"
-TOY_CHARS = TOY_LETTERS + "RS|= "
+TOY_DIGITS = "01234567"
+TOY_CHARS = TOY_LETTERS + TOY_DIGITS + "RSC|= "
 TOY_TEACHER_TEMPLATE = "{demonstration}|{prompt}"
-SKILLS = {"reverse": "R", "shift": "S"}
+SKILLS = {"reverse": "R", "shift": "S", "copy": "C"}
 
 
 def _answer(skill: str, x: str, letters: str) -> str:
@@ -35,6 +37,8 @@ def _answer(skill: str, x: str, letters: str) -> str:
         return x[::-1]
     if skill == "shift":
         return "".join(letters[(letters.index(c) + 1) % len(letters)] for c in x)
+    if skill == "copy":
+        return x
     raise ValueError(f"toy_skills: unknown skill '{skill}'; use one of {sorted(SKILLS)} or 'hint'")
 
 
@@ -53,7 +57,7 @@ def toy_skills(
     seed: int = 0,
 ) -> list[dict[str, Any]]:
     """``size`` rows ``{"prompt", "answer", "demonstration", "skill"}`` of ``skill`` (one of
-    ``reverse``, ``shift``, ``hint``) from ``split`` (``train`` or ``test``)."""
+    ``reverse``, ``shift``, ``copy``, ``hint``) from ``split`` (``train`` or ``test``)."""
     if split not in ("train", "test"):
         raise ValueError(f"toy_skills: split must be 'train' or 'test', got '{split}'")
     if skill != "hint" and skill not in SKILLS:
@@ -83,8 +87,13 @@ def toy_skills(
 def toy_mixture(
     skills: dict[str, int] | None = None, split: str = "train", seed: int = 0, **kwargs: Any
 ) -> list[dict[str, Any]]:
-    """Rows of several skills, e.g. ``{reverse: 1000, hint: 1000}`` (shuffled together)."""
+    """Rows of several skills, e.g. ``{reverse: 1000, hint: 1000}`` (shuffled together). A
+    name ``skill@alphabet`` draws its strings from ``alphabet`` (e.g. ``hint@01234567``)."""
     skills = dict(skills or {"reverse": 1000, "hint": 1000})
-    rows = [r for name, n in skills.items() for r in toy_skills(name, split, n, seed=seed, **kwargs)]
+    rows = []
+    for name, n in skills.items():
+        skill, _, alphabet = name.partition("@")
+        extra = {"letters": alphabet} if alphabet else {}
+        rows += toy_skills(skill, split, n, seed=seed, **{**kwargs, **extra})
     random.Random(f"{seed}-mix").shuffle(rows)
     return rows

@@ -4,6 +4,7 @@ run plots its whole history, not only the part since the restart)."""
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,7 +60,9 @@ def plot_metrics(rows: list[Mapping[str, Any]], metrics: list[str], path: str) -
     ax.set_ylabel("value")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
+    with warnings.catch_warnings():  # tiny figures in tests cannot fit every label
+        warnings.simplefilter("ignore", UserWarning)
+        fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return path

@@ -5,6 +5,8 @@ recipe makes on Tinker (``sample``, ``logprobs``, ``forward_backward``, ``optim_
 ``save``/``load``), so a recipe never needs to know where it runs. Calls run in submission
 order on one worker thread and return :class:`concurrent.futures.Future`: the loop can submit
 ``forward_backward`` and ``optim_step`` back to back and score rewards while the model works.
+:meth:`LocalBackend.sampling_client` gives a sampler of a weight snapshot that runs on a second
+thread with its own model copy, so sampling can overlap with training (asynchronous RL).
 
 Things a recipe relies on, each tested in ``tests/test_local_backend.py``:
 
@@ -27,6 +29,7 @@ This module imports torch and transformers at the top: the registry refers to it
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import json
 import os
@@ -130,6 +133,11 @@ class LocalBackend:
         self._optimizer: torch.optim.Optimizer | None = None
         _seed_everything(self.seed + self.rank)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tempering-local") if threaded else None
+        # The sampling engine of sampling_client(): created on first use.
+        self._threaded = threaded
+        self._sampler_model: Any = None
+        self._sampler_loaded: LocalSamplingClient | None = None
+        self._sampler_executor: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ public primitives
     def sample(
@@ -194,6 +202,20 @@ class LocalBackend:
         """Same as ``logprobs(batch, reference=True)``."""
         return self.logprobs(batch, reference=True)
 
+    def sampling_client(self) -> Future[LocalSamplingClient]:
+        """A sampler of a frozen snapshot of the current weights (Tinker's
+        ``save_weights_and_get_sampling_client``), for sampling *while* training.
+
+        The snapshot is taken on the worker thread after every call submitted before it (so
+        after a queued ``optim_step``) and its completions carry that ``step`` as
+        ``policy_version``. Its :meth:`LocalSamplingClient.sample` runs on a second thread with
+        a second copy of the model (made on first use; with LoRA only the adapter differs
+        between snapshots), so it never waits for, or touches, the training weights. A backend
+        that never calls this behaves exactly as before. Sampling without ``params.seed`` draws
+        from the process-global torch RNG, which training does not use.
+        """
+        return self._submit(self._sampling_snapshot)
+
     def forward_backward(self, batch: Batch, loss: Loss) -> Future[dict[str, float]]:
         """Add the gradients of ``loss`` on ``batch`` to the accumulated ones (until
         :meth:`optim_step`); returns the loss's metrics plus ``loss``."""
@@ -226,10 +248,13 @@ class LocalBackend:
         return self._submit(self._export, str(path)).result()
 
     def close(self) -> None:
-        """Finish queued calls and stop the worker thread."""
+        """Finish queued calls and stop the worker threads."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self._sampler_executor is not None:
+            self._sampler_executor.shutdown(wait=True)
+            self._sampler_executor = None
 
     # ------------------------------------------------------------------ execution
     def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
@@ -347,8 +372,57 @@ class LocalBackend:
             for n, p in self._trainable_named:
                 snap[n].lerp_(p.detach().to(snap[n].dtype), rate)
 
+    # ------------------------------------------------------------------ sampling snapshots
+    def _sampling_snapshot(self) -> LocalSamplingClient:
+        """On the worker thread: copy the trainable weights and make sure the sampling engine
+        (a model copy and its thread) exists."""
+        if self._sampler_model is None:
+            self._sampler_model = copy.deepcopy(self.model)
+            for p in self._sampler_model.parameters():
+                p.requires_grad_(False)
+            self._sampler_model.eval()
+            if self._threaded:
+                self._sampler_executor = ThreadPoolExecutor(1, thread_name_prefix="tempering-sampler")
+        with torch.no_grad():
+            weights = {n: p.detach().clone() for n, p in self._trainable_named}
+        return LocalSamplingClient(self, weights, self.step)
+
+    def _submit_sampler(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run ``fn`` on the sampling thread (FIFO), or inline when the backend is unthreaded."""
+        if self._sampler_executor is not None:
+            return self._sampler_executor.submit(fn, *args)
+        future: Future[T] = Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # noqa: BLE001 - the future carries it to the caller
+            future.set_exception(err)
+        return future
+
+    def _sample_snapshot(
+        self, client: LocalSamplingClient, prompts: list[list[int]], num_samples: int, params: SamplingParams
+    ) -> list[list[Completion]]:
+        """On the sampling thread: load ``client``'s weights into the sampling model unless they
+        are loaded already, then sample with it."""
+        if self._sampler_loaded is not client:
+            params_by_name = dict(self._sampler_model.named_parameters())
+            with torch.no_grad():
+                for name, tensor in client.weights.items():
+                    params_by_name[name].copy_(tensor)
+            self._sampler_loaded = client
+        return self._sample(prompts, num_samples, params, model=self._sampler_model, version=client.policy_version)
+
     # ------------------------------------------------------------------ sampling
-    def _sample(self, prompts: list[list[int]], num_samples: int, params: SamplingParams) -> list[list[Completion]]:
+    def _sample(
+        self,
+        prompts: list[list[int]],
+        num_samples: int,
+        params: SamplingParams,
+        model: Any = None,
+        version: int | None = None,
+    ) -> list[list[Completion]]:
+        """Sample with ``model`` (default: the policy) and stamp ``version`` (default: ``step``)."""
+        model = self.model if model is None else model
+        version = self.step if version is None else version
         if num_samples < 1:
             raise ValueError(f"sample: num_samples must be >= 1, got {num_samples}")
         for i, p in enumerate(prompts):
@@ -356,24 +430,24 @@ class LocalBackend:
                 raise ValueError(f"sample: prompt {i} is empty; encode it with a BOS token or some text")
         rows = [p for p in prompts for _ in range(num_samples)]
         completions: list[Completion] = []
-        self.model.eval()
+        model.eval()
         with _seeded(params.seed, self.device), torch.no_grad():
             for start in range(0, len(rows), self.sample_batch_size):
-                completions += self._generate(rows[start : start + self.sample_batch_size], params)
+                completions += self._generate(rows[start : start + self.sample_batch_size], params, model, version)
         return [completions[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
 
-    def _generate(self, rows: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def _generate(self, rows: list[list[int]], params: SamplingParams, model: Any, version: int) -> list[Completion]:
         """One left-padded ``generate`` call; logprobs recorded from the final sampling scores."""
         stop_strings, stop_ids = _split_stop(params.stop)
         eos = sorted(self.eos_token_ids | set(stop_ids))
         if params.max_tokens <= 0:
-            return [self._completion(r, [], [], "length", "", params) for r in rows]
+            return [self._completion(r, [], [], "length", "", params, version) for r in rows]
         input_ids, attention_mask = _left_pad(rows, self.pad_token_id, self.device)
         width = input_ids.shape[1]
         recorder = _SampledLogprobs()
         processors = LogitsProcessorList([*_warpers(params), recorder])
         stopper = _StopStrings(self.tokenizer, stop_strings, width, len(rows)) if stop_strings else None
-        sequences = self.model.generate(
+        sequences = model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
             generation_config=self._generation_config(params, eos),
@@ -391,7 +465,7 @@ class LocalBackend:
             text = self.tokenizer.decode(toks, skip_special_tokens=True)
             if by_string:
                 text = _before_first(text, stop_strings)
-            out.append(self._completion(row, toks, lps, "stop" if end is not None else "length", text, params))
+            out.append(self._completion(row, toks, lps, "stop" if end is not None else "length", text, params, version))
         return out
 
     def _generation_config(self, params: SamplingParams, eos: list[int]) -> GenerationConfig:
@@ -409,7 +483,14 @@ class LocalBackend:
         )
 
     def _completion(
-        self, prompt: list[int], toks: list[int], lps: list[float], reason: str, text: str, params: SamplingParams
+        self,
+        prompt: list[int],
+        toks: list[int],
+        lps: list[float],
+        reason: str,
+        text: str,
+        params: SamplingParams,
+        version: int,
     ) -> Completion:
         return Completion(
             prompt_tokens=list(prompt),
@@ -417,7 +498,7 @@ class LocalBackend:
             logprobs=lps,
             stop_reason=reason,
             text=text,
-            policy_version=self.step,
+            policy_version=version,
             temperature=params.temperature,
         )
 
@@ -577,6 +658,32 @@ class LocalBackend:
             self.tokenizer.save_pretrained(path)
         distributed.barrier()
         return path
+
+
+# ---------------------------------------------------------------------- sampling clients
+class LocalSamplingClient:
+    """A sampler of one frozen weight snapshot (see :meth:`LocalBackend.sampling_client`).
+
+    ``sample`` has the backend's signature and conventions; completions carry
+    ``policy_version``, the optimizer step the snapshot was taken at. Holding a client keeps
+    its snapshot (a copy of the trainable weights) alive; drop old clients to free them.
+    """
+
+    def __init__(self, backend: LocalBackend, weights: dict[str, torch.Tensor], policy_version: int) -> None:
+        self._backend = backend
+        self.weights = weights
+        self.policy_version = int(policy_version)
+        self.tokenizer = backend.tokenizer
+
+    def sample(
+        self, prompts: list[list[int]], num_samples: int, params: SamplingParams
+    ) -> Future[list[list[Completion]]]:
+        return self._backend._submit_sampler(
+            self._backend._sample_snapshot, self, [list(p) for p in prompts], num_samples, params
+        )
+
+    def __repr__(self) -> str:
+        return f"LocalSamplingClient(policy_version={self.policy_version})"
 
 
 # ---------------------------------------------------------------------- sampling helpers

@@ -1,0 +1,447 @@
+"""One GRPO optimizer step: ours (``GRPO._step`` on ``LocalBackend``) vs ``trl.GRPOTrainer`` (TRL 1.16).
+
+Both sides train the same tiny Llama (``tempering.plugins.models.tiny:tiny_llama``, default
+sizes, seed 0; TRL loads it from a ``save_pretrained`` folder) on the same task: per optimizer
+step ``--prompts`` arithmetic prompts x ``--group`` completions of at most ``--max-tokens``
+tokens, sampled at temperature 1 with the transformers ``generate`` (no vLLM), scored by a Python
+exact-match reward, group-normalised advantages, the clipped surrogate with ``loss_type=dapo``,
+``beta=0`` (no reference model), AdamW (lr, betas 0.9/0.95, eps 1e-8, no weight decay, grad
+clip 1.0, constant schedule), float32 on CPU, one process, ``torch.set_num_threads(1)``.
+
+One optimizer step is, on both sides: generate ``prompts x group`` completions, score them,
+compute advantages, one training forward + backward over all of them, clip, AdamW step. (TRL:
+``per_device_train_batch_size = prompts x group``, ``gradient_accumulation_steps=1``, so
+``steps_per_generation=1`` and ``generation_batch_size = prompts x group``; with
+``num_iterations=1`` the step is on-policy and TRL skips the extra "old logprobs" forward. Ours:
+temperature 1 with no top-k/top-p, so the sampler's logprobs are the old logprobs and there is no
+recompute forward either.)
+
+Measurements are interleaved in ONE run: ``trainer.train(max_steps=warmup + n)`` drives TRL,
+and a ``TrainerCallback`` times each TRL step from ``on_step_begin`` to ``on_step_end``
+(generation + rewards + loss + backward + clip + optimizer step + scheduler; not the data
+loader fetch nor the logging that the Trainer does between steps) and then runs and times one
+of our steps, so the two alternate TRL, ours, TRL, ours, ... The first ``warmup`` pairs are
+discarded; medians and IQRs are over the rest.
+
+"Model time" is measured by wrapping, in this script only, each model's ``generate`` and
+``forward`` (forwards inside ``generate`` count as generate) and ``torch.Tensor.backward``;
+"overhead" = step - (generate + forward + backward): everything a framework does around the
+model (tokenising, decoding, rewards, advantages, batching/padding, the loss maths, logprob
+recording, optimizer step, bookkeeping).
+
+Run: ``python benchmarks/grpo_step_vs_trl.py [--steps 10] [--warmup 3] [--prompts 16]
+[--group 8] [--max-tokens 8] [--lr 1e-5] [--threads 1] [--json out.json]``. The default run
+takes about 1-2 minutes on 2 CPU cores (``import trl`` alone is ~11 s). The machine's load
+average is printed at the start and the end: on a shared machine other processes slow both
+sides, which makes the ratio noisier but not biased toward either side (they alternate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+# ---------------------------------------------------------------------------- instrumentation
+@dataclass
+class ModelTimer:
+    """Seconds spent in one model's generate / forward and in backward, while ``active``."""
+
+    generate: float = 0.0
+    forward: float = 0.0
+    backward: float = 0.0
+    decode_steps: int = 0  # generate's new positions (padded width), summed over calls
+    _in_generate: bool = False
+
+    def reset(self) -> None:
+        self.generate = self.forward = self.backward = 0.0
+        self.decode_steps = 0
+
+    @property
+    def model(self) -> float:
+        return self.generate + self.forward + self.backward
+
+
+_ACTIVE: list[ModelTimer | None] = [None]  # whose step is running (backward is a global patch)
+
+
+def instrument(model: Any, timer: ModelTimer) -> None:
+    """Wrap ``model.generate`` and ``model.forward`` (on the instance) to add time to ``timer``."""
+    gen, fwd = model.generate, model.forward
+
+    @functools.wraps(gen)
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        timer._in_generate = True
+        t0 = time.perf_counter()
+        try:
+            out = gen(*args, **kwargs)
+        finally:
+            timer.generate += time.perf_counter() - t0
+            timer._in_generate = False
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(out, torch.Tensor) and isinstance(ids, torch.Tensor):
+            timer.decode_steps += out.shape[1] - ids.shape[1]
+        return out
+
+    @functools.wraps(fwd)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if timer._in_generate:
+            return fwd(*args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            return fwd(*args, **kwargs)
+        finally:
+            timer.forward += time.perf_counter() - t0
+
+    model.generate, model.forward = generate, forward
+
+
+def patch_backward() -> None:
+    orig = torch.Tensor.backward
+
+    @functools.wraps(orig)
+    def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        timer = _ACTIVE[0]
+        t0 = time.perf_counter()
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            if timer is not None:
+                timer.backward += time.perf_counter() - t0
+
+    torch.Tensor.backward = backward  # type: ignore[method-assign]
+
+
+@dataclass
+class StepRecord:
+    seconds: float
+    generate: float
+    forward: float
+    backward: float
+    optimizer: float
+    tokens: int  # completion tokens kept (up to and including eos), all rows
+    decode_steps: int  # generate's padded width (new positions per row)
+
+    @property
+    def overhead(self) -> float:
+        return self.seconds - (self.generate + self.forward + self.backward)
+
+
+# ---------------------------------------------------------------------------- the two sides
+def exact_match(completion: str, answer: str) -> float:
+    """The one reward both sides use (same as the ``exact_match`` component's defaults)."""
+    return 1.0 if completion.strip() == str(answer).strip() else 0.0
+
+
+class Ours:
+    """A GRPO stage's ``_step`` on a LocalBackend, built the way ``GRPO.run`` builds it."""
+
+    def __init__(self, args: argparse.Namespace, examples: list[dict[str, Any]], log_kl: bool = False) -> None:
+        from tempering.algorithms.grpo.algorithm import GRPO
+        from tempering.data import ExampleStream
+        from tempering.plugins.backends.local.backend import LocalBackend
+        from tempering.recipe import RunContext
+        from tempering.registry import get_registry
+        from tempering.scoring import RewardRunner
+        from tempering.stage import OptimizerConfig
+        from tempering.types import SamplingParams
+
+        registry = get_registry()
+        self.backend = LocalBackend(model="tiny_llama", seed=0, num_threads=args.threads)
+        self.ctx = RunContext(registry, self.backend, {}, tempfile.mkdtemp(prefix="grpo_bench_ours_"), [], 0)
+        self.grpo = GRPO(
+            dataset=examples, reward=lambda text, ex: exact_match(text, ex["answer"]), advantage="group_norm",
+            loss={"name": "grpo", "loss_type": "dapo", "beta": 0.0, "epsilon_low": 0.2, "epsilon_high": 0.2},
+            steps=args.warmup + args.steps, prompts_per_step=args.prompts, group_size=args.group,
+            max_tokens=args.max_tokens, temperature=1.0, optimizer={"learning_rate": args.lr},
+            log_kl=log_kl,
+        )  # fmt: skip
+        if log_kl:  # what GRPO.run does before its first step: the stage-start reference
+            self.backend.snapshot(self.grpo._ref_name(self.ctx)).result()
+        self.runner = RewardRunner(self.ctx.build("reward", self.grpo.reward, "reward"))
+        self.estimator = self.ctx.build("advantage", self.grpo.advantage, "advantage")
+        self.loss = self.ctx.build("loss", self.grpo.loss, "loss")
+        self.stream = ExampleStream(examples, seed=0)
+        self.sampling = SamplingParams(args.max_tokens, 1.0, 1.0, 0, [])
+        self.opt = OptimizerConfig(learning_rate=args.lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0,
+                                   grad_clip_norm=1.0)  # fmt: skip
+        self.timer = ModelTimer()
+        instrument(self.backend.model, self.timer)
+        self._opt_seconds = 0.0
+        inner = self.backend._optim_step  # LocalBackend._submit looks the bound method up per call
+
+        def timed_optim_step(params: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(params)
+            finally:
+                self._opt_seconds += time.perf_counter() - t0
+
+        self.backend._optim_step = timed_optim_step  # type: ignore[method-assign]
+        self.step_index = 0
+        self.last_metrics: dict[str, Any] = {}
+
+    def step(self) -> StepRecord:
+        self.timer.reset()
+        self._opt_seconds = 0.0
+        _ACTIVE[0] = self.timer
+        adam = self.opt.adam(self.step_index, self.grpo.steps)
+        t0 = time.perf_counter()
+        m = self.grpo._step(self.ctx, self.stream, self.runner, self.estimator, self.loss, self.sampling, False, adam)
+        dt = time.perf_counter() - t0
+        _ACTIVE[0] = None
+        self.step_index += 1
+        self.last_metrics = m
+        tokens = round(m["completion/mean_len"] * self.grpo.prompts_per_step * self.grpo.group_size)
+        t = self.timer
+        return StepRecord(dt, t.generate, t.forward, t.backward, self._opt_seconds, tokens, t.decode_steps)
+
+
+def build_trl(args: argparse.Namespace, examples: list[dict[str, Any]], model_dir: str, on_step: Callable[[], None]):
+    """A TRL 1.16 GRPOTrainer whose one optimizer step is one generation batch of
+    ``prompts x group`` completions, plus the callback that times its steps."""
+    import trl
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+
+    assert trl.__version__.startswith("1.16"), f"this benchmark targets TRL 1.16, found {trl.__version__}"
+    rows = args.prompts * args.group
+    config = trl.GRPOConfig(
+        output_dir=os.path.join(model_dir, "trl_out"), report_to="none", save_strategy="no", disable_tqdm=True,
+        use_cpu=True, bf16=False, fp16=False, seed=0, dataloader_num_workers=0,
+        per_device_train_batch_size=rows, gradient_accumulation_steps=1, num_generations=args.group,
+        # generation_batch_size / steps_per_generation left unset: TRL derives steps_per_generation =
+        # gradient_accumulation_steps = 1 and generation_batch_size = rows (asserted below).
+        num_iterations=1, max_completion_length=args.max_tokens, pad_to_multiple_of=None,
+        temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0, use_vllm=False,
+        loss_type="dapo", beta=0.0, epsilon=0.2, scale_rewards="group", mask_truncated_completions=False,
+        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
+        adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
+        max_steps=args.warmup + args.steps, logging_steps=10**6, log_completions=False,
+        # TRL's GRPOConfig turns activation checkpointing on by default (recomputing the forward in
+        # backward to save memory); we never do, so by default it is off here too: same compute.
+        gradient_checkpointing=args.trl_gradient_checkpointing,
+    )  # fmt: skip
+    assert (config.steps_per_generation, config.generation_batch_size) == (1, rows), (
+        config.steps_per_generation,
+        config.generation_batch_size,
+    )
+
+    def reward(completions: list[str], answer: list[str], **_: Any) -> list[float]:
+        return [exact_match(c, a) for c, a in zip(completions, answer)]
+
+    # Enough distinct prompts that TRL's RepeatSampler never runs out in max_steps.
+    dataset = Dataset.from_list([{"prompt": e["prompt"], "answer": e["answer"]} for e in examples])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    trainer = trl.GRPOTrainer(
+        model=model_dir, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer
+    )
+    assert next(trainer.model.parameters()).dtype == torch.float32
+
+    timer = ModelTimer()
+    instrument(trainer.model, timer)
+    tokens = [0]
+    inner_generate = trainer._generate
+
+    def counting_generate(prompts: list) -> Any:
+        out = inner_generate(prompts)
+        tokens[0] += sum(len(ids) for ids in out[1])  # completion_ids_list: up to and including eos
+        return out
+
+    trainer._generate = counting_generate  # type: ignore[method-assign]
+    records: list[StepRecord] = []
+    between: list[float] = []  # TRL's loop outside the timed window: data fetch, logging (our steps excluded)
+    checkpointing = args.trl_gradient_checkpointing
+
+    class StepTimer(TrainerCallback):
+        t0 = t_opt = opt = 0.0
+        t_left: float | None = None
+
+        def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
+            if not records:  # the Trainer switches checkpointing on in train(), so check here
+                assert trainer.model.is_activation_checkpointing == checkpointing, "gradient_checkpointing"
+            timer.reset()
+            tokens[0] = 0
+            _ACTIVE[0] = timer
+            self.t0 = time.perf_counter()
+            if self.t_left is not None:
+                between.append(self.t0 - self.t_left)
+
+        def on_pre_optimizer_step(self, args, state, control, **kw):  # noqa: ANN001
+            self.t_opt = time.perf_counter()
+
+        def on_optimizer_step(self, args, state, control, **kw):  # noqa: ANN001
+            self.opt = time.perf_counter() - self.t_opt
+
+        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+            dt = time.perf_counter() - self.t0
+            _ACTIVE[0] = None
+            records.append(
+                StepRecord(dt, timer.generate, timer.forward, timer.backward, self.opt, tokens[0], timer.decode_steps)
+            )
+            on_step()  # our steps, right after each of TRL's: the sides alternate
+            self.t_left = time.perf_counter()
+
+    trainer.add_callback(StepTimer())
+    return trainer, records, between, config
+
+
+# ---------------------------------------------------------------------------- reporting
+def median_iqr(xs: list[float]) -> tuple[float, float, float]:
+    if len(xs) == 1:
+        return xs[0], xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return statistics.median(xs), q[0], q[2]
+
+
+def summary(recs: list[StepRecord]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in ("seconds", "generate", "forward", "backward", "optimizer", "overhead"):
+        med, lo, hi = median_iqr([getattr(r, key) for r in recs])
+        out[key] = {"median": med, "q1": lo, "q3": hi}
+    shares = [r.overhead / r.seconds for r in recs]
+    med, lo, hi = median_iqr(shares)
+    out["overhead_share"] = {"median": med, "q1": lo, "q3": hi}
+    out["tokens"] = {"median": statistics.median(r.tokens for r in recs), "min": min(r.tokens for r in recs),
+                     "max": max(r.tokens for r in recs)}  # fmt: skip
+    out["decode_steps"] = statistics.median(r.decode_steps for r in recs)
+    out["steps"] = [r.__dict__ for r in recs]
+    return out
+
+
+def fmt(s: dict[str, float], scale: float = 1000.0, unit: str = "ms") -> str:
+    return f"{s['median'] * scale:8.1f} {unit} [IQR {s['q1'] * scale:.1f}-{s['q3'] * scale:.1f}]"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=10, help="measured steps per side (after warmup)")
+    p.add_argument("--warmup", type=int, default=3, help="discarded steps per side")
+    p.add_argument("--prompts", type=int, default=16, help="prompts per optimizer step")
+    p.add_argument("--group", type=int, default=8, help="completions per prompt (num_generations)")
+    p.add_argument("--max-tokens", type=int, default=8, help="max completion tokens")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (both sides, one process)")
+    p.add_argument("--trl-gradient-checkpointing", action="store_true",
+                   help="leave TRL's default gradient_checkpointing=True on (more compute on TRL's side)")
+    p.add_argument("--no-log-kl", dest="with_log_kl", action="store_false",
+                   help="skip the 'ours+kl' column (the GRPO stage default log_kl=True: one extra forward)")
+    p.add_argument("--json", default=None, help="also write the raw per-step numbers here")
+    args = p.parse_args(argv)
+
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    load_start = os.getloadavg()
+    t_start = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    patch_backward()
+
+    from tempering.plugins.datasets.arithmetic import arithmetic
+    from tempering.plugins.models.tiny import tiny_llama
+
+    examples = arithmetic("train")
+    with tempfile.TemporaryDirectory(prefix="grpo_bench_") as model_dir:
+        model, tokenizer = tiny_llama(seed=0)  # the same weights LocalBackend(model="tiny_llama", seed=0) builds
+        model.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        n_params = sum(t.numel() for t in model.parameters())
+        del model
+
+        # "ours": beta 0 and no KL logging, i.e. exactly TRL's work at beta 0. "ours+kl": the GRPO
+        # stage's default log_kl=True, which adds one no-grad forward (KL to the stage-start policy).
+        sides = {"ours": Ours(args, examples, log_kl=False)}
+        if args.with_log_kl:
+            sides["ours+kl"] = Ours(args, examples, log_kl=True)
+        recs: dict[str, list[StepRecord]] = {name: [] for name in sides}
+        order = list(sides)
+
+        def our_steps() -> None:
+            for name in order:
+                recs[name].append(sides[name].step())
+            order.reverse()  # ours, ours+kl, then ours+kl, ours: no fixed position after TRL's step
+
+        t0 = time.perf_counter()
+        trainer, trl_records, between, config = build_trl(args, examples, model_dir, our_steps)
+        trl_setup = time.perf_counter() - t0
+        for side in sides.values():
+            impls = {side.backend.model.config._attn_implementation, trainer.model.config._attn_implementation}
+            assert len(impls) == 1, f"attention implementations differ: {impls}"
+            assert side.backend._submit(torch.get_num_threads).result() == args.threads  # the worker thread too
+        assert torch.get_num_threads() == args.threads
+        trainer.train()
+        for side in sides.values():
+            side.backend.close()
+    load_end = os.getloadavg()
+
+    n = args.warmup + args.steps
+    recs["TRL"] = trl_records
+    assert all(len(r) == n for r in recs.values()), {k: len(v) for k, v in recs.items()}
+    res = {name: summary(r[args.warmup :]) for name, r in recs.items()}
+    t_med = res["TRL"]["seconds"]["median"]
+    ratios = {name: res[name]["seconds"]["median"] / t_med for name in sides}
+    pair = {
+        name: median_iqr([a.seconds / b.seconds for a, b in zip(recs[name][args.warmup :], trl_records[args.warmup :])])
+        for name in sides
+    }
+    between_med = statistics.median(between[args.warmup :]) if len(between) > args.warmup else float("nan")
+
+    rows = args.prompts * args.group
+    cols = list(recs)
+    w = 34
+    print()
+    print(f"GRPO step, ours vs TRL {sys.modules['trl'].__version__} (transformers {sys.modules['transformers'].__version__}, "
+          f"torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} CPUs)")  # fmt: skip
+    print(f"model tiny_llama ({n_params / 1e3:.0f}k params, fp32, CPU); per step {args.prompts} prompts x "
+          f"{args.group} completions = {rows} rows, max {args.max_tokens} tokens, lr {args.lr}, dapo, beta 0; "
+          f"TRL gradient_checkpointing={args.trl_gradient_checkpointing}")  # fmt: skip
+    print(f"{args.warmup} warmup + {args.steps} measured steps per side, interleaved (TRL step, then ours); "
+          "medians [IQR]")  # fmt: skip
+    print(f"load average (1/5/15 min) at start {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}, "
+          f"at end {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}")  # fmt: skip
+    print()
+    print(f"{'':32}" + "".join(f"{c:>{w}}" for c in cols))
+    for key, label in (("seconds", "step"), ("generate", "  generate"), ("forward", "  forward (outside generate)"),
+                       ("backward", "  backward"), ("optimizer", "  optimizer step (clip+AdamW)"),
+                       ("overhead", "  overhead = step - model")):  # fmt: skip
+        print(f"{label:32}" + "".join(f"{fmt(res[c][key]):>{w}}" for c in cols))
+    print(f"{'overhead share':32}" + "".join(f"{fmt(res[c]['overhead_share'], 100, '%'):>{w}}" for c in cols))
+    print(f"{'completion tokens / step':32}" + "".join(
+        f"{res[c]['tokens']['median']:>{w - 16}.0f} [{res[c]['tokens']['min']}-{res[c]['tokens']['max']}]".rjust(w)
+        for c in cols))  # fmt: skip
+    print(f"{'generate width (new positions)':32}" + "".join(f"{res[c]['decode_steps']:>{w}.0f}" for c in cols))
+    print()
+    for name in sides:
+        med, lo, hi = pair[name]
+        print(f"ratio {name}/TRL (median step times): {ratios[name]:.3f}   (per interleaved pair: median {med:.3f}, "
+              f"IQR {lo:.3f}-{hi:.3f}; target <= 1.0)")  # fmt: skip
+    print(f"TRL loop between timed steps (data fetch, logging): median {between_med * 1000:.1f} ms, not counted above")
+    print(f"TRL trainer setup {trl_setup:.1f} s (incl. import trl); whole run {time.perf_counter() - t_start:.1f} s")
+    if args.json:
+        keys = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
+                "generation_batch_size", "steps_per_generation", "num_iterations", "max_completion_length",
+                "loss_type", "beta", "learning_rate", "gradient_checkpointing")  # fmt: skip
+        with open(args.json, "w") as fh:
+            json.dump({"args": vars(args), "load_start": load_start, "load_end": load_end, "results": res,
+                       "ratios": ratios, "trl_between_steps": between,
+                       "trl_config": {k: getattr(config, k) for k in keys}}, fh, indent=2, default=str)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
