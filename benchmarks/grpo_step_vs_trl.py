@@ -19,21 +19,34 @@ recompute forward either.)
 Measurements are interleaved in ONE run: ``trainer.train(max_steps=warmup + n)`` drives TRL,
 and a ``TrainerCallback`` times each TRL step from ``on_step_begin`` to ``on_step_end``
 (generation + rewards + loss + backward + clip + optimizer step + scheduler; not the data
-loader fetch nor the logging that the Trainer does between steps) and then runs and times one
-of our steps, so the two alternate TRL, ours, TRL, ours, ... The first ``warmup`` pairs are
-discarded; medians and IQRs are over the rest.
+loader fetch nor the logging that the Trainer does between steps, printed separately: ~2 ms)
+and then runs and times our steps, so the sides alternate TRL, ours, TRL, ours, ... The first
+``warmup`` steps of each side are discarded; medians and IQRs are over the rest, and the ratio
+is given both of the medians and as the median of per-pair ratios.
+
+Two columns for ours: ``ours`` is the like-for-like one (``log_kl=False``: at ``beta=0`` TRL
+computes no reference logprobs either); ``ours+kl`` is the GRPO stage's default
+``log_kl=True``, which adds one no-grad forward per step to log the KL to the stage-start policy
+(``--no-log-kl`` drops that column). TRL's ``GRPOConfig`` defaults to
+``gradient_checkpointing=True`` (the forward is recomputed in backward); we never checkpoint, so
+it is off here for the same compute (``--trl-gradient-checkpointing`` keeps TRL's default, which
+makes TRL slower). The untrained model never answers correctly, so every reward is 0 and every
+advantage 0; neither side skips such a batch (ours: ``drop_zero_variance=False``), so the
+compute per step is the same as with reward spread.
 
 "Model time" is measured by wrapping, in this script only, each model's ``generate`` and
 ``forward`` (forwards inside ``generate`` count as generate) and ``torch.Tensor.backward``;
 "overhead" = step - (generate + forward + backward): everything a framework does around the
-model (tokenising, decoding, rewards, advantages, batching/padding, the loss maths, logprob
-recording, optimizer step, bookkeeping).
+model (tokenising, decoding, rewards, advantages, batching/padding, logprob gathering and the
+loss maths, optimizer step, bookkeeping). Our sampler-logprob recorder runs inside
+``generate`` as a logits processor, so it counts as generate time.
 
 Run: ``python benchmarks/grpo_step_vs_trl.py [--steps 10] [--warmup 3] [--prompts 16]
-[--group 8] [--max-tokens 8] [--lr 1e-5] [--threads 1] [--json out.json]``. The default run
-takes about 1-2 minutes on 2 CPU cores (``import trl`` alone is ~11 s). The machine's load
-average is printed at the start and the end: on a shared machine other processes slow both
-sides, which makes the ratio noisier but not biased toward either side (they alternate).
+[--group 8] [--max-tokens 8] [--lr 1e-5] [--threads 1] [--no-log-kl]
+[--trl-gradient-checkpointing] [--json out.json]``. The default run takes about 40-70 s on 2
+CPU cores (``import trl`` alone is ~11 s). The machine's load average is printed at the start
+and the end: on a shared machine other processes slow both sides, which makes the ratio noisier
+but not biased toward either side (they alternate step by step).
 """
 
 from __future__ import annotations
@@ -147,7 +160,7 @@ def exact_match(completion: str, answer: str) -> float:
 class Ours:
     """A GRPO stage's ``_step`` on a LocalBackend, built the way ``GRPO.run`` builds it."""
 
-    def __init__(self, args: argparse.Namespace, examples: list[dict[str, Any]], log_kl: bool = False) -> None:
+    def __init__(self, args: argparse.Namespace, examples: list[dict[str, Any]], out_dir: str, log_kl: bool) -> None:
         from tempering.algorithms.grpo.algorithm import GRPO
         from tempering.data import ExampleStream
         from tempering.plugins.backends.local.backend import LocalBackend
@@ -159,7 +172,7 @@ class Ours:
 
         registry = get_registry()
         self.backend = LocalBackend(model="tiny_llama", seed=0, num_threads=args.threads)
-        self.ctx = RunContext(registry, self.backend, {}, tempfile.mkdtemp(prefix="grpo_bench_ours_"), [], 0)
+        self.ctx = RunContext(registry, self.backend, {}, out_dir, [], 0)  # no loggers, no checkpoints
         self.grpo = GRPO(
             dataset=examples, reward=lambda text, ex: exact_match(text, ex["answer"]), advantage="group_norm",
             loss={"name": "grpo", "loss_type": "dapo", "beta": 0.0, "epsilon_low": 0.2, "epsilon_high": 0.2},
@@ -365,9 +378,9 @@ def main(argv: list[str] | None = None) -> int:
 
         # "ours": beta 0 and no KL logging, i.e. exactly TRL's work at beta 0. "ours+kl": the GRPO
         # stage's default log_kl=True, which adds one no-grad forward (KL to the stage-start policy).
-        sides = {"ours": Ours(args, examples, log_kl=False)}
+        sides = {"ours": Ours(args, examples, os.path.join(model_dir, "ours"), log_kl=False)}
         if args.with_log_kl:
-            sides["ours+kl"] = Ours(args, examples, log_kl=True)
+            sides["ours+kl"] = Ours(args, examples, os.path.join(model_dir, "ours_kl"), log_kl=True)
         recs: dict[str, list[StepRecord]] = {name: [] for name in sides}
         order = list(sides)
 
@@ -399,14 +412,16 @@ def main(argv: list[str] | None = None) -> int:
         name: median_iqr([a.seconds / b.seconds for a, b in zip(recs[name][args.warmup :], trl_records[args.warmup :])])
         for name in sides
     }
-    between_med = statistics.median(between[args.warmup :]) if len(between) > args.warmup else float("nan")
+    gaps = between[max(args.warmup - 1, 0) :]  # gaps[i] precedes measured step i + 1
+    between_med = statistics.median(gaps) if gaps else float("nan")
 
     rows = args.prompts * args.group
     cols = list(recs)
     w = 34
     print()
-    print(f"GRPO step, ours vs TRL {sys.modules['trl'].__version__} (transformers {sys.modules['transformers'].__version__}, "
-          f"torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} CPUs)")  # fmt: skip
+    versions = f"transformers {sys.modules['transformers'].__version__}, torch {torch.__version__}"
+    print(f"GRPO step, ours vs TRL {sys.modules['trl'].__version__} ({versions}, {args.threads} thread(s), "
+          f"{os.cpu_count()} CPUs)")  # fmt: skip
     print(f"model tiny_llama ({n_params / 1e3:.0f}k params, fp32, CPU); per step {args.prompts} prompts x "
           f"{args.group} completions = {rows} rows, max {args.max_tokens} tokens, lr {args.lr}, dapo, beta 0; "
           f"TRL gradient_checkpointing={args.trl_gradient_checkpointing}")  # fmt: skip

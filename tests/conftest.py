@@ -66,3 +66,29 @@ def fake_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clean_plugin_env:
     yield make
     for module in made:
         sys.modules.pop(module, None)
+
+
+@pytest.fixture(scope="session")
+def arithmetic_warmup(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The bundled ``arithmetic`` recipe's SFT stage, run once per test session (~1000 steps,
+    1.5-2 minutes on 2 cores) and shared by the slow learning tests that start RL from it.
+
+    Returns ``output_dir`` (a finished-warmup run that resumes into the RL stage),
+    ``checkpoint`` (the backend state after SFT), ``backend`` (the recipe's backend spec) and
+    ``accuracy`` (held-out greedy accuracy after SFT).
+    """
+    from tempering.recipe import find_recipe, read_progress
+
+    out = tmp_path_factory.mktemp("arithmetic_warmup")
+    recipe = find_recipe("arithmetic", [f"output_dir={out}", "loggers=[jsonl]"])
+    steps = next(s["steps"] for s in recipe.stages if s.get("id") == "warmup")
+    recipe.max_total_steps = steps  # stop after the warmup; a later run resumes into "rl"
+    result = recipe.run()
+    progress = read_progress(str(out))
+    assert progress is not None and progress["completed"] == ["warmup"]
+    return {
+        "output_dir": str(out),
+        "checkpoint": progress["checkpoint"],
+        "backend": dict(recipe.backend),
+        "accuracy": result.stages["warmup"]["eval/accuracy"],
+    }

@@ -197,7 +197,7 @@ def test_both_installs_have_the_same_entry_points_and_components(installs):
 
 def test_package_data_is_installed(installs):
     editable, regular = installs["editable"], installs["regular"]
-    assert regular["recipes"] == editable["recipes"] == {"arithmetic": "arithmetic", "arithmetic_ci": "arithmetic_ci"}
+    assert regular["recipes"] == editable["recipes"] and regular["recipes"]["arithmetic"] == "arithmetic"
     assert regular["arithmetic_stages"] == editable["arithmetic_stages"] and regular["arithmetic_stages"]
     assert regular["py_typed"] and editable["py_typed"]
     # every non-Python file of a package folder is in the install

@@ -167,37 +167,45 @@ class GRPO:
         return float(k3_kl(t["sampler_logprobs"], t["ref_logprobs"], mask)[mask].mean())
 
     def build_batch(self, groups: list[Group], estimator: Any) -> tuple[Batch | None, dict[str, float]]:
-        """Advantages over the non-failed samples, then one :class:`Datum` per sample.
+        """Advantages over the non-failed samples, then one :class:`Datum` per sample
+        (see :func:`build_group_batch`)."""
+        return build_group_batch(groups, estimator, self.drop_zero_variance, self.success_threshold)
 
-        Failed samples and (optionally) zero-variance groups get weight 0: they stay visible
-        in the metrics but do not move the policy.
-        """
-        samples = [s for g in groups for s in g.samples]
-        gids = torch.tensor([g.group_id for g in groups for _ in g.samples])
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        valid = torch.tensor([not s.failed for s in samples])
-        adv = torch.zeros_like(rewards)
-        if valid.any():
-            adv[valid] = estimator(rewards[valid], gids[valid]).float()
-        zero_var = torch.zeros_like(valid)
-        if valid.any():
-            zero_var[valid] = zero_variance_groups(rewards[valid], gids[valid])
-        keep = valid & ~zero_var if self.drop_zero_variance else valid
-        lengths = [len(s.completion.tokens) for s in samples]
-        ok = rewards[valid]
-        info = {
-            "reward/mean": float(ok.mean()) if len(ok) else 0.0,
-            "reward/std": float(ok.std()) if len(ok) > 1 else 0.0,
-            "accuracy": float((ok >= self.success_threshold - 1e-9).float().mean()) if len(ok) else 0.0,
-            "groups/zero_variance_frac": float(zero_var[valid].float().mean()) if valid.any() else 0.0,
-            "advantage/abs_mean": float(adv[keep].abs().mean()) if keep.any() else 0.0,
-            "completion/mean_len": sum(lengths) / max(len(lengths), 1),
-            "completion/stop_frac": sum(s.completion.stop_reason == "stop" for s in samples) / max(len(samples), 1),
-        }
-        if not keep.any():
-            return None, info
-        data = [
-            Datum.from_completion(s.completion, advantage=float(a), weight=1.0 if k else 0.0)
-            for s, a, k in zip(samples, adv.tolist(), keep.tolist())
-        ]
-        return Batch(data, meta={"num_groups": len(groups)}), info
+
+def build_group_batch(
+    groups: list[Group], estimator: Any, drop_zero_variance: bool = False, success_threshold: float = 1.0
+) -> tuple[Batch | None, dict[str, float]]:
+    """Advantages over the non-failed samples, then one :class:`Datum` per sample.
+
+    Failed samples and (optionally) zero-variance groups get weight 0: they stay visible
+    in the metrics but do not move the policy. Shared with the off-policy stage.
+    """
+    samples = [s for g in groups for s in g.samples]
+    gids = torch.tensor([g.group_id for g in groups for _ in g.samples])
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    valid = torch.tensor([not s.failed for s in samples])
+    adv = torch.zeros_like(rewards)
+    if valid.any():
+        adv[valid] = estimator(rewards[valid], gids[valid]).float()
+    zero_var = torch.zeros_like(valid)
+    if valid.any():
+        zero_var[valid] = zero_variance_groups(rewards[valid], gids[valid])
+    keep = valid & ~zero_var if drop_zero_variance else valid
+    lengths = [len(s.completion.tokens) for s in samples]
+    ok = rewards[valid]
+    info = {
+        "reward/mean": float(ok.mean()) if len(ok) else 0.0,
+        "reward/std": float(ok.std()) if len(ok) > 1 else 0.0,
+        "accuracy": float((ok >= success_threshold - 1e-9).float().mean()) if len(ok) else 0.0,
+        "groups/zero_variance_frac": float(zero_var[valid].float().mean()) if valid.any() else 0.0,
+        "advantage/abs_mean": float(adv[keep].abs().mean()) if keep.any() else 0.0,
+        "completion/mean_len": sum(lengths) / max(len(lengths), 1),
+        "completion/stop_frac": sum(s.completion.stop_reason == "stop" for s in samples) / max(len(samples), 1),
+    }
+    if not keep.any():
+        return None, info
+    data = [
+        Datum.from_completion(s.completion, advantage=float(a), weight=1.0 if k else 0.0)
+        for s, a, k in zip(samples, adv.tolist(), keep.tolist())
+    ]
+    return Batch(data, meta={"num_groups": len(groups)}), info

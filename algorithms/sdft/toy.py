@@ -27,7 +27,7 @@ from typing import Any
 
 TOY_LETTERS = "abcdefgh"
 TOY_DIGITS = "01234567"
-TOY_CHARS = TOY_LETTERS + TOY_DIGITS + "RSC|= "
+TOY_CHARS = TOY_LETTERS + TOY_DIGITS + "RSC|=! "
 TOY_TEACHER_TEMPLATE = "{demonstration}|{prompt}"
 SKILLS = {"reverse": "R", "shift": "S", "copy": "C"}
 
@@ -55,9 +55,13 @@ def toy_skills(
     letters: str = TOY_LETTERS,
     test_frac: float = 0.2,
     seed: int = 0,
+    demo_suffix: str = "",
 ) -> list[dict[str, Any]]:
     """``size`` rows ``{"prompt", "answer", "demonstration", "skill"}`` of ``skill`` (one of
-    ``reverse``, ``shift``, ``copy``, ``hint``) from ``split`` (``train`` or ``test``)."""
+    ``reverse``, ``shift``, ``copy``, ``hint``) from ``split`` (``train`` or ``test``).
+
+    ``demo_suffix`` is the demonstrator's style: ``demonstration = answer + demo_suffix``, and
+    ``hint`` rows show their hint in that style while their answer is the bare hint."""
     if split not in ("train", "test"):
         raise ValueError(f"toy_skills: split must be 'train' or 'test', got '{split}'")
     if skill != "hint" and skill not in SKILLS:
@@ -77,10 +81,11 @@ def toy_skills(
         if skill == "hint":
             hint = "".join(rng.choice(letters) for _ in range(rng.randint(min_len, max_len)))
             task = rng.choice(sorted(SKILLS.values()))
-            prompt, answer = TOY_TEACHER_TEMPLATE.format(demonstration=hint, prompt=f"{task} {x}="), hint
+            prompt = TOY_TEACHER_TEMPLATE.format(demonstration=hint + demo_suffix, prompt=f"{task} {x}=")
+            answer = hint
         else:
             prompt, answer = f"{SKILLS[skill]} {x}=", _answer(skill, x, letters)
-        rows.append({"prompt": prompt, "answer": answer, "demonstration": answer, "skill": skill})
+        rows.append({"prompt": prompt, "answer": answer, "demonstration": answer + demo_suffix, "skill": skill})
     return rows
 
 

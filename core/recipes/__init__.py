@@ -17,8 +17,3 @@ def _load(name: str) -> dict[str, Any]:
 def arithmetic() -> dict[str, Any]:
     """The main CPU demo: SFT warmup then GRPO on 2-digit addition with a tiny Llama."""
     return _load("arithmetic")
-
-
-def arithmetic_ci() -> dict[str, Any]:
-    """A CI-sized arithmetic run (a couple of minutes on 2 cores)."""
-    return _load("arithmetic_ci")

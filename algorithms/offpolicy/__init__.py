@@ -1,0 +1,11 @@
+"""Asynchronous, off-policy RL (``tempering.algorithms.offpolicy``).
+
+- :mod:`tempering.algorithms.offpolicy.algorithm`: the ``offpolicy`` stage -- GRPO-style groups
+  sampled concurrently with training (:mod:`tempering.async_rollout`), up to
+  ``max_steps_off_policy`` optimizer steps stale, corrected by importance ratios.
+- :mod:`tempering.algorithms.offpolicy.loss`: ``ppo``, ``cispo``, ``tis`` and ``clipped_is``
+  losses (sums over tokens, as Tinker's built-ins), ratio/ESS diagnostics, sampler-matched
+  (tempered) scoring and advantage capping.
+
+This package's ``__init__`` imports nothing so that importing it stays cheap (no torch).
+"""

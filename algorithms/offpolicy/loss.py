@@ -1,0 +1,423 @@
+"""Off-policy policy-gradient losses with corrected (clipped / truncated) importance ratios.
+
+Layout as in :mod:`tempering.algorithms.grpo.loss`: ``logprobs`` and every per-position tensor
+are ``(B, T)`` over target positions; ``batch["weights"]`` is the loss mask (non-zero on the
+completion tokens that count), ``batch["sampler_logprobs"]`` the behaviour policy's logprobs
+``q`` and ``batch["advantages"]`` per-token advantages ``A``. The ratio is
+``rho = exp(lp_theta - q)``, per token, or with ``level="sequence"`` one per sequence
+(``exp`` of the masked mean log-ratio, GSPO's length-normalised form) broadcast to its tokens.
+
+Every loss is a **sum over tokens**, exactly as Tinker's built-in losses compute it, so any
+normaliser (token mean, sequence mean) must be folded into ``advantages`` before the call (the
+``offpolicy`` stage does it: :func:`fold_normaliser`). With ``level="token"`` each loss names the
+Tinker built-in that computes the same value and gradient (``tinker_builtin``) and the
+``loss_fn_config`` to send (``tinker_loss_fn_config``):
+
+=============== ================================================================ ==================
+name            per-token loss (summed over mask)                                Tinker built-in
+=============== ================================================================ ==================
+``ppo``         ``-min(rho*A, clip(rho, low, high)*A)``; low/high 0.8/1.2         ``ppo``
+``cispo``       ``-sg(clip(rho, low, high)) * A * lp``; low/high 0.0/4.0          ``cispo``
+``tis``         ``-sg(min(rho, C)) * A * lp`` (truncated IS, Yao et al.; C=2)     ``cispo`` {0, C}
+``clipped_is``  ``-sg(clip(rho, c_low, c_high)) * A * lp``; 0.8/1.2               ``cispo`` {c_low, c_high}
+=============== ================================================================ ==================
+
+``importance_sampling`` (``-rho*A``, unclipped) is registered by ``tempering.algorithms.sdft``
+(:func:`importance_sampling_loss` here is the same formula, for tests and comparisons).
+Tinker's definitions (docs ``tinker/losses``, pages importance-sampling, ppo, cispo):
+``prob_ratio = exp(target_logprobs - sampling_logprobs)``; importance_sampling
+``loss = -(prob_ratio * advantages).sum()``; ppo ``clipped_ratio = clamp(prob_ratio,
+clip_low_threshold, clip_high_threshold)``, ``loss = -min(prob_ratio * A, clipped_ratio *
+A).sum()``; cispo ``loss = -(clamp(prob_ratio, low, high).detach() * target_logprobs *
+A).sum()`` with default thresholds ``{0.0, 4.0}``.
+
+``sg`` is stop-gradient: the coefficient losses (cispo, tis, clipped_is) have gradient
+``w * A * grad(lp)`` with ``w`` the clipped ratio, which never vanishes (unlike PPO's clip,
+whose gradient is 0 outside the trust region); their *value* is not an estimate of the
+objective (it is ``lp``-weighted), only their gradient is. The "clipped importance ratios and
+capped advantages" recipe for stale rollouts is ``clipped_is`` plus the stage's
+``advantage_cap`` (per-token ``|A|`` capped at a multiple of its running mean).
+
+Metrics (python floats; over loss tokens): ``ratio/mean``, ``ratio/max``, ``ratio/min`` of the
+raw ``rho``; ``ratio/clipped_frac``, the share of tokens whose ratio the loss clipped
+(truncated, or outside PPO's region with the sign of ``A`` that makes the clip bind);
+``is/ess`` = ``(sum w)^2 / (n * sum w^2)`` over the raw per-token ratios (1 = on-policy, -> 1/n
+when one token dominates) and ``is/ess_seq`` the same over per-sequence weights
+``exp(sum_t log rho_t)``; ``is/kl`` = mean ``rho - 1 - log rho``, the k3 estimate of
+``KL(q || pi_theta)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from tempering.algorithms.grpo.loss import log_importance_weights
+from tempering.interfaces import LossOutput
+
+__all__ = [
+    "LEVELS",
+    "AdvantageCap",
+    "CISPOLoss",
+    "ClippedISLoss",
+    "OffPolicyObjective",
+    "PPOLoss",
+    "TISLoss",
+    "cap_advantages",
+    "cispo_loss",
+    "fold_normaliser",
+    "importance_sampling_loss",
+    "ppo_loss",
+    "ratio_stats",
+    "sampling_logprobs",
+    "tis_loss",
+]
+
+LEVELS = ("token", "sequence")
+
+
+def _active(mask: torch.Tensor) -> torch.Tensor:
+    return mask != 0
+
+
+def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(_active(mask), x, torch.zeros_like(x))
+
+
+# --------------------------------------------------------------------------- pure losses
+def importance_sampling_loss(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Tinker ``importance_sampling``: ``-sum(rho * A)`` over the mask (no clipping)."""
+    return -_masked(ratio * advantages, mask).sum()
+
+
+def ppo_loss(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, low: float = 0.8, high: float = 1.2) -> torch.Tensor:
+    """Tinker ``ppo``: ``-sum(min(rho * A, clamp(rho, low, high) * A))`` over the mask."""
+    clipped = torch.clamp(ratio, low, high)
+    return -_masked(torch.minimum(ratio * advantages, clipped * advantages), mask).sum()
+
+
+def cispo_loss(
+    logprobs: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    low: float = 0.0, high: float = 4.0,
+) -> torch.Tensor:  # fmt: skip
+    """Tinker ``cispo``: ``-sum(sg(clamp(rho, low, high)) * lp * A)`` over the mask."""
+    coef = torch.clamp(ratio, low, high).detach()
+    return -_masked(coef * logprobs * advantages, mask).sum()
+
+
+def tis_loss(logprobs: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cap: float = 2.0) -> torch.Tensor:
+    """Truncated importance sampling: ``-sum(sg(min(rho, C)) * lp * A)`` (``cispo`` with
+    thresholds ``{0, C}``)."""
+    return cispo_loss(logprobs, ratio, advantages, mask, 0.0, cap)
+
+
+# --------------------------------------------------------------------------- diagnostics
+@torch.no_grad()
+def ratio_stats(log_ratio: torch.Tensor, mask: torch.Tensor, clipped: torch.Tensor | None = None) -> dict[str, float]:
+    """Importance-ratio diagnostics over the loss tokens (see the module docstring).
+
+    ``log_ratio`` is the per-token ``lp_theta - q`` (``(B, T)``); ``clipped`` an optional
+    ``(B, T)`` bool tensor of tokens whose ratio the loss clipped.
+    """
+    active = _active(mask)
+    lr = log_ratio.float()[active]
+    out: dict[str, float] = {}
+    if lr.numel() == 0:
+        return {"ratio/mean": 1.0, "ratio/max": 1.0, "ratio/min": 1.0, "ratio/clipped_frac": 0.0,
+                "is/ess": 1.0, "is/ess_seq": 1.0, "is/kl": 0.0}  # fmt: skip
+    n = lr.numel()
+    rho = torch.exp(lr)
+    out["ratio/mean"] = float(rho.mean())
+    out["ratio/max"] = float(rho.max())
+    out["ratio/min"] = float(rho.min())
+    out["ratio/clipped_frac"] = float(clipped[active].float().mean()) if clipped is not None else 0.0
+    # ESS in log space: exp(2 logsumexp(lw) - logsumexp(2 lw)) / n -- no overflow for huge ratios
+    out["is/ess"] = float(torch.exp(2 * torch.logsumexp(lr, 0) - torch.logsumexp(2 * lr, 0)) / n)
+    rows = active.any(-1)
+    seq = torch.where(active, log_ratio.float(), torch.zeros_like(log_ratio, dtype=torch.float32)).sum(-1)[rows]
+    m = seq.numel()
+    out["is/ess_seq"] = float(torch.exp(2 * torch.logsumexp(seq, 0) - torch.logsumexp(2 * seq, 0)) / m) if m else 1.0
+    out["is/kl"] = float((torch.expm1(lr) - lr).mean())
+    return out
+
+
+def fold_normaliser(weights: list[list[float]], aggregation: str) -> list[list[float]]:
+    """Per-token factors that turn a token *sum* into the ``aggregation`` mean: ``1 / N``
+    (``token_mean``, ``N`` loss tokens in the batch), ``1 / (B * n_b)`` (``seq_mean``: ``B``
+    rows, ``n_b`` loss tokens in row ``b``; a row without any counts as 0, as TRL's ``grpo``
+    loss type), or 1 (``sum``); 0 off the mask. Multiply advantages by them before a sum loss."""
+    counts = [sum(1 for w in row if w != 0) for row in weights]
+    if aggregation == "token_mean":
+        total = max(sum(counts), 1)
+        return [[1.0 / total if w != 0 else 0.0 for w in row] for row in weights]
+    if aggregation == "seq_mean":
+        b = max(len(weights), 1)
+        return [[1.0 / (b * n) if w != 0 else 0.0 for w in row] for row, n in zip(weights, counts)]
+    if aggregation == "sum":
+        return [[1.0 if w != 0 else 0.0 for w in row] for row in weights]
+    raise ValueError(f"aggregation must be token_mean, seq_mean or sum, got {aggregation!r}")
+
+
+# --------------------------------------------------------------------------- sampler-matched scoring
+def sampling_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of ``targets`` under the distribution a sampler with these settings
+    draws from: ``logits / T``, then top-k, then top-p (the local backend's and HF's order,
+    with HF's own warpers so ties and boundaries match), log-softmaxed. ``temperature <= 0``
+    (greedy) means the untempered model, as the local backend records it.
+
+    Returns ``(logprobs (B, T), kept (B, T) bool)``: ``kept`` is False where the target lies
+    outside the filtered support (its probability there is 0; the logprob is replaced by the
+    temperature-only one so it stays finite -- callers mask such tokens out).
+    """
+    scores = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        scores = scores / float(temperature)
+    tempered = torch.log_softmax(scores, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if temperature <= 0 or (top_k <= 0 and top_p >= 1.0):
+        return tempered, torch.ones_like(tempered, dtype=torch.bool)
+    from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+    flat = scores.reshape(-1, scores.shape[-1])
+    if top_k > 0:
+        flat = TopKLogitsWarper(top_k=int(top_k))(None, flat)
+    if top_p < 1.0:
+        flat = TopPLogitsWarper(top_p=float(top_p))(None, flat)
+    filtered = torch.log_softmax(flat.reshape(scores.shape), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    kept = torch.isfinite(filtered)
+    return torch.where(kept, filtered, tempered), kept
+
+
+@dataclass
+class OffPolicyObjective:
+    """Wraps any policy loss so the trainer's logprobs match the sampler's distribution and
+    importance-ratio diagnostics are always logged.
+
+    With ``temperature``/``top_k``/``top_p`` at their neutral values (1, 0, 1) the backend's
+    logprobs are used as they are and the inner loss's Tinker built-in still applies. Otherwise
+    the policy is scored from the logits exactly as the sampler drew (:func:`sampling_logprobs`),
+    so ``rho = pi_theta^T(y) / q(y)`` compares like with like: it is 1 on-policy, and the
+    IS-corrected gradient is that of the tempered policy the rollouts came from. Tokens outside
+    the trainer's filtered support (possible only with top-k/top-p) have ``rho = 0`` and are
+    masked out. This needs logits, so there is no Tinker built-in for it.
+    """
+
+    inner: Any
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def matched(self) -> bool:
+        return self.temperature > 0 and (self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0)
+
+    @property
+    def needs_logits(self) -> bool:
+        return self.matched or bool(getattr(self.inner, "needs_logits", False))
+
+    @property
+    def tinker_builtin(self) -> str | None:
+        return None if self.matched else getattr(self.inner, "tinker_builtin", None)
+
+    @property
+    def tinker_loss_fn_config(self) -> dict[str, float] | None:
+        return None if self.matched else getattr(self.inner, "tinker_loss_fn_config", None)
+
+    def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
+        filtered_frac = 0.0
+        if self.matched:
+            logprobs, kept = sampling_logprobs(batch["logits"], batch["target_ids"], self.temperature, self.top_k, self.top_p)
+            mask = batch["weights"]
+            active = _active(mask)
+            filtered_frac = float((active & ~kept).sum()) / max(int(active.sum()), 1)
+            batch = {**batch, "weights": torch.where(kept, mask, torch.zeros_like(mask))}
+        out = self.inner(logprobs, batch)
+        metrics = dict(out.metrics)
+        if "sampler_logprobs" in batch:
+            mask = batch["weights"]
+            lr = _masked(logprobs.detach() - batch["sampler_logprobs"].to(logprobs.dtype), mask)
+            for key, value in ratio_stats(lr, mask).items():
+                metrics.setdefault(key, value)
+        if self.matched:
+            metrics["is/filtered_frac"] = filtered_frac
+        return LossOutput(out.loss, metrics)
+
+
+# --------------------------------------------------------------------------- registered losses
+@dataclass
+class _RatioLoss:
+    """Shared plumbing: reads the batch, builds the ratio, adds diagnostics."""
+
+    level: str = "token"
+
+    needs_logits: ClassVar[bool] = False
+    _builtin: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        if self.level not in LEVELS:
+            raise ValueError(f"{type(self).__name__}.level must be one of {LEVELS}, got {self.level!r}")
+        self._check()
+
+    def _check(self) -> None:  # per-loss parameter checks
+        pass
+
+    @property
+    def tinker_builtin(self) -> str | None:
+        """The Tinker loss computing exactly this (token level only; GSPO-style sequence
+        ratios are a custom loss there)."""
+        return self._builtin if self.level == "token" else None
+
+    @property
+    def tinker_loss_fn_config(self) -> dict[str, float] | None:
+        return self._config() if self.level == "token" else None
+
+    def _config(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def _loss(self, logprobs: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
+        for key in ("weights", "sampler_logprobs", "advantages"):
+            if key not in batch:
+                raise KeyError(f"{type(self).__name__} needs batch[{key!r}]; the batch has {sorted(batch)}")
+        mask = batch["weights"].to(logprobs.dtype)
+        q = batch["sampler_logprobs"].to(logprobs.dtype)
+        adv = batch["advantages"].to(logprobs.dtype)
+        log_ratio = log_importance_weights(logprobs, q, mask, self.level)
+        ratio = torch.exp(log_ratio).expand_as(logprobs)
+        loss, clipped = self._loss(logprobs, ratio, adv, mask)
+        token_lr = log_importance_weights(logprobs.detach(), q, mask, "token")
+        return LossOutput(loss, ratio_stats(token_lr, mask, clipped.expand_as(logprobs)))
+
+
+@dataclass
+class PPOLoss(_RatioLoss):
+    """Tinker's ``ppo``: ``-sum(min(rho*A, clip(rho, clip_low_threshold, clip_high_threshold)*A))``.
+
+    Defaults 0.8 / 1.2 (Tinker's). ``ratio/clipped_frac`` counts tokens where the clip binds
+    (``rho > high`` with ``A > 0`` or ``rho < low`` with ``A < 0``): their gradient is 0."""
+
+    clip_low_threshold: float = 0.8
+    clip_high_threshold: float = 1.2
+    _builtin: ClassVar[str] = "ppo"
+
+    def _check(self) -> None:
+        if not 0 <= self.clip_low_threshold <= 1 <= self.clip_high_threshold:
+            raise ValueError(
+                f"PPOLoss: need 0 <= clip_low_threshold <= 1 <= clip_high_threshold, got {self.clip_low_threshold}, {self.clip_high_threshold}"
+            )
+
+    def _config(self) -> dict[str, float]:
+        return {"clip_low_threshold": self.clip_low_threshold, "clip_high_threshold": self.clip_high_threshold}
+
+    def _loss(self, logprobs, ratio, adv, mask):  # type: ignore[no-untyped-def]
+        lo, hi = self.clip_low_threshold, self.clip_high_threshold
+        clipped = ((ratio > hi) & (adv > 0)) | ((ratio < lo) & (adv < 0))
+        return ppo_loss(ratio, adv, mask, lo, hi), clipped
+
+
+@dataclass
+class CISPOLoss(_RatioLoss):
+    """Tinker's ``cispo``: ``-sum(sg(clip(rho, clip_low_threshold, clip_high_threshold)) * A * lp)``.
+
+    Defaults 0.0 / 4.0 (Tinker's one-sided default: only large ratios are capped)."""
+
+    clip_low_threshold: float = 0.0
+    clip_high_threshold: float = 4.0
+    _builtin: ClassVar[str] = "cispo"
+
+    def _check(self) -> None:
+        if not 0 <= self.clip_low_threshold <= self.clip_high_threshold:
+            raise ValueError(
+                f"{type(self).__name__}: need 0 <= low <= high, got {self.clip_low_threshold}, {self.clip_high_threshold}"
+            )
+
+    def _config(self) -> dict[str, float]:
+        return {"clip_low_threshold": self.clip_low_threshold, "clip_high_threshold": self.clip_high_threshold}
+
+    def _loss(self, logprobs, ratio, adv, mask):  # type: ignore[no-untyped-def]
+        lo, hi = self.clip_low_threshold, self.clip_high_threshold
+        return cispo_loss(logprobs, ratio, adv, mask, lo, hi), (ratio < lo) | (ratio > hi)
+
+
+@dataclass
+class TISLoss(_RatioLoss):
+    """Truncated importance sampling: ``-sum(sg(min(rho, C)) * A * lp)``, ``C = truncation``
+    (default 2, as Yao et al.'s TIS). Exactly Tinker's ``cispo`` with thresholds ``{0, C}``."""
+
+    truncation: float = 2.0
+    _builtin: ClassVar[str] = "cispo"
+
+    def _check(self) -> None:
+        if self.truncation <= 0:
+            raise ValueError(f"TISLoss.truncation must be > 0, got {self.truncation}")
+
+    def _config(self) -> dict[str, float]:
+        return {"clip_low_threshold": 0.0, "clip_high_threshold": self.truncation}
+
+    def _loss(self, logprobs, ratio, adv, mask):  # type: ignore[no-untyped-def]
+        return tis_loss(logprobs, ratio, adv, mask, self.truncation), ratio > self.truncation
+
+
+@dataclass
+class ClippedISLoss(CISPOLoss):
+    """The stale-rollout recipe's loss: importance ratios clipped to ``[clip_low_threshold,
+    clip_high_threshold]`` (default 0.8 / 1.2, i.e. +-0.2) as a stop-gradient coefficient,
+    ``-sum(sg(clip(rho, c_low, c_high)) * A * lp)``. Pair it with the stage's
+    ``advantage_cap`` (default 3 x the running mean of ``|A|``). Tinker: ``cispo`` with these
+    thresholds, after the stage has capped the advantages."""
+
+    clip_low_threshold: float = 0.8
+    clip_high_threshold: float = 1.2
+
+
+# --------------------------------------------------------------------------- advantage capping
+def cap_advantages(rows: list[list[float]], weights: list[list[float]], cap: float) -> tuple[list[list[float]], int]:
+    """Clamp every loss token's advantage to ``[-cap, cap]``; returns the new rows and how many
+    tokens were capped. Off-mask positions are left as they are."""
+    n = 0
+    out = []
+    for adv, w in zip(rows, weights):
+        row = []
+        for a, m in zip(adv, w):
+            if m != 0 and abs(a) > cap:
+                a = cap if a > 0 else -cap
+                n += 1
+            row.append(a)
+        out.append(row)
+    return out, n
+
+
+class AdvantageCap:
+    """Caps per-token ``|A|`` at ``multiple`` x its running mean (the stale-rollout recipe).
+
+    The running mean is an exponential moving average (``momentum``) of each batch's mean
+    ``|A|`` over loss tokens with a non-zero advantage (zero-variance groups would otherwise
+    drag it down and cap the rare informative group); the first batch initialises it. The
+    cap for a batch uses the mean *including* that batch. ``multiple=None`` disables it.
+    """
+
+    def __init__(self, multiple: float | None, momentum: float = 0.9, mean: float | None = None) -> None:
+        if multiple is not None and multiple <= 0:
+            raise ValueError(f"AdvantageCap: multiple must be > 0 (or None), got {multiple}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"AdvantageCap: momentum must be in [0, 1), got {momentum}")
+        self.multiple, self.momentum, self.mean = multiple, momentum, mean
+
+    def __call__(self, rows: list[list[float]], weights: list[list[float]]) -> tuple[list[list[float]], dict[str, float]]:
+        if self.multiple is None:
+            return rows, {}
+        values = [abs(a) for adv, w in zip(rows, weights) for a, m in zip(adv, w) if m != 0 and a != 0]
+        if not values:
+            return rows, {"advantage/cap": float("inf") if self.mean is None else self.multiple * self.mean,
+                          "advantage/capped_frac": 0.0}  # fmt: skip
+        batch_mean = sum(values) / len(values)
+        self.mean = batch_mean if self.mean is None else self.momentum * self.mean + (1 - self.momentum) * batch_mean
+        cap = self.multiple * self.mean
+        rows, n = cap_advantages(rows, weights, cap)
+        return rows, {"advantage/cap": cap, "advantage/capped_frac": n / len(values)}

@@ -1,0 +1,391 @@
+"""Asynchronous rollouts: sample and score groups *while* the trainer trains, with bounded staleness.
+
+:class:`AsyncRollouts` owns a producer -- an asyncio event loop on a thread of its own -- that
+keeps sampling groups from the newest sampler snapshot it may use and streams every sample to
+the reward (:meth:`tempering.scoring.RewardRunner.stream`) as soon as its sample call returns,
+so rewards of one chunk overlap with the sampling of the next and with training. The trainer
+calls :meth:`AsyncRollouts.next_batch` for each step and :meth:`AsyncRollouts.publish` with a
+fresh sampler after each optimizer step.
+
+Staleness. Batch ``b`` (the groups the trainer's ``b``-th loop step trains on) may only be
+sampled with weights published after loop step ``b - k`` or later, ``k = max_steps_off_policy``.
+A completion's staleness at training time is ``trainer optimizer step - policy_version``; the
+gate makes it at most ``k`` (optimizer steps never outnumber loop steps). ``k = 0`` is
+synchronous on-policy training (the producer waits for the weights of the current step);
+``k = 1`` samples batch ``b + 1`` while step ``b`` trains. ``fixed_staleness`` samples batch
+``b`` with exactly the weights of step ``max(0, b - k)`` even when newer ones exist, so that
+every batch is exactly ``k`` steps stale and a run is reproducible from its seed.
+
+:meth:`next_batch` still checks each group against the bound, in case a sampler stamps an
+older version than the gate expected (a sampler that failed to reload its weights): such a
+group is never trained on; its prompt is re-sampled with the newest sampler, up to
+``max_resamples`` times per slot, and counted. Groups within the bound are kept and corrected
+by the loss (importance weights), never discarded.
+
+Samplers. A backend with ``sampling_client()`` (the local backend; Tinker's
+``save_weights_and_get_sampling_client``) returns a future of a client whose ``sample`` runs
+concurrently with training and stamps the snapshot's ``policy_version``. Any other backend is
+used as its own sampler: its ``sample`` is called from the producer thread (on the local
+backend it then queues behind training calls, so only reward scoring overlaps).
+
+Resuming. Groups are trained in the order they were planned (slot ``b * P + i`` is the
+``i``-th group of batch ``b``), so after each batch :attr:`AsyncRollouts.position` is the
+example-stream position just past it; a resumed stage restarts the producer there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tempering.data import ExampleStream, encode_prompt
+from tempering.scoring import RewardRunner, ScoreStats
+from tempering.types import Group, Sample, SamplingParams
+
+__all__ = ["AsyncRollouts", "RolloutBatch", "StalenessError", "sampler_of"]
+
+
+class StalenessError(RuntimeError):
+    """A slot's group stayed beyond the staleness bound after every allowed re-sample."""
+
+
+@dataclass
+class RolloutBatch:
+    """What :meth:`AsyncRollouts.next_batch` returns: the groups (in slot order) and metrics."""
+
+    groups: list[Group]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Published:
+    index: int  # loop steps completed when the snapshot was taken
+    client: Any  # a sampler, or a Future of one
+
+
+@dataclass
+class _Slot:
+    slot: int
+    example: dict[str, Any]
+    position_after: int  # stream position after this slot's example was taken
+    attempts: int = 0
+
+
+def sampler_of(backend: Any) -> Future[Any]:
+    """A future of a sampler of the backend's current weights: ``backend.sampling_client()``
+    when the backend has one, else the backend itself (which samples its live weights)."""
+    make = getattr(backend, "sampling_client", None)
+    if callable(make):
+        return make()
+    done: Future[Any] = Future()
+    done.set_result(backend)
+    return done
+
+
+class AsyncRollouts:
+    """A background producer of scored groups for an RL stage (see the module docstring).
+
+    Args:
+        backend: has ``tokenizer`` and ``step`` (the trainer's optimizer steps).
+        stream: the examples; the producer takes from it (no one else may, once started).
+        runner: scores samples; its ``concurrency`` bounds rewards in flight.
+        group_size: samples per prompt.
+        groups_per_batch: groups per trainer step (``P``).
+        params: sampling settings; ``params.seed`` is replaced per call when ``seed`` is set.
+        max_steps_off_policy: the staleness bound ``k`` (>= 0).
+        groups_per_sample: prompts per sample call (a chunk; never spans two batches).
+            Smaller chunks reach the reward sooner; larger ones sample more efficiently.
+        fixed_staleness: sample batch ``b`` with exactly the weights of step ``max(0, b - k)``.
+        first_batch: the index of the first batch to produce (the resumed step).
+        seed: per-call sampling seeds derived from it and the slot (reproducible sampling);
+            ``None`` leaves ``params.seed`` as given.
+        max_resamples: re-samples allowed per slot for a group found beyond the bound.
+        encode: ``encode(tokenizer, example) -> prompt tokens``.
+    """
+
+    def __init__(
+        self,
+        backend: Any,
+        stream: ExampleStream,
+        runner: RewardRunner,
+        *,
+        group_size: int,
+        groups_per_batch: int,
+        params: SamplingParams,
+        max_steps_off_policy: int = 1,
+        groups_per_sample: int = 0,
+        fixed_staleness: bool = False,
+        first_batch: int = 0,
+        seed: int | None = None,
+        max_resamples: int = 2,
+        encode: Callable[[Any, Mapping[str, Any]], list[int]] = encode_prompt,
+    ) -> None:
+        if group_size < 1 or groups_per_batch < 1:
+            raise ValueError(f"AsyncRollouts: group_size and groups_per_batch must be >= 1 ({group_size}, {groups_per_batch})")
+        if max_steps_off_policy < 0:
+            raise ValueError(f"AsyncRollouts: max_steps_off_policy must be >= 0, got {max_steps_off_policy}")
+        self.backend = backend
+        self.stream = stream
+        self.runner = runner
+        self.group_size = group_size
+        self.per_batch = groups_per_batch
+        self.params = params
+        self.k = max_steps_off_policy
+        self.chunk = groups_per_sample if groups_per_sample > 0 else groups_per_batch
+        self.fixed = fixed_staleness
+        self.seed = seed
+        self.max_resamples = max_resamples
+        self.encode = encode
+        self.stats = ScoreStats()
+        self.position = stream.position
+
+        self._first_slot = first_batch * groups_per_batch
+        self._next_slot = self._first_slot  # next slot the producer plans
+        self._lock = threading.Lock()
+        self._ready_cond = threading.Condition(self._lock)
+        self._published: list[_Published] = []
+        self._ready: dict[int, tuple[Group, _Slot]] = {}
+        self._resample: collections.deque[_Slot] = collections.deque()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._counts = collections.Counter()  # resampled, sample_calls, ...
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+
+    # ------------------------------------------------------------------ trainer side
+    def start(self, sampler: Any, index: int | None = None) -> None:
+        """Publish the first sampler (or a future of one) and start producing."""
+        self.publish(sampler, index=self._first_slot // self.per_batch if index is None else index)
+        self._thread = threading.Thread(target=self._run_loop, name="tempering-rollouts", daemon=True)
+        self._thread.start()
+        self._started.wait()
+
+    def publish(self, sampler: Any, index: int) -> None:
+        """Make a sampler of the weights after ``index`` loop steps available to the producer."""
+        with self._lock:
+            if self._published and index < self._published[-1].index:
+                raise ValueError(f"AsyncRollouts.publish: index {index} is older than {self._published[-1].index}")
+            self._published.append(_Published(index, sampler))
+        self._notify()
+
+    def next_batch(self, step: int, timeout: float | None = None) -> RolloutBatch:
+        """Block until every group of batch ``step`` is sampled and scored; re-sample any that
+        is beyond the staleness bound. Groups come back in slot order."""
+        t0 = time.perf_counter()
+        first = step * self.per_batch
+        slots = range(first, first + self.per_batch)
+        trainer_version = int(getattr(self.backend, "step", 0))
+        resampled = 0
+        out: dict[int, tuple[Group, _Slot]] = {}
+        with self._ready_cond:
+            pending = set(slots)
+            while pending:
+                self._raise_if_failed()
+                for slot in sorted(pending):
+                    if slot not in self._ready:
+                        continue
+                    group, info = self._ready.pop(slot)
+                    staleness = trainer_version - min(s.completion.policy_version for s in group.samples)
+                    if staleness > self.k:
+                        if info.attempts >= self.max_resamples:
+                            raise StalenessError(
+                                f"group for slot {slot} is {staleness} steps stale (bound {self.k}) after "
+                                f"{info.attempts} re-samples: the sampler's weights are not being updated"
+                            )
+                        info.attempts += 1
+                        resampled += 1
+                        self._counts["resampled"] += 1
+                        self._resample.append(info)
+                        self._notify()
+                        continue
+                    out[slot] = (group, info)
+                    pending.discard(slot)
+                if pending:
+                    left = None if timeout is None else timeout - (time.perf_counter() - t0)
+                    if left is not None and left <= 0:
+                        raise TimeoutError(f"AsyncRollouts.next_batch({step}): {len(pending)} groups not ready after {timeout}s")
+                    self._ready_cond.wait(0.1 if left is None else min(0.1, left))
+            queued = sum(1 for s in self._ready if s >= first + self.per_batch)
+        groups = [out[s][0] for s in slots]
+        self.position = max([self.position] + [out[s][1].position_after for s in slots])
+        versions = [s.completion.policy_version for g in groups for s in g.samples]
+        stale = [trainer_version - v for v in versions]
+        metrics = {
+            "offpolicy/staleness_mean": sum(stale) / max(len(stale), 1),
+            "offpolicy/staleness_max": float(max(stale, default=0)),
+            "offpolicy/staleness_min": float(min(stale, default=0)),
+            "offpolicy/resampled": float(resampled),
+            "offpolicy/resampled_total": float(self._counts["resampled"]),
+            "offpolicy/queued_groups": float(queued),
+            "time/wait_rollouts": time.perf_counter() - t0,
+        }
+        return RolloutBatch(groups, metrics)
+
+    def close(self) -> None:
+        """Stop producing (in-flight sample calls finish on their own) and join the thread."""
+        self._closed = True
+        self._notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def __enter__(self) -> AsyncRollouts:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ shared helpers
+    def _notify(self) -> None:
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"asynchronous rollouts failed: {type(self._error).__name__}: {self._error}") from self._error
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._ready_cond:
+            if self._error is None:
+                self._error = exc
+            self._ready_cond.notify_all()
+
+    # ------------------------------------------------------------------ producer side
+    def _run_loop(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # noqa: BLE001 - surfaced by next_batch
+            self._fail(exc)
+        finally:
+            self._started.set()
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._started.set()
+        feed: asyncio.Queue[Sample | None] = asyncio.Queue()
+        owners: dict[int, list[Any]] = {}  # id(sample) -> [group, info, samples left]
+        scorer = asyncio.ensure_future(self._score(feed, owners))
+        try:
+            while not self._closed:
+                await self._produce_one(feed, owners)
+                if scorer.done():  # the reward stream died: surface its error
+                    scorer.result()
+        finally:
+            feed.put_nowait(None)
+            if self._closed:
+                scorer.cancel()
+            await asyncio.gather(scorer, return_exceptions=True)
+            close = getattr(self.runner.reward, "aclose", None)
+            if close is not None:
+                try:
+                    out = close()
+                    if asyncio.iscoroutine(out) or isinstance(out, asyncio.Future):
+                        await out
+                except Exception:  # noqa: BLE001 - cleanup
+                    pass
+
+    async def _score(self, feed: asyncio.Queue[Sample | None], owners: dict[int, list[Any]]) -> None:
+        async def samples() -> Any:
+            while True:
+                item = await feed.get()
+                if item is None:
+                    return
+                yield item
+
+        async for sample in self.runner.stream(samples(), self.stats):
+            owner = owners.pop(id(sample))
+            owner[2] -= 1
+            if owner[2] == 0:
+                group, info = owner[0], owner[1]
+                with self._ready_cond:
+                    self._ready[info.slot] = (group, info)
+                    self._ready_cond.notify_all()
+
+    async def _wait(self) -> None:
+        assert self._wake is not None
+        try:
+            await asyncio.wait_for(self._wake.wait(), 0.1)
+        except asyncio.TimeoutError:
+            pass
+        self._wake.clear()
+
+    def _plan(self) -> tuple[list[_Slot], int] | None:
+        """The next chunk to sample: re-sample requests first, else new slots of one batch.
+        Returns the slots and the oldest publication index they may use."""
+        with self._lock:
+            if self._resample:
+                chunk = [self._resample.popleft()]
+                while self._resample and len(chunk) < self.chunk:
+                    chunk.append(self._resample.popleft())
+                return chunk, -1  # -1: the newest sampler
+            batch = self._next_slot // self.per_batch
+            end = min(self._next_slot + self.chunk, (batch + 1) * self.per_batch)
+            if not self._may_sample(batch):
+                return None
+            out = []
+            for slot in range(self._next_slot, end):
+                (example,) = self.stream.take(1)
+                out.append(_Slot(slot, example, self.stream.position))
+            self._next_slot = end
+            return out, max(0, batch - self.k)
+
+    def _may_sample(self, batch: int) -> bool:
+        """Batch ``batch`` may be sampled once weights of loop step ``batch - k`` (or later) exist."""
+        return bool(self._published) and self._published[-1].index >= max(0, batch - self.k)
+
+    def _pick(self, min_index: int) -> _Published:
+        """The sampler a chunk uses: the newest (or, with ``fixed_staleness``, the oldest one
+        at or after ``min_index``; -1 asks for the newest). Publications no later chunk can
+        use are then dropped, freeing their weight snapshots."""
+        with self._lock:
+            pubs = self._published
+            if min_index < 0 or not self.fixed:
+                chosen = pubs[-1]
+            else:
+                chosen = next(p for p in pubs if p.index >= min_index)
+            if not self.fixed:
+                del pubs[:-1]
+            else:
+                need = max(0, self._next_slot // self.per_batch - self.k)
+                first = next((i for i, p in enumerate(pubs) if p.index >= need), len(pubs) - 1)
+                del pubs[:first]
+            return chosen
+
+    async def _produce_one(self, feed: asyncio.Queue[Sample | None], owners: dict[int, list[Any]]) -> None:
+        planned = self._plan()
+        if planned is None:
+            await self._wait()
+            return
+        chunk, min_index = planned
+        pub = self._pick(min_index)
+        if isinstance(pub.client, Future):
+            pub.client = await asyncio.wrap_future(pub.client)
+        client = pub.client
+        params = self.params
+        if self.seed is not None:
+            params = replace(params, seed=(self.seed * 1_000_003 + chunk[0].slot * 7919 + chunk[0].attempts) % 2**31)
+        tokenizer = getattr(client, "tokenizer", None) or self.backend.tokenizer
+        prompts = [self.encode(tokenizer, s.example) for s in chunk]
+        completions = await asyncio.wrap_future(client.sample(prompts, self.group_size, params))
+        self._counts["sample_calls"] += 1
+        for info, comps in zip(chunk, completions):
+            samples = [Sample(example=dict(info.example), completion=c) for c in comps]
+            group = Group(dict(info.example), samples, group_id=info.slot)
+            owner = [group, info, len(samples)]
+            for s in samples:
+                owners[id(s)] = owner
+                feed.put_nowait(s)
+        await asyncio.sleep(0)  # let the scorer pick them up before the next sample call

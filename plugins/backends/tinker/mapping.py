@@ -1,0 +1,286 @@
+"""How a :class:`~tempering.types.Batch` and one of our losses become Tinker training rows.
+
+Tinker's built-in losses are *sums over tokens* of a fixed per-token formula (docs, "Loss
+functions"), with ``r = exp(lp - q)`` (``lp`` the trainer's logprob of the target token, ``q`` the
+``logprobs`` input, the sampler's):
+
+* ``cross_entropy``: ``-sum(w * lp)``; with ``(N, K)`` ``target_tokens``/``weights``:
+  ``-sum_{t,k} w[t,k] * log p(target[t,k])`` (top-k soft targets);
+* ``importance_sampling``: ``-sum(r * A)``;
+* ``ppo``: ``-sum(min(r * A, clip(r, lo, hi) * A))`` with ``lo``/``hi`` =
+  ``loss_fn_config["clip_low_threshold" / "clip_high_threshold"]`` (ratios, e.g. 0.8 / 1.28);
+* ``cispo``: ``-sum(sg(clip(r, lo, hi)) * lp * A)``.
+
+None of them has a mask: every position of ``target_tokens`` counts. So :func:`plan_loss` sends
+``advantages = 0`` and ``logprobs = 0`` where our ``weights`` are 0 (such a position then adds
+exactly 0 to the loss and its gradient, and ``r = exp(lp) <= 1`` cannot overflow), and folds any
+normaliser of ours into the advantages: our aggregations (token mean, per-sequence mean,
+constant) are linear in the per-token loss with non-negative coefficients ``c[b, t]``, and
+``c * min(r A, clip(r) A) = min(r (cA), clip(r) (cA))`` for ``c >= 0``. That makes the built-in
+compute *exactly* our loss as a function of the per-token logprobs (tests/test_tinker_backend.py
+checks loss and gradient against the documented formulas).
+
+When no built-in is exact, the plan is ``custom``: ``forward_backward_custom`` with a wrapper
+that evaluates our pure-torch loss on the logprobs Tinker returns (one extra forward pass).
+
+This module imports neither torch nor the Tinker SDK at import time; :func:`to_tinker_data`
+builds ``tinker.types.Datum`` rows from a plan.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tempering.types import Batch
+
+__all__ = ["BUILTINS", "LossPlan", "plan_loss", "to_tinker_data", "RL_BUILTINS"]
+
+BUILTINS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
+#: Built-ins that read ``target_tokens``, ``logprobs`` (the sampler's) and ``advantages``.
+RL_BUILTINS = ("importance_sampling", "ppo", "cispo", "dro", "gspo")
+#: Built-ins whose clip thresholds we must send explicitly (never rely on the service default).
+CLIPPED = ("ppo", "cispo")
+#: ``Datum.extra`` keys that turn ``cross_entropy`` rows into ``(N, K)`` soft targets.
+SOFT_IDS, SOFT_WEIGHTS = "soft_target_ids", "soft_target_weights"
+
+
+@dataclass
+class LossPlan:
+    """What :class:`~tempering.plugins.backends.tinker.backend.TinkerBackend` sends.
+
+    ``loss_fn`` is a Tinker built-in name or ``"custom"``; ``inputs[i]`` holds the
+    ``loss_fn_inputs`` of row ``i`` as plain lists (nested for ``(N, K)`` tensors), keyed as
+    Tinker names them. ``note`` says why a built-in was or was not used.
+    """
+
+    loss_fn: str
+    loss_fn_config: dict[str, float] | None
+    inputs: list[dict[str, list[Any]]]
+    note: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def custom(self) -> bool:
+        return self.loss_fn == "custom"
+
+
+def plan_loss(loss: Any, batch: Batch) -> LossPlan:
+    """The Tinker rows for ``loss`` on ``batch``: a built-in when it computes exactly ``loss``,
+    else ``custom``. Raises :class:`NotImplementedError` for losses Tinker cannot run at all
+    (those that need full logits)."""
+    if not batch.data:
+        raise ValueError("forward_backward: the batch is empty")
+    hook = getattr(loss, "tinker_plan", None)  # a third-party loss may map itself
+    if callable(hook):
+        plan = hook(batch)
+        if plan is not None:
+            return plan
+    grpo = _grpo_plan(loss, batch)
+    if grpo is not None:
+        return grpo
+    builtin = getattr(loss, "tinker_builtin", None)
+    if builtin:
+        return _builtin_plan(loss, str(builtin), batch)
+    return custom_plan(loss, batch, f"{type(loss).__name__} names no Tinker built-in (tinker_builtin is None)")
+
+
+def custom_plan(loss: Any, batch: Batch, note: str) -> LossPlan:
+    """``forward_backward_custom``: only ``target_tokens`` and ``weights`` reach the service."""
+    if getattr(loss, "needs_logits", False):
+        raise NotImplementedError(_logits_message(loss))
+    inputs = [{"target_tokens": list(d.target_tokens), "weights": [float(w) for w in d.weights]} for d in batch.data]
+    return LossPlan("custom", None, inputs, note=note + "; runs as forward_backward_custom (one extra forward pass)")
+
+
+# ---------------------------------------------------------------------- GRPO
+def _grpo_plan(loss: Any, batch: Batch) -> LossPlan | None:
+    try:
+        from tempering.algorithms.grpo.loss import GRPOLoss, aggregate
+    except ImportError:  # pragma: no cover - the algorithm package is part of tempering
+        return None
+    if not isinstance(loss, GRPOLoss):
+        return None
+    why = []
+    if loss.beta != 0.0:
+        why.append(f"beta={loss.beta} adds the k3 KL term, which no built-in has")
+    if loss.delta is not None:
+        why.append(f"delta={loss.delta} (two-sided clip) is not in Tinker's ppo")
+    if loss.importance_sampling_level != "token":
+        why.append(f"importance_sampling_level={loss.importance_sampling_level!r} (sequence ratios) is not Tinker's token-level ppo")
+    if any(w < 0 for d in batch.data for w in d.weights):
+        why.append("negative weights cannot be folded into advantages")
+    if why:
+        return custom_plan(loss, batch, "GRPOLoss: " + "; ".join(why))
+    _require(batch, ("sampler_logprobs", "advantages"), "GRPOLoss")
+    import torch
+
+    t = batch.to_tensors()
+    mask = t["weights"]
+    coef = aggregation_coefficients(
+        lambda x: aggregate(x, mask, loss.loss_type, loss.max_completion_length, num_items=t.get("num_items_in_batch")),
+        mask,
+    )
+    adv = t["advantages"] * coef
+    old = torch.where(coef != 0, t["sampler_logprobs"], torch.zeros_like(coef))
+    inputs = [
+        {
+            "target_tokens": list(d.target_tokens),
+            "logprobs": old[i, : len(d.target_tokens)].tolist(),
+            "advantages": adv[i, : len(d.target_tokens)].tolist(),
+        }
+        for i, d in enumerate(batch.data)
+    ]
+    config = {"clip_low_threshold": 1.0 - float(loss.epsilon_low), "clip_high_threshold": 1.0 + float(loss.epsilon_high)}
+    return LossPlan(
+        "ppo",
+        config,
+        inputs,
+        note=f"GRPOLoss(loss_type={loss.loss_type!r}) as Tinker's ppo with its normaliser folded into the advantages (exact)",
+        details={"coefficients": coef},
+    )
+
+
+def aggregation_coefficients(aggregate_fn: Any, mask: Any) -> Any:
+    """``c[b, t] = d aggregate(l) / d l[b, t]``: the per-token weight of a *linear* aggregation
+    (token mean, per-sequence mean, constant normaliser), read off by autograd so it is exactly
+    the one the loss uses. Checked to be linear (``aggregate(l) == sum(c * l)`` on a probe)."""
+    import torch
+
+    x = torch.zeros_like(mask, dtype=torch.float32, requires_grad=True)
+    (coef,) = torch.autograd.grad(aggregate_fn(x), x)
+    probe = torch.linspace(-1.0, 2.0, mask.numel(), dtype=torch.float32).reshape(mask.shape)
+    with torch.no_grad():
+        direct, folded = float(aggregate_fn(probe)), float((coef * probe).sum())
+    if not math.isclose(direct, folded, rel_tol=1e-5, abs_tol=1e-6):  # pragma: no cover - a non-linear aggregation
+        raise ValueError("the loss's aggregation is not linear in the per-token loss; it cannot be folded into advantages")
+    if bool((coef < 0).any()):  # pragma: no cover - defensive
+        raise ValueError("the loss's aggregation has negative coefficients; it cannot be folded into advantages")
+    return coef.detach()
+
+
+# ---------------------------------------------------------------------- losses that name a built-in
+def _builtin_plan(loss: Any, name: str, batch: Batch) -> LossPlan:
+    if name not in BUILTINS:
+        raise ValueError(
+            f"{type(loss).__name__}.tinker_builtin is {name!r}, which is not a Tinker built-in loss ({', '.join(BUILTINS)})"
+        )
+    config = loss_fn_config(loss, name)
+    who = type(loss).__name__
+    if name == "cross_entropy":
+        if config:
+            raise ValueError(f"{who}: Tinker's cross_entropy takes no loss_fn_config (got {config})")
+        soft = [SOFT_IDS in d.extra and SOFT_WEIGHTS in d.extra for d in batch.data]
+        if any(soft) and not all(soft):
+            raise ValueError(f"{who}: either every row has {SOFT_IDS}/{SOFT_WEIGHTS} (soft targets) or none does")
+        if all(soft):
+            inputs = [_soft_inputs(d, who) for d in batch.data]
+            return LossPlan(name, None, inputs, note=f"{who} as Tinker's cross_entropy with (N, K) soft targets (exact)")
+        inputs = [{"target_tokens": list(d.target_tokens), "weights": [float(w) for w in d.weights]} for d in batch.data]
+        return LossPlan(name, None, inputs, note=f"{who} as Tinker's cross_entropy (exact: a weighted sum)")
+    _require(batch, ("sampler_logprobs", "advantages"), f"{who} (Tinker's {name})")
+    inputs = []
+    for d in batch.data:
+        active = [w != 0 for w in d.weights]
+        inputs.append(
+            {
+                "target_tokens": list(d.target_tokens),
+                "logprobs": [float(q) if a else 0.0 for q, a in zip(d.sampler_logprobs or [], active)],
+                "advantages": [float(x) if a else 0.0 for x, a in zip(d.advantages or [], active)],
+            }
+        )
+    for row in inputs:
+        bad = [x for x in row["logprobs"] + row["advantages"] if not math.isfinite(x)]
+        if bad:
+            raise ValueError(f"{who}: non-finite sampler logprobs or advantages on loss positions ({bad[:3]})")
+    return LossPlan(name, config, inputs, note=f"{who} as Tinker's {name} (its tinker_builtin; weight-0 positions zeroed)")
+
+
+def loss_fn_config(loss: Any, name: str) -> dict[str, float] | None:
+    """The ``loss_fn_config`` for built-in ``name``: the loss's ``tinker_loss_fn_config`` if it has
+    one, else (``ppo``/``cispo``) clip thresholds from ``clip_low_threshold``/``clip_high_threshold``
+    or ``epsilon_low``/``epsilon_high`` attributes. Clip thresholds are always sent explicitly,
+    so a recipe never silently runs with the service's defaults."""
+    explicit = getattr(loss, "tinker_loss_fn_config", None)
+    if callable(explicit):
+        explicit = explicit()
+    if explicit is not None:
+        return {str(k): float(v) for k, v in dict(explicit).items()} or None
+    if name not in CLIPPED:
+        return None
+    for low, high, as_ratio in (("clip_low_threshold", "clip_high_threshold", True), ("epsilon_low", "epsilon_high", False)):
+        lo, hi = getattr(loss, low, None), getattr(loss, high, None)
+        if lo is not None and hi is not None:
+            lo, hi = (float(lo), float(hi)) if as_ratio else (1.0 - float(lo), 1.0 + float(hi))
+            return {"clip_low_threshold": lo, "clip_high_threshold": hi}
+    raise ValueError(
+        f"{type(loss).__name__} names Tinker's {name!r} but gives no clip thresholds: give it "
+        "epsilon_low/epsilon_high (or clip_low_threshold/clip_high_threshold) attributes, or "
+        "tinker_loss_fn_config = {'clip_low_threshold': ..., 'clip_high_threshold': ...}"
+    )
+
+
+def _soft_inputs(d: Any, who: str) -> dict[str, list[Any]]:
+    ids, weights = _as_rows(d.extra[SOFT_IDS]), _as_rows(d.extra[SOFT_WEIGHTS])
+    n = len(d.target_tokens)
+    if len(ids) != n or len(weights) != n:
+        raise ValueError(f"{who}: {SOFT_IDS}/{SOFT_WEIGHTS} need one row per target token ({n}), got {len(ids)}/{len(weights)}")
+    widths = {len(r) for r in ids} | {len(r) for r in weights}
+    if len(widths) != 1:
+        raise ValueError(f"{who}: {SOFT_IDS}/{SOFT_WEIGHTS} must be rectangular (T, K), got widths {sorted(widths)}")
+    return {"target_tokens": [[int(x) for x in r] for r in ids], "weights": [[float(x) for x in r] for r in weights]}
+
+
+def _as_rows(value: Any) -> list[list[Any]]:
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    return [list(r) for r in value]
+
+
+def _require(batch: Batch, fields: Sequence[str], who: str) -> None:
+    for name in fields:
+        missing = [i for i, d in enumerate(batch.data) if getattr(d, name) is None]
+        if missing:
+            raise KeyError(f"{who} needs Datum.{name} on every row; rows {missing[:5]} have none")
+
+
+def _logits_message(loss: Any) -> str:
+    mode = getattr(loss, "mode", None)
+    what = f"{type(loss).__name__}" + (f" (mode {mode!r})" if mode else "")
+    hint = (
+        " Use mode: sampled_token (Tinker's importance_sampling) for SDFT on Tinker."
+        if type(loss).__name__ == "SDFTLoss"
+        else " Express it on per-token logprobs, or as Tinker's cross_entropy with (N, K) soft targets "
+        f"(tinker_builtin='cross_entropy' and Datum.extra['{SOFT_IDS}'/'{SOFT_WEIGHTS}'])."
+    )
+    return f"{what} needs the model's full logits (needs_logits=True), which Tinker does not return.{hint}"
+
+
+# ---------------------------------------------------------------------- to the SDK's types
+def to_tinker_data(batch: Batch, plan: LossPlan, types: Any) -> list[Any]:
+    """``tinker.types.Datum`` rows: ``model_input`` = our ``input_tokens``, ``loss_fn_inputs`` =
+    the plan's, as explicitly typed ``TensorData`` (int64 tokens, float32 values)."""
+    import numpy as np
+
+    out = []
+    for d, inputs in zip(batch.data, plan.inputs):
+        tensors = {}
+        for key, value in inputs.items():
+            dtype = np.int64 if key == "target_tokens" else np.float32
+            tensors[key] = types.TensorData.from_numpy(np.asarray(value, dtype=dtype))
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(list(d.input_tokens)), loss_fn_inputs=tensors))
+    return out
+
+
+def plain_datum(datum: Any) -> dict[str, Any]:
+    """A ``tinker.types.Datum`` as plain lists (for tests and debugging)."""
+    return {
+        "model_input": datum.model_input.to_ints(),
+        "loss_fn_inputs": {k: v.tolist() for k, v in datum.loss_fn_inputs.items()},
+    }
+
+
+def describe(plan: LossPlan) -> Mapping[str, Any]:
+    return {"loss_fn": plan.loss_fn, "loss_fn_config": plan.loss_fn_config, "note": plan.note}
