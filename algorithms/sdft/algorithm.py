@@ -113,7 +113,7 @@ class SDFT:
                 backend.snapshot(snap).result()
             elif snap not in backend.snapshot_names():
                 raise RuntimeError(f"{path}: resuming, but the checkpoint has no '{snap}' teacher snapshot")
-        self._teacher_kwargs = {"base": {"reference": True}, "live": {}}.get(self.teacher, {"weights": snap})
+        teacher_kwargs = {"base": {"reference": True}, "live": {}}.get(self.teacher, {"weights": snap})
         stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
         evaluator = StageEvaluator(ctx, ev)
         sampling = SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, list(self.stop))
@@ -138,7 +138,7 @@ class SDFT:
             if recompute:
                 for d, lp in zip(batch.data, backend.logprobs(batch).result()):
                     d.sampler_logprobs = [x if w else 0.0 for x, w in zip(lp, d.weights)]
-            self.attach_teacher(backend, batch, teacher_batch, kind, topk)
+            self.attach_teacher(backend, batch, teacher_batch, kind, topk, teacher_kwargs)
             t_teacher = time.perf_counter() - t0 - t_sample
             info.update(self._sampled_kl(batch))
             if kind == "token":
@@ -193,6 +193,12 @@ class SDFT:
             text = teacher_prompt(self.teacher_template, prompt, str(row[self.demonstration_key]))
             teacher_prompts.append(encode_prompt(tok, {"prompt": text}))
         groups = backend.sample(student_prompts, self.samples_per_prompt, sampling).result()
+        return self.build_batches(teacher_prompts, groups)
+
+    def build_batches(self, teacher_prompts: list[list[int]], groups: list[list[Any]]) -> tuple[Batch, Batch, dict[str, float]]:
+        """Student rows (``completion.prompt_tokens`` + completion; weights = loss mask after
+        ``skip_first_tokens``; sampler logprobs) and teacher rows (teacher prompt + the same
+        completion) for ``groups[i]``, the completions of prompt ``i``."""
         student, teacher = [], []
         lengths = []
         for t_prompt, group in zip(teacher_prompts, groups):
@@ -214,11 +220,13 @@ class SDFT:
         }
         return Batch(student), Batch(teacher), info
 
-    def attach_teacher(self, backend: Any, batch: Batch, teacher_batch: Batch, kind: str, topk: int) -> None:
+    def attach_teacher(
+        self, backend: Any, batch: Batch, teacher_batch: Batch, kind: str, topk: int, teacher_kwargs: dict[str, Any] | None = None
+    ) -> None:
         """Score the teacher rows and put the values, aligned to the student's positions, in
         each student row's ``extra``: ``teacher_token_logprobs`` always, plus
         ``teacher_logits`` (``full``) or ``teacher_topk_logprobs``/``_ids`` (``topk``)."""
-        kw = self._teacher_kwargs
+        kw = dict(teacher_kwargs or {})  # {} = the live policy; {"reference": True}; {"weights": snapshot}
         if kind == "token":
             values = backend.logprobs(teacher_batch, **kw).result()
             for d, t in zip(batch.data, values):

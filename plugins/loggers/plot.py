@@ -21,7 +21,7 @@ class PlotLogger:
     ) -> None:
         self.output_dir = output_dir
         self.path = os.path.join(output_dir, filename)
-        self.metrics = metrics or ["reward/mean", "eval/accuracy", "accuracy"]
+        self.metrics = metrics or ["reward/mean", "eval/accuracy"]
         self.source = os.path.join(output_dir, source)
         self._rows: list[dict[str, Any]] = []
 
@@ -33,33 +33,51 @@ class PlotLogger:
         plot_metrics(rows, self.metrics, self.path)
 
 
-def plot_metrics(rows: list[Mapping[str, Any]], metrics: list[str], path: str) -> str | None:
-    """Plot each metric against the global step, one colour per stage boundary shaded."""
-    series = {m: [(r["step"], r[m]) for r in rows if isinstance(r.get(m), (int, float))] for m in metrics}
-    series = {m: pts for m, pts in series.items() if pts}
-    if not series:
+def plot_metrics(
+    rows: list[Mapping[str, Any]], metrics: list[str], path: str, secondary: str = "loss"
+) -> str | None:
+    """One panel per stage (stages differ in length by 10x or more: a shared axis would
+    squeeze the RL stage into a sliver). Each panel plots ``metrics`` against the global step;
+    a stage that logs none of them (an SFT warmup) shows ``secondary`` on a second axis."""
+    stages: dict[str, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        if "step" in r:
+            stages.setdefault(str(r.get("stage", "")), []).append(r)
+    if not stages:
+        return None
+
+    def series(stage_rows: list[Mapping[str, Any]], name: str) -> list[tuple[float, float]]:
+        return [(r["step"], r[name]) for r in stage_rows if isinstance(r.get(name), (int, float))]
+
+    if not any(series(rs, m) for rs in stages.values() for m in [*metrics, secondary]):
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    for name, pts in series.items():
-        xs, ys = zip(*pts)
-        ax.plot(xs, ys, marker="o" if len(pts) < 30 else None, markersize=3, label=name)
-    stages: dict[str, list[int]] = {}
-    for r in rows:
-        if "stage" in r and "step" in r:
-            stages.setdefault(str(r["stage"]), []).append(int(r["step"]))
-    for i, (stage, steps) in enumerate(stages.items()):
-        if i % 2 == 1:
-            ax.axvspan(min(steps), max(steps), color="grey", alpha=0.08)
-        ax.text(min(steps), 1.0, f" {stage}", transform=ax.get_xaxis_transform(), va="top", fontsize=8)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("value")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    fig, axes = plt.subplots(1, len(stages), figsize=(4.2 * len(stages) + 1, 4), dpi=100, squeeze=False, sharey=True)
+    colours = {m: f"C{i}" for i, m in enumerate(metrics)}
+    for ax, (stage, stage_rows) in zip(axes[0], stages.items()):
+        drawn = False
+        for name in metrics:
+            pts = series(stage_rows, name)
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, color=colours[name], marker="o" if len(pts) < 60 else None, markersize=3, label=name)
+                drawn = True
+        if not any(series(stage_rows, m) for m in metrics if not m.startswith("eval/")) and series(stage_rows, secondary):
+            twin = ax.twinx()
+            xs, ys = zip(*series(stage_rows, secondary))
+            twin.plot(xs, ys, color="grey", alpha=0.6, linewidth=0.8, label=secondary)
+            twin.set_ylabel(secondary, color="grey")
+            twin.legend(loc="upper right", fontsize=8)
+        ax.set_title(stage or "run", fontsize=10)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+        if drawn:
+            ax.legend(loc="lower right", fontsize=8)
+    axes[0][0].set_ylabel("reward / accuracy")
     with warnings.catch_warnings():  # tiny figures in tests cannot fit every label
         warnings.simplefilter("ignore", UserWarning)
         fig.tight_layout()

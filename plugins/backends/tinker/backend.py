@@ -221,6 +221,8 @@ class TinkerBackend:
         self.checkpoint_index_dir = checkpoint_index_dir or os.path.join(
             os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tempering", "tinker"
         )
+        if isinstance(service_client, (str, Mapping)):
+            raise ConfigError("a runtime object (a tinker.ServiceClient), not a config key", path="backend.service_client")
         if service_client is None:
             _check_api_key(api_key)
             service_client = service_client_factory(base_url=base_url, api_key=api_key)
@@ -250,12 +252,20 @@ class TinkerBackend:
             if self._training is None:
                 if self.init_state:
                     fut = self.service.create_training_client_from_state_with_optimizer(self.init_state)
-                    self._training = self._wait(fut, "create the training client from init_state", training=True)
+                    self._training = self._wait(fut, f"create the training client from {self.init_state}")
                 else:
                     fut = self.service.create_lora_training_client(
                         base_model=self.base_model, rank=self.rank, seed=self.seed, **self.lora_targets
                     )
-                    self._training = self._wait(fut, f"create a LoRA training client for {self.base_model!r}", training=True)
+                    try:
+                        self._training = self._wait(fut, f"create a LoRA training client for {self.base_model!r}")
+                    except TinkerServiceError as err:
+                        if "/" in self.base_model:
+                            raise
+                        raise TinkerServiceError(
+                            f"{err}; {self.base_model!r} is not a Tinker model name: set backend.base_model, e.g. "
+                            "Qwen/Qwen3-4B-Instruct-2507 (`tinker model list` lists yours)"
+                        ) from err
             return self._training
 
     @property
@@ -599,7 +609,7 @@ class TinkerBackend:
         metrics: dict[str, float] = {}
         if plan.custom and "out" in captured:
             result = captured["out"]
-        elif not getattr(loss, "needs_logits", False):
+        elif not getattr(loss, "needs_logits", False) and not plan.two_dimensional:
             rows = [torch.tensor(_tensor_list(o["logprobs"]), dtype=torch.float32) for o in out.loss_fn_outputs]
             width = tensors["weights"].shape[1]
             lp = torch.stack([torch.nn.functional.pad(r, (0, width - r.shape[0])) for r in rows])
@@ -784,7 +794,7 @@ class TinkerBackend:
             return err.status_code in (408, 409, 429) or err.status_code >= 500
         return False
 
-    def _translate(self, err: BaseException, what: str, training: bool = False, attempts: int = 1) -> TemperingError:
+    def _translate(self, err: BaseException, what: str, training: bool = False, attempts: int | None = None) -> TemperingError:
         """A one-line error that says what happened and what to do."""
         if isinstance(err, TemperingError):
             return err
@@ -804,6 +814,8 @@ class TinkerBackend:
             )
         if self._retryable(err):
             kind = "rate limit (429)" if isinstance(err, t.RateLimitError) else type(err).__name__
+            if attempts is None:
+                return TinkerServiceError(f"Tinker could not {what}: {kind} persisted after the SDK's own retries ({detail}); try again later")
             return TinkerServiceError(
                 f"Tinker could not {what}: {kind} persisted over {attempts} attempt(s) ({detail}); raise backend.max_retries "
                 "or backend.retry_backoff, or try later"

@@ -66,6 +66,11 @@ class LossPlan:
     def custom(self) -> bool:
         return self.loss_fn == "custom"
 
+    @property
+    def two_dimensional(self) -> bool:
+        """``(N, K)`` targets (top-k soft cross-entropy)."""
+        return bool(self.inputs and self.inputs[0]["target_tokens"] and isinstance(self.inputs[0]["target_tokens"][0], list))
+
 
 def plan_loss(loss: Any, batch: Batch) -> LossPlan:
     """The Tinker rows for ``loss`` on ``batch``: a built-in when it computes exactly ``loss``,
