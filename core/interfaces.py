@@ -26,6 +26,11 @@ class Backend(Protocol):
 
     ``step`` is the number of optimizer steps taken: samplers stamp it on completions as
     ``policy_version`` so staleness can be measured.
+
+    Optional capabilities, used when present: ``snapshot(name)`` keeps the current weights
+    under a name that ``logprobs(batch, weights=name)`` scores with (GRPO's stage-start KL
+    reference, SDFT's teacher), ``distributions(batch, topk=K)`` (logit distillation) and
+    ``close()`` (called by ``run_recipe`` for a backend it built).
     """
 
     tokenizer: Any

@@ -194,6 +194,7 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Any = 
             spec = {k: v for k, v in spec.items() if k != "id"}
         stages.append((sid, registry.build("algorithm", spec, f"stages[{i}]")))
 
+    owns_backend = backend is None
     if backend is None:
         spec = cfg["backend"]
         if isinstance(spec, Mapping) and "seed" not in spec and _accepts(registry, spec, "seed"):
@@ -238,6 +239,8 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Any = 
     finally:
         for logger in loggers:
             logger.close()
+        if owns_backend and hasattr(backend, "close"):
+            backend.close()  # finish queued calls, end remote sessions
     return RunResult(out_dir, results, ctx.history, metadata)
 
 

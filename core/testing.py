@@ -126,6 +126,7 @@ class FakeBackend:
         self.step = 0
         self.batches: list[Batch] = []
         self.adam: list[AdamParams] = []
+        self.snapshots: list[str] = []
 
     def sample(self, prompts: list[list[int]], num_samples: int, params: SamplingParams) -> Future[list[list[Completion]]]:
         out = []
@@ -140,8 +141,17 @@ class FakeBackend:
             out.append(row)
         return _done(out)
 
-    def logprobs(self, batch: Batch, reference: bool = False) -> Future[list[list[float]]]:
+    def logprobs(
+        self, batch: Batch, reference: bool = False, weights: str | None = None
+    ) -> Future[list[list[float]]]:
+        if weights is not None and weights not in self.snapshots:
+            raise KeyError(f"FakeBackend: no weight snapshot named '{weights}' (have: {sorted(self.snapshots)})")
         return _done([[self.logprob if w else 0.0 for w in d.weights] for d in batch.data])
+
+    def snapshot(self, name: str) -> Future[None]:
+        """Remember that a named snapshot exists (its logprobs are the same constant)."""
+        self.snapshots.append(name)
+        return _done(None)
 
     def forward_backward(self, batch: Batch, loss: Any) -> Future[dict[str, float]]:
         import torch

@@ -13,6 +13,7 @@ import torch
 from tempering.algorithms.dpo.algorithm import DPO
 from tempering.algorithms.dpo.loss import DPOLoss, pair_sequence_logprobs
 from tempering.algorithms.dpo.synthetic import synthetic_preferences
+from tempering.errors import ConfigError
 from tempering.interfaces import Loss
 from tempering.plugins.backends.local.backend import LocalBackend
 from tempering.plugins.datasets.arithmetic import arithmetic
@@ -302,10 +303,12 @@ def test_precomputed_reference_equals_live(tmp_path):
 @pytest.mark.parametrize("reference", ["live", "precomputed"])
 def test_stage_start_reference_after_an_sft_stage(tmp_path, reference):
     """After SFT the backend's base reference is the untrained model, so DPO starts far from
-    ln 2; with ``reference_model: stage_start`` the reference is the SFT model: exactly ln 2."""
+    ln 2; with ``reference_model: stage_start`` (the default) the reference is the SFT model:
+    exactly ln 2."""
     start = _dpo_recipe(tmp_path, f"start_{reference}", {"reference": reference, "reference_model": "stage_start"},
                         warmup_steps=5, steps=3).run()  # fmt: skip
-    base = _dpo_recipe(tmp_path, f"base_{reference}", {"reference": reference}, warmup_steps=5, steps=1).run()
+    base = _dpo_recipe(tmp_path, f"base_{reference}", {"reference": reference, "reference_model": "base"},
+                       warmup_steps=5, steps=1).run()  # fmt: skip
     s, b = _losses(start), _losses(base)
     assert s[0] == pytest.approx(LN2, abs=1e-6)
     assert abs(b[0] - LN2) > 1e-3
@@ -313,9 +316,14 @@ def test_stage_start_reference_after_an_sft_stage(tmp_path, reference):
 
 
 def test_stage_config_errors_name_the_key(tmp_path):
-    for bad, match in (({"reference": "cached"}, r"stages\[0\].reference"), ({"reference_model": "x"}, "reference_model")):
-        with pytest.raises(ValueError, match=match):
+    for bad, match in (({"reference": "cached"}, r"stages\[0\].reference"), ({"reference_model": "x"}, "reference_model"),
+                       ({"batch_size": 0}, "batch_size"), ({"loss": {"name": "dpo", "bta": 0.1}}, r"stages\[0\].loss.bta")):  # fmt: skip
+        with pytest.raises(ConfigError, match=match):
             _dpo_recipe(tmp_path, "bad", bad).run()
+    # checked before an earlier stage trains
+    with pytest.raises(ConfigError, match=r"stages\[1\].reference"):
+        _dpo_recipe(tmp_path, "bad1", {"reference": "cached"}, warmup_steps=50).run()
+    assert not (tmp_path / "bad1" / "checkpoints").exists()
     with pytest.raises(KeyError, match="chosen_key"):
         _dpo_recipe(tmp_path, "bad2", {"chosen_key": "preferred"}).run()
 

@@ -106,7 +106,7 @@ def test_sampled_token_gradient_matches_trl(sdft_utils):
     adv = -(q - lp_t) * norm
     out = SDFTLoss(mode="sampled_token")(lp, {"weights": mask, "sampler_logprobs": q, "advantages": adv, "teacher_token_logprobs": lp_t})
     out.loss.backward()
-    torch.testing.assert_close(s.grad, trl_grad, atol=1e-7, rtol=0)
+    torch.testing.assert_close(s.grad, trl_grad, atol=1e-6, rtol=0)
     # its value on-policy is the seq-mean sampled reverse KL
     expected = (((q - lp_t) * mask).sum(-1) / mask.sum(-1)).mean()
     assert out.loss.item() == pytest.approx(expected.item(), abs=1e-6)

@@ -146,7 +146,7 @@ def test_sampling_params_and_completions(server):
 
     groups = backend.sample([PROMPT, PROMPT[:4]], 3, SamplingParams(max_tokens=4, seed=1)).result()
     assert [len(g) for g in groups] == [3, 3]
-    base, _ = server.fresh_model(), None
+    base = server.fresh_model()
     for prompt, group in zip([PROMPT, PROMPT[:4]], groups):
         for c in group:
             assert c.prompt_tokens == prompt and len(c.tokens) == len(c.logprobs) and 1 <= len(c.tokens) <= 4
@@ -246,16 +246,18 @@ def test_sdft_sampled_token_rows_are_importance_sampling(server):
 
 
 OFFPOLICY = [
-    (offpolicy.PPOLoss(clip_high_threshold=1.28), "ppo", (0.8, 1.28)),
-    (offpolicy.CISPOLoss(), "cispo", (0.0, 4.0)),
-    (offpolicy.TISLoss(truncation=2.5), "cispo", (0.0, 2.5)),
-    (offpolicy.ClippedISLoss(), "cispo", (0.8, 1.2)),
-    (offpolicy.OffPolicyObjective(offpolicy.PPOLoss()), "ppo", (0.8, 1.2)),
+    offpolicy.PPOLoss(clip_high_threshold=1.28),
+    offpolicy.CISPOLoss(),
+    offpolicy.TISLoss(truncation=2.5),
+    offpolicy.ClippedISLoss(),
+    offpolicy.OffPolicyObjective(offpolicy.PPOLoss()),
 ]
 
 
-@pytest.mark.parametrize(("loss", "loss_fn", "clips"), OFFPOLICY, ids=["ppo", "cispo", "tis", "clipped_is", "objective"])
-def test_offpolicy_rows_use_the_builtin_with_its_thresholds(server, loss, loss_fn, clips):
+@pytest.mark.parametrize("loss", OFFPOLICY, ids=["ppo", "cispo", "tis", "clipped_is", "objective"])
+def test_offpolicy_rows_use_the_builtin_with_its_thresholds(server, loss):
+    """The loss declares its built-in and thresholds (the offpolicy package owns that choice);
+    the backend sends exactly those, with hand-checked rows."""
     backend = make_backend(server)
     rows = [
         Datum([BOS, 4, 14, 5], [4, 14, 5, EOS], [0, 0, 1, 1], [0.0, 0.0, -0.7, -0.2], [0.0, 0.3, 0.25, 0.25]),
@@ -263,8 +265,12 @@ def test_offpolicy_rows_use_the_builtin_with_its_thresholds(server, loss, loss_f
     ]
     backend.forward_backward(Batch(rows), loss).result()
     (record,) = sent(server, "forward_backward")
-    assert record["loss_fn"] == loss_fn
-    assert record["loss_fn_config"] == pytest.approx({"clip_low_threshold": clips[0], "clip_high_threshold": clips[1]})
+    assert record["loss_fn"] == loss.tinker_builtin in ("ppo", "cispo")
+    declared = loss.tinker_loss_fn_config
+    assert set(declared) == {"clip_low_threshold", "clip_high_threshold"}
+    assert record["loss_fn_config"] == pytest.approx(declared)
+    if isinstance(loss, offpolicy.PPOLoss) and type(loss) is offpolicy.PPOLoss:
+        assert (record["loss_fn"], record["loss_fn_config"]) == ("ppo", pytest.approx({"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}))
     assert plain(record) == approx_rows([
         {"model_input": [BOS, 4, 14, 5], "loss_fn_inputs": {"target_tokens": [4, 14, 5, EOS],
          "logprobs": [0.0, 0.0, -0.7, -0.2], "advantages": [0.0, 0.0, 0.25, 0.25]}},
@@ -354,7 +360,7 @@ EXACT = [
     ImportanceSamplingLoss(),
     SDFTLoss(mode="sampled_token"),
     CrossEntropyLoss(),
-    *[loss for loss, _, _ in OFFPOLICY],
+    *OFFPOLICY,
 ]
 
 
@@ -569,6 +575,8 @@ def test_save_and_resume_restore_weights_step_snapshots_and_extra(server, tmp_pa
         assert resumed.sample([PROMPT], 1, SamplingParams(max_tokens=1)).result()[0][0].policy_version == 1
     assert sent(server, "create_training_client_from_state_with_optimizer")[-1]["path"] == record["tinker_path"]
     assert not sent(server, "create_lora_training_client")[1:]  # a resumed backend creates no fresh run
+    started = make_backend(server, init_state=record["tinker_path"])  # start a new run from a saved state
+    assert started.logprobs(batch).result()[0] == pytest.approx(trained[0], abs=1e-6) and started.step == 0
 
     (tmp_path / "local").mkdir()
     (tmp_path / "local" / "meta.json").write_text("{}")
@@ -642,3 +650,20 @@ def test_the_same_recipe_runs_on_local_and_on_tinker(tmp_path, monkeypatch, fres
     assert [r["step"] for r in _rl_rows(tmp_path / "tinker")] == [1, 2, 3]
     assert len(sent(server, "forward_backward")) == 3
     assert read_progress(str(tmp_path / "tinker"))["completed"] == ["rl"]
+
+
+def test_async_offpolicy_stage_samples_from_published_snapshots(tmp_path, monkeypatch, fresh_registry):
+    """The off-policy stage's producer samples through ``sampling_client()`` while training."""
+    from tempering.recipe import Recipe
+
+    server = FakeTinkerServer()
+    monkeypatch.setattr(backend_module, "service_client_factory", server.service_client)
+    monkeypatch.delenv("TINKER_API_KEY", raising=False)
+    stage = {"name": "offpolicy", "steps": 3, "prompts_per_step": 2, "group_size": 2, "max_tokens": 3,
+             "max_steps_off_policy": 1, "optimizer": {"learning_rate": 1e-2}, "dataset": {"name": "arithmetic", "size": 32}}  # fmt: skip
+    Recipe.from_dict({"name": "o", "output_dir": str(tmp_path / "o"), "loggers": ["jsonl"], "stages": [stage],
+                      "backend": {"name": "tinker", "base_model": "fake/tiny", "checkpoint_index_dir": str(tmp_path / "i")}}).run()  # fmt: skip
+    rows = [r for r in (json.loads(x) for x in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()) if "offpolicy/staleness_mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["offpolicy/staleness_max"] <= 1 for r in rows)
+    assert {r["loss_fn"] for r in sent(server, "forward_backward")} == {fresh_registry.build("loss", "clipped_is").tinker_builtin}
+    assert len(server.methods("save_weights_and_get_sampling_client")) >= 3  # a snapshot published per step

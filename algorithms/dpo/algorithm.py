@@ -6,11 +6,12 @@ Reference policy (``reference`` x ``reference_model``):
   ``precomputed`` scores the whole dataset once at stage start (one forward per row, no
   reference forward during training), caches it in ``<output_dir>/dpo/<stage>_reference.json``
   and reloads that cache when the stage resumes mid-way.
-* ``reference_model: base`` (default) is the backend's reference: the LoRA adapter disabled,
-  or (full fine-tuning) the frozen initial weights -- what TRL uses. ``stage_start`` is the
-  policy as it was when this stage began (a weight snapshot, saved in checkpoints): the right
-  reference when DPO follows an SFT stage. With ``precomputed`` it is just the policy at the
-  start; with ``live`` it needs a backend with ``snapshot`` (the local one).
+* ``reference_model: stage_start`` (default) is the policy as it was when this stage began: a
+  weight snapshot (saved in checkpoints) with ``live``, the policy's own scores at the start with
+  ``precomputed``. That is TRL's reference -- the model handed to the trainer -- translated to
+  staged recipes: after an SFT stage it is the SFT model. ``base`` is the backend's reference
+  instead: the LoRA adapter disabled, or (full fine-tuning) the frozen initial weights. When DPO
+  is the first stage the two are the same model.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Any
 from tempering.data import ExampleStream, encode_completion, encode_prompt, load_examples
 from tempering.evaluate import StageEvaluator
 from tempering.progress import progress
-from tempering.stage import EvalConfig, OptimizerConfig, sub_config
+from tempering.errors import ConfigError
+from tempering.stage import EvalConfig, OptimizerConfig, check_eval, sub_config
 from tempering.types import Batch, Datum
 
 REFERENCES = ("live", "precomputed")
@@ -56,19 +58,33 @@ class DPO:
     optimizer: Any = field(default_factory=lambda: {"learning_rate": 1e-4})
     loss: Any = "dpo"
     reference: str = "live"
-    reference_model: str = "base"
+    reference_model: str = "stage_start"
     precompute_batch_size: int = 64
     eval: Any = field(default_factory=dict)
     seed: int = 0
 
-    def run(self, ctx: Any) -> dict[str, Any]:
+    def validate(self, ctx: Any) -> None:
+        """Check every nested block before any stage trains."""
         path = ctx.path
         if self.reference not in REFERENCES:
-            raise ValueError(f"{path}.reference: use one of {REFERENCES} (got '{self.reference}')")
+            raise ConfigError(f"use one of {', '.join(REFERENCES)} (got '{self.reference}')", f"{path}.reference")
         if self.reference_model not in REFERENCE_MODELS:
-            raise ValueError(f"{path}.reference_model: use one of {REFERENCE_MODELS} (got '{self.reference_model}')")
-        if self.batch_size < 1 or self.steps < 0:
-            raise ValueError(f"{path}: batch_size must be >= 1 and steps >= 0")
+            raise ConfigError(
+                f"use one of {', '.join(REFERENCE_MODELS)} (got '{self.reference_model}')", f"{path}.reference_model"
+            )
+        if self.batch_size < 1:
+            raise ConfigError(f"must be >= 1 (pairs per step), got {self.batch_size}", f"{path}.batch_size")
+        if self.steps < 0:
+            raise ConfigError(f"must be >= 0, got {self.steps}", f"{path}.steps")
+        sub_config(OptimizerConfig, self.optimizer, f"{path}.optimizer")
+        check_eval(ctx, self.eval)
+        ctx.check("loss", self.loss, "loss")
+        if not isinstance(self.dataset, list):
+            ctx.check("dataset", self.dataset, "dataset")
+
+    def run(self, ctx: Any) -> dict[str, Any]:
+        path = ctx.path
+        self.validate(ctx)
         opt = sub_config(OptimizerConfig, self.optimizer, f"{path}.optimizer")
         ev = sub_config(EvalConfig, self.eval, f"{path}.eval")
         loss = ctx.build("loss", self.loss, "loss")

@@ -4,6 +4,7 @@ group-relative advantages with a clipped policy-gradient loss."""
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,10 @@ class GRPO:
         recompute = self.recompute_logprobs == "always" or (
             self.recompute_logprobs == "auto" and (self.temperature != 1.0 or self.top_p < 1.0 or self.top_k > 0)
         )
+        if self.reference == "stage_start" and not hasattr(ctx.backend, "snapshot"):
+            warnings.warn(f"{path}.reference: this backend cannot snapshot weights; using its base as the "
+                          "KL reference", RuntimeWarning, stacklevel=2)
+            self.reference = "base"
         if start == 0 and self.reference == "stage_start" and (getattr(loss, "beta", 0.0) or self.log_kl):
             ctx.backend.snapshot(self._ref_name(ctx)).result()  # saved in checkpoints: resume keeps it
         last: dict[str, Any] = {}

@@ -51,8 +51,8 @@ class OffPolicyRL:
     - ``groups_per_sample``: prompts per sample call (0 = a whole batch per call).
     - ``aggregation``: ``token_mean`` / ``seq_mean`` / ``sum``: the normaliser folded into the
       advantages (every loss here is a sum over tokens, as Tinker's built-ins).
-    - ``advantage_cap``: cap per-token ``|A|`` at this multiple of its running mean (null =
-      off); ``advantage_cap_momentum``: the running mean's EMA momentum.
+    - the loss's ``advantage_cap`` / ``advantage_cap_momentum`` (``clipped_is``: 3 x the running
+      mean ``|A|``) are applied here, before the normaliser.
     - ``max_resamples``: re-samples allowed for a group found beyond the bound.
     - ``seeded_sampling``: derive each sample call's seed from the stage seed and its slot.
     - ``reward_concurrency``: rewards in flight at once.
@@ -87,8 +87,6 @@ class OffPolicyRL:
     fixed_staleness: bool = False
     groups_per_sample: int = 0
     aggregation: str = "token_mean"
-    advantage_cap: float | None = 3.0
-    advantage_cap_momentum: float = 0.9
     max_resamples: int = 2
     seeded_sampling: bool = True
 
@@ -108,10 +106,6 @@ class OffPolicyRL:
             raise ConfigError("fixed_staleness needs sync_every: 1 (a snapshot of every step)", f"{path}.fixed_staleness")
         if self.aggregation not in AGGREGATIONS:
             raise ConfigError(f"use one of {AGGREGATIONS} (got '{self.aggregation}')", f"{path}.aggregation")
-        if self.advantage_cap is not None and self.advantage_cap <= 0:
-            raise ConfigError(f"must be > 0 or null, got {self.advantage_cap}", f"{path}.advantage_cap")
-        if not 0.0 <= self.advantage_cap_momentum < 1.0:
-            raise ConfigError(f"must be in [0, 1), got {self.advantage_cap_momentum}", f"{path}.advantage_cap_momentum")
         for key in ("prompts_per_step", "group_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"must be >= 1, got {getattr(self, key)}", f"{path}.{key}")
@@ -140,7 +134,9 @@ class OffPolicyRL:
         state = ctx.resume_state or {}
         stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
         start = int(state.get("step", 0))
-        capper = AdvantageCap(self.advantage_cap, self.advantage_cap_momentum, state.get("advantage_abs_mean"))
+        capper = AdvantageCap(
+            getattr(loss, "advantage_cap", None), getattr(loss, "advantage_cap_momentum", 0.9), state.get("advantage_abs_mean")
+        )
         evaluator = StageEvaluator(ctx, ev)
         sampling = SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, list(self.stop))
         last: dict[str, Any] = {}

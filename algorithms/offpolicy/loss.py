@@ -19,7 +19,8 @@ name            per-token loss (summed over mask)                               
 ``ppo``         ``-min(rho*A, clip(rho, low, high)*A)``; low/high 0.8/1.2         ``ppo``
 ``cispo``       ``-sg(clip(rho, low, high)) * A * lp``; low/high 0.0/4.0          ``cispo``
 ``tis``         ``-sg(min(rho, C)) * A * lp`` (truncated IS, Yao et al.; C=2)     ``cispo`` {0, C}
-``clipped_is``  ``-sg(clip(rho, c_low, c_high)) * A * lp``; 0.8/1.2               ``cispo`` {c_low, c_high}
+``clipped_is``  ``ppo``'s formula, 0.8/1.2, on advantages capped at 3x running    ``ppo`` (capped A)
+                mean ``|A|``
 =============== ================================================================ ==================
 
 ``importance_sampling`` (``-rho*A``, unclipped) is registered by ``tempering.algorithms.sdft``
@@ -31,12 +32,22 @@ clip_low_threshold, clip_high_threshold)``, ``loss = -min(prob_ratio * A, clippe
 A).sum()``; cispo ``loss = -(clamp(prob_ratio, low, high).detach() * target_logprobs *
 A).sum()`` with default thresholds ``{0.0, 4.0}``.
 
-``sg`` is stop-gradient: the coefficient losses (cispo, tis, clipped_is) have gradient
-``w * A * grad(lp)`` with ``w`` the clipped ratio, which never vanishes (unlike PPO's clip,
-whose gradient is 0 outside the trust region); their *value* is not an estimate of the
-objective (it is ``lp``-weighted), only their gradient is. The "clipped importance ratios and
-capped advantages" recipe for stale rollouts is ``clipped_is`` plus the stage's
-``advantage_cap`` (per-token ``|A|`` capped at a multiple of its running mean).
+``sg`` is stop-gradient: the coefficient losses (cispo, tis) have gradient ``w * A * grad(lp)``
+with ``w`` the clipped ratio, which never vanishes (unlike PPO's clip, whose gradient is 0 once
+the ratio has left the trust region in the direction ``A`` pushes); their *value* is not an
+estimate of the objective (it is ``lp``-weighted), only their gradient is.
+
+``clipped_is`` is the "clipped importance ratios and capped advantages" recipe for stale
+rollouts: the ratio clipped to ``[clip_low_threshold, clip_high_threshold]`` (+-0.2) inside
+PPO's pessimistic ``min`` (a trust region around the *sampler's* policy, so a stale batch
+cannot drag the policy further than the clip allows), on advantages whose per-token ``|A|`` is
+capped at ``advantage_cap`` times its running mean. Every loss here has the ``advantage_cap``
+and ``advantage_cap_momentum`` knobs (off except for ``clipped_is``); the stage applies the cap
+(:class:`AdvantageCap`) before the call, so on Tinker the loss is still the built-in ``ppo``.
+Measured on the arithmetic task at staleness 3 (docs/offpolicy.md), the coefficient forms
+(``cispo``, ``tis``, and the clipped ratio used as a coefficient) drift at a high learning rate
+while the PPO-style ``min`` does not: a coefficient's gradient never switches off, so nothing
+stops a stale batch from pushing the policy ever further from the policy that sampled it.
 
 Metrics (python floats; over loss tokens): ``ratio/mean``, ``ratio/max``, ``ratio/min`` of the
 raw ``rho``; ``ratio/clipped_frac``, the share of tokens whose ratio the loss clipped
@@ -250,9 +261,16 @@ class OffPolicyObjective:
 # --------------------------------------------------------------------------- registered losses
 @dataclass
 class _RatioLoss:
-    """Shared plumbing: reads the batch, builds the ratio, adds diagnostics."""
+    """Shared plumbing: reads the batch, builds the ratio, adds diagnostics.
+
+    ``level``: ``token`` ratios or one ``sequence`` ratio (masked-mean log-ratio, GSPO).
+    ``advantage_cap`` (multiple of the running mean ``|A|``, null = off) and
+    ``advantage_cap_momentum`` are read by the stage, which caps the advantages before the
+    call (:class:`AdvantageCap`)."""
 
     level: str = "token"
+    advantage_cap: float | None = None
+    advantage_cap_momentum: float = 0.9
 
     needs_logits: ClassVar[bool] = False
     _builtin: ClassVar[str] = ""
@@ -260,6 +278,10 @@ class _RatioLoss:
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
             raise ValueError(f"{type(self).__name__}.level must be one of {LEVELS}, got {self.level!r}")
+        if self.advantage_cap is not None and self.advantage_cap <= 0:
+            raise ValueError(f"{type(self).__name__}.advantage_cap must be > 0 (or null), got {self.advantage_cap}")
+        if not 0.0 <= self.advantage_cap_momentum < 1.0:
+            raise ValueError(f"{type(self).__name__}.advantage_cap_momentum must be in [0, 1), got {self.advantage_cap_momentum}")
         self._check()
 
     def _check(self) -> None:  # per-loss parameter checks
@@ -365,15 +387,14 @@ class TISLoss(_RatioLoss):
 
 
 @dataclass
-class ClippedISLoss(CISPOLoss):
-    """The stale-rollout recipe's loss: importance ratios clipped to ``[clip_low_threshold,
-    clip_high_threshold]`` (default 0.8 / 1.2, i.e. +-0.2) as a stop-gradient coefficient,
-    ``-sum(sg(clip(rho, c_low, c_high)) * A * lp)``. Pair it with the stage's
-    ``advantage_cap`` (default 3 x the running mean of ``|A|``). Tinker: ``cispo`` with these
-    thresholds, after the stage has capped the advantages."""
+class ClippedISLoss(PPOLoss):
+    """The "clipped importance ratios and capped advantages" recipe for stale rollouts:
+    ``-sum(min(rho*A', clip(rho, c_low, c_high)*A'))`` with ``c_low/c_high = 0.8/1.2`` (+-0.2)
+    and ``A'`` the advantages with per-token ``|A|`` capped at ``advantage_cap = 3`` times its
+    running mean (EMA, ``advantage_cap_momentum``). Tinker: ``ppo`` with these thresholds,
+    after the stage has capped the advantages."""
 
-    clip_low_threshold: float = 0.8
-    clip_high_threshold: float = 1.2
+    advantage_cap: float | None = 3.0
 
 
 # --------------------------------------------------------------------------- advantage capping

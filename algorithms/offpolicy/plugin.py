@@ -17,4 +17,4 @@ def register_losses(register):
     register("cispo", f"{_L}:CISPOLoss", description="-sum sg(clip(rho, 0, 4)) A lp: Tinker's cispo")
     register("tis", f"{_L}:TISLoss", description="truncated IS -sum sg(min(rho, C)) A lp (Tinker cispo {0, C})")
     register("clipped_is", f"{_L}:ClippedISLoss",
-             description="stale-rollout recipe: -sum sg(clip(rho, 0.8, 1.2)) A lp, with the stage's advantage cap")
+             description="stale-rollout recipe: ppo's clip(rho, 0.8, 1.2) on |A| capped at 3x its running mean")

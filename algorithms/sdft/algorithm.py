@@ -35,7 +35,8 @@ import torch
 from tempering.data import ExampleStream, encode_prompt, load_examples
 from tempering.evaluate import StageEvaluator
 from tempering.progress import progress
-from tempering.stage import EvalConfig, OptimizerConfig, sub_config
+from tempering.errors import ConfigError
+from tempering.stage import EvalConfig, OptimizerConfig, check_eval, sub_config
 from tempering.types import Batch, Datum, SamplingParams
 
 from tempering.algorithms.sdft.loss import fold_normaliser
@@ -87,9 +88,39 @@ class SDFT:
     eval: Any = field(default_factory=dict)
     seed: int = 0
 
+    def validate(self, ctx: Any) -> None:
+        """Check every nested block before any stage trains."""
+        path = ctx.path
+        if self.teacher not in TEACHERS:
+            raise ConfigError(f"use one of {', '.join(TEACHERS)} (got '{self.teacher}')", f"{path}.teacher")
+        if not 0.0 < self.ema_rate <= 1.0:
+            raise ConfigError(f"must be in (0, 1], got {self.ema_rate}", f"{path}.ema_rate")
+        if self.recompute_logprobs not in ("auto", "always", "never"):
+            raise ConfigError(f"use auto, always or never (got '{self.recompute_logprobs}')", f"{path}.recompute_logprobs")
+        for key in ("prompts_per_step", "samples_per_prompt", "max_tokens"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"must be >= 1, got {getattr(self, key)}", f"{path}.{key}")
+        if self.skip_first_tokens < 0:
+            raise ConfigError(f"must be >= 0, got {self.skip_first_tokens}", f"{path}.skip_first_tokens")
+        if self.dataset is None:
+            raise ConfigError(
+                f"SDFT needs a dataset with '{self.prompt_key}' and '{self.demonstration_key}'", f"{path}.dataset"
+            )
+        try:
+            teacher_prompt(self.teacher_template, "p", "d")
+        except (KeyError, IndexError, ValueError) as err:
+            raise ConfigError(
+                f"bad placeholder {err}; use {{prompt}} and {{demonstration}}", f"{path}.teacher_template"
+            ) from None
+        sub_config(OptimizerConfig, self.optimizer, f"{path}.optimizer")
+        check_eval(ctx, self.eval)
+        ctx.check("loss", self.loss, "loss")
+        if not isinstance(self.dataset, list):
+            ctx.check("dataset", self.dataset, "dataset")
+
     def run(self, ctx: Any) -> dict[str, Any]:
         path = ctx.path
-        self._check(path)
+        self.validate(ctx)
         opt = sub_config(OptimizerConfig, self.optimizer, f"{path}.optimizer")
         ev = sub_config(EvalConfig, self.eval, f"{path}.eval")
         loss = ctx.build("loss", self.loss, "loss")
@@ -98,10 +129,6 @@ class SDFT:
         for key in (self.prompt_key, self.demonstration_key):
             if examples and key not in examples[0]:
                 raise KeyError(f"{path}: rows have no '{key}' (keys: {sorted(examples[0])})")
-        try:
-            teacher_prompt(self.teacher_template, "p", "d")
-        except (KeyError, IndexError, ValueError) as err:
-            raise ValueError(f"{path}.teacher_template: bad placeholder ({err!r}); use {{prompt}} and {{demonstration}}") from err
         state = ctx.resume_state or {}
         start = int(state.get("step", 0))
         backend = ctx.backend
@@ -168,18 +195,6 @@ class SDFT:
             last.update(final)
         keep = ("loss", "sdft/distill_loss", "sdft/reverse_kl_sampled")
         return {k: v for k, v in last.items() if k in keep or k.startswith("eval/")}
-
-    def _check(self, path: str) -> None:
-        if self.teacher not in TEACHERS:
-            raise ValueError(f"{path}.teacher: use one of {TEACHERS} (got '{self.teacher}')")
-        if not 0.0 < self.ema_rate <= 1.0:
-            raise ValueError(f"{path}.ema_rate: must be in (0, 1], got {self.ema_rate}")
-        if self.recompute_logprobs not in ("auto", "always", "never"):
-            raise ValueError(f"{path}.recompute_logprobs: use auto, always or never (got '{self.recompute_logprobs}')")
-        if self.skip_first_tokens < 0 or self.prompts_per_step < 1 or self.samples_per_prompt < 1:
-            raise ValueError(f"{path}: skip_first_tokens must be >= 0, prompts_per_step and samples_per_prompt >= 1")
-        if self.dataset is None:
-            raise ValueError(f"{path}.dataset: SDFT needs a dataset with '{self.prompt_key}' and '{self.demonstration_key}'")
 
     # ------------------------------------------------------------------ batches
     def sample_batch(self, backend: Any, rows: list[dict[str, Any]], sampling: SamplingParams) -> tuple[Batch, Batch, dict[str, float]]:

@@ -5,6 +5,7 @@ Skills over strings of ``letters`` (default ``abcdefgh``), lengths ``min_len..ma
 * ``reverse``: ``"R abcd="`` -> ``"dcba"``;
 * ``shift``:   ``"S abcd="`` -> ``"bcde"`` (each letter moves one step on, cyclically);
 * ``copy``:    ``"C abcd="`` -> ``"abcd"``;
+* ``map``:     ``"M 0312="`` -> ``"adbc"`` (digit ``i`` spelt as the ``i``-th letter; inputs are digits);
 * ``hint``: ``"{hint}|{T} {x}="`` -> ``"{hint}"`` for a random task letter ``T``, string ``x``
   and an unrelated random ``hint``: *in-context copying*.
 
@@ -27,9 +28,9 @@ from typing import Any
 
 TOY_LETTERS = "abcdefgh"
 TOY_DIGITS = "01234567"
-TOY_CHARS = TOY_LETTERS + TOY_DIGITS + "RSC|=! "
+TOY_CHARS = TOY_LETTERS + TOY_DIGITS + "RSCM|=! "
 TOY_TEACHER_TEMPLATE = "{demonstration}|{prompt}"
-SKILLS = {"reverse": "R", "shift": "S", "copy": "C"}
+SKILLS = {"reverse": "R", "shift": "S", "copy": "C", "map": "M"}
 
 
 def _answer(skill: str, x: str, letters: str) -> str:
@@ -39,6 +40,8 @@ def _answer(skill: str, x: str, letters: str) -> str:
         return "".join(letters[(letters.index(c) + 1) % len(letters)] for c in x)
     if skill == "copy":
         return x
+    if skill == "map":
+        return "".join(letters[TOY_DIGITS.index(c)] for c in x)
     raise ValueError(f"toy_skills: unknown skill '{skill}'; use one of {sorted(SKILLS)} or 'hint'")
 
 
@@ -58,7 +61,7 @@ def toy_skills(
     demo_suffix: str = "",
 ) -> list[dict[str, Any]]:
     """``size`` rows ``{"prompt", "answer", "demonstration", "skill"}`` of ``skill`` (one of
-    ``reverse``, ``shift``, ``copy``, ``hint``) from ``split`` (``train`` or ``test``).
+    ``reverse``, ``shift``, ``copy``, ``map``, ``hint``) from ``split`` (``train`` or ``test``).
 
     ``demo_suffix`` is the demonstrator's style: ``demonstration = answer + demo_suffix``, and
     ``hint`` rows show their hint in that style while their answer is the bare hint."""
@@ -69,9 +72,11 @@ def toy_skills(
     rng = random.Random(f"{seed}-{skill}-{split}")
     want_test = split == "test"
 
+    source = TOY_DIGITS if skill == "map" else letters
+
     def draw() -> str:
         while True:
-            x = "".join(rng.choice(letters) for _ in range(rng.randint(min_len, max_len)))
+            x = "".join(rng.choice(source) for _ in range(rng.randint(min_len, max_len)))
             if _is_test(x, test_frac) == want_test:
                 return x
 

@@ -150,6 +150,10 @@ class TinkerBackend:
         service_client: a runtime ``tinker.ServiceClient`` (or a fake of it); not a config key.
     """
 
+    #: What this backend cannot do, for stages that want to fail before training: no weight
+    #: averaging (``ema_update``), no full next-token distributions, no logits in losses.
+    capabilities = {"ema_update": False, "full_distributions": False, "logits": False}
+
     def __init__(
         self,
         base_model: str | None = None,

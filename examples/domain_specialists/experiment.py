@@ -1,0 +1,451 @@
+"""Build and train the runs of the experiment: three specialists (concurrently) and one generalist.
+
+Every run is the recipe in ``recipe.yaml`` (an SFT warmup, then GRPO with a verifiable reward),
+built with :meth:`tempering.recipe.Recipe.from_dict` and overrides. A specialist trains on one
+domain; the generalist on a balanced union of the three, for the *sum* of the specialists'
+steps with the same batch sizes, so it sees exactly as many samples as the three together.
+
+Each run trains in its own process (``spawn``; one torch thread each on the local backend,
+one Tinker training client each on Tinker). The generalist trains alone; then the three
+specialists train at the same time. The parent measures both wall-clocks around the whole
+process (start-up and imports included, alike for both) and samples the machine's load
+average meanwhile, since other jobs on a shared machine change the ratio.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import make_data
+from make_data import DATA, DOMAINS, ROUTER_PREFIX
+
+HERE = Path(__file__).resolve().parent
+TEMPLATE = HERE / "recipe.yaml"
+
+
+@dataclass
+class Scale:
+    """How big a run is. Steps are per specialist; the generalist takes ``len(DOMAINS)`` times as many."""
+
+    sft_steps: int
+    grpo_steps: int
+    router_steps: int  # SFT steps that teach the (copied) generalist to name the domain
+    val_size: int  # per domain, for the in-recipe evaluation at the end of each stage
+    test_size: int | None  # per domain (None = the whole test split; capitals has 100)
+    overrides: list[str] = field(default_factory=list)  # applied to every run (model size, batch sizes)
+
+
+SCALES: dict[str, Scale] = {
+    # A smoke test: ~1-2 minutes on 2 cores; the models learn little.
+    "tiny": Scale(
+        sft_steps=40, grpo_steps=2, router_steps=15, val_size=20, test_size=30,
+        overrides=[
+            "backend.model_kwargs.hidden_size=32", "backend.model_kwargs.num_layers=1",
+            "backend.model_kwargs.num_heads=2", "backend.model_kwargs.intermediate_size=64",
+            "stages.warmup.batch_size=32", "stages.rl.prompts_per_step=8", "stages.rl.group_size=4",
+        ],
+    ),
+    # The measured experiment (docs/domain_specialists.md).
+    "default": Scale(sft_steps=300, grpo_steps=10, router_steps=60, val_size=60, test_size=100),
+}
+
+#: Hyperparameters that differ on Tinker (a pretrained model with a LoRA adapter wants a much
+#: smaller learning rate than a tiny model trained from scratch). Untested offline.
+TINKER_OVERRIDES = ["stages.warmup.optimizer.learning_rate=2.0e-4", "stages.rl.optimizer.learning_rate=4.0e-5"]
+
+
+def load_template() -> dict[str, Any]:
+    from tempering.config import load_yaml
+
+    return load_yaml(str(TEMPLATE))
+
+
+# --------------------------------------------------------------------------- data for the runs
+def _write_jsonl(path: Path, rows: Iterable[Mapping[str, Any]]) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        for r in rows:
+            fh.write(json.dumps(r, separators=(",", ":")) + "\n")
+    return str(path)
+
+
+def balanced_union(per_domain: Mapping[str, Sequence[Mapping[str, Any]]], seed: int = 0) -> list[dict[str, Any]]:
+    """Every domain repeated up to the largest one's size, so that an epoch over the union (and
+    hence, in expectation, every batch) is one third of each domain: the generalist then sees
+    as many samples of a domain as that domain's specialist."""
+    target = max(len(rows) for rows in per_domain.values())
+    out: list[dict[str, Any]] = []
+    rng = random.Random(seed)
+    for domain, rows in per_domain.items():
+        rows = [dict(r) for r in rows]
+        reps, rest = divmod(target, len(rows))
+        out += rows * reps + rng.sample(rows, rest)
+    return out
+
+
+def router_rows(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """The model router's SFT data: ``"domain of: <question>"`` -> the domain's name."""
+    return [{"prompt": ROUTER_PREFIX + r["prompt"], "answer": r["domain"]} for r in rows]
+
+
+def test_rows(scale: Scale, data_dir: Path = DATA) -> list[dict[str, Any]]:
+    """The shared test set: the first ``test_size`` rows of each domain's test split."""
+    rows: list[dict[str, Any]] = []
+    for d in DOMAINS:
+        split = make_data.load_split(d, "test", data_dir)
+        rows += split[: scale.test_size] if scale.test_size else split
+    return rows
+
+
+def prepare_data(run_dir: Path, scale: Scale, data_dir: Path = DATA) -> dict[str, Any]:
+    """Write the files the runs read into ``run_dir/data``; returns their paths per run."""
+    out = run_dir / "data"
+    train = {d: make_data.load_split(d, "train", data_dir) for d in DOMAINS}
+    val = {d: make_data.load_split(d, "val", data_dir)[: scale.val_size] for d in DOMAINS}
+    strip = lambda rows: [{"prompt": r["prompt"], "answer": r["answer"], "domain": r["domain"]} for r in rows]  # noqa: E731
+    paths: dict[str, Any] = {}
+    for d in DOMAINS:
+        paths[d] = {"train": _write_jsonl(out / f"{d}_train.jsonl", strip(train[d])),
+                    "val": _write_jsonl(out / f"{d}_val.jsonl", strip(val[d]))}
+    paths["generalist"] = {
+        "train": _write_jsonl(out / "generalist_train.jsonl", balanced_union(train)),
+        "val": _write_jsonl(out / "generalist_val.jsonl", [r for d in DOMAINS for r in val[d]]),
+    }
+    paths["router"] = {
+        "train": _write_jsonl(out / "router_train.jsonl", router_rows(balanced_union(train, seed=1))),
+        "val": _write_jsonl(out / "router_val.jsonl", router_rows(r for d in DOMAINS for r in val[d])),
+    }
+    paths["test"] = _write_jsonl(out / "test.jsonl", test_rows(scale, data_dir))
+    return paths
+
+
+# --------------------------------------------------------------------------- recipes
+def backend_spec(backend: str, base_model: str | None = None, rank: int = 32) -> dict[str, Any] | None:
+    """None keeps the template's local backend; ``tinker`` swaps the whole block."""
+    if backend == "local":
+        return None
+    if backend == "tinker":
+        if not base_model:
+            raise ValueError("--backend tinker needs --base-model (e.g. meta-llama/Llama-3.2-1B)")
+        return {"name": "tinker", "base_model": base_model, "rank": rank}
+    raise ValueError(f"unknown backend '{backend}' (use local or tinker)")
+
+
+def reward_spec(reward: str, judge: Mapping[str, Any] | None = None) -> Any:
+    """``exact_match`` (verifiable) or ``llm_judge`` in binary mode against the reference answer."""
+    if reward == "exact_match":
+        return "exact_match"
+    if reward == "llm_judge":
+        judge = dict(judge or {})
+        if not judge.get("base_url") or not judge.get("model"):
+            raise ValueError("--reward llm_judge needs --judge-url and --judge-model (an OpenAI-compatible server)")
+        return {"name": "llm_judge", "mode": "binary", **judge}
+    raise ValueError(f"unknown reward '{reward}' (use exact_match or llm_judge)")
+
+
+def build_recipe(
+    role: str,
+    run_dir: Path,
+    paths: Mapping[str, Any],
+    scale: Scale,
+    backend: Mapping[str, Any] | None = None,
+    reward: Any = "exact_match",
+    overrides: Sequence[str] = (),
+    chars: str | None = None,
+) -> Any:
+    """The recipe of one run: ``role`` is a domain (its specialist) or ``generalist``."""
+    from tempering.recipe import Recipe
+
+    if role != "generalist" and role not in DOMAINS:
+        raise ValueError(f"role must be 'generalist' or one of {DOMAINS}, got '{role}'")
+    data = load_template()
+    data["name"] = f"ds_{role}"
+    data["output_dir"] = str(run_dir / role)
+    if backend is not None:
+        data["backend"] = dict(backend)
+    else:
+        data["backend"]["model_kwargs"]["chars"] = chars or make_data.load_meta()["chars"]
+    mult = len(DOMAINS) if role == "generalist" else 1
+    for stage, steps in (("warmup", scale.sft_steps), ("rl", scale.grpo_steps)):
+        spec = next(s for s in data["stages"] if s["id"] == stage)
+        spec["steps"] = steps * mult
+        spec["dataset"]["path"] = paths[role]["train"]
+        spec["eval"]["dataset"]["path"] = paths[role]["val"]
+    next(s for s in data["stages"] if s["id"] == "rl")["reward"] = reward
+    extra = list(scale.overrides) + (TINKER_OVERRIDES if backend and backend.get("name") == "tinker" else [])
+    recipe = Recipe.from_dict(data, [*extra, *overrides])
+    missing = [p for p, v in _walk(recipe.to_dict()) if v == "???"]
+    if missing:
+        raise ValueError(f"recipe.yaml: unfilled keys {missing}")
+    return recipe
+
+
+def build_router_recipe(run_dir: Path, paths: Mapping[str, Any], scale: Scale, generalist: Any,
+                        overrides: Sequence[str] = ()) -> Any:
+    """The model router: one more SFT stage on the generalist's weights, teaching it to answer
+    ``"domain of: <question>"`` with the domain's name (the same optimizer settings)."""
+    from tempering.recipe import Recipe
+
+    warmup = next(s for s in generalist.stages if s.get("id") == "warmup")
+    stage = copy.deepcopy(dict(warmup))
+    stage.update(id="route", steps=scale.router_steps,
+                 dataset={"name": "jsonl", "path": paths["router"]["train"]})
+    stage["eval"] = {**stage.get("eval", {}), "dataset": {"name": "jsonl", "path": paths["router"]["val"]}}
+    stage["optimizer"] = {**stage.get("optimizer", {}), "warmup_steps": 0}
+    data = {"name": "ds_router", "seed": generalist.seed, "output_dir": str(run_dir / "router_model"),
+            "backend": copy.deepcopy(generalist.backend), "loggers": ["jsonl"], "stages": [stage]}
+    return Recipe.from_dict(data, overrides)
+
+
+def _walk(node: Any, path: str = "") -> Iterable[tuple[str, Any]]:
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            yield from _walk(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _walk(v, f"{path}.{i}")
+    else:
+        yield path, node
+
+
+def samples_seen(recipe: Any) -> dict[str, int]:
+    """What a run trains on: SFT rows plus GRPO completions (prompts x group size)."""
+    out = {"sft_rows": 0, "grpo_prompts": 0, "grpo_completions": 0}
+    for s in recipe.stages:
+        if s["name"] == "sft":
+            out["sft_rows"] += int(s["steps"]) * int(s.get("batch_size", 64))
+        elif s["name"] == "grpo":
+            prompts = int(s["steps"]) * int(s.get("prompts_per_step", 16))
+            out["grpo_prompts"] += prompts
+            out["grpo_completions"] += prompts * int(s.get("group_size", 8))
+    out["total"] = out["sft_rows"] + out["grpo_completions"]
+    return out
+
+
+# --------------------------------------------------------------------------- training processes
+#: Imported once by the fork server, so that a training process starts in a fraction of a
+#: second instead of importing torch + transformers itself (10+ CPU-seconds on a busy machine).
+PRELOAD = [
+    "torch", "transformers", "transformers.models.llama.modeling_llama", "transformers.generation.utils",
+    "tempering.recipe", "tempering.plugins.backends.local.backend", "tempering.plugins.models.tiny",
+    "tempering.algorithms.sft.algorithm", "tempering.algorithms.grpo.algorithm", "tempering.plugins.rewards.basic",
+    "tempering.plugins.datasets.files", "tempering.plugins.loggers.jsonl", "tempering.plugins.loggers.plot",
+    "experiment", "evaluate_systems",
+]
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _build_backend(recipe: Any) -> Any:
+    """The recipe's backend, seeded like ``run_recipe`` would (one seed for the whole recipe)."""
+    from tempering.recipe import _accepts
+    from tempering.registry import get_registry
+
+    registry = get_registry()
+    spec = dict(recipe.backend) if isinstance(recipe.backend, Mapping) else {"name": recipe.backend}
+    if "seed" not in spec and _accepts(registry, spec, "seed"):
+        spec["seed"] = recipe.seed
+    return registry.build("backend", spec, "backend")
+
+
+def train_one(job: Mapping[str, Any]) -> dict[str, Any]:
+    """In a worker process: run ``job["recipe"]``, then answer ``job["prompts"]`` (greedy) with
+    the trained model; then, if given, ``job["then"]`` (another recipe continuing from these
+    weights, and its prompts: the model router). Times are ``time.time()`` stamps, so that the
+    parent can tell training from evaluation."""
+    os.environ.setdefault("TEMPERING_PROGRESS", "0")
+    t_start, cpu_start = time.time(), _cpu_seconds()
+    import torch
+
+    torch.set_num_threads(1)  # also what the local backend's num_threads: 1 does
+    from evaluate_systems import answer_with
+    from tempering.recipe import read_progress
+
+    def one(recipe: Any, backend: Any, prompts: Sequence[str]) -> dict[str, Any]:
+        t0, c0 = time.time(), _cpu_seconds()
+        result = recipe.run(backend=backend)
+        t1, c1 = time.time(), _cpu_seconds()
+        answers = answer_with(backend, prompts) if prompts else []
+        progress = read_progress(result.output_dir) or {}
+        return {"output_dir": result.output_dir, "checkpoint": progress.get("checkpoint"),
+                "completed": progress.get("completed", []), "stages": result.stages,
+                "samples_seen": samples_seen(recipe), "train_started": t0, "train_ended": t1,
+                "train_wall_s": t1 - t0, "train_cpu_s": c1 - c0, "answers": answers,
+                "eval_wall_s": time.time() - t1}
+
+    recipe = job["recipe"]
+    backend = _build_backend(recipe)
+    out = one(recipe, backend, job.get("prompts", ()))
+    out["setup_wall_s"] = out["train_started"] - t_start
+    if job.get("then"):
+        out["then"] = one(job["then"]["recipe"], backend, job["then"].get("prompts", ()))
+    if hasattr(backend, "close"):
+        backend.close()
+    out.update(process_started=t_start, cpu_s=_cpu_seconds() - cpu_start, pid=os.getpid())
+    return out
+
+
+def _noop(_: Any = None) -> int:
+    return os.getpid()
+
+
+class LoadSampler:
+    """Samples ``os.getloadavg()`` (1-minute) every ``every`` seconds in a background thread."""
+
+    def __init__(self, every: float = 1.0) -> None:
+        self.every, self.samples = every, []  # type: ignore[var-annotated]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(os.getloadavg()[0])
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> LoadSampler:
+        self.before = os.getloadavg()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.after = os.getloadavg()
+
+    def summary(self) -> dict[str, float]:
+        s = self.samples or [self.before[0]]
+        return {"before_1min": round(self.before[0], 2), "before_5min": round(self.before[1], 2),
+                "mean_1min": round(sum(s) / len(s), 2), "max_1min": round(max(s), 2),
+                "after_1min": round(self.after[0], 2)}
+
+
+def mp_context() -> Any:
+    """``forkserver`` (POSIX): every worker is forked from one server that imported torch and
+    transformers once (:data:`PRELOAD`) and never ran a torch op, so workers start fast and
+    with no inherited threads or locks. ``spawn`` where there is no fork."""
+    import multiprocessing as mp
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return get_context("spawn")
+    ctx = get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def warm_up() -> float:
+    """Start the fork server (it imports :data:`PRELOAD`) before anything is timed; seconds taken."""
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=1, mp_context=mp_context()) as pool:
+        pool.submit(_noop).result()
+    return time.perf_counter() - t0
+
+
+def run_concurrently(jobs: Mapping[str, Mapping[str, Any]], fn: Callable[[Mapping[str, Any]], Any] = train_one,
+                     workers: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run ``fn(job)`` for every job, each in its own worker process, all at once.
+
+    Returns the results by name and the timing: ``wall_s`` from the launch to the last
+    result; with :func:`train_one`, ``train_wall_s`` from the launch to the end of the last
+    job's training (its evaluation excluded) and the load average meanwhile."""
+    with LoadSampler() as load:
+        launched = time.time()
+        with ProcessPoolExecutor(max_workers=workers or len(jobs), mp_context=mp_context()) as pool:
+            futures = {name: pool.submit(fn, job) for name, job in jobs.items()}
+            results = {name: f.result() for name, f in futures.items()}
+        ended = time.time()
+    timing: dict[str, Any] = {"wall_s": ended - launched, "load": load.summary()}
+    ends = [r["train_ended"] for r in results.values() if isinstance(r, Mapping) and "train_ended" in r]
+    if ends:
+        timing["train_wall_s"] = max(ends) - launched
+        timing["load"] = _load_until(load, launched, max(ends))
+    return results, timing
+
+
+def _load_until(load: LoadSampler, start: float, end: float) -> dict[str, float]:
+    """The load summary over the training part only (samples are 1 s apart from ``start``)."""
+    n = max(1, int((end - start) / load.every) + 1)
+    s = load.samples[:n] or [load.before[0]]
+    return {**load.summary(), "mean_1min": round(sum(s) / len(s), 2), "max_1min": round(max(s), 2)}
+
+
+def train_all(
+    run_dir: Path,
+    scale: Scale,
+    backend: Mapping[str, Any] | None = None,
+    reward: Any = "exact_match",
+    overrides: Sequence[str] = (),
+    model_router: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Train the generalist alone (it then answers the test set and, optionally, becomes the
+    model router), then the three specialists at once (each then answers the test set).
+    Returns everything the evaluation needs: the answers, the runs, the timings."""
+    from router import router_prompt
+
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # a fresh experiment: timings of a resumed run would mean nothing
+    run_dir.mkdir(parents=True)
+    paths = prepare_data(run_dir, scale)
+    questions = [r["prompt"] for r in test_rows(scale)]
+    recipes = {role: build_recipe(role, run_dir, paths, scale, backend, reward, overrides)
+               for role in ("generalist", *DOMAINS)}
+    info: dict[str, Any] = {"scale": asdict(scale), "paths": paths, "cpu_count": os.cpu_count(),
+                            "recipes": {k: r.to_dict() for k, r in recipes.items()}}
+    log(f"[0/2] starting the worker fork server (imports torch once; not timed; load {os.getloadavg()[0]:.2f})")
+    info["warm_up_s"] = warm_up()
+
+    gen_job: dict[str, Any] = {"recipe": recipes["generalist"], "prompts": questions}
+    if model_router:
+        router = build_router_recipe(run_dir, paths, scale, recipes["generalist"])
+        gen_job["then"] = {"recipe": router, "prompts": [router_prompt(q) for q in questions]}
+        info["recipes"]["router_model"] = router.to_dict()
+    g = recipes["generalist"]
+    log(f"[1/2] generalist: {g.stages[0]['steps']} SFT + {g.stages[1]['steps']} GRPO steps in one process "
+        f"(load {os.getloadavg()[0]:.2f})" + (f"; then the model router: {scale.router_steps} SFT steps" if model_router else ""))
+    gen, gen_t = run_concurrently({"generalist": gen_job})
+    log(f"      trained in {gen_t['train_wall_s']:.1f} s (load avg 1 min: mean {gen_t['load']['mean_1min']}, "
+        f"max {gen_t['load']['max_1min']}); with evaluation{' and router' if model_router else ''} {gen_t['wall_s']:.1f} s")
+
+    log(f"[2/2] specialists: {scale.sft_steps} SFT + {scale.grpo_steps} GRPO steps each, {len(DOMAINS)} processes "
+        f"at once (load {os.getloadavg()[0]:.2f})")
+    spec, spec_t = run_concurrently({d: {"recipe": recipes[d], "prompts": questions} for d in DOMAINS})
+    log(f"      trained in {spec_t['train_wall_s']:.1f} s (load avg 1 min: mean {spec_t['load']['mean_1min']}, "
+        f"max {spec_t['load']['max_1min']}); with evaluation {spec_t['wall_s']:.1f} s")
+
+    runs = {"generalist": gen["generalist"], **spec}
+    if model_router:
+        runs["router_model"] = runs["generalist"].pop("then")
+    info["runs"] = runs
+    info["timing"] = {
+        "generalist_wall_s": gen_t["train_wall_s"],
+        "specialists_parallel_wall_s": spec_t["train_wall_s"],
+        "ratio_generalist_over_parallel": gen_t["train_wall_s"] / spec_t["train_wall_s"],
+        "load_generalist": gen_t["load"],
+        "load_specialists": spec_t["load"],
+        "generalist_cpu_s": gen["generalist"]["train_cpu_s"],
+        "specialists_cpu_s": {d: spec[d]["train_cpu_s"] for d in DOMAINS},
+        "specialists_train_wall_s": {d: spec[d]["train_wall_s"] for d in DOMAINS},
+        "eval_wall_s": sum(r["eval_wall_s"] for r in runs.values()),
+        "warm_up_s": info["warm_up_s"],
+    }
+    if model_router:
+        info["timing"]["router_model_wall_s"] = runs["router_model"]["train_wall_s"]
+    (run_dir / "training.json").write_text(json.dumps(info, indent=2, default=str), encoding="utf-8")
+    return info
