@@ -81,6 +81,8 @@ def run_config(label: str, stage: dict[str, Any], args: argparse.Namespace) -> d
     }
     if stage["name"] == "grpo":
         out["sample_s"] = statistics.mean(h["sample_time"] + h["reward_time"] for h in rows)
+        out["sampling_only_s"] = statistics.mean(h["sample_time"] for h in rows)
+        out["reward_only_s"] = statistics.mean(h["reward_time"] for h in rows)
         out["train_s"] = statistics.mean(h["train_time"] for h in rows)
     else:
         out["wait_s"] = statistics.mean(h["time/wait_rollouts"] for h in rows)
@@ -97,7 +99,8 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--burn-ms", type=float, default=3.0, help="CPU per sample in the reward")
     parser.add_argument("--workers", type=int, default=1, help="reward worker processes")
-    parser.add_argument("--groups-per-sample", type=int, default=8, help="prompts per sample call (async)")
+    parser.add_argument("--groups-per-sample", type=int, default=16, help="prompts per sample call (async)")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat every configuration, interleaved; report medians")
     parser.add_argument("--only", default="", help="comma-separated subset of: grpo,k0,k1,k3")
     parser.add_argument("--out", default="runs/bench_async_vs_sync")
     parser.add_argument("--json", default="", help="also write the results here")
@@ -114,26 +117,35 @@ def main() -> None:
         "k3": ("async k=3", {**off, "max_steps_off_policy": 3}),
     }
     chosen = [c for c in (args.only.split(",") if args.only else configs) if c]
+    runs: dict[str, list[dict[str, Any]]] = {key: [] for key in chosen}
+    for r in range(args.rounds):  # interleaved, so that a change in the machine's load hits all alike
+        for key in chosen:
+            label, stage = configs[key]
+            res = run_config(label, stage, args)
+            runs[key].append(res)
+            print(f"  round {r + 1}: {label:10s} {res['step_s']:.3f} s/step (median {res['step_s_median']:.3f}) "
+                  f"load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
     results = []
     for key in chosen:
-        label, stage = configs[key]
-        res = run_config(label, stage, args)
-        results.append(res)
-        print(f"  {label:10s} {res['step_s']:.3f} s/step (median {res['step_s_median']:.3f})", flush=True)
+        rs = runs[key]
+        merged = {k: statistics.median(r[k] for r in rs) for k in rs[0] if isinstance(rs[0][k], float)}
+        results.append({"label": rs[0]["label"], **merged, "rounds": [r["step_s"] for r in rs]})
 
     base = next((r for r in results if r["label"] == "sync grpo"), None)
     print()
     if base is not None:
         s, t = base["sample_s"], base["train_s"]
         ideal = (s + t) / max(s, t)
-        print(f"sync phases: sample+reward {s:.3f} s, train {t:.3f} s -> ideal speedup (S+T)/max(S,T) = {ideal:.2f}x")
-    print(f"{'config':10s} {'s/step':>8s} {'speedup':>8s} {'of ideal':>9s} {'staleness':>9s} {'trainer wait':>12s} {'train':>7s}")
+        print(f"sync phases: sample+reward S = {s:.3f} s (sampling {base['sampling_only_s']:.3f} + reward "
+              f"{base['reward_only_s']:.3f}), train T = {t:.3f} s -> ideal speedup (S+T)/max(S,T) = {ideal:.2f}x")
+    print(f"{'config':10s} {'s/step':>8s} {'speedup':>8s} {'of ideal gain':>13s} {'staleness':>9s} {'trainer wait':>12s} {'train':>7s}")
     for r in results:
         speed = base["step_s"] / r["step_s"] if base else float("nan")
         frac = (speed - 1) / (ideal - 1) if base and ideal > 1 else float("nan")
         stale = f"{r['staleness']:.2f}" if "staleness" in r else "-"
         wait = f"{r['wait_s']:.3f}" if "wait_s" in r else "-"
-        print(f"{r['label']:10s} {r['step_s']:8.3f} {speed:7.2f}x {frac:8.0%} {stale:>9s} {wait:>12s} {r['train_s']:7.3f}")
+        print(f"{r['label']:10s} {r['step_s']:8.3f} {speed:7.2f}x {frac:12.0%} {stale:>9s} {wait:>12s} {r['train_s']:7.3f}"
+              f"   rounds: {', '.join(f'{x:.3f}' for x in r['rounds'])}")  # fmt: skip
         r["speedup"], r["fraction_of_ideal_gain"] = speed, frac
     print(f"\nload average after: {os.getloadavg()}")
     if args.json:

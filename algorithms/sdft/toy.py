@@ -59,12 +59,14 @@ def toy_skills(
     test_frac: float = 0.2,
     seed: int = 0,
     demo_suffix: str = "",
+    hint_letters: str | None = None,
 ) -> list[dict[str, Any]]:
     """``size`` rows ``{"prompt", "answer", "demonstration", "skill"}`` of ``skill`` (one of
     ``reverse``, ``shift``, ``copy``, ``map``, ``hint``) from ``split`` (``train`` or ``test``).
 
     ``demo_suffix`` is the demonstrator's style: ``demonstration = answer + demo_suffix``, and
-    ``hint`` rows show their hint in that style while their answer is the bare hint."""
+    ``hint`` rows show their hint in that style while their answer is the bare hint.
+    ``hint_letters`` is the alphabet of hints (default ``letters``)."""
     if split not in ("train", "test"):
         raise ValueError(f"toy_skills: split must be 'train' or 'test', got '{split}'")
     if skill != "hint" and skill not in SKILLS:
@@ -84,7 +86,7 @@ def toy_skills(
     for _ in range(size):
         x = draw()
         if skill == "hint":
-            hint = "".join(rng.choice(letters) for _ in range(rng.randint(min_len, max_len)))
+            hint = "".join(rng.choice(hint_letters or letters) for _ in range(rng.randint(min_len, max_len)))
             task = rng.choice(sorted(SKILLS.values()))
             prompt = TOY_TEACHER_TEMPLATE.format(demonstration=hint + demo_suffix, prompt=f"{task} {x}=")
             answer = hint
@@ -98,12 +100,13 @@ def toy_mixture(
     skills: dict[str, int] | None = None, split: str = "train", seed: int = 0, **kwargs: Any
 ) -> list[dict[str, Any]]:
     """Rows of several skills, e.g. ``{reverse: 1000, hint: 1000}`` (shuffled together). A
-    name ``skill@alphabet`` draws its strings from ``alphabet`` (e.g. ``hint@01234567``)."""
+    name ``skill@alphabet`` draws its strings from ``alphabet`` (for ``hint``: its hints, e.g.
+    ``hint@01234567``)."""
     skills = dict(skills or {"reverse": 1000, "hint": 1000})
     rows = []
     for name, n in skills.items():
         skill, _, alphabet = name.partition("@")
-        extra = {"letters": alphabet} if alphabet else {}
+        extra = {("hint_letters" if skill == "hint" else "letters"): alphabet} if alphabet else {}
         rows += toy_skills(skill, split, n, seed=seed, **{**kwargs, **extra})
     random.Random(f"{seed}-mix").shuffle(rows)
     return rows

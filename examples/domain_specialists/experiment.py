@@ -44,7 +44,8 @@ class Scale:
     router_steps: int  # SFT steps that teach the (copied) generalist to name the domain
     val_size: int  # per domain, for the in-recipe evaluation at the end of each stage
     test_size: int | None  # per domain (None = the whole test split; capitals has 100)
-    overrides: list[str] = field(default_factory=list)  # applied to every run (model size, batch sizes)
+    #: Applied to every run (batch sizes; ``backend.*``: the local tiny model's size, dropped on Tinker).
+    overrides: list[str] = field(default_factory=list)
 
 
 SCALES: dict[str, Scale] = {
@@ -184,7 +185,10 @@ def build_recipe(
         spec["dataset"]["path"] = paths[role]["train"]
         spec["eval"]["dataset"]["path"] = paths[role]["val"]
     next(s for s in data["stages"] if s["id"] == "rl")["reward"] = reward
-    extra = list(scale.overrides) + (TINKER_OVERRIDES if backend and backend.get("name") == "tinker" else [])
+    extra = list(scale.overrides)
+    if backend is not None:  # the scale's model size is the local tiny model's: not for another backend
+        extra = [o for o in extra if not o.startswith("backend.")]
+        extra += TINKER_OVERRIDES if backend.get("name") == "tinker" else []
     recipe = Recipe.from_dict(data, [*extra, *overrides])
     missing = [p for p, v in _walk(recipe.to_dict()) if v == "???"]
     if missing:
@@ -242,6 +246,7 @@ PRELOAD = [
     "tempering.recipe", "tempering.plugins.backends.local.backend", "tempering.plugins.models.tiny",
     "tempering.algorithms.sft.algorithm", "tempering.algorithms.grpo.algorithm", "tempering.plugins.rewards.basic",
     "tempering.plugins.datasets.files", "tempering.plugins.loggers.jsonl", "tempering.plugins.loggers.plot",
+    "matplotlib", "matplotlib.pyplot",
     "experiment", "evaluate_systems",
 ]
 
