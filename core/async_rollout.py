@@ -103,6 +103,7 @@ class AsyncRollouts:
             Smaller chunks reach the reward sooner; larger ones sample more efficiently.
         fixed_staleness: sample batch ``b`` with exactly the weights of step ``max(0, b - k)``.
         first_batch: the index of the first batch to produce (the resumed step).
+        last_batch: produce no batch with this index or later (the stage's ``steps``); None = no end.
         seed: per-call sampling seeds derived from it and the slot (reproducible sampling);
             ``None`` leaves ``params.seed`` as given.
         max_resamples: re-samples allowed per slot for a group found beyond the bound.
@@ -122,6 +123,7 @@ class AsyncRollouts:
         groups_per_sample: int = 0,
         fixed_staleness: bool = False,
         first_batch: int = 0,
+        last_batch: int | None = None,
         seed: int | None = None,
         max_resamples: int = 2,
         encode: Callable[[Any, Mapping[str, Any]], list[int]] = encode_prompt,
@@ -146,6 +148,7 @@ class AsyncRollouts:
         self.position = stream.position
 
         self._first_slot = first_batch * groups_per_batch
+        self._end_slot = None if last_batch is None else last_batch * groups_per_batch
         self._next_slot = self._first_slot  # next slot the producer plans
         self._lock = threading.Lock()
         self._ready_cond = threading.Condition(self._lock)
@@ -333,7 +336,7 @@ class AsyncRollouts:
                 return chunk, -1  # -1: the newest sampler
             batch = self._next_slot // self.per_batch
             end = min(self._next_slot + self.chunk, (batch + 1) * self.per_batch)
-            if not self._may_sample(batch):
+            if (self._end_slot is not None and self._next_slot >= self._end_slot) or not self._may_sample(batch):
                 return None
             out = []
             for slot in range(self._next_slot, end):

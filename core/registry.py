@@ -390,7 +390,9 @@ def _make_schema(name: str, entries: list[tuple[str, Any, Any]]) -> type:
         if default is dataclasses.MISSING:
             spec.append((fname, ftype))
         elif isinstance(default, (list, dict)):
-            spec.append((fname, Any, field(default_factory=lambda d=default: type(d)(d))))
+            # Any with no default: a dict-valued default would make omegaconf refuse a list
+            # (a dataset given inline as rows). Defaults are the factory's business anyway.
+            spec.append((fname, Any, field(default=None)))
         elif default is None or isinstance(default, _SIMPLE):
             spec.append((fname, ftype, field(default=default)))
         else:  # non-config default (a callable, an object): keep it out of omegaconf's checks

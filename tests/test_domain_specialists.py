@@ -227,6 +227,62 @@ def test_tinker_and_llm_judge_options_validate(tmp_path: Path) -> None:
         experiment.reward_spec("llm_judge", {})
 
 
+def test_a_specialist_trains_and_answers_on_the_tinker_backend_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--backend tinker`` without the network: one specialist's job, in this process, against the
+    in-process fake of the service (tests/fake_tinker.py; a tiny Llama on the example's characters).
+    The real service is not exercised here; the concurrency of the processes is the local path's."""
+    pytest.importorskip("tinker")
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from fake_tinker import MODEL_KWARGS, FakeTinkerServer
+
+    from tempering.plugins.backends.tinker import backend as backend_module
+
+    server = FakeTinkerServer(model_kwargs={**MODEL_KWARGS, "chars": make_data.load_meta()["chars"]})
+    monkeypatch.setattr(backend_module, "service_client_factory", server.service_client)
+    monkeypatch.delenv("TINKER_API_KEY", raising=False)
+    scale = experiment.Scale(sft_steps=6, grpo_steps=2, router_steps=1, val_size=4, test_size=6)
+    paths = experiment.prepare_data(tmp_path, scale)
+    spec = {**experiment.backend_spec("tinker", "fake/tiny", rank=8), "checkpoint_index_dir": str(tmp_path / "index")}
+    small = ["loggers=[jsonl]", "stages.rl.prompts_per_step=2", "stages.rl.group_size=2"]  # the fake samples slowly
+    recipe = experiment.build_recipe("units", tmp_path, paths, scale, backend=spec, overrides=small)
+    questions = _prompts(Path(paths["test"]))
+    threads = torch.get_num_threads()
+    try:
+        out = experiment.train_one({"recipe": recipe, "prompts": questions})
+        again = evaluate_systems.answer_job({"backend": spec, "checkpoint": out["checkpoint"], "prompts": questions})
+    finally:
+        torch.set_num_threads(threads)
+    assert out["completed"] == ["warmup", "rl"]
+    assert len(out["answers"]) == len(questions) and again == out["answers"]
+    assert (Path(out["checkpoint"]) / "tinker_checkpoint.json").is_file()
+    assert server.received[0] == {"method": "create_lora_training_client", "base_model": "fake/tiny", "rank": 8, "seed": 0}
+    assert len(server.methods("forward_backward")) == scale.sft_steps + scale.grpo_steps
+    assert out["samples_seen"] == experiment.samples_seen(recipe)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("stages.rl.grup_size=3", "stages[1].grup_size: unknown key"),
+        ("stages.warmup.optimizer.learnig_rate=1e-3", "stages[0].optimizer.learnig_rate: unknown key"),
+        ("stages.rl.loss.loss_typ=dapo", "stages[1].loss.loss_typ: unknown key"),
+        ("backend.num_thread=1", "backend.num_thread: unknown key"),
+        ("stages.warmup.steps=5", "steps come from the scale"),
+    ],
+)
+def test_a_bad_override_fails_before_anything_trains(override: str, message: str) -> None:
+    from tempering.errors import TemperingError
+
+    with pytest.raises((TemperingError, ValueError), match=re.escape(message)):
+        experiment.check_config(experiment.SCALES["tiny"], overrides=[override])
+
+
+def test_good_overrides_pass_the_check() -> None:
+    experiment.check_config(experiment.SCALES["default"], overrides=["stages.rl.group_size=4", "seed=3"])
+
+
 def test_scoring_of_routed_systems() -> None:
     rows = [{"prompt": "1+1=", "answer": "2", "domain": "arithmetic"},
             {"prompt": "1 m in cm=", "answer": "100", "domain": "units"},

@@ -100,9 +100,10 @@ class DPO:
         live_snapshot = self.reference == "live" and self.reference_model == "stage_start"
         if live_snapshot:
             if not hasattr(backend, "snapshot"):
-                raise ValueError(
-                    f"{path}.reference_model: 'stage_start' with reference 'live' needs a backend with weight "
-                    "snapshots (the local backend); use reference: precomputed instead"
+                raise ConfigError(
+                    "'stage_start' with reference 'live' needs a backend with weight snapshots (e.g. local); "
+                    "use reference: precomputed, or reference_model: base",
+                    f"{path}.reference_model",
                 )
             if start == 0:
                 backend.snapshot(snap).result()

@@ -32,7 +32,16 @@ from tempering.types import Batch, SamplingParams
 from tempering.algorithms.grpo.algorithm import build_group_batch
 from tempering.algorithms.offpolicy.loss import AdvantageCap, OffPolicyObjective, fold_normaliser
 
-AGGREGATIONS = ("token_mean", "seq_mean", "sum")
+AGGREGATIONS = ("auto", "token_mean", "seq_mean", "sum")
+
+
+def sums_over_tokens(loss: Any) -> bool:
+    """True for a loss that is a plain sum over tokens (every loss naming a Tinker built-in,
+    and this package's losses), which needs its normaliser folded into the advantages; False
+    for one that normalises itself (``grpo``'s aggregations)."""
+    from tempering.algorithms.offpolicy.loss import _RatioLoss
+
+    return isinstance(loss, _RatioLoss) or getattr(loss, "tinker_builtin", None) is not None
 
 
 @dataclass
@@ -49,8 +58,10 @@ class OffPolicyRL:
     - ``fixed_staleness``: sample batch b with exactly the weights of step max(0, b - k)
       (reproducible, every batch k steps stale) instead of the newest allowed.
     - ``groups_per_sample``: prompts per sample call (0 = a whole batch per call).
-    - ``aggregation``: ``token_mean`` / ``seq_mean`` / ``sum``: the normaliser folded into the
-      advantages (every loss here is a sum over tokens, as Tinker's built-ins).
+    - ``aggregation``: the normaliser folded into the advantages of a loss that sums over
+      tokens (as Tinker's built-ins and this package's losses do): ``token_mean``, ``seq_mean``
+      or ``sum`` (none); ``auto`` (default) = ``token_mean`` for such losses and nothing for a
+      loss that normalises itself (``grpo``), which the other values refuse.
     - the loss's ``advantage_cap`` / ``advantage_cap_momentum`` (``clipped_is``: 3 x the running
       mean ``|A|``) are applied here, before the normaliser.
     - ``max_resamples``: re-samples allowed for a group found beyond the bound.
@@ -86,7 +97,7 @@ class OffPolicyRL:
     sync_every: int = 1
     fixed_staleness: bool = False
     groups_per_sample: int = 0
-    aggregation: str = "token_mean"
+    aggregation: str = "auto"
     max_resamples: int = 2
     seeded_sampling: bool = True
 
@@ -128,6 +139,14 @@ class OffPolicyRL:
         loss = ctx.build("loss", self.loss, "loss")
         if getattr(loss, "max_completion_length", 0) is None:
             loss.max_completion_length = self.max_tokens  # a grpo loss with Dr. GRPO's constant
+        summed = sums_over_tokens(loss)
+        if not summed and self.aggregation not in ("auto", "sum"):
+            raise ConfigError(
+                f"{type(loss).__name__} normalises itself (it is not a sum over tokens): folding "
+                f"'{self.aggregation}' into its advantages would normalise twice; use auto",
+                f"{path}.aggregation",
+            )
+        self._fold = ("token_mean" if summed else "sum") if self.aggregation == "auto" else self.aggregation
         objective = OffPolicyObjective(loss, self.temperature, self.top_k, self.top_p)
         runner = RewardRunner(reward, timeout=self.reward_timeout, concurrency=self.reward_concurrency)
         examples = load_examples(ctx, self.dataset, "dataset")
@@ -147,7 +166,7 @@ class OffPolicyRL:
             backend, stream, runner,
             group_size=self.group_size, groups_per_batch=self.prompts_per_step, params=sampling,
             max_steps_off_policy=self.max_steps_off_policy, groups_per_sample=self.groups_per_sample,
-            fixed_staleness=self.fixed_staleness, first_batch=start,
+            fixed_staleness=self.fixed_staleness, first_batch=start, last_batch=self.steps,
             seed=(self.seed + ctx.seed) if self.seeded_sampling else None, max_resamples=self.max_resamples,
         )  # fmt: skip
         bar = progress(self.steps, f"{ctx.stage_id} (offpolicy, k={self.max_steps_off_policy})", initial=start)
@@ -210,7 +229,8 @@ class OffPolicyRL:
         weights = [d.weights for d in batch.data]
         rows = [list(d.advantages or [0.0] * len(d.weights)) for d in batch.data]
         rows, metrics = capper(rows, weights)
-        factors = fold_normaliser(weights, self.aggregation)
+        aggregation = getattr(self, "_fold", None) or ("token_mean" if self.aggregation == "auto" else self.aggregation)
+        factors = fold_normaliser(weights, aggregation)
         for d, adv, f in zip(batch.data, rows, factors):
             d.advantages = [a * x for a, x in zip(adv, f)]
         return metrics

@@ -135,7 +135,7 @@ class SDFT:
         snap = f"{ctx.stage_id}/sdft_teacher"
         if self.teacher in ("stage_start", "ema"):
             if not hasattr(backend, "snapshot"):
-                raise ValueError(f"{path}.teacher: '{self.teacher}' needs a backend with weight snapshots (the local one)")
+                raise ConfigError(f"'{self.teacher}' needs a backend with weight snapshots (e.g. local)", f"{path}.teacher")
             if start == 0:
                 backend.snapshot(snap).result()
             elif snap not in backend.snapshot_names():
@@ -175,9 +175,11 @@ class SDFT:
                     d.advantages = [-(qi - ti) * ni for qi, ti, ni in zip(q, t, n)]
             fb = backend.forward_backward(batch, loss)
             op = backend.optim_step(opt.adam(step, self.steps))
-            if self.teacher == "ema":
-                backend.ema_update(snap, self.ema_rate)  # FIFO: after the step, before the checkpoint
+            # FIFO: the EMA moves after the step and before any checkpoint of it
+            ema = backend.ema_update(snap, self.ema_rate) if self.teacher == "ema" else None
             metrics = {**info, **fb.result(), **op.result(), "sample_time": t_sample, "teacher_time": t_teacher}
+            if ema is not None:
+                ema.result()
             metrics["step_time"] = time.perf_counter() - t0
             ctx.end_step({"step": step + 1, "position": stream.position})
             if ev.every and (step + 1) % ev.every == 0 and step + 1 < self.steps:

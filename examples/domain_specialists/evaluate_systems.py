@@ -238,9 +238,10 @@ def plot(results: Mapping[str, Any], path: Path) -> None:
         ax.bar(xs, [100 * row[g] for g in groups], width, label=row["system"])
     ax.set_xticks(range(len(groups)), groups)
     ax.set_ylabel("test accuracy (%)")
-    ax.set_ylim(0, 105)
+    ax.set_ylim(0, 125)
+    ax.set_yticks(range(0, 101, 20))
     ax.set_title("exact-match accuracy on the shared test set")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper center", ncol=2)
     t = results["timing"]
     labels = ["generalist\nalone", "3 specialists\nconcurrently", "longest\nspecialist\n(CPU-s)"]
     values = [t["generalist_wall_s"], t["specialists_parallel_wall_s"], max(t["specialists_cpu_s"].values())]

@@ -5,11 +5,12 @@ built with :meth:`tempering.recipe.Recipe.from_dict` and overrides. A specialist
 domain; the generalist on a balanced union of the three, for the *sum* of the specialists'
 steps with the same batch sizes, so it sees exactly as many samples as the three together.
 
-Each run trains in its own process (``spawn``; one torch thread each on the local backend,
-one Tinker training client each on Tinker). The generalist trains alone; then the three
-specialists train at the same time. The parent measures both wall-clocks around the whole
-process (start-up and imports included, alike for both) and samples the machine's load
-average meanwhile, since other jobs on a shared machine change the ratio.
+Each run trains in its own worker process, forked from a fork server that imported torch and
+transformers once (one torch thread each on the local backend, one Tinker training client each
+on Tinker). The generalist trains alone; then the three specialists train at the same time. The
+parent times each phase from the launch of its processes to the end of the last training (the
+test-set answers each process computes afterwards are not counted) and samples the machine's
+load average meanwhile, since other jobs on a shared machine change the ratio.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class Scale:
 
     sft_steps: int
     grpo_steps: int
-    router_steps: int  # SFT steps that teach the (copied) generalist to name the domain
+    router_steps: int  # SFT steps that teach the generalist (after its evaluation) to name the domain
     val_size: int  # per domain, for the in-recipe evaluation at the end of each stage
     test_size: int | None  # per domain (None = the whole test split; capitals has 100)
     #: Applied to every run (batch sizes; ``backend.*``: the local tiny model's size, dropped on Tinker).
@@ -49,7 +50,7 @@ class Scale:
 
 
 SCALES: dict[str, Scale] = {
-    # A smoke test: ~1-2 minutes on 2 cores; the models learn little.
+    # A smoke test (the end-to-end test): under a minute on 2 cores; the models learn little.
     "tiny": Scale(
         sft_steps=40, grpo_steps=2, router_steps=15, val_size=20, test_size=30,
         overrides=[
@@ -169,6 +170,10 @@ def build_recipe(
     """The recipe of one run: ``role`` is a domain (its specialist) or ``generalist``."""
     from tempering.recipe import Recipe
 
+    fixed = [o for o in overrides if o.partition("=")[0].strip().endswith(".steps")]
+    if fixed:
+        raise ValueError(f"{fixed[0]}: steps come from the scale (the generalist takes the sum of the "
+                         "specialists'); use run.py --sft-steps / --grpo-steps instead")
     if role != "generalist" and role not in DOMAINS:
         raise ValueError(f"role must be 'generalist' or one of {DOMAINS}, got '{role}'")
     data = load_template()
@@ -194,6 +199,30 @@ def build_recipe(
     if missing:
         raise ValueError(f"recipe.yaml: unfilled keys {missing}")
     return recipe
+
+
+def validate_recipe(recipe: Any) -> None:
+    """Check every stage's keys and the backend's and reward's, without building anything heavy:
+    a typo in ``--set`` fails here, not in a worker process minutes later."""
+    from tempering.config import stage_id
+    from tempering.recipe import RunContext
+    from tempering.registry import get_registry
+
+    registry = get_registry()
+    registry.check("backend", recipe.backend, "backend")
+    for i, stage in enumerate(recipe.stages):
+        algorithm = registry.build("algorithm", {k: v for k, v in stage.items() if k != "id"}, f"stages[{i}]")
+        if hasattr(algorithm, "validate"):  # nested blocks: optimizer, eval, loss, reward, ...
+            ctx = RunContext(registry, None, recipe.to_dict(), "", [], recipe.seed, stage_index=i, stage_id=stage_id(stage, i))
+            algorithm.validate(ctx)
+
+
+def check_config(scale: Scale, backend: Mapping[str, Any] | None = None, reward: Any = "exact_match",
+                 overrides: Sequence[str] = ()) -> None:
+    """Build and validate every run's recipe (with placeholder data paths)."""
+    paths = {role: {"train": "-", "val": "-"} for role in ("generalist", *DOMAINS)}
+    for role in paths:
+        validate_recipe(build_recipe(role, Path("-"), paths, scale, backend, reward, overrides))
 
 
 def build_router_recipe(run_dir: Path, paths: Mapping[str, Any], scale: Scale, generalist: Any,
@@ -411,6 +440,8 @@ def train_all(
     questions = [r["prompt"] for r in test_rows(scale)]
     recipes = {role: build_recipe(role, run_dir, paths, scale, backend, reward, overrides)
                for role in ("generalist", *DOMAINS)}
+    for recipe in recipes.values():
+        validate_recipe(recipe)
     info: dict[str, Any] = {"scale": asdict(scale), "paths": paths, "cpu_count": os.cpu_count(),
                             "recipes": {k: r.to_dict() for k, r in recipes.items()}}
     log(f"[0/2] starting the worker fork server (imports torch once; not timed; load {os.getloadavg()[0]:.2f})")

@@ -13,6 +13,7 @@ router; scores the systems on the shared test set and writes ``results.{md,json,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules,
 import evaluate_systems  # noqa: E402
 import experiment  # noqa: E402
 import make_data  # noqa: E402
+from tempering.errors import TemperingError  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--judge-model", help="llm_judge: the judge's model name")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a recipe override applied to every run, e.g. stages.rl.group_size=4 (repeatable)")
+    ap.add_argument("--sft-steps", type=int, help="SFT steps per specialist (the generalist takes 3x); default: the scale's")
+    ap.add_argument("--grpo-steps", type=int, help="GRPO steps per specialist (the generalist takes 3x); default: the scale's")
+    ap.add_argument("--router-steps", type=int, help="SFT steps of the model router; default: the scale's")
     ap.add_argument("--no-model-router", action="store_true", help="skip training the model router")
     ap.add_argument("--out", type=Path, help="output folder (default runs/domain_specialists/<scale>); replaced")
     return ap.parse_args(argv)
@@ -52,9 +57,15 @@ def main(argv: list[str] | None = None) -> dict:
     if args.backend == "tinker" and not os.environ.get("TINKER_API_KEY"):
         print("warning: TINKER_API_KEY is not set; the Tinker SDK will try its stored credentials", file=sys.stderr)
     scale = experiment.SCALES[args.scale]
-    backend = experiment.backend_spec(args.backend, args.base_model, args.rank)
-    judge = {"base_url": args.judge_url, "model": args.judge_model} if args.reward == "llm_judge" else None
-    reward = experiment.reward_spec(args.reward, judge)
+    steps = {"sft_steps": args.sft_steps, "grpo_steps": args.grpo_steps, "router_steps": args.router_steps}
+    scale = dataclasses.replace(scale, **{k: v for k, v in steps.items() if v is not None})
+    try:
+        backend = experiment.backend_spec(args.backend, args.base_model, args.rank)
+        judge = {"base_url": args.judge_url, "model": args.judge_model} if args.reward == "llm_judge" else None
+        reward = experiment.reward_spec(args.reward, judge)
+        experiment.check_config(scale, backend, reward, args.overrides)  # a bad --set fails before anything runs
+    except (ValueError, TemperingError) as err:
+        raise SystemExit(f"run.py: error: {err}") from None
     out = (args.out or Path("runs") / "domain_specialists" / args.scale).resolve()
 
     t0 = time.perf_counter()
