@@ -1,6 +1,6 @@
 """SDFT vs SFT on a two-skill toy: learn skill B from demonstrations, measure what happens to A.
 
-The toy (``tempering.algorithms.sdft.toy``, character-level tiny Llama, ~60 s on 2 cores):
+The toy (``tempering.algorithms.sdft.toy``, character-level tiny Llama, ~40 s on 2 quiet cores):
 
 * pretraining (SFT, 400 steps): skill A = reverse a letter string (``"R abcd="`` -> ``"dcba"``)
   plus in-context copying: ``"{hint}!|{task} {x}="`` -> ``"{hint}"``. The hint is shown in the

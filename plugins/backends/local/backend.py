@@ -370,6 +370,8 @@ class LocalBackend:
         snap = self._snapshots[name]
         with torch.no_grad():
             for n, p in self._trainable_named:
+                if snap[n].is_floating_point() and snap[n].dtype != torch.float32:
+                    snap[n] = snap[n].float()  # a snapshot() turned EMA: average in float32
                 snap[n].lerp_(p.detach().to(snap[n].dtype), rate)
 
     # ------------------------------------------------------------------ sampling snapshots
