@@ -16,7 +16,6 @@ duplicate name from two packages is detected instead of silently shadowed.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pluggy
 

@@ -60,3 +60,14 @@ def check_eval(ctx: Any, value: Any) -> EvalConfig:
         ctx.check("dataset", ev.dataset, "eval.dataset")
         ctx.check("reward", ev.reward, "eval.reward")
     return ev
+
+
+def check_stage(ctx: Any, stage: Any, components: tuple[str, ...] = ("loss",)) -> None:
+    """Validate the blocks every training stage has -- ``optimizer``, ``eval``, ``dataset`` --
+    and its named components (attribute name = component kind), without building them."""
+    sub_config(OptimizerConfig, stage.optimizer, f"{ctx.path}.optimizer")
+    check_eval(ctx, stage.eval)
+    for kind in components:
+        ctx.check(kind, getattr(stage, kind), kind)
+    if not isinstance(stage.dataset, list):
+        ctx.check("dataset", stage.dataset, "dataset")

@@ -26,7 +26,7 @@ from tempering.data import ExampleStream, encode_completion, encode_prompt, load
 from tempering.evaluate import StageEvaluator
 from tempering.progress import progress
 from tempering.errors import ConfigError
-from tempering.stage import EvalConfig, OptimizerConfig, check_eval, sub_config
+from tempering.stage import EvalConfig, OptimizerConfig, check_stage, sub_config
 from tempering.types import Batch, Datum
 
 REFERENCES = ("live", "precomputed")
@@ -76,11 +76,7 @@ class DPO:
             raise ConfigError(f"must be >= 1 (pairs per step), got {self.batch_size}", f"{path}.batch_size")
         if self.steps < 0:
             raise ConfigError(f"must be >= 0, got {self.steps}", f"{path}.steps")
-        sub_config(OptimizerConfig, self.optimizer, f"{path}.optimizer")
-        check_eval(ctx, self.eval)
-        ctx.check("loss", self.loss, "loss")
-        if not isinstance(self.dataset, list):
-            ctx.check("dataset", self.dataset, "dataset")
+        check_stage(ctx, self)
 
     def run(self, ctx: Any) -> dict[str, Any]:
         path = ctx.path

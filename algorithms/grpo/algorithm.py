@@ -16,7 +16,7 @@ from tempering.progress import progress
 from tempering.rollout import sample_groups, score_groups
 from tempering.scoring import RewardRunner
 from tempering.errors import ConfigError
-from tempering.stage import EvalConfig, OptimizerConfig, check_eval, sub_config
+from tempering.stage import EvalConfig, OptimizerConfig, check_stage, sub_config
 from tempering.types import Batch, Datum, Group, SamplingParams
 
 from tempering.algorithms.grpo.advantages import zero_variance_groups
@@ -64,12 +64,7 @@ class GRPO:
             raise ConfigError(f"use auto, always or never (got '{self.recompute_logprobs}')", f"{ctx.path}.recompute_logprobs")
         if self.reference not in ("stage_start", "base"):
             raise ConfigError(f"use stage_start or base (got '{self.reference}')", f"{ctx.path}.reference")
-        sub_config(OptimizerConfig, self.optimizer, f"{ctx.path}.optimizer")
-        check_eval(ctx, self.eval)
-        for kind, key in (("reward", "reward"), ("advantage", "advantage"), ("loss", "loss")):
-            ctx.check(kind, getattr(self, key), key)
-        if not isinstance(self.dataset, list):
-            ctx.check("dataset", self.dataset, "dataset")
+        check_stage(ctx, self, ("reward", "advantage", "loss"))
 
     def run(self, ctx: Any) -> dict[str, Any]:
         path = ctx.path

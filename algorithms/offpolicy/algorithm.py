@@ -26,7 +26,7 @@ from tempering.errors import ConfigError
 from tempering.evaluate import StageEvaluator
 from tempering.progress import progress
 from tempering.scoring import RewardRunner
-from tempering.stage import EvalConfig, OptimizerConfig, check_eval, sub_config
+from tempering.stage import EvalConfig, OptimizerConfig, check_stage, sub_config
 from tempering.types import Batch, SamplingParams
 
 from tempering.algorithms.grpo.algorithm import build_group_batch
@@ -120,12 +120,7 @@ class OffPolicyRL:
         for key in ("prompts_per_step", "group_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"must be >= 1, got {getattr(self, key)}", f"{path}.{key}")
-        sub_config(OptimizerConfig, self.optimizer, f"{path}.optimizer")
-        check_eval(ctx, self.eval)
-        for kind, key in (("reward", "reward"), ("advantage", "advantage"), ("loss", "loss")):
-            ctx.check(kind, getattr(self, key), key)
-        if not isinstance(self.dataset, list):
-            ctx.check("dataset", self.dataset, "dataset")
+        check_stage(ctx, self, ("reward", "advantage", "loss"))
 
     # ------------------------------------------------------------------ the loop
     def run(self, ctx: Any) -> dict[str, Any]:

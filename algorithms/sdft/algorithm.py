@@ -36,7 +36,7 @@ from tempering.data import ExampleStream, encode_prompt, load_examples
 from tempering.evaluate import StageEvaluator
 from tempering.progress import progress
 from tempering.errors import ConfigError
-from tempering.stage import EvalConfig, OptimizerConfig, check_eval, sub_config
+from tempering.stage import EvalConfig, OptimizerConfig, check_stage, sub_config
 from tempering.types import Batch, Datum, SamplingParams
 
 from tempering.algorithms.sdft.loss import fold_normaliser
@@ -112,11 +112,7 @@ class SDFT:
             raise ConfigError(
                 f"bad placeholder {err}; use {{prompt}} and {{demonstration}}", f"{path}.teacher_template"
             ) from None
-        sub_config(OptimizerConfig, self.optimizer, f"{path}.optimizer")
-        check_eval(ctx, self.eval)
-        ctx.check("loss", self.loss, "loss")
-        if not isinstance(self.dataset, list):
-            ctx.check("dataset", self.dataset, "dataset")
+        check_stage(ctx, self)
 
     def run(self, ctx: Any) -> dict[str, Any]:
         path = ctx.path

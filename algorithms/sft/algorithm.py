@@ -9,7 +9,7 @@ from typing import Any
 from tempering.data import ExampleStream, encode_completion, encode_prompt, load_examples
 from tempering.evaluate import StageEvaluator
 from tempering.progress import progress
-from tempering.stage import EvalConfig, OptimizerConfig, check_eval, sub_config
+from tempering.stage import EvalConfig, OptimizerConfig, check_stage, sub_config
 from tempering.types import Batch, Datum
 
 
@@ -34,11 +34,7 @@ class SFT:
 
     def validate(self, ctx: Any) -> None:
         """Check every nested block before any stage trains."""
-        sub_config(OptimizerConfig, self.optimizer, f"{ctx.path}.optimizer")
-        check_eval(ctx, self.eval)
-        ctx.check("loss", self.loss, "loss")
-        if not isinstance(self.dataset, list):
-            ctx.check("dataset", self.dataset, "dataset")
+        check_stage(ctx, self)
 
     def run(self, ctx: Any) -> dict[str, Any]:
         path = ctx.path
