@@ -324,7 +324,7 @@ def test_stage_config_errors_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"stages\[1\].reference"):
         _dpo_recipe(tmp_path, "bad1", {"reference": "cached"}, warmup_steps=50).run()
     assert not (tmp_path / "bad1" / "checkpoints").exists()
-    with pytest.raises(KeyError, match="chosen_key"):
+    with pytest.raises(ConfigError, match=r"stages\[0\].chosen_key: rows have no .preferred."):
         _dpo_recipe(tmp_path, "bad2", {"chosen_key": "preferred"}).run()
 
 

@@ -91,3 +91,12 @@ def test_interrupted_staged_run_resumes_to_the_same_weights(tmp_path: Path) -> N
     assert torch.allclose(_weights(backend_a), _weights(backend_b), atol=1e-6)
     assert all(r["advantage/abs_mean"] > 0 for r in res_a.history if r["stage"] == "rl" and "loss" in r)
     assert res_b.stages["rl"]["loss"] == pytest.approx(res_a.stages["rl"]["loss"], abs=1e-6)
+
+
+def test_missing_dataset_column_is_a_config_error_with_its_path(tmp_path: Path) -> None:
+    from tempering.errors import ConfigError
+
+    recipe = Recipe.from_dict({"name": "t", "output_dir": str(tmp_path), "backend": TINY, "loggers": [],
+                               "stages": [{"name": "sft", "steps": 1, "completion_key": "solution"}]})
+    with pytest.raises(ConfigError, match=r"^stages\[0\]\.completion_key: rows have no 'solution'"):
+        recipe.run()

@@ -88,7 +88,7 @@ class DPO:
         for key_name in ("prompt_key", "chosen_key", "rejected_key"):
             key = getattr(self, key_name)
             if examples and key not in examples[0] and not (key == "prompt" and "messages" in examples[0]):
-                raise KeyError(f"{path}.{key_name}: rows have no '{key}' (keys: {sorted(examples[0])})")
+                raise ConfigError(f"rows have no '{key}' (keys: {sorted(examples[0])})", f"{path}.{key_name}")
         state = ctx.resume_state or {}
         start = int(state.get("step", 0))
         backend = ctx.backend

@@ -124,7 +124,7 @@ class SDFT:
         examples = load_examples(ctx, self.dataset, "dataset")
         for key in (self.prompt_key, self.demonstration_key):
             if examples and key not in examples[0]:
-                raise KeyError(f"{path}: rows have no '{key}' (keys: {sorted(examples[0])})")
+                raise ConfigError(f"rows have no '{key}' (keys: {sorted(examples[0])})", path)
         state = ctx.resume_state or {}
         start = int(state.get("step", 0))
         backend = ctx.backend

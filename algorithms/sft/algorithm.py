@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tempering.data import ExampleStream, encode_completion, encode_prompt, load_examples
+from tempering.errors import ConfigError
 from tempering.evaluate import StageEvaluator
 from tempering.progress import progress
 from tempering.stage import EvalConfig, OptimizerConfig, check_stage, sub_config
@@ -44,7 +45,7 @@ class SFT:
         examples = load_examples(ctx, self.dataset, "dataset")
         missing = [e for e in examples[:1] if self.completion_key not in e]
         if missing:
-            raise KeyError(f"{path}.completion_key: rows have no '{self.completion_key}' (keys: {sorted(missing[0])})")
+            raise ConfigError(f"rows have no '{self.completion_key}' (keys: {sorted(missing[0])})", f"{path}.completion_key")
         state = ctx.resume_state or {}
         stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
         start = int(state.get("step", 0))
