@@ -7,10 +7,11 @@ once per component::
     def register_rewards(register):
         register("brier", "my_pkg.rewards:brier", description="Brier score of a forecast")
 
-``register(name, target, *, description="")`` takes the component's factory or a lazy
-``"module:attr"`` string (preferred: plugins must not import torch at load time so that
+``register(name, target, *, description="", override=False)`` takes the component's factory or
+a lazy ``"module:attr"`` string (preferred: plugins must not import torch at load time so that
 ``tempering plugins`` stays fast). Hooks return nothing: the registry collects every call, so a
-duplicate name from two packages is detected instead of silently shadowed.
+duplicate name from two packages is detected instead of silently shadowed; ``override=True``
+says a package replaces another's component of that name on purpose.
 """
 
 from __future__ import annotations

@@ -95,6 +95,10 @@ def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def _count_word(n: int) -> str:
+    return {2: "two", 3: "three", 4: "four"}.get(n, str(n))
+
+
 def _allowed_external() -> set[str] | None:
     """Which external plugins ``TEMPERING_LOAD_PLUGINS`` allows (None = all), normalised."""
     raw = os.environ.get(ENV_LOAD)
@@ -246,7 +250,7 @@ class Registry:
                 )
             providers = " and ".join(f"'{c.plugin.dist}' ({c.plugin.version})" for c in comps)
             raise PluginError(
-                f"{kind} '{bare}' is registered by two packages: {providers}. Pin one with "
+                f"{kind} '{bare}' is registered by {_count_word(len(comps))} packages: {providers}. Pin one with "
                 + " or ".join(f"'{c.qualified}'" for c in comps)
                 + ", uninstall one of them, or have the replacement register with override=True."
             )
