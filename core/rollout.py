@@ -24,3 +24,21 @@ def sample_groups(
 
 def score_groups(runner: RewardRunner, groups: Sequence[Group]) -> ScoreStats:
     return runner.score(s for g in groups for s in g.samples)
+
+
+def should_recompute(mode: str, params: SamplingParams) -> bool:
+    """Whether the ratio's "old" logprobs need a forward pass of the sampling weights.
+
+    The sampler's logprobs are those of the tempered / top-k / top-p distribution it drew from,
+    while the trainer scores the plain policy: under ``auto`` they are reused only when
+    sampling was plain (temperature 1, no filters), where the two agree.
+    """
+    plain = params.temperature == 1.0 and params.top_p >= 1.0 and params.top_k <= 0
+    return mode == "always" or (mode == "auto" and not plain)
+
+
+def recompute_sampler_logprobs(backend: Any, batch: Any) -> None:
+    """Replace each row's ``sampler_logprobs`` by the backend's forward-pass logprobs (0 where
+    the row has weight 0, as :meth:`tempering.types.Datum.from_completion` lays them out)."""
+    for d, lp in zip(batch.data, backend.logprobs(batch).result()):
+        d.sampler_logprobs = [x if w else 0.0 for x, w in zip(lp, d.weights)]

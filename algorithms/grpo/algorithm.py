@@ -13,7 +13,7 @@ import torch
 from tempering.data import ExampleStream, load_examples
 from tempering.evaluate import StageEvaluator
 from tempering.progress import progress
-from tempering.rollout import sample_groups, score_groups
+from tempering.rollout import recompute_sampler_logprobs, sample_groups, score_groups, should_recompute
 from tempering.scoring import RewardRunner
 from tempering.errors import ConfigError
 from tempering.stage import EvalConfig, OptimizerConfig, check_stage, sub_config
@@ -83,9 +83,7 @@ class GRPO:
         start = int(state.get("step", 0))
         evaluator = StageEvaluator(ctx, ev)
         sampling = SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, list(self.stop))
-        recompute = self.recompute_logprobs == "always" or (
-            self.recompute_logprobs == "auto" and (self.temperature != 1.0 or self.top_p < 1.0 or self.top_k > 0)
-        )
+        recompute = should_recompute(self.recompute_logprobs, sampling)
         if self.reference == "stage_start" and not hasattr(ctx.backend, "snapshot"):
             warnings.warn(f"{path}.reference: this backend cannot snapshot weights; using its base as the "
                           "KL reference", RuntimeWarning, stacklevel=2)
@@ -129,9 +127,7 @@ class GRPO:
             metrics.update(loss=0.0, skipped=1.0, step_time=time.perf_counter() - t0)
             return metrics
         if recompute:
-            fresh = backend.logprobs(batch).result()
-            for d, lp in zip(batch.data, fresh):
-                d.sampler_logprobs = [x if w else 0.0 for x, w in zip(lp, d.weights)]
+            recompute_sampler_logprobs(backend, batch)
         if getattr(loss, "beta", 0.0) or self.log_kl:
             if self.reference == "stage_start":
                 ref = backend.logprobs(batch, weights=self._ref_name(ctx)).result()

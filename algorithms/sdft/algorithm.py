@@ -34,8 +34,9 @@ import torch
 
 from tempering.data import ExampleStream, encode_prompt, load_examples
 from tempering.evaluate import StageEvaluator
-from tempering.progress import progress
 from tempering.errors import ConfigError
+from tempering.progress import progress
+from tempering.rollout import recompute_sampler_logprobs, should_recompute
 from tempering.stage import EvalConfig, OptimizerConfig, check_stage, sub_config
 from tempering.types import Batch, Datum, SamplingParams
 
@@ -140,9 +141,7 @@ class SDFT:
         stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
         evaluator = StageEvaluator(ctx, ev)
         sampling = SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, list(self.stop))
-        recompute = self.recompute_logprobs == "always" or (
-            self.recompute_logprobs == "auto" and (self.temperature != 1.0 or self.top_p < 1.0 or self.top_k > 0)
-        )
+        recompute = should_recompute(self.recompute_logprobs, sampling)
         aggregation = getattr(loss, "aggregation", "seq_mean")
         topk = int(getattr(loss, "topk", 0) or 0)
         last: dict[str, Any] = {}
@@ -159,8 +158,7 @@ class SDFT:
             batch, teacher_batch, info = self.sample_batch(backend, rows, sampling)
             t_sample = time.perf_counter() - t0
             if recompute:
-                for d, lp in zip(batch.data, backend.logprobs(batch).result()):
-                    d.sampler_logprobs = [x if w else 0.0 for x, w in zip(lp, d.weights)]
+                recompute_sampler_logprobs(backend, batch)
             self.attach_teacher(backend, batch, teacher_batch, kind, topk, teacher_kwargs)
             t_teacher = time.perf_counter() - t0 - t_sample
             info.update(self._sampled_kl(batch))

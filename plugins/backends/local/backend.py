@@ -69,6 +69,18 @@ CHECKPOINT_FORMAT = 1
 STATE_FILE, META_FILE = "state.pt", "meta.json"
 
 
+
+def _run_on(executor: ThreadPoolExecutor | None, fn: Callable[..., T], *args: Any) -> Future[T]:
+    """Submit ``fn`` to ``executor``, or run it inline into a finished future (unthreaded)."""
+    if executor is not None:
+        return executor.submit(fn, *args)
+    future: Future[T] = Future()
+    try:
+        future.set_result(fn(*args))
+    except BaseException as err:  # noqa: BLE001 - the future carries it to the caller
+        future.set_exception(err)
+    return future
+
 class LocalBackend:
     """Train and sample a transformers causal LM in this process (CPU or one GPU per rank).
 
@@ -259,14 +271,7 @@ class LocalBackend:
     # ------------------------------------------------------------------ execution
     def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Run ``fn`` on the worker thread (FIFO, so calls apply in submission order)."""
-        if self._executor is not None:
-            return self._executor.submit(fn, *args)
-        future: Future[T] = Future()
-        try:
-            future.set_result(fn(*args))
-        except BaseException as err:  # noqa: BLE001 - the future carries it to the caller
-            future.set_exception(err)
-        return future
+        return _run_on(self._executor, fn, *args)
 
     # ------------------------------------------------------------------ model building
     def _build_base(self) -> tuple[Any, Any]:
@@ -391,14 +396,7 @@ class LocalBackend:
 
     def _submit_sampler(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Run ``fn`` on the sampling thread (FIFO), or inline when the backend is unthreaded."""
-        if self._sampler_executor is not None:
-            return self._sampler_executor.submit(fn, *args)
-        future: Future[T] = Future()
-        try:
-            future.set_result(fn(*args))
-        except BaseException as err:  # noqa: BLE001 - the future carries it to the caller
-            future.set_exception(err)
-        return future
+        return _run_on(self._sampler_executor, fn, *args)
 
     def _sample_snapshot(
         self, client: LocalSamplingClient, prompts: list[list[int]], num_samples: int, params: SamplingParams
