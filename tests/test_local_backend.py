@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -368,12 +367,6 @@ def test_qwen_builder_and_custom_builder_work() -> None:
 
 
 # --------------------------------------------------------------------------- data parallel
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _load_worker():
     spec = importlib.util.spec_from_file_location("ddp_worker", TESTS / "ddp_worker.py")
     module = importlib.util.module_from_spec(spec)
@@ -386,8 +379,8 @@ def test_data_parallel_step_averages_gradients_across_ranks(tmp_path: Path) -> N
     worker = _load_worker()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+        # --standalone: torchrun picks its own free rendezvous port (no pick-then-bind race)
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(TESTS / "ddp_worker.py"), str(tmp_path),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
