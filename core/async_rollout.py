@@ -1,16 +1,18 @@
 """Asynchronous rollouts: sample and score groups *while* the trainer trains, with bounded staleness.
 
 :class:`AsyncRollouts` owns a producer -- an asyncio event loop on a thread of its own -- that
-keeps sampling groups from the newest sampler snapshot it may use and streams every sample to
-the reward (:meth:`tempering.scoring.RewardRunner.stream`) as soon as its sample call returns,
-so rewards of one chunk overlap with the sampling of the next and with training. The trainer
-calls :meth:`AsyncRollouts.next_batch` for each step and :meth:`AsyncRollouts.publish` with a
-fresh sampler after each optimizer step.
+keeps rolling out chunks of groups through the stage's sampler (single-turn completions or
+multi-turn episodes: :mod:`tempering.rollout`) with the newest sampler snapshot it may use. Up
+to ``chunks_in_flight`` chunks run at once, so the rewards (or tool calls) of one chunk overlap
+with the sampling of the next and with training. The trainer calls
+:meth:`AsyncRollouts.next_batch` for each step and :meth:`AsyncRollouts.publish` with a fresh
+sampler after each optimizer step.
 
 Staleness. Batch ``b`` (the groups the trainer's ``b``-th loop step trains on) may only be
 sampled with weights published after loop step ``b - k`` or later, ``k = max_steps_off_policy``.
-A completion's staleness at training time is ``trainer optimizer step - policy_version``; the
-gate makes it at most ``k`` (optimizer steps never outnumber loop steps). ``k = 0`` is
+A sample's staleness at training time is ``trainer optimizer step - policy_version``, the
+version of its *oldest* turn for a multi-turn trajectory; the gate makes it at most ``k``
+(optimizer steps never outnumber loop steps). ``k = 0`` is
 synchronous on-policy training (the producer waits for the weights of the current step);
 ``k = 1`` samples batch ``b + 1`` while step ``b`` trains. ``fixed_staleness`` samples batch
 ``b`` with exactly the weights of step ``max(0, b - k)`` even when newer ones exist, so that
@@ -22,7 +24,7 @@ group is never trained on; its prompt is re-sampled with the newest sampler, up 
 ``max_resamples`` times per slot, and counted. Groups within the bound are kept and corrected
 by the loss (importance weights), never discarded.
 
-Samplers. A backend with ``sampling_client()`` (the local backend; Tinker's
+Sampling clients. A backend with ``sampling_client()`` (the local backend; Tinker's
 ``save_weights_and_get_sampling_client``) returns a future of a client whose ``sample`` runs
 concurrently with training and stamps the snapshot's ``policy_version``. Any other backend is
 used as its own sampler: its ``sample`` is called from the producer thread (on the local
@@ -39,28 +41,20 @@ import asyncio
 import collections
 import threading
 import time
-from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from tempering.data import ExampleStream, encode_prompt
-from tempering.scoring import RewardRunner, ScoreStats
-from tempering.types import Group, Sample, SamplingParams
+from tempering.data import ExampleStream
+from tempering.rollout import RolloutBatch
+from tempering.scoring import ScoreStats
+from tempering.types import Group, SamplingParams
 
 __all__ = ["AsyncRollouts", "RolloutBatch", "StalenessError", "sampler_of"]
 
 
 class StalenessError(RuntimeError):
     """A slot's group stayed beyond the staleness bound after every allowed re-sample."""
-
-
-@dataclass
-class RolloutBatch:
-    """What :meth:`AsyncRollouts.next_batch` returns: the groups (in slot order) and metrics."""
-
-    groups: list[Group]
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -92,9 +86,9 @@ class AsyncRollouts:
     """A background producer of scored groups for an RL stage (see the module docstring).
 
     Args:
-        backend: has ``tokenizer`` and ``step`` (the trainer's optimizer steps).
+        backend: has ``step`` (the trainer's optimizer steps).
         stream: the examples; the producer takes from it (no one else may, once started).
-        runner: scores samples; its ``concurrency`` bounds rewards in flight.
+        sampler: rolls out and scores a chunk (:class:`tempering.interfaces.Sampler`).
         group_size: samples per prompt.
         groups_per_batch: groups per trainer step (``P``).
         params: sampling settings; ``params.seed`` is replaced per call when ``seed`` is set.
@@ -107,14 +101,15 @@ class AsyncRollouts:
         seed: per-call sampling seeds derived from it and the slot (reproducible sampling);
             ``None`` leaves ``params.seed`` as given.
         max_resamples: re-samples allowed per slot for a group found beyond the bound.
-        encode: ``encode(tokenizer, example) -> prompt tokens``.
+        chunks_in_flight: chunks rolled out concurrently (their sampling queues on the
+            backend's sampler; their scoring and tool calls overlap).
     """
 
     def __init__(
         self,
         backend: Any,
         stream: ExampleStream,
-        runner: RewardRunner,
+        sampler: Any,
         *,
         group_size: int,
         groups_per_batch: int,
@@ -126,7 +121,7 @@ class AsyncRollouts:
         last_batch: int | None = None,
         seed: int | None = None,
         max_resamples: int = 2,
-        encode: Callable[[Any, Mapping[str, Any]], list[int]] = encode_prompt,
+        chunks_in_flight: int = 2,
     ) -> None:
         if group_size < 1 or groups_per_batch < 1:
             raise ValueError(f"AsyncRollouts: group_size and groups_per_batch must be >= 1 ({group_size}, {groups_per_batch})")
@@ -134,7 +129,7 @@ class AsyncRollouts:
             raise ValueError(f"AsyncRollouts: max_steps_off_policy must be >= 0, got {max_steps_off_policy}")
         self.backend = backend
         self.stream = stream
-        self.runner = runner
+        self.sampler = sampler
         self.group_size = group_size
         self.per_batch = groups_per_batch
         self.params = params
@@ -143,7 +138,7 @@ class AsyncRollouts:
         self.fixed = fixed_staleness
         self.seed = seed
         self.max_resamples = max_resamples
-        self.encode = encode
+        self.chunks_in_flight = max(1, int(chunks_in_flight))
         self.stats = ScoreStats()
         self.position = stream.position
 
@@ -196,7 +191,7 @@ class AsyncRollouts:
                     if slot not in self._ready:
                         continue
                     group, info = self._ready.pop(slot)
-                    staleness = trainer_version - min(s.completion.policy_version for s in group.samples)
+                    staleness = trainer_version - min(s.policy_version for s in group.samples)
                     if staleness > self.k:
                         if info.attempts >= self.max_resamples:
                             raise StalenessError(
@@ -219,7 +214,7 @@ class AsyncRollouts:
             queued = sum(1 for s in self._ready if s >= first + self.per_batch)
         groups = [out[s][0] for s in slots]
         self.position = max([self.position] + [out[s][1].position_after for s in slots])
-        versions = [s.completion.policy_version for g in groups for s in g.samples]
+        versions = [s.policy_version for g in groups for s in g.samples]
         stale = [trainer_version - v for v in versions]
         metrics = {
             "offpolicy/staleness_mean": sum(stale) / max(len(stale), 1),
@@ -278,44 +273,27 @@ class AsyncRollouts:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._started.set()
-        feed: asyncio.Queue[Sample | None] = asyncio.Queue()
-        owners: dict[int, list[Any]] = {}  # id(sample) -> [group, info, samples left]
-        scorer = asyncio.ensure_future(self._score(feed, owners))
+        running: set[asyncio.Task[None]] = set()
         try:
             while not self._closed:
-                await self._produce_one(feed, owners)
-                if scorer.done():  # the reward stream died: surface its error
-                    scorer.result()
+                for task in [t for t in running if t.done()]:
+                    running.discard(task)
+                    task.result()  # a chunk that failed: surface its error
+                if len(running) >= self.chunks_in_flight:
+                    await asyncio.wait(running, timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                planned = self._plan()
+                if planned is None:
+                    await self._wait()
+                    continue
+                running.add(asyncio.ensure_future(self._roll_out(*planned)))
         finally:
-            feed.put_nowait(None)
-            if self._closed:
-                scorer.cancel()
-            await asyncio.gather(scorer, return_exceptions=True)
-            close = getattr(self.runner.reward, "aclose", None)
-            if close is not None:
-                try:
-                    out = close()
-                    if asyncio.iscoroutine(out) or isinstance(out, asyncio.Future):
-                        await out
-                except Exception:  # noqa: BLE001 - cleanup
-                    pass
-
-    async def _score(self, feed: asyncio.Queue[Sample | None], owners: dict[int, list[Any]]) -> None:
-        async def samples() -> Any:
-            while True:
-                item = await feed.get()
-                if item is None:
-                    return
-                yield item
-
-        async for sample in self.runner.stream(samples(), self.stats):
-            owner = owners.pop(id(sample))
-            owner[2] -= 1
-            if owner[2] == 0:
-                group, info = owner[0], owner[1]
-                with self._ready_cond:
-                    self._ready[info.slot] = (group, info)
-                    self._ready_cond.notify_all()
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            runner = getattr(self.sampler, "reward_runner", None)
+            if runner is not None:
+                await runner.aclose()
 
     async def _wait(self) -> None:
         assert self._wake is not None
@@ -367,28 +345,22 @@ class AsyncRollouts:
                 del pubs[:first]
             return chosen
 
-    async def _produce_one(self, feed: asyncio.Queue[Sample | None], owners: dict[int, list[Any]]) -> None:
-        planned = self._plan()
-        if planned is None:
-            await self._wait()
-            return
-        chunk, min_index = planned
+    async def _roll_out(self, chunk: list[_Slot], min_index: int) -> None:
+        """Roll out one chunk with the sampler it may use and hand its groups to the trainer."""
         pub = self._pick(min_index)
         if isinstance(pub.client, Future):
             pub.client = await asyncio.wrap_future(pub.client)
-        client = pub.client
         params = self.params
         if self.seed is not None:
             params = replace(params, seed=(self.seed * 1_000_003 + chunk[0].slot * 7919 + chunk[0].attempts) % 2**31)
-        tokenizer = getattr(client, "tokenizer", None) or self.backend.tokenizer
-        prompts = [self.encode(tokenizer, s.example) for s in chunk]
-        completions = await asyncio.wrap_future(client.sample(prompts, self.group_size, params))
+        rollout = await self.sampler.sample(pub.client, [dict(s.example) for s in chunk], self.group_size, params,
+                                            chunk[0].slot)  # fmt: skip
         self._counts["sample_calls"] += 1
-        for info, comps in zip(chunk, completions):
-            samples = [Sample(example=dict(info.example), completion=c) for c in comps]
-            group = Group(dict(info.example), samples, group_id=info.slot)
-            owner = [group, info, len(samples)]
-            for s in samples:
-                owners[id(s)] = owner
-                feed.put_nowait(s)
-        await asyncio.sleep(0)  # let the scorer pick them up before the next sample call
+        self.stats.scored += rollout.stats.scored
+        self.stats.failed += rollout.stats.failed
+        self.stats.timeouts += rollout.stats.timeouts
+        with self._ready_cond:
+            for info, group in zip(chunk, rollout.groups):
+                group.group_id = info.slot
+                self._ready[info.slot] = (group, info)
+            self._ready_cond.notify_all()

@@ -1,57 +1,126 @@
-"""Held-out evaluation: greedy (or sampled) completions scored by a reward."""
+"""Held-out evaluation: greedy (or sampled) rollouts scored like training scores them.
+
+Evaluation goes through a sampler, like training: a single-turn task is scored on its
+completion, a tool-use task is played as whole episodes of its environment, so the number a
+stage reports is the number of the task it trains on.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from tempering.data import encode_prompt
+from tempering.rollout import SamplerContext, collect, rollout_metrics
 from tempering.scoring import RewardRunner
-from tempering.types import Sample, SamplingParams
+from tempering.types import SamplingParams
 
 
 def evaluate(
     backend: Any,
     examples: Sequence[Mapping[str, Any]],
-    reward: Callable[..., Any],
+    reward: Callable[..., Any] | None,
     max_tokens: int,
     temperature: float = 0.0,
     batch_size: int = 256,
     success_threshold: float = 1.0,
+    sampler: Any = None,
 ) -> dict[str, float]:
-    """Mean reward and accuracy (share of rewards >= ``success_threshold``) on ``examples``."""
+    """Mean reward and accuracy (share of rewards >= ``success_threshold``) on ``examples``.
+
+    ``sampler`` defaults to single-turn completions (built for ``backend``'s tokenizer).
+    Failed samples count as wrong (reward 0) and are counted in ``eval/failed``; masked
+    episodes (a limit configured to mask) count as wrong too.
+    """
+    if sampler is None:
+        sampler = completion_sampler(backend.tokenizer, RewardRunner(reward) if reward is not None else None)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
-    runner = RewardRunner(reward)
     rewards: list[float] = []
     failed = 0
+    extra: dict[str, float] = {}
     for start in range(0, len(examples), batch_size):
         chunk = [dict(e) for e in examples[start : start + batch_size]]
-        prompts = [encode_prompt(backend.tokenizer, e) for e in chunk]
-        completions = backend.sample(prompts, 1, params).result()
-        samples = [Sample(example=e, completion=c[0]) for e, c in zip(chunk, completions)]
-        stats = runner.score(samples)
-        failed += stats.failed
-        rewards += [s.reward for s in samples]
+        rollout = collect(sampler, backend, chunk, 1, params, first_id=start)
+        samples = [g.samples[0] for g in rollout.groups]
+        failed += sum(s.failed for s in samples)
+        rewards += [0.0 if (s.failed or s.masked) else s.reward for s in samples]
+        for k, v in rollout_metrics(rollout.groups).items():
+            if k.startswith("env/") and isinstance(v, float) and not k.startswith("env/stop/") and k != "env/turns_mean":
+                extra[f"eval/{k[4:]}"] = extra.get(f"eval/{k[4:]}", 0.0) + v
     n = max(len(rewards), 1)
     return {
         "eval/reward": sum(rewards) / n,
         "eval/accuracy": sum(r >= success_threshold - 1e-9 for r in rewards) / n,
         "eval/failed": float(failed),
         "eval/n": float(len(rewards)),
+        **extra,
     }
 
 
-class StageEvaluator:
-    """A stage's held-out evaluation (:class:`tempering.stage.EvalConfig`), when configured."""
+def completion_sampler(tokenizer: Any, reward: RewardRunner | None, renderer: Any = "auto") -> Any:
+    """A ``completion`` sampler outside a recipe (tests, notebooks): renderer ``auto`` is
+    resolved through the process-wide registry when a chat example needs it."""
+    from tempering.plugins.samplers.completion import CompletionSampler
+    from tempering.registry import get_registry
+    from tempering.renderer import AUTO, default_renderer_name
 
-    def __init__(self, ctx: Any, cfg: Any) -> None:
+    built: list[Any] = []
+
+    def make_renderer() -> Any:
+        if not built:
+            spec = default_renderer_name(tokenizer) if renderer in (None, AUTO) else renderer
+            built.append(get_registry().build("renderer", spec, "renderer", tokenizer=tokenizer))
+        return built[0]
+
+    reg = get_registry()
+    context = SamplerContext(
+        tokenizer, make_renderer, reward,
+        build=lambda kind, spec, key: reg.build(kind, spec, key),
+        factory=lambda kind, spec, key: reg.factory(kind, spec, key),
+    )  # fmt: skip
+    return CompletionSampler(context=context)
+
+
+class StageEvaluator:
+    """A stage's held-out evaluation (:class:`tempering.stage.EvalConfig`), when configured.
+
+    It samples through ``eval.sampler``, else the stage's own sampler (so a tool-use stage is
+    evaluated on whole episodes), with the stage's renderer.
+    """
+
+    def __init__(self, ctx: Any, cfg: Any, stage: Any = None) -> None:
         from tempering.data import load_examples
 
         self.ctx, self.cfg = ctx, cfg
         self.examples = load_examples(ctx, cfg.dataset, "eval.dataset") if cfg.dataset is not None else None
-        self.reward = ctx.build("reward", cfg.reward, "eval.reward") if self.examples else None
+        self.sampler = None
+        if self.examples:
+            reward = RewardRunner(ctx.build("reward", cfg.reward, "eval.reward"))
+            spec = cfg.sampler if cfg.sampler is not None else (stage.eval_sampler() if stage is not None else None)
+            key = "eval.sampler" if cfg.sampler is not None else "sampler"
+            self.sampler = build_sampler(ctx, spec or "completion", key, reward, getattr(stage, "renderer", "auto"))
 
     def run(self, at_start: bool = False) -> dict[str, float]:
         if not self.examples or (at_start and not self.cfg.at_start):
             return {}
-        return evaluate(self.ctx.backend, self.examples, self.reward, self.cfg.max_tokens, self.cfg.temperature)
+        return evaluate(self.ctx.backend, self.examples, None, self.cfg.max_tokens, self.cfg.temperature, sampler=self.sampler)
+
+
+def build_sampler(ctx: Any, spec: Any, key: str, reward: RewardRunner | None, renderer: Any = "auto") -> Any:
+    """Build a stage's sampler (``key`` is its config path under the stage), with the context
+    it needs: the backend's tokenizer, the stage's renderer (built on first use) and reward."""
+    from tempering.renderer import build_renderer
+
+    built: list[Any] = []
+
+    def make_renderer() -> Any:
+        if not built:
+            built.append(build_renderer(ctx, renderer))
+        return built[0]
+
+    context = SamplerContext(
+        ctx.backend.tokenizer, make_renderer, reward,
+        build=lambda kind, s, k: ctx.build(kind, s, f"{key}.{k}"),
+        factory=lambda kind, s, k: ctx.factory(kind, s, f"{key}.{k}"),
+        path=f"{ctx.path}.{key}",
+    )  # fmt: skip
+    return ctx.build("sampler", spec, key, context=context)

@@ -34,7 +34,18 @@ def register_backends(register: Register) -> None:
 
 @hookspec
 def register_samplers(register: Register) -> None:
-    """Register samplers: objects that turn prompts into completions (e.g. a judge's model)."""
+    """Register samplers: turn a batch of examples into groups of scored samples (``completion``:
+    single turn; ``environment``: multi-turn episodes with tools)."""
+
+
+@hookspec
+def register_environments(register: Register) -> None:
+    """Register environments: classes whose instances play one multi-turn episode each."""
+
+
+@hookspec
+def register_renderers(register: Register) -> None:
+    """Register renderers: messages <-> tokens, stop tokens and parsing for a chat format."""
 
 
 @hookspec
@@ -90,5 +101,7 @@ KINDS: dict[str, str] = {
     "logger": "register_loggers",
     "model": "register_models",
     "recipe": "register_recipes",
+    "environment": "register_environments",
+    "renderer": "register_renderers",
 }
 

@@ -115,6 +115,22 @@ class Loss(Protocol):
     def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput: ...
 
 
+# --------------------------------------------------------------------------- samplers
+@runtime_checkable
+class Sampler(Protocol):
+    """Turns a batch of examples into groups of scored samples (see :mod:`tempering.rollout`).
+
+    ``client`` is what to sample with: the backend, or a sampling client of a weight snapshot
+    (``sample(prompts, n, params) -> Future``; completions carry ``policy_version``). The
+    groups come back in the order of ``examples`` with ``group_id = first_id + i``. Built with
+    its config keys and ``context`` (a :class:`tempering.rollout.SamplerContext`).
+    """
+
+    async def sample(
+        self, client: Any, examples: list[dict[str, Any]], group_size: int, params: SamplingParams, first_id: int = 0
+    ) -> Any: ...
+
+
 # --------------------------------------------------------------------------- the rest
 @runtime_checkable
 class Dataset(Protocol):

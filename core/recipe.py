@@ -59,6 +59,10 @@ class RunContext:
     def build(self, kind: str, spec: Any, key: str, **context: Any) -> Any:
         return self.registry.build(kind, spec, f"{self.path}.{key}", **context)
 
+    def factory(self, kind: str, spec: Any, key: str, **context: Any) -> Any:
+        """A callable building a new component per call (see :meth:`Registry.factory`)."""
+        return self.registry.factory(kind, spec, f"{self.path}.{key}", **context)
+
     def check(self, kind: str, spec: Any, key: str, context: Iterable[str] = ()) -> None:
         self.registry.check(kind, spec, f"{self.path}.{key}", context)
 

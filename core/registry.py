@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib
 import importlib.metadata as md
 import inspect
@@ -293,6 +294,19 @@ class Registry:
             return spec  # already an object (Python-composed recipe): use it as it is
         factory, kwargs = self._resolve(kind, spec, path, set(context))
         return factory(**kwargs, **context)
+
+    def factory(self, kind: str, spec: Any, path: str = "", **context: Any) -> Callable[[], Any]:
+        """A zero-argument callable that builds a *new* component per call, validated once now.
+
+        For components used one instance per use (an environment: one per episode). A Python
+        class or zero-argument callable given in place of a spec is used as the factory."""
+        if isinstance(spec, (str, Mapping)) or _is_omegaconf(spec):
+            factory, kwargs = self._resolve(kind, spec, path, set(context))
+            return functools.partial(factory, **kwargs, **context)
+        if callable(spec):
+            return spec
+        raise ConfigError(f"expected a registered {kind} name, a mapping with 'name:', or a class; got {type(spec).__name__}",
+                          path or kind)  # fmt: skip
 
     def check(self, kind: str, spec: Any, path: str = "", context: Iterable[str] = ()) -> None:
         """Validate ``spec`` (its name and keys) without building it: lets a recipe fail on a

@@ -1,29 +1,109 @@
-"""Rollouts: sample groups of completions for examples and score them."""
+"""Rollouts: the one path from examples to scored groups, shared by every RL stage and by
+evaluation.
+
+A *sampler* (component kind ``sampler``) turns a batch of examples into groups of scored
+samples: ``completion`` (one completion per sample, scored by the stage's reward) or
+``environment`` (multi-turn episodes with tools). Stages never sample by hand: the synchronous
+path (:func:`collect`: GRPO, SDFT, evaluation) and the asynchronous producer
+(:class:`tempering.async_rollout.AsyncRollouts`: off-policy RL) both call
+``sampler.sample(client, examples, group_size, params)``, with the live backend or a sampling
+client of a weight snapshot as ``client``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from tempering.data import encode_prompt
-from tempering.scoring import RewardRunner, ScoreStats
-from tempering.types import Group, Sample, SamplingParams
+from tempering.scoring import RewardRunner, ScoreStats, run_coroutine
+from tempering.types import Group, SamplingParams
 
 
-def sample_groups(
-    backend: Any, examples: Sequence[Mapping[str, Any]], group_size: int, params: SamplingParams, first_id: int = 0
-) -> list[Group]:
-    """``group_size`` completions per example, as unscored groups."""
-    prompts = [encode_prompt(backend.tokenizer, e) for e in examples]
-    completions = backend.sample(prompts, group_size, params).result()
-    return [
-        Group(dict(e), [Sample(example=dict(e), completion=c) for c in comps], group_id=first_id + i)
-        for i, (e, comps) in enumerate(zip(examples, completions))
-    ]
+@dataclass
+class SamplerContext:
+    """What a sampler gets from its stage at build time (runtime objects, not config).
+
+    ``renderer()`` builds the stage's renderer on first use (a single-turn sampler on plain
+    text prompts never needs one); ``reward`` scores what the sampler cannot (None: leave
+    samples unscored, as SDFT does); ``build(kind, spec, key)`` and ``factory(kind, spec, key)``
+    resolve nested components through the registry with the sampler's config path.
+    """
+
+    tokenizer: Any
+    renderer: Callable[[], Any]
+    reward: RewardRunner | None
+    build: Callable[[str, Any, str], Any]
+    factory: Callable[[str, Any, str], Callable[[], Any]]
+    path: str = "sampler"
 
 
-def score_groups(runner: RewardRunner, groups: Sequence[Group]) -> ScoreStats:
-    return runner.score(s for g in groups for s in g.samples)
+@dataclass
+class Rollout:
+    """Scored groups (in the order of the examples), the reward runner's counts and the
+    sampler's own metrics (``time/sample``, ``time/reward``, ...)."""
+
+    groups: list[Group]
+    stats: ScoreStats = field(default_factory=ScoreStats)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RolloutBatch:
+    """What a rollout source hands a stage for one step: the groups (in slot order) and the
+    source's own metrics (sampling time, staleness, ...)."""
+
+    groups: list[Group]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def collect(sampler: Any, client: Any, examples: Sequence[Mapping[str, Any]], group_size: int,
+            params: SamplingParams, first_id: int = 0) -> Rollout:  # fmt: skip
+    """Blocking form of ``sampler.sample``, on an event loop of its own. Rewards holding
+    loop-bound resources (HTTP clients) are closed after, as :meth:`RewardRunner.score` does."""
+
+    async def main() -> Rollout:
+        try:
+            return await sampler.sample(client, [dict(e) for e in examples], group_size, params, first_id)
+        finally:
+            runner = getattr(sampler, "reward_runner", None)
+            if runner is not None:
+                await runner.aclose()
+
+    return run_coroutine(main())
+
+
+def rollout_metrics(groups: Sequence[Group]) -> dict[str, Any]:
+    """Counts every RL stage logs for its rollouts: failures (with the first error's text),
+    masked samples, completion lengths and stops, and -- for multi-turn samples -- turns, tool
+    calls and errors, parse errors and how episodes ended (``env/stop/<cause>`` fractions)."""
+    samples = [s for g in groups for s in g.samples]
+    n = max(len(samples), 1)
+    out: dict[str, Any] = {
+        "reward/failed": float(sum(s.failed for s in samples)),
+        "reward/timeouts": float(sum(bool(s.reward_info.get("timeout")) for s in samples if s.failed)),
+        "completion/mean_len": sum(s.num_generated for s in samples) / n,
+        "completion/stop_frac": sum(s.completion.stop_reason == "stop" for s in samples) / n,
+    }
+    errors = [s.error for s in samples if s.failed and s.error]
+    if errors:
+        out["first_error"] = errors[0]
+    trajectories = [s.trajectory for s in samples if s.trajectory is not None]
+    if trajectories:
+        out["env/masked"] = float(sum(s.masked for s in samples))
+        totals: dict[str, float] = {}
+        for t in trajectories:
+            for k, v in t.metrics.items():
+                totals[k] = totals.get(k, 0.0) + v
+        out["env/turns_mean"] = totals.pop("turns", 0.0) / len(trajectories)
+        for k, v in sorted(totals.items()):
+            out[f"env/{k}"] = v
+        for cause in sorted({t.stop for t in trajectories}):
+            out[f"env/stop/{cause}"] = sum(t.stop == cause for t in trajectories) / len(trajectories)
+        tool_errors = [e for t in trajectories for e in t.errors]
+        if tool_errors:
+            out["env/first_error"] = tool_errors[0]
+    return out
 
 
 def should_recompute(mode: str, params: SamplingParams) -> bool:
@@ -39,6 +119,6 @@ def should_recompute(mode: str, params: SamplingParams) -> bool:
 
 def recompute_sampler_logprobs(backend: Any, batch: Any) -> None:
     """Replace each row's ``sampler_logprobs`` by the backend's forward-pass logprobs (0 where
-    the row has weight 0, as :meth:`tempering.types.Datum.from_completion` lays them out)."""
+    the row has weight 0, as :meth:`tempering.types.Segment.to_datum` lays them out)."""
     for d, lp in zip(batch.data, backend.logprobs(batch).result()):
         d.sampler_logprobs = [x if w else 0.0 for x, w in zip(lp, d.weights)]

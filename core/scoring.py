@@ -89,8 +89,7 @@ class RewardRunner:
                     value = run_coroutine(self._with_timeout(value))
                 self._apply(s, value, stats)
             except (asyncio.TimeoutError, TimeoutError) as exc:
-                stats.timeouts += 1
-                self._fail(s, str(exc) or f"timed out after {self.timeout}s", stats)
+                self._timeout(s, exc, stats)
             except Exception as exc:  # noqa: BLE001 - a reward bug must not kill the run
                 self._fail(s, f"{type(exc).__name__}: {exc}", stats)
         stats.seconds = time.perf_counter() - t0
@@ -196,6 +195,10 @@ class RewardRunner:
 
         return run_coroutine(main())
 
+    async def aclose(self) -> None:
+        """Release the reward's loop-bound resources (its ``aclose``), if it has any."""
+        await _aclose(self.reward)
+
     # ------------------------------------------------------------------ one sample
     def _limit(self) -> int:
         hint = getattr(self.reward, "max_concurrency", None)
@@ -215,8 +218,7 @@ class RewardRunner:
                 value = await self._with_timeout(value)
             self._apply(s, value, stats)
         except (asyncio.TimeoutError, TimeoutError) as exc:
-            stats.timeouts += 1
-            self._fail(s, str(exc) or f"timed out after {self.timeout}s", stats)
+            self._timeout(s, exc, stats)
         except Exception as exc:  # noqa: BLE001
             self._fail(s, f"{type(exc).__name__}: {exc}", stats)
 
@@ -232,6 +234,11 @@ class RewardRunner:
             return
         s.reward, s.reward_info, s.failed, s.error = float(value), info, False, None
         stats.scored += 1
+
+    def _timeout(self, s: Sample, exc: BaseException, stats: ScoreStats) -> None:
+        stats.timeouts += 1
+        self._fail(s, str(exc) or f"timed out after {self.timeout}s", stats)
+        s.reward_info = {"timeout": True}  # counted per sample, wherever the sample goes
 
     def _fail(self, s: Sample, message: str, stats: ScoreStats) -> None:
         s.reward, s.failed, s.error = 0.0, True, message

@@ -64,11 +64,53 @@ class Completion:
 
 
 @dataclass
-class Sample:
-    """A completion with the example it answers and the reward it earned.
+class Segment:
+    """One training row of a rollout, *unshifted*: every token the model saw or produced, in
+    order, as it saw them.
 
-    ``failed`` marks a reward that raised, timed out or returned NaN: such a sample keeps its
-    place in the group (so counts stay honest) but is masked out of the loss.
+    ``weights[i]`` is 1 where the model sampled ``tokens[i]`` and 0 on prompt, tool and
+    observation tokens; ``logprobs[i]`` is the sampler's logprob of a sampled token (0
+    elsewhere). Built by appending (:class:`tempering.trajectory.TrajectoryBuilder`), never by
+    re-tokenizing text, so training sees exactly what sampling saw.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    def extend(self, tokens: list[int], weight: float, logprobs: list[float] | None = None) -> None:
+        self.tokens += tokens
+        self.weights += [weight] * len(tokens)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
+
+    @classmethod
+    def from_completion(cls, completion: Completion) -> Segment:
+        seg = cls(list(completion.prompt_tokens), [0.0] * len(completion.prompt_tokens), [0.0] * len(completion.prompt_tokens))
+        seg.extend(list(completion.tokens), 1.0, completion.logprobs)
+        return seg
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(1 for w in self.weights if w)
+
+    def to_datum(self, advantage: float | None = None, weight: float = 1.0, logprobs: bool = True, **extra: Any) -> Datum:
+        """The shifted training row: sampled positions get ``weight`` and ``advantage``;
+        ``logprobs=False`` leaves ``sampler_logprobs`` out (supervised rows have none)."""
+        w = [weight if x else 0.0 for x in self.weights[1:]]
+        adv = None if advantage is None else [float(advantage) if x else 0.0 for x in self.weights[1:]]
+        lps = list(self.logprobs[1:]) if logprobs else None
+        return Datum(self.tokens[:-1], self.tokens[1:], w, lps, adv, dict(extra))
+
+
+@dataclass
+class Sample:
+    """A rollout of one example with the reward it earned.
+
+    Single-turn samplers fill ``completion`` only; multi-turn ones also set ``trajectory``
+    (:class:`tempering.trajectory.Trajectory`: every turn, the transcript, the training rows)
+    and ``completion`` is its last turn. ``failed`` marks a reward or episode that raised, timed
+    out or returned NaN; ``masked`` one that hit a limit configured to mask. Either keeps the
+    sample in its group (so counts stay honest) but out of the loss and the advantages.
     """
 
     example: dict[str, Any]
@@ -77,6 +119,31 @@ class Sample:
     reward_info: dict[str, Any] = field(default_factory=dict)
     failed: bool = False
     error: str | None = None
+    trajectory: Any = None
+    masked: bool = False
+
+    def segments(self) -> list[Segment]:
+        """The training rows: the trajectory's, or the single prompt + completion row."""
+        if self.trajectory is not None:
+            return list(self.trajectory.segments)
+        return [Segment.from_completion(self.completion)]
+
+    @property
+    def policy_version(self) -> int:
+        """The oldest weights any of its turns was sampled with: its staleness is that one's."""
+        if self.trajectory is not None and self.trajectory.turns:
+            return min(t.completion.policy_version for t in self.trajectory.turns)
+        return self.completion.policy_version
+
+    @property
+    def num_generated(self) -> int:
+        if self.trajectory is not None:
+            return sum(len(t.completion.tokens) for t in self.trajectory.turns)
+        return len(self.completion.tokens)
+
+    @property
+    def trainable(self) -> bool:
+        return not (self.failed or self.masked)
 
 
 @dataclass
@@ -93,7 +160,7 @@ class Group:
 
     @property
     def valid(self) -> list[Sample]:
-        return [s for s in self.samples if not s.failed]
+        return [s for s in self.samples if s.trainable]
 
 
 @dataclass
@@ -135,13 +202,7 @@ class Datum:
         The prompt's positions get weight 0 and logprob 0; each completion token gets
         ``weight`` and, if given, the sequence's ``advantage``.
         """
-        prompt, comp = completion.prompt_tokens, completion.tokens
-        tokens = prompt + comp
-        n_prompt = len(prompt) - 1  # targets that are still prompt tokens
-        weights = [0.0] * n_prompt + [weight] * len(comp)
-        logprobs = [0.0] * n_prompt + list(completion.logprobs)
-        adv = None if advantage is None else [0.0] * n_prompt + [float(advantage)] * len(comp)
-        return cls(tokens[:-1], tokens[1:], weights, logprobs, adv, dict(extra))
+        return Segment.from_completion(completion).to_datum(advantage, weight, **extra)
 
     @property
     def num_loss_tokens(self) -> int:

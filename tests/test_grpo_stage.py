@@ -28,6 +28,7 @@ def _recipe(out: Path, **over) -> Recipe:
         {"id": "warmup", "name": "sft", "steps": 3, "batch_size": 8, "optimizer": {"learning_rate": 1e-2}},
         {"id": "rl", "name": "grpo", "steps": 3, "prompts_per_step": 4, "group_size": 4, "max_tokens": 4,
          "optimizer": {"learning_rate": 1e-2}, "reward": over.pop("reward", partial_credit),
+         "kl_every": over.pop("kl_every", 10),
          "eval": {"dataset": {"name": "arithmetic", "split": "test", "size": 8}, "max_tokens": 4}},
     ]
     return Recipe.from_dict({"name": "t", "output_dir": str(out), "backend": TINY, "loggers": ["jsonl", "plot"],
@@ -39,21 +40,31 @@ def _weights(backend) -> torch.Tensor:
 
 
 def test_grpo_stage_logs_the_promised_metrics(tmp_path: Path) -> None:
-    result = _recipe(tmp_path).run()
+    result = _recipe(tmp_path, kl_every=1).run()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r["stage"] == "rl" and "reward/mean" in r]
     assert len(rl) == 3
-    for key in ("reward/mean", "accuracy", "loss", "kl_ref", "step_time", "tokens_per_s", "sample_time",
-                "train_time", "grad_norm", "clip_ratio/region_mean", "reward/failed", "completion/mean_len"):
+    for key in ("reward/mean", "accuracy", "loss", "kl_ref", "step_time", "tokens_per_s", "time/sample",
+                "time/reward", "time/train", "grad_norm", "clip_ratio/region_mean", "reward/failed",
+                "completion/mean_len"):
         assert key in rl[0], key
     assert all(math.isfinite(r["loss"]) for r in rl)
     assert rl[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # the reference is the stage's start
     assert rl[-1]["kl_ref"] > 0.0  # and the policy moves away from it
     assert [r["step"] for r in rl] == [4, 5, 6]  # global steps continue after the 3 SFT steps
+    assert "first_error" not in rl[0] and rl[0]["reward/failed"] == 0.0
     assert (tmp_path / "reward_curve.png").stat().st_size > 1000
     assert "eval/accuracy" in result.stages["rl"]
     run = json.loads((tmp_path / "run.json").read_text())
     assert run["components"]["algorithm:grpo"].startswith("tempering ")
+
+
+def test_kl_is_logged_every_kl_every_steps_by_default(tmp_path: Path) -> None:
+    """The default cadence (``kl_every: 10``) pays one reference forward every 10 steps."""
+    _recipe(tmp_path, kl_every=2).run()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r["stage"] == "rl" and "reward/mean" in r]
+    assert ["kl_ref" in r for r in rl] == [True, False, True]
 
 
 def test_failing_reward_is_counted_and_masked_not_fatal(tmp_path: Path) -> None:
@@ -72,6 +83,7 @@ def test_failing_reward_is_counted_and_masked_not_fatal(tmp_path: Path) -> None:
     rl = [r for r in rows if r["stage"] == "rl" and "reward/failed" in r]
     assert len(rl) == 3
     assert sum(r["reward/failed"] for r in rl) == pytest.approx(2 / 3 * 3 * 16, abs=2)
+    assert {r["first_error"] for r in rl} <= {"RuntimeError: judge unreachable", "reward returned nan (not a finite number)"}
 
 
 def test_interrupted_staged_run_resumes_to_the_same_weights(tmp_path: Path) -> None:

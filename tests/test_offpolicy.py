@@ -34,6 +34,7 @@ from tempering.algorithms.offpolicy.loss import (
     sampling_logprobs,
 )
 from tempering.async_rollout import AsyncRollouts, StalenessError, sampler_of
+from tempering.evaluate import completion_sampler
 from tempering.data import ExampleStream
 from tempering.errors import ConfigError
 from tempering.interfaces import Loss
@@ -461,7 +462,7 @@ EXAMPLES = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(40)]
 
 def drive(backend, *, k, fixed=False, steps=6, per_batch=3, chunk=2, pause=0.0, **kwargs):
     """A trainer loop without a model: take each batch, 'step', publish new weights."""
-    ro = AsyncRollouts(backend, ExampleStream(EXAMPLES, seed=0), RewardRunner(length_reward), group_size=3,
+    ro = AsyncRollouts(backend, ExampleStream(EXAMPLES, seed=0), completion_sampler(backend.tokenizer, RewardRunner(length_reward)), group_size=3,
                        groups_per_batch=per_batch, params=SamplingParams(max_tokens=3), max_steps_off_policy=k,
                        groups_per_sample=chunk, fixed_staleness=fixed, seed=5, last_batch=steps, **kwargs)  # fmt: skip
     batches = []
@@ -528,7 +529,7 @@ def test_rewards_stream_per_sample_call_not_per_batch():
         return float(len(completion))
 
     backend = VersionedFake(on_sample=on_sample)
-    ro = AsyncRollouts(backend, ExampleStream(EXAMPLES), RewardRunner(reward), group_size=2, groups_per_batch=3,
+    ro = AsyncRollouts(backend, ExampleStream(EXAMPLES), completion_sampler(backend.tokenizer, RewardRunner(reward)), group_size=2, groups_per_batch=3,
                        params=SamplingParams(max_tokens=3), max_steps_off_policy=0, groups_per_sample=1)  # fmt: skip
     ro.start(sampler_of(backend))
     try:
@@ -569,7 +570,7 @@ def test_failed_rewards_keep_their_place():
         return 1.0
 
     backend = VersionedFake()
-    ro = AsyncRollouts(backend, ExampleStream(EXAMPLES), RewardRunner(flaky), group_size=3, groups_per_batch=2,
+    ro = AsyncRollouts(backend, ExampleStream(EXAMPLES), completion_sampler(backend.tokenizer, RewardRunner(flaky)), group_size=3, groups_per_batch=2,
                        params=SamplingParams(max_tokens=3), max_steps_off_policy=1)  # fmt: skip
     ro.start(sampler_of(backend))
     try:

@@ -606,6 +606,7 @@ stages:
     prompts_per_step: 2
     group_size: 2
     max_tokens: 3
+    kl_every: 1
     optimizer: {learning_rate: 1.0e-2}
     eval: {dataset: {name: arithmetic, split: test, size: 4}, max_tokens: 3}
 """

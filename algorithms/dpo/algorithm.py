@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from tempering.data import ExampleStream, encode_completion, encode_prompt, load_examples
-from tempering.evaluate import StageEvaluator
-from tempering.progress import progress
 from tempering.errors import ConfigError
-from tempering.stage import EvalConfig, OptimizerConfig, check_stage, sub_config
+from tempering.stage import Stage, check_stage
 from tempering.types import Batch, Datum
 
 REFERENCES = ("live", "precomputed")
@@ -41,7 +39,7 @@ def completion_datum(prompt: list[int], completion: list[int], **extra: Any) -> 
 
 
 @dataclass
-class DPO:
+class DPO(Stage):
     """Direct preference optimisation on ``dataset`` rows with ``prompt``/``chosen``/``rejected``.
 
     ``batch_size`` counts pairs (the backend sees ``2 x batch_size`` rows, chosen and rejected
@@ -63,8 +61,12 @@ class DPO:
     eval: Any = field(default_factory=dict)
     seed: int = 0
 
+    label = "dpo"
+    summary_keys = ("loss",)
+    summary_prefixes = ("eval/", "rewards/")
+    postfix = {"loss": "loss", "margin": "rewards/margins"}
+
     def validate(self, ctx: Any) -> None:
-        """Check every nested block before any stage trains."""
         path = ctx.path
         if self.reference not in REFERENCES:
             raise ConfigError(f"use one of {', '.join(REFERENCES)} (got '{self.reference}')", f"{path}.reference")
@@ -74,27 +76,21 @@ class DPO:
             )
         if self.batch_size < 1:
             raise ConfigError(f"must be >= 1 (pairs per step), got {self.batch_size}", f"{path}.batch_size")
-        if self.steps < 0:
-            raise ConfigError(f"must be >= 0, got {self.steps}", f"{path}.steps")
         check_stage(ctx, self)
 
-    def run(self, ctx: Any) -> dict[str, Any]:
+    def setup(self, ctx: Any, state: Mapping[str, Any]) -> None:
         path = ctx.path
-        self.validate(ctx)
-        opt = sub_config(OptimizerConfig, self.optimizer, f"{path}.optimizer")
-        ev = sub_config(EvalConfig, self.eval, f"{path}.eval")
-        loss = ctx.build("loss", self.loss, "loss")
+        self.loss_fn = ctx.build("loss", self.loss, "loss")
         examples = load_examples(ctx, self.dataset, "dataset")
         for key_name in ("prompt_key", "chosen_key", "rejected_key"):
             key = getattr(self, key_name)
             if examples and key not in examples[0] and not (key == "prompt" and "messages" in examples[0]):
                 raise ConfigError(f"rows have no '{key}' (keys: {sorted(examples[0])})", f"{path}.{key_name}")
-        state = ctx.resume_state or {}
         start = int(state.get("step", 0))
-        backend = ctx.backend
-        snap = f"{ctx.stage_id}/dpo_reference"
-        live_snapshot = self.reference == "live" and self.reference_model == "stage_start"
-        if live_snapshot:
+        self.backend = backend = ctx.backend
+        self.snap = f"{ctx.stage_id}/dpo_reference"
+        self.live_snapshot = self.reference == "live" and self.reference_model == "stage_start"
+        if self.live_snapshot:
             if not hasattr(backend, "snapshot"):
                 raise ConfigError(
                     "'stage_start' with reference 'live' needs a backend with weight snapshots (e.g. local); "
@@ -102,47 +98,32 @@ class DPO:
                     f"{path}.reference_model",
                 )
             if start == 0:
-                backend.snapshot(snap).result()
-            elif snap not in backend.snapshot_names():
-                raise RuntimeError(f"{path}: resuming, but the checkpoint has no '{snap}' snapshot")
+                backend.snapshot(self.snap).result()
+            elif self.snap not in backend.snapshot_names():
+                raise RuntimeError(f"{path}: resuming, but the checkpoint has no '{self.snap}' snapshot")
         if self.reference == "precomputed":
             self._precompute(ctx, examples, resuming=bool(state))
-        stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
-        evaluator = StageEvaluator(ctx, ev)
-        last: dict[str, Any] = {}
-        if start == 0 and (first := evaluator.run(at_start=True)):
-            ctx.log(first)
-            last.update(first)
-        bar = progress(self.steps, f"{ctx.stage_id} (dpo)", initial=start)
-        done = start
-        for step in range(start, self.steps):
-            if not ctx.budget_left():
-                break
-            t0 = time.perf_counter()
-            batch = self.build_batch(backend.tokenizer, stream.take(self.batch_size))
-            if self.reference == "live":
-                kwargs = {"weights": snap} if live_snapshot else {"reference": True}
-                for d, lp in zip(batch.data, backend.logprobs(batch, **kwargs).result()):
-                    d.extra["ref_logprobs"] = list(lp)
-            fb = backend.forward_backward(batch, loss)
-            op = backend.optim_step(opt.adam(step, self.steps))
-            metrics = {**fb.result(), **op.result()}
-            metrics["step_time"] = time.perf_counter() - t0
-            ctx.end_step({"step": step + 1, "position": stream.position})
-            if ev.every and (step + 1) % ev.every == 0 and step + 1 < self.steps:
-                metrics.update(evaluator.run())
-            ctx.log(metrics)
-            last.update(metrics)
-            bar.update(1)
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", margin=f"{metrics.get('rewards/margins', 0.0):.2f}")
-            done = step + 1
-        bar.close()
-        if live_snapshot and done >= self.steps:  # kept while the stage may still resume
-            backend.drop_snapshot(snap).result()
-        if final := evaluator.run():
-            ctx.log(final)
-            last.update(final)
-        return {k: v for k, v in last.items() if k == "loss" or k.startswith(("rewards/", "eval/"))}
+        self.stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
+
+    def loop_state(self) -> dict[str, Any]:
+        return {"position": self.stream.position}
+
+    def train_step(self, ctx: Any, step: int) -> dict[str, Any]:
+        batch = self.build_batch(self.backend.tokenizer, self.stream.take(self.batch_size))
+        if self.reference == "live":
+            kwargs = {"weights": self.snap} if self.live_snapshot else {"reference": True}
+            for d, lp in zip(batch.data, self.backend.logprobs(batch, **kwargs).result()):
+                d.extra["ref_logprobs"] = list(lp)
+        fb = self.backend.forward_backward(batch, self.loss_fn)
+        op = self.backend.optim_step(self.adam(step))
+        return {**fb.result(), **op.result()}
+
+    def teardown(self, ctx: Any, finished: bool) -> None:
+        if getattr(self, "live_snapshot", False) and finished:  # kept while the stage may still resume
+            self.backend.drop_snapshot(self.snap).result()
+
+    def eval_sampler(self) -> Any:
+        return None
 
     # ------------------------------------------------------------------ batches
     def encode(self, tokenizer: Any, row: dict[str, Any]) -> tuple[list[int], list[int], list[int]]:

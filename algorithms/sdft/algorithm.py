@@ -27,17 +27,17 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tempering.data import ExampleStream, encode_prompt, load_examples
-from tempering.evaluate import StageEvaluator
 from tempering.errors import ConfigError
-from tempering.progress import progress
-from tempering.rollout import recompute_sampler_logprobs, should_recompute
-from tempering.stage import EvalConfig, OptimizerConfig, check_stage, sub_config
+from tempering.evaluate import completion_sampler
+from tempering.rollout import collect, recompute_sampler_logprobs, should_recompute
+from tempering.stage import Stage, check_stage
 from tempering.types import Batch, Datum, SamplingParams
 
 from tempering.algorithms.sdft.loss import fold_normaliser
@@ -59,7 +59,7 @@ def teacher_prompt(template: str, prompt: str, demonstration: str) -> str:
 
 
 @dataclass
-class SDFT:
+class SDFT(Stage):
     """Self-distillation fine-tuning on rows with ``prompt`` and ``demonstration``.
 
     ``loss`` is a registered loss, default ``sdft`` (``{name: sdft, mode: topk_logits, topk:
@@ -89,8 +89,11 @@ class SDFT:
     eval: Any = field(default_factory=dict)
     seed: int = 0
 
+    label = "sdft"
+    summary_keys = ("loss", "sdft/distill_loss", "sdft/reverse_kl_sampled")
+    postfix = {"loss": "loss", "kl": "sdft/reverse_kl_sampled"}
+
     def validate(self, ctx: Any) -> None:
-        """Check every nested block before any stage trains."""
         path = ctx.path
         if self.teacher not in TEACHERS:
             raise ConfigError(f"use one of {', '.join(TEACHERS)} (got '{self.teacher}')", f"{path}.teacher")
@@ -115,96 +118,79 @@ class SDFT:
             ) from None
         check_stage(ctx, self)
 
-    def run(self, ctx: Any) -> dict[str, Any]:
+    def setup(self, ctx: Any, state: Mapping[str, Any]) -> None:
         path = ctx.path
-        self.validate(ctx)
-        opt = sub_config(OptimizerConfig, self.optimizer, f"{path}.optimizer")
-        ev = sub_config(EvalConfig, self.eval, f"{path}.eval")
-        loss = ctx.build("loss", self.loss, "loss")
-        kind = getattr(loss, "teacher_input", "token")
+        self.loss_fn = ctx.build("loss", self.loss, "loss")
+        self.kind = getattr(self.loss_fn, "teacher_input", "token")
         examples = load_examples(ctx, self.dataset, "dataset")
         for key in (self.prompt_key, self.demonstration_key):
             if examples and key not in examples[0]:
                 raise ConfigError(f"rows have no '{key}' (keys: {sorted(examples[0])})", path)
-        state = ctx.resume_state or {}
         start = int(state.get("step", 0))
-        backend = ctx.backend
-        snap = f"{ctx.stage_id}/sdft_teacher"
+        self.backend = backend = ctx.backend
+        self.snap = f"{ctx.stage_id}/sdft_teacher"
         if self.teacher in ("stage_start", "ema"):
             if not hasattr(backend, "snapshot"):
                 raise ConfigError(f"'{self.teacher}' needs a backend with weight snapshots (e.g. local)", f"{path}.teacher")
             if start == 0:
-                backend.snapshot(snap).result()
-            elif snap not in backend.snapshot_names():
-                raise RuntimeError(f"{path}: resuming, but the checkpoint has no '{snap}' teacher snapshot")
-        teacher_kwargs = {"base": {"reference": True}, "live": {}}.get(self.teacher, {"weights": snap})
-        stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
-        evaluator = StageEvaluator(ctx, ev)
-        sampling = SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, list(self.stop))
-        recompute = should_recompute(self.recompute_logprobs, sampling)
-        aggregation = getattr(loss, "aggregation", "seq_mean")
-        topk = int(getattr(loss, "topk", 0) or 0)
-        last: dict[str, Any] = {}
-        if start == 0 and (first := evaluator.run(at_start=True)):
-            ctx.log(first)
-            last.update(first)
-        bar = progress(self.steps, f"{ctx.stage_id} (sdft)", initial=start)
-        done = start
-        for step in range(start, self.steps):
-            if not ctx.budget_left():
-                break
-            t0 = time.perf_counter()
-            rows = stream.take(self.prompts_per_step)
-            batch, teacher_batch, info = self.sample_batch(backend, rows, sampling)
-            t_sample = time.perf_counter() - t0
-            if recompute:
-                recompute_sampler_logprobs(backend, batch)
-            self.attach_teacher(backend, batch, teacher_batch, kind, topk, teacher_kwargs)
-            t_teacher = time.perf_counter() - t0 - t_sample
-            info.update(self._sampled_kl(batch))
-            if kind == "token":
-                norm = fold_normaliser([d.weights for d in batch.data], aggregation)
-                for d, n in zip(batch.data, norm):
-                    q, t = d.sampler_logprobs or [], d.extra["teacher_token_logprobs"]
-                    d.advantages = [-(qi - ti) * ni for qi, ti, ni in zip(q, t, n)]
-            fb = backend.forward_backward(batch, loss)
-            op = backend.optim_step(opt.adam(step, self.steps))
-            # FIFO: the EMA moves after the step and before any checkpoint of it
-            ema = backend.ema_update(snap, self.ema_rate) if self.teacher == "ema" else None
-            metrics = {**info, **fb.result(), **op.result(), "sample_time": t_sample, "teacher_time": t_teacher}
-            if ema is not None:
-                ema.result()
-            metrics["step_time"] = time.perf_counter() - t0
-            ctx.end_step({"step": step + 1, "position": stream.position})
-            if ev.every and (step + 1) % ev.every == 0 and step + 1 < self.steps:
-                metrics.update(evaluator.run())
-            ctx.log(metrics)
-            last.update(metrics)
-            bar.update(1)
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", kl=f"{metrics['sdft/reverse_kl_sampled']:.3f}")
-            done = step + 1
-        bar.close()
-        if self.teacher in ("stage_start", "ema") and done >= self.steps:
-            backend.drop_snapshot(snap).result()
-        if final := evaluator.run():
-            ctx.log(final)
-            last.update(final)
-        keep = ("loss", "sdft/distill_loss", "sdft/reverse_kl_sampled")
-        return {k: v for k, v in last.items() if k in keep or k.startswith("eval/")}
+                backend.snapshot(self.snap).result()
+            elif self.snap not in backend.snapshot_names():
+                raise RuntimeError(f"{path}: resuming, but the checkpoint has no '{self.snap}' teacher snapshot")
+        self.teacher_kwargs = {"base": {"reference": True}, "live": {}}.get(self.teacher, {"weights": self.snap})
+        self.stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
+        self.sampling = SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, list(self.stop))
+        self.recompute = should_recompute(self.recompute_logprobs, self.sampling)
+        self.aggregation = getattr(self.loss_fn, "aggregation", "seq_mean")
+        self.topk = int(getattr(self.loss_fn, "topk", 0) or 0)
+        self.student_sampler = completion_sampler(backend.tokenizer, None)  # unscored: the teacher is the signal
+
+    def loop_state(self) -> dict[str, Any]:
+        return {"position": self.stream.position}
+
+    def train_step(self, ctx: Any, step: int) -> dict[str, Any]:
+        backend = self.backend
+        t0 = time.perf_counter()
+        batch, teacher_batch, info = self.sample_batch(backend, self.stream.take(self.prompts_per_step), self.sampling)
+        t_sample = time.perf_counter() - t0
+        if self.recompute:
+            recompute_sampler_logprobs(backend, batch)
+        self.attach_teacher(backend, batch, teacher_batch, self.kind, self.topk, self.teacher_kwargs)
+        t_teacher = time.perf_counter() - t0 - t_sample
+        info.update(self._sampled_kl(batch))
+        if self.kind == "token":
+            norm = fold_normaliser([d.weights for d in batch.data], self.aggregation)
+            for d, n in zip(batch.data, norm):
+                q, t = d.sampler_logprobs or [], d.extra["teacher_token_logprobs"]
+                d.advantages = [-(qi - ti) * ni for qi, ti, ni in zip(q, t, n)]
+        fb = backend.forward_backward(batch, self.loss_fn)
+        op = backend.optim_step(self.adam(step))
+        # FIFO: the EMA moves after the step and before any checkpoint of it
+        ema = backend.ema_update(self.snap, self.ema_rate) if self.teacher == "ema" else None
+        metrics = {**info, **fb.result(), **op.result(), "time/sample": t_sample, "time/teacher": t_teacher}
+        if ema is not None:
+            ema.result()
+        return metrics
+
+    def teardown(self, ctx: Any, finished: bool) -> None:
+        if self.teacher in ("stage_start", "ema") and finished and hasattr(self, "backend"):
+            self.backend.drop_snapshot(self.snap).result()
+
+    def eval_sampler(self) -> Any:
+        return None
 
     # ------------------------------------------------------------------ batches
     def sample_batch(self, backend: Any, rows: list[dict[str, Any]], sampling: SamplingParams) -> tuple[Batch, Batch, dict[str, float]]:
         """Sample from the student prompts; return the student batch (weights = loss mask,
         sampler logprobs) and the teacher batch (teacher prompt + the same completions)."""
         tok = backend.tokenizer
-        student_prompts, teacher_prompts = [], []
+        teacher_prompts = []
         for row in rows:
-            prompt = str(row[self.prompt_key])
-            student_prompts.append(encode_prompt(tok, {"prompt": prompt}))
-            text = teacher_prompt(self.teacher_template, prompt, str(row[self.demonstration_key]))
+            text = teacher_prompt(self.teacher_template, str(row[self.prompt_key]), str(row[self.demonstration_key]))
             teacher_prompts.append(encode_prompt(tok, {"prompt": text}))
-        groups = backend.sample(student_prompts, self.samples_per_prompt, sampling).result()
-        return self.build_batches(teacher_prompts, groups)
+        sampler = getattr(self, "student_sampler", None) or completion_sampler(tok, None)
+        students = [{"prompt": str(row[self.prompt_key])} for row in rows]
+        rollout = collect(sampler, backend, students, self.samples_per_prompt, sampling)
+        return self.build_batches(teacher_prompts, [[s.completion for s in g.samples] for g in rollout.groups])
 
     def build_batches(self, teacher_prompts: list[list[int]], groups: list[list[Any]]) -> tuple[Batch, Batch, dict[str, float]]:
         """Student rows (``completion.prompt_tokens`` + completion; weights = loss mask after

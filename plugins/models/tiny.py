@@ -16,15 +16,20 @@ if TYPE_CHECKING:  # pragma: no cover
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)
 DEFAULT_CHARS = "0123456789+= "
+#: The role and tool-call markers of the ``tiny_chat`` renderer, one token each.
+CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|call|>")
+#: Characters of a chat-capable tiny model: enough for short questions, tool calls and answers.
+CHAT_CHARS = "0123456789abcdefghijklmnopqrstuvwxyz +-*/=()[]{}<>?!.,:;_'\"\n"
 
 
-def build_char_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
+def build_char_tokenizer(chars: str = DEFAULT_CHARS, extra_special: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
     """A tokenizer with one token per character of ``chars`` and ids 0, 1, 2 for pad/bos/eos.
 
     Encoding prepends ``<bos>`` (with ``add_special_tokens=True``, the default) so every prompt
     has at least one token to condition on; decoding joins characters without separators.
     There is no unknown token on purpose: a character outside ``chars`` is an error rather than
-    a silent ``<unk>`` that the model can never learn to read.
+    a silent ``<unk>`` that the model can never learn to read. ``extra_special`` adds special
+    tokens after the characters (the ``tiny_chat`` markers, :data:`CHAT_TOKENS`).
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -33,7 +38,7 @@ def build_char_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
     clash = [c for c in unique if c in SPECIAL_TOKENS]
     if clash or not unique:
         raise ValueError(f"build_char_tokenizer: chars must be non-empty single characters, got {chars!r}")
-    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *unique])}
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *unique, *extra_special])}
 
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
     # One pre-token per character (any character, newlines included), each looked up whole.
@@ -42,8 +47,8 @@ def build_char_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
     core.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
     )
-    core.add_special_tokens(list(SPECIAL_TOKENS))
-    return PreTrainedTokenizerFast(
+    core.add_special_tokens([*SPECIAL_TOKENS, *extra_special])
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=PAD,
         bos_token=BOS,
@@ -51,6 +56,15 @@ def build_char_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
+    if set(CHAT_TOKENS) <= set(extra_special):
+        tokenizer.tempering_renderer = "tiny_chat"  # what `renderer: auto` picks
+    return tokenizer
+
+
+def _tokenizer(chars: str, chat: bool) -> PreTrainedTokenizerFast:
+    if not chat:
+        return build_char_tokenizer(chars)
+    return build_char_tokenizer(CHAT_CHARS if chars == DEFAULT_CHARS else chars, extra_special=CHAT_TOKENS)
 
 
 def _set_special_ids(config: Any, tokenizer: PreTrainedTokenizerFast) -> None:
@@ -86,13 +100,17 @@ def tiny_llama(
     chars: str = DEFAULT_CHARS,
     max_position_embeddings: int = 64,
     seed: int = 0,
+    chat: bool = False,
 ) -> tuple[Any, PreTrainedTokenizerFast]:
     """A randomly initialised ``LlamaForCausalLM`` (about 660k parameters by default) and its
     character tokenizer. The same ``seed`` gives bit-identical weights, which the local backend
-    relies on for data-parallel ranks and for rebuilding the frozen reference model."""
+    relies on for data-parallel ranks and for rebuilding the frozen reference model.
+
+    ``chat=True`` gives a chat-capable tokenizer: the :data:`CHAT_TOKENS` markers of the
+    ``tiny_chat`` renderer, and :data:`CHAT_CHARS` unless ``chars`` is given."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = build_char_tokenizer(chars)
+    tokenizer = _tokenizer(chars, chat)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -115,12 +133,13 @@ def tiny_qwen(
     chars: str = DEFAULT_CHARS,
     max_position_embeddings: int = 64,
     seed: int = 0,
+    chat: bool = False,
 ) -> tuple[Any, PreTrainedTokenizerFast]:
     """Like :func:`tiny_llama` but a ``Qwen2ForCausalLM`` (q/k/v biases), to check that nothing
     in the stack is Llama-specific."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer = build_char_tokenizer(chars)
+    tokenizer = _tokenizer(chars, chat)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

@@ -1,0 +1,151 @@
+"""Environments: multi-turn, message-level, async episodes (component kind ``environment``).
+
+The shape is the one the peers converged on (tinker-cookbook's ``MessageEnv``, TRL's
+``environment_factory``, verifiers' ``MultiTurnEnv``, SkyRL-gym): an episode starts from an
+example (initial messages, tools offered), each model turn is answered with observation
+messages, a reward, ``done`` and metrics, and a cleanup always runs. Unlike the peers,
+environments are found by name through entry points, like every other component.
+
+A registered environment is a *class* (or any factory) whose keyword arguments are its config
+keys; the sampler builds **one instance per episode**, so an instance may keep episode state.
+Subclass :class:`Environment` and write only what differs::
+
+    class Calculator(Environment):
+        async def reset(self, example):
+            self.answer = example["answer"]
+            return [{"role": "user", "content": example["question"]}]
+
+        @tool
+        def multiply(self, a: int, b: int) -> int:
+            \"\"\"Multiply two integers.
+
+            Args:
+                a: the first factor
+                b: the second factor
+            \"\"\"
+            return a * b
+
+        async def score(self, response):
+            return float(response.text.strip() == self.answer)
+
+The default :meth:`Environment.step` runs the turn's tool calls (each a tool message back,
+errors included) and ends the episode on a turn without tool calls, scored by :meth:`score`
+(``None``: the stage's ``reward`` scores the final text instead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from tempering.chat import Message, ParsedResponse, tool_message
+from tempering.tools import Tool, ToolResult, tools_of
+
+
+@dataclass
+class StepResult:
+    """What the environment answers a model turn with.
+
+    ``reward`` is this turn's reward (an episode's reward is the sum over its turns, plus any
+    group reward); ``None`` on the final turn asks the stage's ``reward`` component to score
+    the final assistant text. ``errors`` are texts worth showing (a tool's exception).
+    """
+
+    messages: list[Message] = field(default_factory=list)
+    reward: float | None = 0.0
+    done: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+
+@runtime_checkable
+class EnvironmentProtocol(Protocol):
+    """What the ``environment`` sampler calls. :class:`Environment` implements all of it."""
+
+    async def reset(self, example: dict[str, Any]) -> list[Message]: ...
+    def tools(self) -> list[Tool]: ...
+    async def step(self, response: ParsedResponse) -> StepResult: ...
+    async def cleanup(self) -> None: ...
+
+
+class Environment:
+    """Base class for tool-using environments (see the module docstring).
+
+    Class attributes a subclass may set:
+
+    * ``parse_errors``: what a turn that does not parse (a malformed tool call, a turn cut by
+      the token limit) does: ``"end"`` (default: the episode ends with reward 0) or
+      ``"feedback"`` (the model is told what was wrong, as a user message, and goes on).
+    * ``tool_timeout``: seconds per tool call (the sampler's ``tool_timeout`` when None).
+
+    Optional: ``async group_reward(self, trajectories) -> list[float]``, called on the first
+    episode of each group once all of the group's episodes ended (e.g. a judge ranking the
+    group's answers); its values are added to the episodes' rewards.
+    """
+
+    parse_errors: str = "end"
+    tool_timeout: float | None = None
+
+    async def reset(self, example: dict[str, Any]) -> list[Message]:
+        """The episode's first messages. Default: the example's ``messages``, else its
+        ``prompt`` as one user message."""
+        if "messages" in example:
+            return [dict(m) for m in example["messages"]]
+        if "prompt" in example:
+            return [{"role": "user", "content": str(example["prompt"])}]
+        raise KeyError(f"the example has neither 'messages' nor 'prompt' (keys: {sorted(example)})")
+
+    def tools(self) -> list[Tool]:
+        """The tools offered to the model: the ``@tool`` methods (built once per instance)."""
+        cached = self.__dict__.get("_tempering_tools")
+        if cached is None:
+            cached = tools_of(self)
+            self.__dict__["_tempering_tools"] = cached
+        return cached
+
+    async def step(self, response: ParsedResponse) -> StepResult:
+        """Run the turn's tool calls, or end the episode on a final answer."""
+        if response.parse_error is not None:
+            if self.parse_errors == "feedback":
+                text = f"Your last message could not be parsed ({response.parse_error}). Try again."
+                return StepResult([{"role": "user", "content": text}], metrics={"parse_errors": 1.0})
+            return StepResult(reward=0.0, done=True, metrics={"parse_errors": 1.0})
+        if not response.tool_calls:
+            return StepResult(reward=await self.score(response), done=True)
+        results = await self.call_tools(response)
+        messages = [tool_message(call, r.content) for call, r in zip(response.tool_calls, results)]
+        return StepResult(messages, reward=0.0, done=False, metrics=tool_metrics(results),
+                          errors=[r.error for r in results if r.error])  # fmt: skip
+
+    async def call_tools(self, response: ParsedResponse) -> list[ToolResult]:
+        """Run a turn's calls concurrently (results in call order); unknown tools, bad
+        arguments, exceptions and timeouts come back as error results."""
+        by_name = {t.name: t for t in self.tools()}
+
+        async def one(call: Any) -> ToolResult:
+            found = by_name.get(call.name)
+            if found is None:
+                known = ", ".join(sorted(by_name)) or "none"
+                msg = f"unknown tool '{call.name}' (tools: {known})"
+                return ToolResult(f"Error: {msg}", msg)
+            return await found.call(call.arguments, self.tool_timeout)
+
+        return list(await asyncio.gather(*(one(c) for c in response.tool_calls)))
+
+    async def score(self, response: ParsedResponse) -> float | None:
+        """Reward of the final answer; ``None`` (default) lets the stage's ``reward`` score it."""
+        return None
+
+    async def cleanup(self) -> None:
+        """Release what the episode holds (always called, also after an error)."""
+
+
+def tool_metrics(results: Sequence[ToolResult]) -> dict[str, float]:
+    """Counts of one turn's tool calls: calls, errors (timeouts included), timeouts."""
+    return {
+        "tool_calls": float(len(results)),
+        "tool_errors": float(sum(r.error is not None for r in results)),
+        "tool_timeouts": float(sum(r.timed_out for r in results)),
+    }

@@ -1,0 +1,207 @@
+"""Running episodes: the loop between a model, a renderer and an environment.
+
+:func:`run_episode` plays one episode -- reset, then render / sample / parse / step until the
+environment is done or a limit is hit -- and returns its :class:`~tempering.trajectory.Trajectory`
+(token-exact rows built by appending). It never raises for the environment's sake: an
+environment that raises ends the episode as ``error`` with the text kept, and ``cleanup`` runs
+in every case.
+
+:class:`ModelQueue` lets many episodes share one model efficiently. Each episode simply awaits
+``queue.sample(prompt)``; the queue gathers the requests of concurrent episodes into one
+batched ``sample`` call (one ``generate`` on the local backend). By default it sends a batch
+once *every* live episode is waiting for the model (lockstep: reproducible, since the batch's
+make-up does not depend on timing); ``batch_wait`` seconds instead bound how long a request
+waits for the others, so one slow tool does not hold everyone up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tempering.chat import ParsedResponse, assign_call_ids, check_messages
+from tempering.trajectory import Trajectory, TrajectoryBuilder, Turn
+from tempering.types import Completion, SamplingParams
+
+LIMIT_ACTIONS = ("zero", "mask")
+
+
+@dataclass
+class EpisodeLimits:
+    """Per-episode limits and what reaching them does.
+
+    ``max_turns``: model turns at most. ``max_total_tokens``: the context budget, prompt and
+    everything since included (0 = none); a turn may not sample past it. ``tool_timeout``:
+    seconds per tool call unless the environment sets its own. ``on_max_turns`` /
+    ``on_context_limit``: ``zero`` (the episode is trained with reward 0) or ``mask`` (it is
+    kept out of the loss and the advantages, like a failure, but counted apart).
+    """
+
+    max_turns: int = 8
+    max_total_tokens: int = 0
+    tool_timeout: float | None = 30.0
+    on_max_turns: str = "zero"
+    on_context_limit: str = "zero"
+
+
+class ModelQueue:
+    """Batches concurrent episodes' sample requests into shared ``client.sample`` calls.
+
+    ``client`` is a backend or a sampling client (``sample(prompts, n, params) -> Future``).
+    Each request may have its own token limit: a batch samples up to the largest and cuts
+    each completion to its own (the first ``m`` tokens of a longer sample are a sample of
+    ``m`` tokens). ``seed`` derives a per-call seed from the call's index, so that lockstep
+    batching samples reproducibly.
+    """
+
+    def __init__(self, client: Any, params: SamplingParams, batch_wait: float | None = None, seed: int | None = None) -> None:
+        self.client = client
+        self.params = params
+        self.batch_wait = batch_wait
+        self.seed = seed
+        self.live = 0
+        self.calls = 0
+        self._pending: list[tuple[int, list[int], int, asyncio.Future[Completion]]] = []
+        self._in_flight = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def join(self, n: int = 1) -> None:
+        """Count ``n`` more live episodes (before they start)."""
+        self.live += n
+
+    def leave(self) -> None:
+        self.live -= 1
+        self._maybe_flush()
+
+    async def sample(self, key: int, prompt: list[int], max_tokens: int) -> Completion:
+        """One completion of ``prompt`` (``key`` orders requests within a batch)."""
+        future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
+        self._pending.append((key, list(prompt), int(max_tokens), future))
+        self._maybe_flush()
+        return await future
+
+    def _maybe_flush(self) -> None:
+        if not self._pending:
+            return
+        if len(self._pending) + self._in_flight >= self.live:
+            self._flush()
+        elif self.batch_wait is not None and self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.batch_wait, self._flush)
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._pending:
+            return
+        batch = sorted(self._pending, key=lambda r: r[0])
+        self._pending = []
+        self._in_flight += len(batch)
+        asyncio.ensure_future(self._run(batch))
+
+    async def _run(self, batch: list[tuple[int, list[int], int, asyncio.Future[Completion]]]) -> None:
+        params = replace(self.params, max_tokens=max(r[2] for r in batch))
+        if self.seed is not None:
+            params = replace(params, seed=(self.seed * 1_000_003 + self.calls * 7919) % 2**31)
+        self.calls += 1
+        try:
+            out = await asyncio.wrap_future(self.client.sample([r[1] for r in batch], 1, params))
+        except BaseException as exc:  # noqa: BLE001 - every waiting episode gets the error
+            for *_, fut in batch:
+                if not fut.done():
+                    fut.set_exception(exc)
+            return
+        finally:
+            self._in_flight -= len(batch)
+        for (_, _, limit, fut), (completion, *_) in zip(batch, out):
+            if not fut.done():
+                fut.set_result(_cut(completion, limit))
+
+
+def _cut(c: Completion, limit: int) -> Completion:
+    if len(c.tokens) <= limit:
+        return c
+    return replace(c, tokens=c.tokens[:limit], logprobs=c.logprobs[:limit], stop_reason="length", text="")
+
+
+async def run_episode(env: Any, example: dict[str, Any], renderer: Any, queue: ModelQueue, key: int,
+                      limits: EpisodeLimits, max_tokens: int) -> tuple[Trajectory, float | None]:  # fmt: skip
+    """Play one episode. Returns the trajectory and its reward: the sum of the environment's
+    step rewards, or ``None`` when the final step left scoring to the stage's reward.
+
+    The caller counts the episode in ``queue`` (:meth:`ModelQueue.join`) *before* any episode
+    of the batch starts, so the first requests do not go out as a half batch; the episode
+    leaves the queue when it ends.
+
+    ``trajectory.stop`` is ``done``, ``max_turns``, ``context``, ``parse_error`` or ``error``;
+    on ``error`` the first entry of ``trajectory.errors`` is the exception's text.
+    """
+    traj = Trajectory()
+    builder = TrajectoryBuilder()
+    total: float | None = 0.0
+    if getattr(env, "tool_timeout", None) is None:
+        try:
+            env.tool_timeout = limits.tool_timeout
+        except AttributeError:  # a frozen or slotted environment keeps its own
+            pass
+    try:
+        messages = check_messages(await env.reset(dict(example)), "environment.reset() returned")
+        tools = [t.spec() for t in env.tools()]
+        traj.messages, traj.tools = messages, tools
+        traj.stop = "max_turns"
+        for turn in range(limits.max_turns):
+            prompt = renderer.render_prompt(messages, tools or None)
+            builder.observe(prompt.tokens)
+            room = max_tokens
+            if limits.max_total_tokens:
+                room = min(room, limits.max_total_tokens - builder.num_tokens)
+                if room <= 0:
+                    traj.stop = "context"
+                    break
+            completion = await queue.sample(key, prompt.tokens, room)
+            builder.act(completion.tokens, completion.logprobs)
+            if room < max_tokens and completion.stop_reason != "stop" and len(completion.tokens) >= room:
+                traj.turns.append(Turn(len(prompt.tokens), completion, _parse(prompt, completion)))
+                traj.stop = "context"  # the budget, not max_tokens, cut this turn
+                break
+            response = _parse(prompt, completion)
+            assign_call_ids(response.tool_calls, turn)
+            messages.append(response.to_message())
+            result = await env.step(response)
+            traj.turns.append(Turn(len(prompt.tokens), completion, response, list(result.messages), result.reward,
+                                   dict(result.metrics)))  # fmt: skip
+            for k, v in result.metrics.items():
+                traj.count(k, float(v))
+            traj.errors += [e for e in result.errors if e][: max(0, 5 - len(traj.errors))]
+            total = None if result.reward is None else (total or 0.0) + float(result.reward)
+            messages += check_messages(result.messages, "environment.step() returned")
+            if result.done:
+                traj.stop = "parse_error" if response.parse_error is not None else "done"
+                break
+    except Exception as exc:  # noqa: BLE001 - an environment bug fails this episode, not the run
+        traj.stop = "error"
+        traj.errors.insert(0, f"{type(exc).__name__}: {exc}")
+    finally:
+        queue.leave()
+        try:
+            await env.cleanup()
+        except Exception as exc:  # noqa: BLE001 - counted and shown, never raised
+            traj.count("cleanup_errors")
+            traj.errors.append(f"cleanup: {type(exc).__name__}: {exc}")
+    traj.segments = builder.segments
+    traj.count("turns", float(len(traj.turns)))
+    traj.count("row_splits", float(builder.splits))
+    return traj, total
+
+
+def _parse(prompt: Any, completion: Completion) -> ParsedResponse:
+    """The renderer's parse, with a turn cut by the token limit always a parse error (its tool
+    call or answer is incomplete even when the prefix happens to parse)."""
+    try:
+        response = prompt.parse(completion.tokens)
+    except Exception as exc:  # noqa: BLE001 - a parser bug is a malformed turn, not a crash
+        response = ParsedResponse(parse_error=f"{type(exc).__name__}: {exc}")
+    if completion.stop_reason != "stop" and response.parse_error is None:
+        response.parse_error = "the turn hit the token limit before its stop token"
+    return response

@@ -1,0 +1,200 @@
+"""The RL engine: one stage loop for every group-relative RL algorithm.
+
+:class:`RLStage` is a :class:`~tempering.stage.Stage` that, at each step, takes a batch of
+scored groups from a *rollout source*, turns rewards into group-relative advantages
+(:func:`build_group_batch`), lets the algorithm prepare the batch (reference logprobs, capped
+and folded advantages, ...) and runs ``forward_backward`` + ``optim_step``. What an algorithm
+really changes is small and named: where rollouts come from (:class:`SyncRollouts` for
+on-policy GRPO, :class:`~tempering.async_rollout.AsyncRollouts` for off-policy RL),
+:meth:`RLStage.prepare` and the objective it trains (:meth:`RLStage.objective`), and what
+happens after an optimizer step (:meth:`RLStage.after_optim`).
+
+Rollouts come from the stage's sampler (``completion`` by default, ``environment`` for
+multi-turn tool use), so every RL algorithm trains on single-turn completions and multi-turn
+trajectories alike: a trajectory's training rows carry weight 1 exactly on its sampled tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tempering.data import ExampleStream, load_examples
+from tempering.errors import ConfigError
+from tempering.evaluate import build_sampler
+from tempering.rollout import RolloutBatch, collect, rollout_metrics
+from tempering.scoring import RewardRunner
+from tempering.stage import Stage, check_stage
+from tempering.types import Batch, Group, SamplingParams
+
+
+class SyncRollouts:
+    """On-policy rollouts: each step samples its batch now, with the live weights."""
+
+    def __init__(self, backend: Any, stream: ExampleStream, sampler: Any, group_size: int, groups_per_batch: int,
+                 params: SamplingParams) -> None:  # fmt: skip
+        self.backend, self.stream, self.sampler = backend, stream, sampler
+        self.group_size, self.per_batch, self.params = group_size, groups_per_batch, params
+
+    @property
+    def position(self) -> int:
+        return self.stream.position
+
+    def next_batch(self, step: int) -> RolloutBatch:
+        t0 = time.perf_counter()
+        rollout = collect(self.sampler, self.backend, self.stream.take(self.per_batch), self.group_size, self.params,
+                          first_id=step * self.per_batch)  # fmt: skip
+        return RolloutBatch(rollout.groups, {**rollout.metrics, "time/rollout": time.perf_counter() - t0})
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class RLStage(Stage):
+    """Keys shared by every RL stage (``grpo``, ``offpolicy``):
+
+    ``dataset``, ``reward`` (scores completions; for environments, final answers the
+    environment leaves unscored), ``advantage``, ``loss``, ``sampler`` (``completion`` or
+    ``{name: environment, environment: ..., max_turns: ...}``), ``renderer`` (``auto``: the
+    model's format), ``steps``, ``prompts_per_step``, ``group_size``, ``max_tokens`` (per model
+    turn), ``temperature``, ``top_p``, ``top_k``, ``stop``, ``optimizer``,
+    ``drop_zero_variance``, ``reward_timeout``, ``reward_concurrency``, ``success_threshold``,
+    ``eval``, ``seed``.
+    """
+
+    dataset: Any = field(default_factory=lambda: {"name": "arithmetic"})
+    reward: Any = "exact_match"
+    advantage: Any = "group_norm"
+    loss: Any = "grpo"
+    sampler: Any = "completion"
+    renderer: Any = "auto"
+    steps: int = 50
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list = field(default_factory=list)  # type: ignore[type-arg]
+    optimizer: Any = field(default_factory=lambda: {"learning_rate": 1e-4})
+    drop_zero_variance: bool = False
+    reward_timeout: float = 60.0
+    reward_concurrency: int = 64
+    success_threshold: float = 1.0
+    eval: Any = field(default_factory=dict)
+    seed: int = 0
+
+    summary_keys = ("reward/mean", "accuracy", "loss")
+    postfix = {"reward": "reward/mean", "acc": "accuracy"}
+
+    # ------------------------------------------------------------------ validation and setup
+    def validate(self, ctx: Any) -> None:
+        for key in ("prompts_per_step", "group_size", "max_tokens"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"must be >= 1, got {getattr(self, key)}", f"{ctx.path}.{key}")
+        check_stage(ctx, self, ("reward", "advantage", "loss"))
+
+    def setup(self, ctx: Any, state: Mapping[str, Any]) -> None:
+        self.backend = ctx.backend
+        reward = ctx.build("reward", self.reward, "reward")
+        self.reward_runner = RewardRunner(reward, timeout=self.reward_timeout, concurrency=self.reward_concurrency)
+        self.estimator = ctx.build("advantage", self.advantage, "advantage")
+        self.loss_fn = ctx.build("loss", self.loss, "loss")
+        if getattr(self.loss_fn, "max_completion_length", 0) is None:
+            self.loss_fn.max_completion_length = self.max_tokens  # Dr. GRPO's constant normaliser
+        self.rollout_sampler = build_sampler(ctx, self.sampler, "sampler", self.reward_runner, self.renderer)
+        examples = load_examples(ctx, self.dataset, "dataset")
+        self.stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
+        self.params = SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, list(self.stop))
+        self.rollouts = self.make_rollouts(ctx, state)
+
+    def make_rollouts(self, ctx: Any, state: Mapping[str, Any]) -> Any:
+        """The rollout source: synchronous, on-policy by default."""
+        return SyncRollouts(self.backend, self.stream, self.rollout_sampler, self.group_size, self.prompts_per_step,
+                            self.params)  # fmt: skip
+
+    def loop_state(self) -> dict[str, Any]:
+        return {"position": self.rollouts.position}
+
+    def teardown(self, ctx: Any, finished: bool) -> None:
+        rollouts = getattr(self, "rollouts", None)
+        if rollouts is not None:
+            rollouts.close()
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, ctx: Any, step: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        rb = self.rollouts.next_batch(step)
+        batch, info = build_group_batch(rb.groups, self.estimator, self.drop_zero_variance, self.success_threshold)
+        metrics: dict[str, Any] = {**info, **rollout_metrics(rb.groups), **rb.metrics}
+        if batch is None:  # every group was dropped: nothing to learn from this batch
+            self.after_optim(ctx, step)
+            metrics.update(loss=0.0, skipped=1.0)
+            return metrics
+        metrics.update(self.prepare(ctx, batch, step))
+        t1 = time.perf_counter()
+        fb = self.backend.forward_backward(batch, self.objective())
+        op = self.backend.optim_step(self.adam(step))  # submitted back to back, awaited together
+        self.after_optim(ctx, step)
+        metrics.update(fb.result())
+        metrics.update(op.result())
+        metrics["time/train"] = time.perf_counter() - t1
+        metrics["tokens_per_s"] = sum(s.num_generated for g in rb.groups for s in g.samples) / (time.perf_counter() - t0)
+        metrics["skipped"] = 0.0
+        return metrics
+
+    # ------------------------------------------------------------------ what algorithms change
+    def prepare(self, ctx: Any, batch: Batch, step: int) -> dict[str, Any]:
+        """Complete the batch before training (in place); returns metrics."""
+        return {}
+
+    def objective(self) -> Any:
+        """The loss ``forward_backward`` trains."""
+        return self.loss_fn
+
+    def after_optim(self, ctx: Any, step: int) -> None:
+        """Called once the step's training calls are submitted (or the step was skipped)."""
+
+
+def build_group_batch(
+    groups: list[Group], estimator: Any, drop_zero_variance: bool = False, success_threshold: float = 1.0
+) -> tuple[Batch | None, dict[str, float]]:
+    """Advantages over the trainable samples, then one :class:`~tempering.types.Datum` per
+    training row (a single-turn sample has one; a multi-turn trajectory one per segment).
+
+    Failed and masked samples, and (optionally) zero-variance groups, get weight 0: they stay
+    visible in the metrics but do not move the policy.
+    """
+    import torch
+
+    from tempering.algorithms.grpo.advantages import zero_variance_groups
+
+    samples = [s for g in groups for s in g.samples]
+    gids = torch.tensor([g.group_id for g in groups for _ in g.samples])
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    valid = torch.tensor([s.trainable for s in samples])
+    adv = torch.zeros_like(rewards)
+    zero_var = torch.zeros_like(valid)
+    if valid.any():
+        adv[valid] = estimator(rewards[valid], gids[valid]).float()
+        zero_var[valid] = zero_variance_groups(rewards[valid], gids[valid])
+    keep = valid & ~zero_var if drop_zero_variance else valid
+    ok = rewards[valid]
+    info = {
+        "reward/mean": float(ok.mean()) if len(ok) else 0.0,
+        "reward/std": float(ok.std()) if len(ok) > 1 else 0.0,
+        "accuracy": float((ok >= success_threshold - 1e-9).float().mean()) if len(ok) else 0.0,
+        "groups/zero_variance_frac": float(zero_var[valid].float().mean()) if valid.any() else 0.0,
+        "advantage/abs_mean": float(adv[keep].abs().mean()) if keep.any() else 0.0,
+    }
+    if not keep.any():
+        return None, info
+    data = [
+        seg.to_datum(advantage=float(a), weight=1.0 if k else 0.0)
+        for s, a, k in zip(samples, adv.tolist(), keep.tolist())
+        for seg in s.segments()
+    ]
+    return Batch(data, meta={"num_groups": len(groups)}), info

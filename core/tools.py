@@ -1,0 +1,159 @@
+"""Tools: plain typed Python functions (sync or async) that a model may call.
+
+A tool's JSON schema -- what the renderer shows the model -- is derived from its signature and
+Google-style docstring by ``transformers.utils.get_json_schema`` (the function Hugging Face chat
+templates use for ``tools=``), so a tool is documented exactly once, in its docstring, and a
+tool without a description for every argument is refused when the environment is built rather
+than shown to the model half-described.
+
+Calling a tool never raises: a tool that raises, is called with bad arguments, does not exist
+or runs past its timeout returns a :class:`ToolResult` whose ``content`` is an error text the
+model sees as the tool's answer (so it can recover), and whose ``error`` the sampler counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_MARK = "__tempering_tool__"
+
+
+def tool(fn: F | None = None, *, name: str | None = None, timeout: float | None = None) -> Any:
+    """Mark a function or an environment method as a tool: ``@tool`` or ``@tool(timeout=5)``.
+
+    ``name`` defaults to the function's name; ``timeout`` (seconds) overrides the environment's
+    ``tool_timeout`` for this tool.
+    """
+
+    def mark(f: F) -> F:
+        setattr(f, _MARK, {"name": name or f.__name__, "timeout": timeout})
+        return f
+
+    return mark(fn) if fn is not None else mark
+
+
+def is_tool(obj: Any) -> bool:
+    return callable(obj) and hasattr(obj, _MARK)
+
+
+@dataclass
+class ToolResult:
+    """What one call returned: ``content`` for the model, ``error`` (None on success) for the
+    metrics, ``timed_out`` and the wall time."""
+
+    content: str
+    error: str | None = None
+    timed_out: bool = False
+    seconds: float = 0.0
+
+
+@dataclass
+class Tool:
+    """A callable with the JSON schema a renderer declares to the model."""
+
+    name: str
+    fn: Callable[..., Any]
+    description: str
+    parameters: dict[str, Any]
+    timeout: float | None = None
+
+    @classmethod
+    def from_function(cls, fn: Callable[..., Any], name: str | None = None, timeout: float | None = None) -> Tool:
+        """Build a tool from a typed, documented function (bound methods included).
+
+        Raises ``ValueError`` naming the function when its docstring does not describe it and
+        each argument (``transformers.utils.get_json_schema``'s rules)."""
+        from transformers.utils import get_json_schema
+
+        mark = getattr(fn, _MARK, {}) or {}
+        try:
+            schema = get_json_schema(fn)["function"]
+        except Exception as exc:  # DocstringParsingException, TypeHintParsingException
+            label = getattr(fn, "__qualname__", repr(fn))
+            raise ValueError(
+                f"tool {label}: {exc}. Give it type hints and a Google-style docstring with an "
+                "'Args:' entry per argument"
+            ) from None
+        return cls(
+            name=name or mark.get("name") or schema["name"],
+            fn=fn,
+            description=schema.get("description", ""),
+            parameters=schema.get("parameters", {"type": "object", "properties": {}}),
+            timeout=timeout if timeout is not None else mark.get("timeout"),
+        )
+
+    def spec(self) -> dict[str, Any]:
+        """The OpenAI ``tools=[...]`` entry."""
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+    async def call(self, arguments: Mapping[str, Any], timeout: float | None = None) -> ToolResult:
+        """Run the tool; never raises (except cancellation). ``timeout`` applies unless the tool
+        has its own. A sync tool runs in a worker thread, so a slow one does not stall the
+        other episodes; past its timeout the episode moves on (a thread cannot be killed: a
+        tool that may hang for good belongs in a subprocess)."""
+        limit = self.timeout if self.timeout is not None else timeout
+        t0 = time.perf_counter()
+        try:
+            bound = inspect.signature(self.fn).bind(**dict(arguments))
+        except TypeError as exc:
+            return ToolResult(f"Error: bad arguments for {self.name}: {exc}", f"TypeError: {exc}")
+        try:
+            if inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None)):
+                value = await asyncio.wait_for(self.fn(*bound.args, **bound.kwargs), limit)
+            else:
+                call = functools.partial(self.fn, *bound.args, **bound.kwargs)
+                value = await asyncio.wait_for(asyncio.to_thread(call), limit)
+                if inspect.isawaitable(value):
+                    value = await asyncio.wait_for(value, limit)
+        except (asyncio.TimeoutError, TimeoutError):
+            seconds = time.perf_counter() - t0
+            msg = f"tool {self.name} timed out after {limit:g}s"
+            return ToolResult(f"Error: {msg}", msg, timed_out=True, seconds=seconds)
+        except Exception as exc:  # noqa: BLE001 - a tool bug is the model's observation, not a crash
+            return ToolResult(f"Error: {type(exc).__name__}: {exc}", f"{type(exc).__name__}: {exc}",
+                              seconds=time.perf_counter() - t0)  # fmt: skip
+        return ToolResult(format_result(value), seconds=time.perf_counter() - t0)
+
+
+def format_result(value: Any) -> str:
+    """A tool's return value as the text of its tool message: strings as they are, JSON for
+    containers, ``str()`` otherwise."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (dict, list, tuple, bool)) or value is None:
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
+
+
+def tools_of(obj: Any) -> list[Tool]:
+    """The ``@tool``-marked methods of ``obj`` (an environment), in definition order."""
+    found = []
+    seen: set[str] = set()
+    for klass in reversed(type(obj).__mro__):
+        for attr, member in vars(klass).items():
+            if is_tool(member) and attr not in seen:
+                seen.add(attr)
+                found.append(attr)
+    return [Tool.from_function(getattr(obj, attr)) for attr in found]
+
+
+def as_tools(items: Sequence[Any]) -> list[Tool]:
+    """Tools from a mix of :class:`Tool` objects and plain functions; names must be unique."""
+    out = [t if isinstance(t, Tool) else Tool.from_function(t) for t in items]
+    names = [t.name for t in out]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"two tools are named {', '.join(dupes)}: tool names must be unique")
+    return out

@@ -1,0 +1,1 @@
+"""Built-in samplers: ``completion`` (single turn) and ``environment`` (multi-turn, tools)."""

@@ -1,0 +1,67 @@
+"""The ``completion`` sampler: one sampled completion per sample, scored by the stage's reward.
+
+Examples with ``prompt`` text are encoded as they always were (the tokenizer with its BOS);
+examples with ``messages`` (and optional ``tools``) go through the stage's renderer, which
+also parses the completion, so the reward sees the answer's text without chat markup or
+reasoning. Either way the stop tokens are explicit: the renderer's, or the tokenizer's EOS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tempering.chat import check_messages
+from tempering.data import encode_prompt
+from tempering.rollout import Rollout, SamplerContext
+from tempering.scoring import ScoreStats
+from tempering.types import Group, Sample, SamplingParams
+
+from tempering.plugins.samplers.common import eos_ids, with_stops
+
+
+@dataclass
+class CompletionSampler:
+    """Single-turn sampling (no config keys)."""
+
+    context: SamplerContext | None = field(default=None, repr=False)
+
+    @property
+    def reward_runner(self) -> Any:
+        return self.context.reward if self.context is not None else None
+
+    def _encode(self, example: dict[str, Any]) -> tuple[list[int], Any]:
+        assert self.context is not None
+        if "messages" in example:
+            renderer = self.context.renderer()
+            prompt = renderer.render_prompt(check_messages(example["messages"], "example.messages"), example.get("tools"))
+            return prompt.tokens, prompt
+        return encode_prompt(self.context.tokenizer, example), None
+
+    async def sample(self, client: Any, examples: list[dict[str, Any]], group_size: int, params: SamplingParams,
+                     first_id: int = 0) -> Rollout:  # fmt: skip
+        assert self.context is not None, "CompletionSampler needs its stage's context"
+        encoded = [self._encode(e) for e in examples]
+        chat = any(rendered is not None for _, rendered in encoded)
+        stops = self.context.renderer().stop() if chat else []
+        if any(rendered is None for _, rendered in encoded):
+            stops = [*stops, *eos_ids(self.context.tokenizer)]
+        params = with_stops(params, stops)
+        t0 = time.perf_counter()
+        completions = await asyncio.wrap_future(client.sample([p for p, _ in encoded], group_size, params))
+        t1 = time.perf_counter()
+        groups = []
+        for i, (example, (_, rendered), comps) in enumerate(zip(examples, encoded, completions)):
+            samples = []
+            for c in comps:
+                if rendered is not None:
+                    response = rendered.parse(c.tokens)
+                    c.text = response.text if response.parse_error is None else response.raw
+                samples.append(Sample(example=dict(example), completion=c))
+            groups.append(Group(dict(example), samples, group_id=first_id + i))
+        stats = ScoreStats()
+        if self.context.reward is not None:
+            stats = await self.context.reward.ascore(s for g in groups for s in g.samples)
+        return Rollout(groups, stats, {"time/sample": t1 - t0, "time/reward": time.perf_counter() - t1})

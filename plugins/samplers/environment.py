@@ -1,0 +1,141 @@
+"""The ``environment`` sampler: multi-turn episodes of a registered environment.
+
+Every sample is one episode (:func:`tempering.episode.run_episode`) with a fresh environment
+instance; the episodes of a batch share the model through a :class:`~tempering.episode.ModelQueue`,
+so their turns are sampled in batched calls. An episode's reward is the sum of its step rewards
+plus the environment's group reward, if it has one; a final step that leaves the reward to the
+stage (``None``) is scored by the stage's ``reward`` on the final answer's text.
+
+What each way of ending does to the sample:
+
+* ``done`` / ``parse_error``: trained with its reward;
+* ``max_turns`` / ``context``: ``on_max_turns`` / ``on_context_limit`` -- ``zero`` (reward 0,
+  trained) or ``mask`` (out of the loss and the advantages, counted as ``env/masked``);
+* ``error`` (the environment raised): failed -- masked, counted in ``reward/failed``, its text
+  in ``first_error``, exactly like a failing reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tempering.episode import LIMIT_ACTIONS, EpisodeLimits, ModelQueue, run_episode
+from tempering.errors import ConfigError
+from tempering.rollout import Rollout, SamplerContext
+from tempering.scoring import ScoreStats
+from tempering.types import Completion, Group, Sample, SamplingParams
+
+from tempering.plugins.samplers.common import with_stops
+
+
+@dataclass
+class EnvironmentSampler:
+    """Config keys: ``environment`` (a registered name or ``{name: ..., <its keys>}``, required),
+    ``max_turns``, ``max_total_tokens`` (context budget, 0 = none), ``tool_timeout`` (seconds),
+    ``on_max_turns`` / ``on_context_limit`` (``zero`` or ``mask``) and ``batch_wait`` (seconds
+    a model request waits for other episodes' before its batch goes; null = until every live
+    episode waits, which is reproducible). The stage's ``max_tokens`` bounds each turn."""
+
+    environment: Any = None
+    max_turns: int = 8
+    max_total_tokens: int = 0
+    tool_timeout: float = 30.0
+    on_max_turns: str = "zero"
+    on_context_limit: str = "zero"
+    batch_wait: float | None = None
+    context: SamplerContext | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        path = self.context.path if self.context is not None else "sampler"
+        if self.environment is None:
+            raise ConfigError("the environment sampler needs 'environment: <registered name>'", f"{path}.environment")
+        for key in ("on_max_turns", "on_context_limit"):
+            if getattr(self, key) not in LIMIT_ACTIONS:
+                raise ConfigError(f"use {' or '.join(LIMIT_ACTIONS)} (got '{getattr(self, key)}')", f"{path}.{key}")
+        if self.max_turns < 1:
+            raise ConfigError(f"must be >= 1, got {self.max_turns}", f"{path}.max_turns")
+        if self.max_total_tokens < 0:
+            raise ConfigError(f"must be >= 0 (0 = no budget), got {self.max_total_tokens}", f"{path}.max_total_tokens")
+        self.limits = EpisodeLimits(self.max_turns, self.max_total_tokens, self.tool_timeout, self.on_max_turns,
+                                    self.on_context_limit)  # fmt: skip
+        self._factory = self.context.factory("environment", self.environment, "environment") if self.context else None
+
+    @property
+    def reward_runner(self) -> Any:
+        return self.context.reward if self.context is not None else None
+
+    async def sample(self, client: Any, examples: list[dict[str, Any]], group_size: int, params: SamplingParams,
+                     first_id: int = 0) -> Rollout:  # fmt: skip
+        assert self.context is not None and self._factory is not None, "EnvironmentSampler needs its stage's context"
+        renderer = self.context.renderer()
+        params = with_stops(params, renderer.stop())
+        queue = ModelQueue(client, params, self.batch_wait, seed=params.seed)
+        envs = [[self._factory() for _ in range(group_size)] for _ in examples]
+        queue.join(len(examples) * group_size)  # all join before any samples: no half batches
+        jobs = [
+            run_episode(env, example, renderer, queue, i * group_size + j, self.limits, params.max_tokens)
+            for i, (example, row) in enumerate(zip(examples, envs))
+            for j, env in enumerate(row)
+        ]
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*jobs)
+        t1 = time.perf_counter()
+        groups, to_score = [], []
+        for i, example in enumerate(examples):
+            samples = [self._sample(example, *results[i * group_size + j]) for j in range(group_size)]
+            await self._group_reward(envs[i][0], samples)
+            to_score += [s for s in samples if s.reward_info.get("score_with_stage_reward")]
+            groups.append(Group(dict(example), samples, group_id=first_id + i))
+        stats = ScoreStats()
+        if to_score:
+            if self.context.reward is None:
+                for s in to_score:
+                    s.failed, s.error = True, "the environment left the reward to the stage, which has none"
+            else:
+                bonus = {id(s): s.reward for s in to_score}  # group rewards already added
+                stats = await self.context.reward.ascore(to_score)
+                for s in to_score:
+                    s.reward += bonus[id(s)] if not s.failed else 0.0
+        metrics = {"time/episodes": t1 - t0, "time/reward": time.perf_counter() - t1, "env/model_calls": float(queue.calls)}
+        return Rollout(groups, stats, metrics)
+
+    def _sample(self, example: dict[str, Any], traj: Any, total: float | None) -> Sample:
+        last = traj.turns[-1].completion if traj.turns else Completion([], [], [], "error")
+        if traj.turns:
+            last.text = traj.turns[-1].response.text
+        sample = Sample(example=dict(example), completion=last, trajectory=traj)
+        sample.reward_info = {"stop": traj.stop, "turns": len(traj.turns)}
+        action = {"max_turns": self.on_max_turns, "context": self.on_context_limit}.get(traj.stop)
+        if traj.stop == "error":
+            sample.failed, sample.error = True, f"episode: {traj.errors[0]}"
+        elif action == "mask":
+            sample.masked = True
+        elif action == "zero":
+            sample.reward = 0.0
+        elif total is None:
+            sample.reward_info["score_with_stage_reward"] = True
+        else:
+            sample.reward = float(total)
+        return sample
+
+    async def _group_reward(self, env: Any, samples: list[Sample]) -> None:
+        """Add the environment's group reward (if it defines one) to each trainable sample."""
+        fn = getattr(env, "group_reward", None)
+        if fn is None:
+            return
+        try:
+            values = fn([s.trajectory for s in samples])
+            values = await values if asyncio.iscoroutine(values) else values
+            values = [float(v) for v in values]
+            if len(values) != len(samples):
+                raise ValueError(f"returned {len(values)} values for a group of {len(samples)}")
+        except Exception as exc:  # noqa: BLE001 - a judge failure fails the group, never the run
+            for s in samples:
+                if not s.failed:
+                    s.failed, s.error = True, f"group_reward: {type(exc).__name__}: {exc}"
+            return
+        for s, v in zip(samples, values):
+            s.reward += v
