@@ -7,13 +7,13 @@ run in a ``process_pool`` reward so it does not hold the trainer's GIL. Configur
 1. ``grpo``       -- the synchronous GRPO stage: sample the batch, score it, train.
 2. ``async k=0``  -- the ``offpolicy`` stage with ``max_steps_off_policy: 0``: the same loop as
    below but the producer waits for the new weights after every step (on-policy, synchronous;
-   rewards still stream per sample call, overlapping the next call's sampling).
+   a chunk's rewards still overlap the next chunk's sampling).
 3. ``async k=1``, ``async k=3`` -- sampling and scoring of the next batches overlap training.
 
 Ideal speedup of overlapping two phases that took ``S`` (sample + reward) and ``T`` (train)
 when run one after the other: ``(S + T) / max(S, T)``; the measured speedup is the sync step
 time over the async one. ``S`` and ``T`` are measured in the synchronous ``grpo`` run
-(``sample_time + reward_time`` and ``train_time``).
+(``time/sample + time/reward`` and ``time/train``).
 
 The local backend runs training on one thread and sampling (``sampling_client``) on a second
 one with its own model copy; ``torch.set_num_threads(1)`` (``num_threads: 1``) keeps each to
@@ -80,10 +80,10 @@ def run_config(label: str, stage: dict[str, Any], args: argparse.Namespace) -> d
         "steps_timed": len(step_times),
     }
     if stage["name"] == "grpo":
-        out["sample_s"] = statistics.mean(h["sample_time"] + h["reward_time"] for h in rows)
-        out["sampling_only_s"] = statistics.mean(h["sample_time"] for h in rows)
-        out["reward_only_s"] = statistics.mean(h["reward_time"] for h in rows)
-        out["train_s"] = statistics.mean(h["train_time"] for h in rows)
+        out["sample_s"] = statistics.mean(h["time/sample"] + h["time/reward"] for h in rows)
+        out["sampling_only_s"] = statistics.mean(h["time/sample"] for h in rows)
+        out["reward_only_s"] = statistics.mean(h["time/reward"] for h in rows)
+        out["train_s"] = statistics.mean(h["time/train"] for h in rows)
     else:
         out["wait_s"] = statistics.mean(h["time/wait_rollouts"] for h in rows)
         out["train_s"] = statistics.mean(h["time/train"] for h in rows)

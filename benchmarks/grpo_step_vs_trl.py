@@ -1,4 +1,4 @@
-"""One GRPO optimizer step: ours (``GRPO._step`` on ``LocalBackend``) vs ``trl.GRPOTrainer`` (TRL 1.16).
+"""One GRPO optimizer step: ours (``GRPO.train_step`` on ``LocalBackend``) vs ``trl.GRPOTrainer`` (TRL 1.16).
 
 Both sides train the same tiny Llama (``tempering.plugins.models.tiny:tiny_llama``, default
 sizes, seed 0; TRL loads it from a ``save_pretrained`` folder) on the same task: per optimizer
@@ -24,10 +24,12 @@ and then runs and times our steps, so the sides alternate TRL, ours, TRL, ours, 
 ``warmup`` steps of each side are discarded; medians and IQRs are over the rest, and the ratio
 is given both of the medians and as the median of per-pair ratios.
 
-Two columns for ours: ``ours`` is the like-for-like one (``log_kl=False``: at ``beta=0`` TRL
-computes no reference logprobs either); ``ours+kl`` is the GRPO stage's default
-``log_kl=True``, which adds one no-grad forward per step to log the KL to the stage-start policy
-(``--no-log-kl`` drops that column). TRL's ``GRPOConfig`` defaults to
+Three columns for ours: ``ours`` is the like-for-like one (``log_kl=False``: at ``beta=0`` TRL
+computes no reference logprobs either); ``ours default`` is the GRPO stage's defaults
+(``log_kl=True, kl_every=10``: one no-grad forward every 10 steps to log the KL to the
+stage-start policy); ``ours kl/step`` logs it every step (``kl_every=1``) (``--no-log-kl``
+drops the last two). Steps are the stage's own ``train_step`` (the RL engine:
+rollouts through the ``completion`` sampler, advantages, batch, training calls). TRL's ``GRPOConfig`` defaults to
 ``gradient_checkpointing=True`` (the forward is recomputed in backward); we never checkpoint, so
 it is off here for the same compute (``--trl-gradient-checkpointing`` keeps TRL's default, which
 makes TRL slower). The untrained model never answers correctly, so every reward is 0 and every
@@ -60,7 +62,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -158,17 +160,15 @@ def exact_match(completion: str, answer: str) -> float:
 
 
 class Ours:
-    """A GRPO stage's ``_step`` on a LocalBackend, built the way ``GRPO.run`` builds it."""
+    """A GRPO stage's ``train_step`` on a LocalBackend, set up the way ``Stage.run`` sets it up."""
 
-    def __init__(self, args: argparse.Namespace, examples: list[dict[str, Any]], out_dir: str, log_kl: bool) -> None:
+    def __init__(self, args: argparse.Namespace, examples: list[dict[str, Any]], out_dir: str, log_kl: bool,
+                 kl_every: int = 10) -> None:  # fmt: skip
         from tempering.algorithms.grpo.algorithm import GRPO
-        from tempering.data import ExampleStream
         from tempering.plugins.backends.local.backend import LocalBackend
         from tempering.recipe import RunContext
         from tempering.registry import get_registry
-        from tempering.scoring import RewardRunner
         from tempering.stage import OptimizerConfig
-        from tempering.types import SamplingParams
 
         registry = get_registry()
         self.backend = LocalBackend(model="tiny_llama", seed=0, num_threads=args.threads)
@@ -178,17 +178,11 @@ class Ours:
             loss={"name": "grpo", "loss_type": "dapo", "beta": 0.0, "epsilon_low": 0.2, "epsilon_high": 0.2},
             steps=args.warmup + args.steps, prompts_per_step=args.prompts, group_size=args.group,
             max_tokens=args.max_tokens, temperature=1.0, optimizer={"learning_rate": args.lr},
-            log_kl=log_kl,
+            log_kl=log_kl, kl_every=kl_every,
         )  # fmt: skip
-        if log_kl:  # what GRPO.run does before its first step: the stage-start reference
-            self.backend.snapshot(self.grpo._ref_name(self.ctx)).result()
-        self.runner = RewardRunner(self.ctx.build("reward", self.grpo.reward, "reward"))
-        self.estimator = self.ctx.build("advantage", self.grpo.advantage, "advantage")
-        self.loss = self.ctx.build("loss", self.grpo.loss, "loss")
-        self.stream = ExampleStream(examples, seed=0)
-        self.sampling = SamplingParams(args.max_tokens, 1.0, 1.0, 0, [])
-        self.opt = OptimizerConfig(learning_rate=args.lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0,
-                                   grad_clip_norm=1.0)  # fmt: skip
+        self.grpo._optimizer = OptimizerConfig(learning_rate=args.lr, beta1=0.9, beta2=0.95, eps=1e-8,
+                                               weight_decay=0.0, grad_clip_norm=1.0)  # fmt: skip
+        self.grpo.setup(self.ctx, {})  # what Stage.run does before the first step (incl. the KL reference)
         self.timer = ModelTimer()
         instrument(self.backend.model, self.timer)
         self._opt_seconds = 0.0
@@ -209,9 +203,8 @@ class Ours:
         self.timer.reset()
         self._opt_seconds = 0.0
         _ACTIVE[0] = self.timer
-        adam = self.opt.adam(self.step_index, self.grpo.steps)
         t0 = time.perf_counter()
-        m = self.grpo._step(self.ctx, self.stream, self.runner, self.estimator, self.loss, self.sampling, False, adam)
+        m = self.grpo.train_step(self.ctx, self.step_index)
         dt = time.perf_counter() - t0
         _ACTIVE[0] = None
         self.step_index += 1
@@ -349,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trl-gradient-checkpointing", action="store_true",
                    help="leave TRL's default gradient_checkpointing=True on (more compute on TRL's side)")
     p.add_argument("--no-log-kl", dest="with_log_kl", action="store_false",
-                   help="skip the 'ours+kl' column (the GRPO stage default log_kl=True: one extra forward)")
+                   help="skip the 'ours default' and 'ours kl/step' columns (KL logging: extra reference forwards)")
     p.add_argument("--json", default=None, help="also write the raw per-step numbers here")
     args = p.parse_args(argv)
 
@@ -376,18 +369,20 @@ def main(argv: list[str] | None = None) -> int:
         n_params = sum(t.numel() for t in model.parameters())
         del model
 
-        # "ours": beta 0 and no KL logging, i.e. exactly TRL's work at beta 0. "ours+kl": the GRPO
-        # stage's default log_kl=True, which adds one no-grad forward (KL to the stage-start policy).
+        # "ours": beta 0 and no KL logging, i.e. exactly TRL's work at beta 0. "ours default": the
+        # GRPO stage's defaults (log_kl with kl_every=10: one no-grad reference forward every 10
+        # steps). "ours kl/step": the KL logged at every step (kl_every=1), the old default.
         sides = {"ours": Ours(args, examples, os.path.join(model_dir, "ours"), log_kl=False)}
         if args.with_log_kl:
-            sides["ours+kl"] = Ours(args, examples, os.path.join(model_dir, "ours_kl"), log_kl=True)
+            sides["ours default"] = Ours(args, examples, os.path.join(model_dir, "ours_default"), log_kl=True)
+            sides["ours kl/step"] = Ours(args, examples, os.path.join(model_dir, "ours_kl"), log_kl=True, kl_every=1)
         recs: dict[str, list[StepRecord]] = {name: [] for name in sides}
         order = list(sides)
 
         def our_steps() -> None:
             for name in order:
                 recs[name].append(sides[name].step())
-            order.reverse()  # ours, ours+kl, then ours+kl, ours: no fixed position after TRL's step
+            order.append(order.pop(0))  # rotate: no side always runs right after TRL's step
 
         t0 = time.perf_counter()
         trainer, trl_records, between, config = build_trl(args, examples, model_dir, our_steps)
@@ -408,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     res = {name: summary(r[args.warmup :]) for name, r in recs.items()}
     t_med = res["TRL"]["seconds"]["median"]
     ratios = {name: res[name]["seconds"]["median"] / t_med for name in sides}
+    mean = {name: statistics.mean(r.seconds for r in recs[name][args.warmup :]) for name in recs}
+    mean_ratios = {name: mean[name] / mean["TRL"] for name in sides}
     pair = {
         name: median_iqr([a.seconds / b.seconds for a, b in zip(recs[name][args.warmup :], trl_records[args.warmup :])])
         for name in sides
@@ -444,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in sides:
         med, lo, hi = pair[name]
         print(f"ratio {name}/TRL (median step times): {ratios[name]:.3f}   (per interleaved pair: median {med:.3f}, "
-              f"IQR {lo:.3f}-{hi:.3f}; target <= 1.0)")  # fmt: skip
+              f"IQR {lo:.3f}-{hi:.3f}; mean step times: {mean_ratios[name]:.3f}; target <= 1.0)")  # fmt: skip
     print(f"TRL loop between timed steps (data fetch, logging): median {between_med * 1000:.1f} ms, not counted above")
     print(f"TRL trainer setup {trl_setup:.1f} s (incl. import trl); whole run {time.perf_counter() - t_start:.1f} s")
     if args.json:
@@ -453,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                 "loss_type", "beta", "learning_rate", "gradient_checkpointing")  # fmt: skip
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "load_start": load_start, "load_end": load_end, "results": res,
-                       "ratios": ratios, "trl_between_steps": between,
+                       "ratios": ratios, "mean_ratios": mean_ratios, "trl_between_steps": between,
                        "trl_config": {k: getattr(config, k) for k in keys}}, fh, indent=2, default=str)  # fmt: skip
     return 0
 

@@ -26,7 +26,7 @@ from tempering.errors import ConfigError
 from tempering.evaluate import build_sampler
 from tempering.rollout import RolloutBatch, collect, rollout_metrics
 from tempering.scoring import RewardRunner
-from tempering.stage import Stage, check_stage
+from tempering.stage import SamplingKeys, Stage, check_stage
 from tempering.types import Batch, Group, SamplingParams
 
 
@@ -53,7 +53,7 @@ class SyncRollouts:
 
 
 @dataclass
-class RLStage(Stage):
+class RLStage(SamplingKeys, Stage):
     """Keys shared by every RL stage (``grpo``, ``offpolicy``):
 
     ``dataset``, ``reward`` (scores completions; for environments, final answers the
@@ -71,21 +71,12 @@ class RLStage(Stage):
     loss: Any = "grpo"
     sampler: Any = "completion"
     renderer: Any = "auto"
-    steps: int = 50
     prompts_per_step: int = 16
     group_size: int = 8
-    max_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: list = field(default_factory=list)  # type: ignore[type-arg]
-    optimizer: Any = field(default_factory=lambda: {"learning_rate": 1e-4})
     drop_zero_variance: bool = False
     reward_timeout: float = 60.0
     reward_concurrency: int = 64
     success_threshold: float = 1.0
-    eval: Any = field(default_factory=dict)
-    seed: int = 0
 
     summary_keys = ("reward/mean", "accuracy", "loss")
     postfix = {"reward": "reward/mean", "acc": "accuracy"}
@@ -108,7 +99,7 @@ class RLStage(Stage):
         self.rollout_sampler = build_sampler(ctx, self.sampler, "sampler", self.reward_runner, self.renderer)
         examples = load_examples(ctx, self.dataset, "dataset")
         self.stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
-        self.params = SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, list(self.stop))
+        self.params = self.sampling_params()
         self.rollouts = self.make_rollouts(ctx, state)
 
     def make_rollouts(self, ctx: Any, state: Mapping[str, Any]) -> Any:

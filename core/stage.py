@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from tempering.errors import ConfigError
 from tempering.progress import progress
 from tempering.registry import validate_params
 from tempering.schedule import lr_at
-from tempering.types import AdamParams
+from tempering.types import AdamParams, SamplingParams
 
 T = TypeVar("T")
 
@@ -115,15 +115,23 @@ def check_stage(ctx: Any, stage: Any, components: tuple[str, ...] = ("loss",)) -
         raise ConfigError(f"must be >= 0, got {steps}", f"{ctx.path}.steps")
 
 
+@dataclass
 class Stage:
     """Base class of training stages: the loop skeleton, written once (see the module docs).
 
-    Subclasses are dataclasses with at least ``steps``, ``eval`` and ``optimizer`` and set:
+    Keys every stage has: ``steps``, ``optimizer`` (an :class:`OptimizerConfig` block),
+    ``eval`` (an :class:`EvalConfig` block) and ``seed`` (added to the recipe's seed for the
+    stage's data order). Subclasses are dataclasses adding their own keys, and set:
 
     * ``label``: the name shown on the progress bar;
     * ``summary_keys`` / ``summary_prefixes``: the metrics :meth:`run` returns;
     * ``postfix``: progress-bar label -> metric key.
     """
+
+    steps: int = 50
+    optimizer: Any = field(default_factory=lambda: {"learning_rate": 1e-4})
+    eval: Any = field(default_factory=dict)
+    seed: int = 0
 
     label: ClassVar[str] = "stage"
     summary_keys: ClassVar[tuple[str, ...]] = ("loss",)
@@ -204,3 +212,17 @@ class Stage:
             ctx.log(final)
             last.update(final)
         return {k: v for k, v in last.items() if k in self.summary_keys or k.startswith(self.summary_prefixes)}
+
+
+@dataclass
+class SamplingKeys:
+    """The sampling keys of a stage that samples (``SamplingParams`` of each model turn)."""
+
+    max_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list = field(default_factory=list)  # type: ignore[type-arg]
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, list(self.stop))

@@ -182,6 +182,22 @@ def test_masked_positions_cannot_leak():
     assert torch.isfinite(lp.grad).all() and lp.grad[1, 2] == 0
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])
+def test_nan_advantage_on_a_masked_position_cannot_leak(loss_type):
+    """A failed sample's advantage may be NaN; on weight-0 positions it must change nothing:
+    multiplying by the mask would give 0 * NaN = NaN in the loss and in the gradient."""
+    clean = GRPOLoss(loss_type=loss_type)(HAND_R.log(), hand_batch()).loss
+    adv = HAND_ADV.clone()
+    adv[1, 2] = float("nan")
+    old = torch.zeros(2, 3)
+    old[1, 2] = float("nan")
+    lp = HAND_R.log().clone().requires_grad_(True)
+    dirty = GRPOLoss(loss_type=loss_type)(lp, hand_batch(advantages=adv, sampler_logprobs=old)).loss
+    dirty.backward()
+    assert dirty.item() == pytest.approx(clean.item(), abs=1e-6)
+    assert torch.isfinite(lp.grad).all() and lp.grad[1, 2] == 0
+
+
 def test_dapo_num_items_in_batch_makes_microbatches_add_up():
     g = torch.Generator().manual_seed(0)
     lp = -torch.rand(4, 5, generator=g)

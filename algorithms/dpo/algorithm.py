@@ -51,15 +51,11 @@ class DPO(Stage):
     prompt_key: str = "prompt"
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
-    steps: int = 50
     batch_size: int = 16
-    optimizer: Any = field(default_factory=lambda: {"learning_rate": 1e-4})
     loss: Any = "dpo"
     reference: str = "live"
     reference_model: str = "stage_start"
     precompute_batch_size: int = 64
-    eval: Any = field(default_factory=dict)
-    seed: int = 0
 
     label = "dpo"
     summary_keys = ("loss",)

@@ -165,7 +165,8 @@ def aggregate(
     """Reduce a ``(B, T)`` per-token loss to a scalar; see the module docstring for each
     ``loss_type``'s normaliser. ``max_completion_length`` (dr_grpo) defaults to ``T``;
     ``num_items`` (dapo) defaults to ``mask.sum()``."""
-    masked = per_token_loss * mask
+    # select, not multiply: 0 * NaN is NaN, so a NaN on a masked position would leak through
+    masked = torch.where(_active(mask), per_token_loss * mask, torch.zeros_like(per_token_loss))
     if loss_type == "grpo":
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
     if loss_type == "bnpo":
@@ -283,6 +284,11 @@ class GRPOLoss:
         advantages = batch["advantages"].to(logprobs.dtype)
         if advantages.dim() == 1:  # one advantage per row
             advantages = advantages.unsqueeze(-1)
+        # Masked positions may hold anything (a failed sample's NaN advantage): zero them before
+        # any product, or the gradient of a masked product (0 * NaN) is NaN too.
+        active = _active(mask)
+        advantages = torch.where(active, advantages.expand_as(logprobs), torch.zeros_like(logprobs))
+        old = torch.where(active, old, torch.zeros_like(old))
         ref = batch.get("ref_logprobs") if self.beta != 0.0 else None
         if self.beta != 0.0 and ref is None:
             raise KeyError(f"GRPOLoss with beta={self.beta} needs batch['ref_logprobs']; the batch has {sorted(batch)}")

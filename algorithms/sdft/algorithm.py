@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ from tempering.data import ExampleStream, encode_prompt, load_examples
 from tempering.errors import ConfigError
 from tempering.evaluate import completion_sampler
 from tempering.rollout import collect, recompute_sampler_logprobs, should_recompute
-from tempering.stage import Stage, check_stage
+from tempering.stage import SamplingKeys, Stage, check_stage
 from tempering.types import Batch, Datum, SamplingParams
 
 from tempering.algorithms.sdft.loss import fold_normaliser
@@ -59,7 +59,7 @@ def teacher_prompt(template: str, prompt: str, demonstration: str) -> str:
 
 
 @dataclass
-class SDFT(Stage):
+class SDFT(SamplingKeys, Stage):
     """Self-distillation fine-tuning on rows with ``prompt`` and ``demonstration``.
 
     ``loss`` is a registered loss, default ``sdft`` (``{name: sdft, mode: topk_logits, topk:
@@ -75,19 +75,11 @@ class SDFT(Stage):
     ema_rate: float = 0.05
     teacher_template: str = DEFAULT_TEACHER_TEMPLATE
     loss: Any = "sdft"
-    steps: int = 50
     prompts_per_step: int = 16
     samples_per_prompt: int = 1
     max_tokens: int = 32
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: list = field(default_factory=list)  # type: ignore[type-arg]
     skip_first_tokens: int = 0
     recompute_logprobs: str = "auto"  # auto | always | never
-    optimizer: Any = field(default_factory=lambda: {"learning_rate": 1e-4})
-    eval: Any = field(default_factory=dict)
-    seed: int = 0
 
     label = "sdft"
     summary_keys = ("loss", "sdft/distill_loss", "sdft/reverse_kl_sampled")
@@ -138,7 +130,7 @@ class SDFT(Stage):
                 raise RuntimeError(f"{path}: resuming, but the checkpoint has no '{self.snap}' teacher snapshot")
         self.teacher_kwargs = {"base": {"reference": True}, "live": {}}.get(self.teacher, {"weights": self.snap})
         self.stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
-        self.sampling = SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, list(self.stop))
+        self.sampling = self.sampling_params()
         self.recompute = should_recompute(self.recompute_logprobs, self.sampling)
         self.aggregation = getattr(self.loss_fn, "aggregation", "seq_mean")
         self.topk = int(getattr(self.loss_fn, "topk", 0) or 0)

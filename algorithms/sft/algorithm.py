@@ -30,12 +30,10 @@ class SFT(Stage):
     dataset: Any = field(default_factory=lambda: {"name": "arithmetic"})
     completion_key: str = "answer"
     renderer: Any = "auto"
-    steps: int = 100
     batch_size: int = 64
-    optimizer: Any = field(default_factory=lambda: {"learning_rate": 1e-3})
     loss: Any = "cross_entropy"
-    eval: Any = field(default_factory=dict)
-    seed: int = 0
+    steps: int = 100
+    optimizer: Any = field(default_factory=lambda: {"learning_rate": 1e-3})
 
     label = "sft"
     summary_keys = ("loss", "nll")
