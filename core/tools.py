@@ -17,6 +17,7 @@ import asyncio
 import functools
 import inspect
 import json
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -80,7 +81,7 @@ class Tool:
         except Exception as exc:  # DocstringParsingException, TypeHintParsingException
             label = getattr(fn, "__qualname__", repr(fn))
             raise ValueError(
-                f"tool {label}: {exc}. Give it type hints and a Google-style docstring with an "
+                f"tool {label}: {str(exc).rstrip('!.')}. Give it type hints and a Google-style docstring with an "
                 "'Args:' entry per argument"
             ) from None
         return cls(
@@ -100,9 +101,9 @@ class Tool:
 
     async def call(self, arguments: Mapping[str, Any], timeout: float | None = None) -> ToolResult:
         """Run the tool; never raises (except cancellation). ``timeout`` applies unless the tool
-        has its own. A sync tool runs in a worker thread, so a slow one does not stall the
-        other episodes; past its timeout the episode moves on (a thread cannot be killed: a
-        tool that may hang for good belongs in a subprocess)."""
+        has its own. A sync tool runs in a daemon thread, so a slow one does not stall the
+        other episodes; past its timeout the episode moves on and the thread is left behind
+        (a thread cannot be killed: a tool that may hang for good belongs in a subprocess)."""
         limit = self.timeout if self.timeout is not None else timeout
         t0 = time.perf_counter()
         try:
@@ -114,7 +115,7 @@ class Tool:
                 value = await asyncio.wait_for(self.fn(*bound.args, **bound.kwargs), limit)
             else:
                 call = functools.partial(self.fn, *bound.args, **bound.kwargs)
-                value = await asyncio.wait_for(asyncio.to_thread(call), limit)
+                value = await asyncio.wait_for(_in_daemon_thread(call), limit)
                 if inspect.isawaitable(value):
                     value = await asyncio.wait_for(value, limit)
         except (asyncio.TimeoutError, TimeoutError):
@@ -125,6 +126,31 @@ class Tool:
             return ToolResult(f"Error: {type(exc).__name__}: {exc}", f"{type(exc).__name__}: {exc}",
                               seconds=time.perf_counter() - t0)  # fmt: skip
         return ToolResult(format_result(value), seconds=time.perf_counter() - t0)
+
+
+def _in_daemon_thread(call: Callable[[], Any]) -> asyncio.Future[Any]:
+    """Run a sync tool on a daemon thread of its own. Not the loop's default executor: a tool
+    that never returns would then hold up the end of every rollout (``asyncio.run`` waits for
+    that executor) and the interpreter's exit; a daemon thread is simply left behind."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not future.done():
+            (future.set_result if ok else future.set_exception)(value)
+
+    def run() -> None:
+        try:
+            value, ok = call(), True
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting episode
+            value, ok = exc, False
+        try:
+            loop.call_soon_threadsafe(settle, ok, value)
+        except RuntimeError:  # the loop closed while the tool ran past its timeout
+            pass
+
+    threading.Thread(target=run, name="tempering-tool", daemon=True).start()
+    return future
 
 
 def format_result(value: Any) -> str:

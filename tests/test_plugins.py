@@ -11,6 +11,7 @@ that folder, so it is discovered through ``importlib.metadata`` exactly as after
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -28,7 +29,7 @@ from tempering.registry import ENV_LOAD, ENV_STRICT, Registry
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "examples" / "plugin_template"
 DIST = "tempering-plugin-template"
-TEMPLATE_COMPONENTS = {("reward", "length_penalty"), ("advantage", "rank")}
+TEMPLATE_COMPONENTS = {("reward", "length_penalty"), ("advantage", "rank"), ("environment", "unit_converter")}
 
 
 # --------------------------------------------------------------------------- the template package
@@ -82,6 +83,7 @@ def test_plugins_command_lists_the_template_with_its_package(template):
     assert re.search(rf"^template\s+{DIST}\s+0\.1\.0\s+ok$", out, re.M), out
     assert re.search(rf"^reward\s+length_penalty\s+{DIST} 0\.1\.0\s+1 up to max_chars", out, re.M), out
     assert re.search(rf"^advantage\s+rank\s+{DIST} 0\.1\.0\s+centred rank", out, re.M), out
+    assert re.search(rf"^environment\s+unit_converter\s+{DIST} 0\.1\.0\s+convert lengths", out, re.M), out
     assert re.search(r"^reward\s+exact_match\s+tempering 0\.1\.0", out, re.M), out  # built-ins are listed too
     assert "CONFLICT" not in out and "FAILED" not in out
     assert "torch imported: False" in out
@@ -115,7 +117,7 @@ def test_load_plugins_env_selects_external_plugins(template):
         print(json.dumps(out))
     """)
     out = json.loads(proc.stdout)
-    loaded = ["advantage:rank", "reward:length_penalty"]
+    loaded = ["advantage:rank", "environment:unit_converter", "reward:length_penalty"]
     assert {k: v["ours"] for k, v in out.items()} == {
         "''": [], "'template'": loaded, "'tempering-plugin-template'": loaded,
         "'tempering_plugin_template'": loaded, "'someone-else'": [], "None": loaded,
@@ -133,8 +135,9 @@ def test_load_plugins_env_selects_external_plugins(template):
 
 # One subprocess runs the checks that need torch (importing it, transformers and building a
 # model cost most of this file's time): the components inside recipes on tempering.testing's
-# FakeBackend and, once it exists, on the local backend, then the template's own test suite.
-# Each part records its result or its traceback; the tests below assert on them.
+# FakeBackend, the environment in a YAML recipe on a tiny chat model, the slow local-backend
+# run when selected, then the template's own test suite. Each part records its result or its
+# traceback; the tests below assert on them.
 PROBE = """
 import json, sys, time, traceback
 t0 = time.perf_counter()
@@ -178,6 +181,38 @@ def _():
     out.update(stage=result.stages["rl"], components=result.metadata["components"], steps=backend.step,
                advantages=[[d.advantages[-1] for d in b.data] for b in backend.batches])
     return out
+
+ENV_RECIPE = '''
+name: template_env
+output_dir: {out}
+loggers: [jsonl]
+backend:
+  name: local
+  model: tiny_llama
+  model_kwargs: {{chat: true, hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64, max_position_embeddings: 128}}
+  num_threads: 1
+stages:
+  - id: rl
+    name: grpo
+    steps: 2
+    prompts_per_step: 2
+    group_size: 2
+    max_tokens: 6
+    optimizer: {{learning_rate: 1.0e-2}}
+    dataset:
+      - {{question: "how many m is 3 km?", answer: 3000}}
+      - {{question: "how many cm is 2 m?", answer: 200}}
+    sampler: {{name: environment, environment: unit_converter, max_turns: 2}}
+'''
+
+@part("environment")
+def _():
+    path = out_dir + "/template_env.yaml"
+    with open(path, "w") as fh:
+        fh.write(ENV_RECIPE.format(out=out_dir + "/env"))
+    result = Recipe.from_yaml(path).run()
+    rows = [json.loads(line) for line in open(out_dir + "/env/metrics.jsonl")]
+    return {"components": result.metadata["components"], "steps": [r for r in rows if "env/turns_mean" in r]}
 
 @part("local")
 def _():
@@ -258,10 +293,24 @@ def test_template_components_train_on_the_local_backend(probe):
     assert _step_rows(Path(probe["out"]["dir"]) / "local" / "metrics.jsonl") == [1, 2]  # max_total_steps = 2
 
 
+def test_template_environment_runs_from_yaml_by_its_registered_name(probe):
+    """``sampler: {name: environment, environment: unit_converter}`` in a YAML recipe: the
+    environment is found through the installed entry point and GRPO trains on its episodes."""
+    out = _ok(probe["environment"])
+    assert out["components"]["environment:unit_converter"] == f"{DIST} 0.1.0"
+    assert out["components"]["sampler:environment"].startswith("tempering ")
+    steps = out["steps"]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert math.isfinite(r["loss"]) and r["reward/failed"] == 0.0
+        assert 1.0 <= r["env/turns_mean"] <= 2.0 and r["env/model_calls"] >= 1.0
+        assert sum(v for k, v in r.items() if k.startswith("env/stop/")) == pytest.approx(1.0)
+
+
 def test_template_own_tests_pass_against_the_installed_package(probe):
     out = _ok(probe["own_tests"])
     assert out["exit"] == 0, out["stdout"]
-    assert re.search(r"\b6 passed\b", out["stdout"]) and "skipped" not in out["stdout"], out["stdout"]
+    assert re.search(r"\b7 passed\b", out["stdout"]) and "skipped" not in out["stdout"], out["stdout"]
 
 
 # --------------------------------------------------------------------------- unknown names

@@ -53,16 +53,29 @@ class TinyChat:
         self.call_id = ids[CALL_TOKEN]
         self.eos_id = int(tokenizer.eos_token_id)
         self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        self.chars = {t for t in tokenizer.get_vocab() if len(t) == 1}
 
     # ------------------------------------------------------------------ rendering
     def _text(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+        """Plain text: marker strings inside it (``<|assistant|>`` in a tool's output) stay
+        characters, never become role tokens."""
+        if not text:
+            return []
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+    def _seen(self, text: str) -> list[int]:
+        """Text the model reads but did not write (a question, a tool's result, an error such as
+        ``Error: ValueError: ...``) in the model's alphabet: a character tokenizer has no unknown
+        token, and an environment's text must never make a prompt unrenderable. Letters outside
+        the alphabet are lower-cased, other unknown characters become ``?``."""
+        fallback = "?" if "?" in self.chars else ""
+        return self._text("".join(c if c in self.chars else c.lower() if c.lower() in self.chars else fallback for c in text))
 
     def _message(self, m: Message) -> list[int]:
         role = m.get("role")
         if role == "assistant":
             return [self.role_ids["assistant"], *self.render_response(m)]
-        return [self.role_ids[role], *self._text(text_of(m))]
+        return [self.role_ids[role], *self._seen(text_of(m))]
 
     def render_response(self, message: Message) -> list[int]:
         """What the model emits for an assistant message: text, calls, EOS."""
@@ -75,7 +88,7 @@ class TinyChat:
     def _prefix(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None) -> list[int]:
         out = list(self.bos)
         if tools:
-            out += [self.role_ids["system"], *self._text("tools: " + " ".join(signature(t) for t in tools))]
+            out += [self.role_ids["system"], *self._seen("tools: " + " ".join(signature(t) for t in tools))]
         for m in messages:
             out += self._message(m)
         return out

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata as md
 import math
 
@@ -10,19 +11,22 @@ import pytest
 import torch
 
 import tempering_plugin_template.plugin as plugin
+from tempering.chat import ParsedResponse, ToolCall
 from tempering.errors import ConfigError
 from tempering.recipe import Recipe
 from tempering.testing import FakeBackend, check_plugin, make_registry
 from tempering_plugin_template.advantages import RankAdvantage
+from tempering_plugin_template.environments import UnitConverter
 from tempering_plugin_template.rewards import LengthPenalty
 
 DIST = "tempering-plugin-template"
 
 
-def test_plugin_registers_both_components_and_their_targets_import():
+def test_plugin_registers_its_components_and_their_targets_import():
     comps = check_plugin(plugin)
-    assert sorted((c.kind, c.name) for c in comps) == [("advantage", "rank"), ("reward", "length_penalty")]
-    assert {c.load() for c in comps} == {LengthPenalty, RankAdvantage}
+    assert sorted((c.kind, c.name) for c in comps) == [
+        ("advantage", "rank"), ("environment", "unit_converter"), ("reward", "length_penalty")]
+    assert {c.load() for c in comps} == {LengthPenalty, RankAdvantage, UnitConverter}
 
 
 def test_length_penalty():
@@ -73,6 +77,35 @@ def test_in_a_grpo_stage(tmp_path):
     assert last_token_adv == pytest.approx([0.5, 0.0, -0.5] * 2)
 
 
+def test_unit_converter_episode():
+    """One episode by hand, as the environment sampler plays it: reset, a tool call, an answer."""
+    env = make_registry(plugin).factory("environment", {"name": "unit_converter", "rel_tol": 0.01}, "environment")()
+    assert env.rel_tol == 0.01
+
+    async def episode():
+        first = await env.reset({"question": "how many m is 3 km?", "answer": "3000"})
+        [spec] = [t.spec() for t in env.tools()]
+        call = ParsedResponse(tool_calls=[ToolCall("convert", {"value": 3, "unit": "km", "to": "m"}, "c0")])
+        answered = await env.step(call)
+        bad = await env.step(ParsedResponse(tool_calls=[ToolCall("convert", {"value": 3, "unit": "km", "to": "yd"}, "c1")]))
+        right, wrong, junk = [await env.step(ParsedResponse(text=t)) for t in ("2999", "30", "three km")]
+        return first, spec, answered, bad, right, wrong, junk
+
+    first, spec, answered, bad, right, wrong, junk = asyncio.run(episode())
+    assert first == [{"role": "user", "content": "how many m is 3 km?"}]
+    assert spec["function"]["name"] == "convert"
+    assert spec["function"]["parameters"]["required"] == ["value", "unit", "to"]
+    assert spec["function"]["parameters"]["properties"]["value"] == {"type": "number", "description": "the length, in `unit`"}
+    assert (answered.messages, answered.done, answered.metrics["tool_calls"]) == (
+        [{"role": "tool", "tool_call_id": "c0", "name": "convert", "content": "3000"}], False, 1.0)
+    # a tool that raises: the model reads the error as the tool's answer, the sampler counts it
+    assert bad.messages[0]["content"] == "Error: ValueError: unknown unit 'yd': use one of mm, cm, m, km, in, ft, mi"
+    assert (bad.done, bad.metrics["tool_errors"]) == (False, 1.0)
+    assert [(r.reward, r.done) for r in (right, wrong, junk)] == [(1.0, True), (0.0, True), (0.0, True)]
+    with pytest.raises(ConfigError, match=r"environment\.rel_tl: unknown key 'rel_tl'\. Did you mean 'rel_tol'\?"):
+        make_registry(plugin).factory("environment", {"name": "unit_converter", "rel_tl": 1}, "environment")
+
+
 def _installed() -> bool:
     try:
         md.distribution(DIST)
@@ -83,7 +116,7 @@ def _installed() -> bool:
 
 @pytest.mark.skipif(not _installed(), reason=f"{DIST} is not installed: pip install -e . first")
 def test_installed_entry_point_is_discovered(tempering_registry):
-    for kind, name in [("reward", "length_penalty"), ("advantage", "rank")]:
+    for kind, name in [("reward", "length_penalty"), ("advantage", "rank"), ("environment", "unit_converter")]:
         comp = tempering_registry.get(kind, name)
         assert comp.plugin.dist == DIST and comp.plugin.name == "template"
     assert not [p for p in tempering_registry.plugins if p.error]

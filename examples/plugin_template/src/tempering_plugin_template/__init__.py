@@ -1,5 +1,5 @@
-"""A template tempering plugin: one reward (``length_penalty``) and one advantage estimator
-(``rank``).
+"""A template tempering plugin: a reward (``length_penalty``), an advantage estimator
+(``rank``) and a tool-use environment (``unit_converter``).
 
 Nothing is imported here: tempering imports :mod:`tempering_plugin_template.plugin` to list
 the components, and the components themselves only when a recipe uses them.

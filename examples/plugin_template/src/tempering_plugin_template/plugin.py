@@ -24,3 +24,12 @@ def register_advantages(register):
         "tempering_plugin_template.advantages:RankAdvantage",
         description="centred rank of each reward within its group (ties share a rank)",
     )
+
+
+@hookimpl
+def register_environments(register):
+    register(
+        "unit_converter",
+        "tempering_plugin_template.environments:UnitConverter",
+        description="convert lengths between units with a convert tool; 1 for the right number",
+    )
