@@ -661,3 +661,25 @@ def torch_equal(a: Any, b: Any) -> bool:
     import torch
 
     return bool(torch.equal(a, b))
+
+
+# --------------------------------------------------------------------------- the docs' example
+def test_the_example_environment_in_the_docs_runs(renderer):
+    """docs/environments.md's ``Lookup`` environment, executed from the doc itself: a lookup
+    then the answer scores 1; a wrong key is an error message the model reads, not a crash."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "environments.md").read_text(encoding="utf-8")
+    [code] = [block for block in doc.split("```python\n")[1:] if "class Lookup(Environment)" in block]
+    namespace: dict[str, Any] = {}
+    exec(code.split("```")[0], namespace)  # noqa: S102 - our own documentation
+    lookup = namespace["Lookup"]
+    value = (12 * 7919) % 1000
+    script = {"value of k12?": [call("get", key="k12"), say(str(value))],
+              "value of k7?": [call("get", key="k99"), say("0")]}  # fmt: skip
+    groups, metrics, _, _ = roll(renderer, lambda: lookup(table_size=50), script,
+                                 [{"key": "k12"}, {"key": "k7"}])  # fmt: skip
+    good, bad = (g.samples[0] for g in groups)
+    assert good.reward == 1.0 and good.trajectory.messages[2]["content"] == str(value)
+    assert bad.reward == 0.0 and bad.trajectory.messages[2]["content"] == "Error: KeyError: 'k99'"
+    assert metrics["env/tool_errors"] == 1.0 and metrics["env/tool_calls"] == 2.0
