@@ -385,3 +385,76 @@ def test_stage_config_errors(tmp_path):
                        ({"demonstration_key": "demo"}, "demo")):  # fmt: skip
         with pytest.raises((ValueError, KeyError), match=match):
             _sdft_recipe(tmp_path, "bad", **bad).run()
+
+
+# --------------------------------------------------------------------------- multi-turn students
+class _TwoTurns:
+    """Answers every model turn with a tool message; the episode ends after two turns."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    async def reset(self, example):
+        return [{"role": "user", "content": example["prompt"]}]
+
+    def tools(self):
+        return []
+
+    async def step(self, response):
+        from tempering.environment import StepResult
+
+        self.turns += 1
+        return StepResult([{"role": "tool", "content": "42"}], reward=0.0, done=self.turns >= 2)
+
+    async def cleanup(self):
+        pass
+
+
+def test_sdft_distils_multi_turn_trajectories(tmp_path):
+    """The same trajectories that feed RL feed SDFT: the student row is the episode's row (tool
+    results inside at weight 0), the teacher row the demonstration-conditioned prompt followed
+    by exactly the same tokens, and the stage trains through the environment sampler."""
+    from tempering.plugins.backends.local.backend import LocalBackend
+    from tempering.recipe import Recipe
+
+    kwargs = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "chat": True,
+              "max_position_embeddings": 256}  # fmt: skip
+    backend = LocalBackend(model="tiny_llama", model_kwargs=kwargs, seed=0, num_threads=1, threaded=False)
+    rows = [{"prompt": f"what is {i}+{i}?", "demonstration": str(2 * i)} for i in range(4)]
+    stage = {"name": "sdft", "dataset": rows, "steps": 2, "prompts_per_step": 2, "samples_per_prompt": 2,
+             "max_tokens": 6, "teacher": "live", "loss": {"name": "sdft", "mode": "sampled_token"}, "skip_first_tokens": 1,
+             "sampler": {"name": "environment", "environment": _TwoTurns, "max_turns": 2},
+             "optimizer": {"learning_rate": 1e-2}}  # fmt: skip
+    result = Recipe(name="s", output_dir=str(tmp_path), loggers=[], stages=[stage]).run(backend=backend)
+    rows_logged = [h for h in result.history if "loss" in h]
+    assert len(rows_logged) == 2 and all(math.isfinite(h["loss"]) for h in rows_logged)
+
+    sdft = Recipe(name="s", output_dir=str(tmp_path / "b"), loggers=[], stages=[stage]).stages[0]
+    from tempering.registry import get_registry
+
+    built = get_registry().build("algorithm", sdft, "stages[0]")
+    from tempering.recipe import RunContext
+
+    ctx = RunContext(get_registry(), backend, {}, str(tmp_path / "b"), [], 0)
+    built.setup(ctx, {})
+    from tempering.rollout import collect
+
+    rollout = collect(built.student_sampler, backend, [built.student_example(r) for r in rows[:2]], 2,
+                      built.sampling_params())  # fmt: skip
+    samples = [s for g in rollout.groups for s in g.samples]
+    assert all(len(s.trajectory.turns) == 2 for s in samples)
+    pairs = [(built.teacher_prefix(backend, rows[i // 2], s), s) for i, s in enumerate(samples)]
+    batch, teacher, info = built.build_pairs(pairs)
+    # one student row per episode; rows after a split (a random turn that re-renders differently) are left out
+    assert len(batch.data) == len(teacher.data) == 4
+    assert info["sdft/rows_skipped"] == sum(len(s.segments()) - 1 for s in samples)
+    renderer = built.student_sampler.context.renderer()
+    tool_id = renderer.role_ids["tool"]
+    assert any(len(s.segments()) == 1 and s.segments()[0].tokens.count(tool_id) == 1 for s in samples)
+    for d, t in zip(batch.data, teacher.data):
+        n = d.extra["completion_len"]
+        assert d.target_tokens[-n:] == t.target_tokens[-n:]  # the same continuation
+        assert "this is an example for a response" in renderer.decode(t.input_tokens[: len(t.input_tokens) - n + 1])
+        tool_pos = [i for i in range(len(d.target_tokens)) if d.target_tokens[i] == renderer.role_ids["tool"]]
+        assert all(d.weights[i] == 0.0 for i in tool_pos)  # a tool's answer inside a row is at weight 0
+        assert sum(w > 0 for w in d.weights) == sum(w > 0 for w in t.weights[-n:]) - 1  # skip_first_tokens: 1

@@ -1,9 +1,10 @@
 """SDFT stage: on-policy self-distillation from a demonstration-conditioned teacher.
 
-Each step: the student (the policy) samples completions of the dataset's prompts alone; the
+Each step: the student (the policy) rolls out the dataset's prompts alone, through the stage's
+sampler -- single-turn completions by default, or multi-turn episodes of an environment; the
 teacher -- the same model, conditioned on ``teacher_template`` (prompt + demonstration) --
-scores those very completions; the loss pulls the student's per-token distribution towards
-the teacher's (:mod:`tempering.algorithms.sdft.loss`).
+scores those very tokens; the loss pulls the student's per-token distribution towards the
+teacher's on the tokens the student produced (:mod:`tempering.algorithms.sdft.loss`).
 
 Alignment: the student row is ``prompt_s + completion`` and the teacher row ``prompt_t +
 completion``; the last ``L = len(completion)`` target positions of both predict the same
@@ -35,7 +36,7 @@ import torch
 
 from tempering.data import ExampleStream, encode_prompt, load_examples
 from tempering.errors import ConfigError
-from tempering.evaluate import completion_sampler
+from tempering.evaluate import build_sampler, completion_sampler
 from tempering.rollout import collect, recompute_sampler_logprobs, should_recompute
 from tempering.stage import SamplingKeys, Stage, check_stage
 from tempering.types import Batch, Datum, SamplingParams
@@ -75,6 +76,8 @@ class SDFT(SamplingKeys, Stage):
     ema_rate: float = 0.05
     teacher_template: str = DEFAULT_TEACHER_TEMPLATE
     loss: Any = "sdft"
+    sampler: Any = "completion"
+    renderer: Any = "auto"
     prompts_per_step: int = 16
     samples_per_prompt: int = 1
     max_tokens: int = 32
@@ -134,7 +137,8 @@ class SDFT(SamplingKeys, Stage):
         self.recompute = should_recompute(self.recompute_logprobs, self.sampling)
         self.aggregation = getattr(self.loss_fn, "aggregation", "seq_mean")
         self.topk = int(getattr(self.loss_fn, "topk", 0) or 0)
-        self.student_sampler = completion_sampler(backend.tokenizer, None)  # unscored: the teacher is the signal
+        # the one rollout path; unscored: the teacher is the signal
+        self.student_sampler = build_sampler(ctx, self.sampler, "sampler", None, self.renderer)
 
     def loop_state(self) -> dict[str, Any]:
         return {"position": self.stream.position}
@@ -172,40 +176,85 @@ class SDFT(SamplingKeys, Stage):
 
     # ------------------------------------------------------------------ batches
     def sample_batch(self, backend: Any, rows: list[dict[str, Any]], sampling: SamplingParams) -> tuple[Batch, Batch, dict[str, float]]:
-        """Sample from the student prompts; return the student batch (weights = loss mask,
-        sampler logprobs) and the teacher batch (teacher prompt + the same completions)."""
-        tok = backend.tokenizer
-        teacher_prompts = []
-        for row in rows:
-            text = teacher_prompt(self.teacher_template, str(row[self.prompt_key]), str(row[self.demonstration_key]))
-            teacher_prompts.append(encode_prompt(tok, {"prompt": text}))
-        sampler = getattr(self, "student_sampler", None) or completion_sampler(tok, None)
-        students = [{"prompt": str(row[self.prompt_key])} for row in rows]
-        rollout = collect(sampler, backend, students, self.samples_per_prompt, sampling)
-        return self.build_batches(teacher_prompts, [[s.completion for s in g.samples] for g in rollout.groups])
+        """Roll the students out through the stage's sampler (single-turn completions or
+        multi-turn episodes); return the student batch (weights = loss mask, sampler logprobs)
+        and the teacher batch (the demonstration-conditioned prompt + the same continuation)."""
+        if getattr(self, "student_sampler", None) is None:  # used outside a run (tests, notebooks)
+            self.student_sampler = completion_sampler(backend.tokenizer, None)
+        rollout = collect(self.student_sampler, backend, [self.student_example(r) for r in rows], self.samples_per_prompt, sampling)
+        pairs = [(self.teacher_prefix(backend, row, s), s) for row, g in zip(rows, rollout.groups) for s in g.samples]
+        return self.build_pairs(pairs)
+
+    def student_example(self, row: dict[str, Any]) -> dict[str, Any]:
+        """What the student sees: the row with its prompt under ``prompt`` (a ``messages`` row,
+        or an environment, builds its own first messages)."""
+        example = dict(row)
+        if self.prompt_key in row:
+            example["prompt"] = str(row[self.prompt_key])
+        return example
+
+    def teacher_prefix(self, backend: Any, row: dict[str, Any], sample: Any) -> list[int]:
+        """The teacher's prompt: the student's first prompt with the demonstration put in by
+        ``teacher_template`` -- around the prompt text, or around the last user message of a
+        chat (the episode's first messages, for a trajectory), rendered by the same renderer."""
+        demo = str(row[self.demonstration_key])
+        traj = sample.trajectory
+        if traj is None and "messages" not in sample.example:
+            text = teacher_prompt(self.teacher_template, str(row[self.prompt_key]), demo)
+            return encode_prompt(backend.tokenizer, {"prompt": text})
+        if traj is not None:
+            first = next((i for i, m in enumerate(traj.messages) if m.get("role") == "assistant"), len(traj.messages))
+            messages, tools = traj.messages[:first], traj.tools
+        else:
+            messages, tools = list(sample.example["messages"]), sample.example.get("tools")
+        last = max(i for i, m in enumerate(messages) if m.get("role") == "user")
+        messages = [dict(m) for m in messages]
+        messages[last]["content"] = teacher_prompt(self.teacher_template, str(messages[last].get("content", "")), demo)
+        return self.student_sampler.context.renderer().render_prompt(messages, tools or None).tokens
 
     def build_batches(self, teacher_prompts: list[list[int]], groups: list[list[Any]]) -> tuple[Batch, Batch, dict[str, float]]:
-        """Student rows (``completion.prompt_tokens`` + completion; weights = loss mask after
-        ``skip_first_tokens``; sampler logprobs) and teacher rows (teacher prompt + the same
-        completion) for ``groups[i]``, the completions of prompt ``i``."""
+        """:meth:`build_pairs` for single-turn completions: ``groups[i]`` are the completions
+        of the prompt whose teacher prompt is ``teacher_prompts[i]``."""
+        from tempering.types import Sample
+
+        return self.build_pairs([(t, Sample({}, c)) for t, group in zip(teacher_prompts, groups) for c in group])
+
+    def build_pairs(self, pairs: list[tuple[list[int], Any]]) -> tuple[Batch, Batch, dict[str, float]]:
+        """Student rows and teacher rows, aligned on the continuation after the first prompt.
+
+        The student row is a sample's training row (single turn: prompt + completion; a
+        trajectory: its first row, observations inside at weight 0), with the first
+        ``skip_first_tokens`` sampled tokens masked; the teacher row is the teacher prefix +
+        the same continuation, so the last ``completion_len`` positions of both predict the
+        same tokens. A trajectory's later rows (after a renderer rewrote history) do not start
+        with the student's prompt and are left out (``sdft/rows_skipped``).
+        """
         student, teacher = [], []
-        lengths = []
-        for t_prompt, group in zip(teacher_prompts, groups):
-            for c in group:
-                if not c.tokens:
-                    continue
-                d = Datum.from_completion(c, weight=1.0, completion_len=len(c.tokens))
-                skip = len(c.prompt_tokens) - 1 + min(self.skip_first_tokens, len(c.tokens))
-                d.weights = [0.0 if i < skip else w for i, w in enumerate(d.weights)]
-                student.append(d)
-                tokens = t_prompt + list(c.tokens)
-                teacher.append(Datum(tokens[:-1], tokens[1:], [0.0] * (len(t_prompt) - 1) + [1.0] * len(c.tokens)))
-                lengths.append(len(c.tokens))
+        lengths, stops, skipped = [], [], 0
+        for t_prefix, sample in pairs:
+            segments = sample.segments()
+            skipped += len(segments) - 1
+            traj = sample.trajectory
+            start = len(sample.completion.prompt_tokens) if traj is None else (traj.turns[0].prompt_len if traj.turns else 0)
+            seg = segments[0]
+            tail = len(seg.tokens) - start
+            if not traj_ok(seg, start) or tail <= 0 or not seg.num_sampled:
+                continue
+            d = seg.to_datum(weight=1.0, completion_len=tail)
+            first_sampled = [i for i, w in enumerate(d.weights) if w][: self.skip_first_tokens]
+            for i in first_sampled:
+                d.weights[i] = 0.0
+            student.append(d)
+            tokens = t_prefix + seg.tokens[start:]
+            teacher.append(Datum(tokens[:-1], tokens[1:], [0.0] * (len(t_prefix) - 1) + list(seg.weights[start:])))
+            lengths.append(sample.num_generated)
+            stops.append(sample.completion.stop_reason == "stop")
         if not student:
             raise RuntimeError("SDFT: every sampled completion was empty; raise max_tokens")
         info = {
             "completion/mean_len": sum(lengths) / len(lengths),
-            "completion/stop_frac": sum(c.stop_reason == "stop" for g in groups for c in g) / sum(len(g) for g in groups),
+            "completion/stop_frac": sum(stops) / len(stops),
+            "sdft/rows_skipped": float(skipped),
         }
         return Batch(student), Batch(teacher), info
 
@@ -254,3 +303,8 @@ class SDFT(SamplingKeys, Stage):
         ]
         return {"sdft/reverse_kl_sampled": sum(diffs) / len(diffs) if diffs else 0.0}
 
+
+def traj_ok(segment: Any, start: int) -> bool:
+    """A row can be distilled when its first ``start`` tokens are the student's prompt (no
+    sampled token among them)."""
+    return start > 0 and not any(segment.weights[:start])
