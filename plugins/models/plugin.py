@@ -7,3 +7,5 @@ from tempering.hookspecs import hookimpl
 def register_models(register):
     register("tiny_llama", "tempering.plugins.models.tiny:tiny_llama", description="small Llama + char tokenizer built in code")
     register("tiny_qwen", "tempering.plugins.models.tiny:tiny_qwen", description="small Qwen2 + char tokenizer built in code")
+    register("tiny_qwen3", "tempering.plugins.models.qwen3:tiny_qwen3",
+             description="small random Qwen3 + the real Qwen3 tokenizer (tml-renderers, offline)")
