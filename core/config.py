@@ -39,7 +39,13 @@ class RecipeConfig:
     stages: Any = field(default_factory=list)
     #: Stop after this many optimizer steps in total (handy for smoke tests); null = no cap.
     max_total_steps: Any = None
+    #: Checkpoint inside a stage every this many steps (0 = by time only) ...
     checkpoint_every: int = 0
+    #: ... or once this many minutes of wall time passed since the last checkpoint (0 = off).
+    checkpoint_minutes: float = 5.0
+    #: Periodic checkpoints kept besides every stage end (null = keep all); see docs/runs.md.
+    keep_checkpoints: Any = 3
+    #: Continue an earlier run in output_dir; false (``--fresh``) moves it aside and starts over.
     resume: bool = True
 
 
@@ -107,13 +113,52 @@ def stage_id(stage: Any, index: int) -> str:
 
 
 def load_yaml(path: str) -> dict[str, Any]:
+    """Read a recipe file. Every problem is one line: YAML syntax errors (tabs included) and
+    duplicate keys as ``file:line:column: what``, never a scanner traceback."""
     if not os.path.exists(path):
         raise ConfigError(f"recipe file '{path}' does not exist")
-    with open(path, encoding="utf-8") as fh:
-        data = yaml.safe_load(fh) or {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.load(fh, Loader=_RecipeLoader) or {}  # a SafeLoader subclass: no arbitrary objects
+    except yaml.MarkedYAMLError as exc:
+        raise ConfigError(_yaml_problem(exc), _yaml_where(path, exc)) from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read the recipe file ({type(exc).__name__}: {exc})", path) from None
     if not isinstance(data, dict):
         raise ConfigError(f"recipe file '{path}' must hold a mapping at the top level")
     return data
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` keeps the last of two equal keys without a word; a recipe with
+    ``steps:`` twice is a mistake to report, not to guess at."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                first = seen[key].line + 1
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key '{key}' (first on line {first}); keep one", key_node.start_mark)
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_where(path: str, exc: yaml.MarkedYAMLError) -> str:
+    mark = exc.problem_mark or exc.context_mark
+    return f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+
+
+def _yaml_problem(exc: yaml.MarkedYAMLError) -> str:
+    problem = " ".join(str(exc.problem or exc.context or "invalid YAML").split())
+    if "'\\t'" in problem:
+        return "a tab character; YAML indents with spaces only (replace the tabs with spaces)"
+    if exc.context and exc.problem and "duplicate key" not in problem:
+        problem = f"{' '.join(str(exc.context).split())}: {problem}"
+    if "<block end>" in problem or "mapping values are not allowed" in problem:
+        problem += " (check this line's indentation, and quote values that contain ': ')"
+    return problem
 
 
 def resolve_recipe(data: Mapping[str, Any], overrides: Iterable[str] = ()) -> dict[str, Any]:

@@ -1,34 +1,44 @@
-"""Recipes: a list of stages that share one backend, one output folder and one checkpoint.
+"""Recipes: a list of stages that share one backend, one output folder and one checkpoint chain.
 
 A recipe is data (YAML or a dict) or Python objects -- :class:`Recipe` accepts both, so a
 reward written as a Python function can sit where YAML would name a registered one.
 
-Stages are resumable: after each stage (and every ``checkpoint_every`` steps inside one) the
-backend is saved and ``progress.json`` records where the run is. Running the same recipe into
-the same ``output_dir`` again skips finished stages and restores the latest checkpoint, so an
-interrupted run continues with the very step it would have taken next.
+Stages are resumable: after each stage, and inside one every ``checkpoint_minutes`` of wall
+time or ``checkpoint_every`` steps (whichever comes first), the backend is saved and
+``progress.json`` records where the run is. Running the same recipe into the same
+``output_dir`` again skips finished stages, restores the latest checkpoint and cuts what the
+interrupted run logged after it, so the run continues with the very step it would have taken
+next and ``metrics.jsonl`` holds each step once. ``resume: false`` (``--fresh``) moves the
+earlier run aside and starts over. The folder rules (lock, fresh start, pruning) are in
+:mod:`tempering.runfolder`; docs/runs.md tells them to users.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import random
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tempering import runfolder
 from tempering.config import load_yaml, resolve_recipe, stage_id
-
+from tempering.errors import ConfigError, TemperingError
 from tempering.registry import Registry, get_registry
-
-PROGRESS_FILE = "progress.json"
+from tempering.runfolder import PROGRESS_FILE, read_progress  # noqa: F401 - re-exported: the recipe's API
 
 
 class StopRun(Exception):
-    """Raised inside a stage to stop the whole run cleanly (after a checkpoint)."""
+    """Raised inside a stage to stop the whole run cleanly: :func:`run_recipe` checkpoints
+    the stage as unfinished, closes everything and raises :class:`RunStopped` with this
+    exception's message."""
+
+
+class RunStopped(TemperingError):
+    """A stage stopped the run on purpose (:class:`StopRun`); the run is checkpointed and
+    resumes when started again. The CLI prints it as one line and exits non-zero."""
 
 
 @dataclass
@@ -50,6 +60,21 @@ class RunContext:
     history: list[dict[str, Any]] = field(default_factory=list)
     interrupted: bool = False
     last_state: dict[str, Any] | None = None
+    #: Checkpoint mid-stage once this many minutes passed since the last checkpoint (0 = never).
+    checkpoint_minutes: float = 0.0
+    #: How many periodic checkpoints to keep besides every stage end (None = all).
+    keep_checkpoints: int | None = None
+    #: What ``progress.json`` holds; kept in memory so a run never inherits a stale file.
+    progress: dict[str, Any] = field(default_factory=lambda: {"completed": [], "checkpoints": []})
+    #: Rows logged so far in the whole run (a resumed run starts from its checkpoint's count);
+    #: None for a run begun by a tempering that did not count them: its log is never cut.
+    rows_logged: int | None = 0
+    clock: Callable[[], float] = time.monotonic
+    _due: dict[str, Any] | None = field(default=None, repr=False)
+    _last_checkpoint: float = field(default=0.0, repr=False)
+
+    def __post_init__(self) -> None:
+        self._last_checkpoint = self.clock()
 
     @property
     def path(self) -> str:
@@ -67,11 +92,16 @@ class RunContext:
         self.registry.check(kind, spec, f"{self.path}.{key}", context)
 
     def log(self, metrics: Mapping[str, Any]) -> None:
-        """Log one step of the current stage (adds stage id and global step)."""
+        """Log one step of the current stage (adds stage id and global step); then take the
+        checkpoint :meth:`end_step` found due, so it covers this row."""
         row = {"stage": self.stage_id, "step": self.global_step, "time": time.time(), **metrics}
         self.history.append(row)
         for logger in self.loggers:
             logger.log(row, self.global_step)
+        if self.rows_logged is not None:
+            self.rows_logged += 1
+        if self._due is not None:
+            self.checkpoint(self._due)
 
     def budget_left(self) -> bool:
         """False once ``max_total_steps`` is reached; a stage that sees False stops early and
@@ -81,39 +111,42 @@ class RunContext:
         return left
 
     def end_step(self, state: Mapping[str, Any]) -> None:
-        """Call after each optimizer step: counts it and checkpoints when due."""
+        """Call after each optimizer step: counts it and, when a checkpoint is due (every
+        ``checkpoint_every`` steps or ``checkpoint_minutes``), takes it at the step's
+        :meth:`log` -- after the row is written, so a resumed run neither loses nor repeats
+        the row, and after any evaluation of this step, so the saved RNG state is the one the
+        next step starts from."""
         self.last_state = dict(state)
         self.global_step += 1
-        if self.checkpoint_every and self.global_step % self.checkpoint_every == 0:
-            self.checkpoint(state)
+        by_steps = self.checkpoint_every and self.global_step % self.checkpoint_every == 0
+        by_time = self.checkpoint_minutes and self.clock() - self._last_checkpoint >= 60 * self.checkpoint_minutes
+        if by_steps or by_time:
+            self._due = dict(state)
 
     def checkpoint(self, state: Mapping[str, Any] | None, done: bool = False) -> str:
-        """Save the backend and write where the run is (``state`` = the stage's loop state)."""
-        progress = read_progress(self.output_dir) or {"completed": []}
-        ckpt = os.path.join(self.output_dir, "checkpoints", f"step{self.global_step:06d}")
+        """Save the backend and record it in ``progress.json`` (``state`` = the stage's loop
+        state; ``done``: the stage is finished), then prune old checkpoints."""
+        progress = self.progress
+        ledger = progress.setdefault("checkpoints", [])
+        ckpt = runfolder.new_checkpoint_path(self.output_dir, self.global_step, ledger)
         extra = {"stage": self.stage_id, "state": dict(state or {}), "global_step": self.global_step}
         self.backend.save(ckpt, extra=extra)
         if done and self.stage_id not in progress["completed"]:
             progress["completed"].append(self.stage_id)
-        progress.update(checkpoint=ckpt, current=None if done else self.stage_id, global_step=self.global_step)
-        _write_json(os.path.join(self.output_dir, PROGRESS_FILE), progress)
+        ledger.append({"path": ckpt, "stage": self.stage_id, "global_step": self.global_step, "stage_end": done})
+        progress["checkpoints"], dropped = runfolder.prune(ledger, self.keep_checkpoints)
+        progress.update(checkpoint=ckpt, current=None if done else self.stage_id, global_step=self.global_step,
+                        metrics_rows=self.rows_logged)  # fmt: skip
+        runfolder.write_json(os.path.join(self.output_dir, PROGRESS_FILE), progress)
+        runfolder.remove_checkpoints(dropped)  # only once progress.json no longer lists them
+        self._due, self._last_checkpoint = None, self.clock()
         return ckpt
 
-
-def read_progress(output_dir: str) -> dict[str, Any] | None:
-    path = os.path.join(output_dir, PROGRESS_FILE)
-    if not os.path.exists(path):
-        return None
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
-
-
-def _write_json(path: str, data: Mapping[str, Any]) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2)
-    os.replace(tmp, path)  # atomic: a crash never leaves half a progress file
+    def checkpoint_unfinished(self) -> str | None:
+        """Checkpoint the current stage as unfinished at its last completed step. None when it
+        completed no step in this run: the previous checkpoint is then already the place to
+        resume from, and the rows logged since are cut when the run resumes."""
+        return None if self.last_state is None else self.checkpoint(self.last_state, done=False)
 
 
 def seed_everything(seed: int) -> None:
@@ -145,6 +178,8 @@ class Recipe:
     output_dir: str | None = None
     max_total_steps: int | None = None
     checkpoint_every: int = 0
+    checkpoint_minutes: float = 5.0
+    keep_checkpoints: int | None = 3
     resume: bool = True
 
     @classmethod
@@ -167,6 +202,8 @@ class Recipe:
             "stages": list(self.stages),
             "max_total_steps": self.max_total_steps,
             "checkpoint_every": self.checkpoint_every,
+            "checkpoint_minutes": self.checkpoint_minutes,
+            "keep_checkpoints": self.keep_checkpoints,
             "resume": self.resume,
         }
 
@@ -183,11 +220,18 @@ class RunResult:
 
 
 def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Any = None) -> RunResult:
-    """Run every stage of ``recipe`` in order, resuming if its output folder has progress."""
+    """Run every stage of ``recipe`` in order, resuming if its output folder has progress.
+
+    The folder is locked for the run (:class:`tempering.runfolder.RunLock`). ``resume: false``
+    moves an earlier run's files aside first. A resumed run loads the latest checkpoint, cuts
+    the loggers back to the rows logged at that checkpoint and removes checkpoint directories
+    ``progress.json`` does not list. A stage raising :class:`StopRun` is checkpointed as
+    unfinished and the run ends with :class:`RunStopped`.
+    """
     registry = registry or get_registry()
     cfg = recipe.to_dict()
+    _check_run_keys(cfg)
     out_dir = cfg["output_dir"]
-    os.makedirs(out_dir, exist_ok=True)
     seed_everything(cfg["seed"])
 
     # Build every stage first: a config error in stage 3 should fail before stage 1 trains.
@@ -198,54 +242,108 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Any = 
             spec = {k: v for k, v in spec.items() if k != "id"}
         stages.append((sid, registry.build("algorithm", spec, f"stages[{i}]")))
 
+    os.makedirs(out_dir, exist_ok=True)
+    primary = runfolder.is_primary_process()
+    lock = runfolder.RunLock(out_dir)
+    if primary:
+        lock.acquire()
     owns_backend = backend is None
-    if backend is None:
-        spec = cfg["backend"]
-        if isinstance(spec, Mapping) and "seed" not in spec and _accepts(registry, spec, "seed"):
-            spec = {**spec, "seed": cfg["seed"]}  # one seed for the whole recipe unless overridden
-        backend = registry.build("backend", spec, "backend")
-    loggers = [registry.build("logger", spec, f"loggers[{i}]", output_dir=out_dir) for i, spec in enumerate(_as_list(cfg["loggers"]))]
-    metadata = _metadata(registry, cfg)
-    _write_json(os.path.join(out_dir, "run.json"), metadata)
-
-    ctx = RunContext(registry, backend, cfg, out_dir, loggers, cfg["seed"], max_total_steps=cfg["max_total_steps"], checkpoint_every=cfg["checkpoint_every"])
-    progress = read_progress(out_dir) if cfg["resume"] else None
-    completed: list[str] = []
-    if progress and progress.get("checkpoint"):
-        extra = backend.load(progress["checkpoint"])
-        completed = list(progress.get("completed", []))
-        ctx.global_step = int(progress.get("global_step", 0))
-        if progress.get("current"):
-            ctx.resume_state = dict(extra.get("state") or {})
-
-    for i, (sid, algorithm) in enumerate(stages):  # check every stage's nested config up front
-        if sid not in completed and hasattr(algorithm, "validate"):
-            ctx.stage_index, ctx.stage_id = i, sid
-            algorithm.validate(ctx)
-
-    results: dict[str, dict[str, Any]] = {}
+    loggers: list[Any] = []
     try:
+        if primary and not cfg["resume"]:
+            runfolder.start_fresh(out_dir)
+        progress = read_progress(out_dir) if cfg["resume"] else None
+        if backend is None:
+            spec = cfg["backend"]
+            if isinstance(spec, Mapping) and "seed" not in spec and _accepts(registry, spec, "seed"):
+                spec = {**spec, "seed": cfg["seed"]}  # one seed for the whole recipe unless overridden
+            backend = registry.build("backend", spec, "backend")
+        for i, spec in enumerate(_as_list(cfg["loggers"])):
+            loggers.append(registry.build("logger", spec, f"loggers[{i}]", output_dir=out_dir))
+        metadata = _metadata(registry, cfg)
+        runfolder.write_json(os.path.join(out_dir, "run.json"), metadata)
+
+        ctx = RunContext(registry, backend, cfg, out_dir, loggers, cfg["seed"], max_total_steps=cfg["max_total_steps"],
+                         checkpoint_every=cfg["checkpoint_every"], checkpoint_minutes=cfg["checkpoint_minutes"],
+                         keep_checkpoints=cfg["keep_checkpoints"])  # fmt: skip
+        completed = _resume(ctx, progress, primary)
+
+        for i, (sid, algorithm) in enumerate(stages):  # check every stage's nested config up front
+            if sid not in completed and hasattr(algorithm, "validate"):
+                ctx.stage_index, ctx.stage_id = i, sid
+                algorithm.validate(ctx)
+
+        results: dict[str, dict[str, Any]] = {}
         for i, (sid, algorithm) in enumerate(stages):
-            if sid in completed:
-                continue
-            ctx.stage_index, ctx.stage_id = i, sid
-            if progress and progress.get("current") != sid:
-                ctx.resume_state = None
-            ctx.interrupted, ctx.last_state = False, None
-            results[sid] = algorithm.run(ctx) or {}
-            if ctx.interrupted:  # out of budget mid-stage: checkpoint where it stands, resumable
-                ctx.checkpoint(ctx.last_state, done=False)
-                break
-            ctx.checkpoint(None, done=True)
-            ctx.resume_state = None
-            if not ctx.budget_left():
-                break
+            if sid not in completed:
+                results[sid] = _run_stage(ctx, i, sid, algorithm, progress)
+                if ctx.interrupted or not ctx.budget_left():
+                    break
     finally:
         for logger in loggers:
             logger.close()
         if owns_backend and hasattr(backend, "close"):
             backend.close()  # finish queued calls, end remote sessions
+        lock.release()
     return RunResult(out_dir, results, ctx.history, metadata)
+
+
+def _resume(ctx: RunContext, progress: Mapping[str, Any] | None, primary: bool) -> list[str]:
+    """Restore the latest checkpoint (if any) into ``ctx``; cut the loggers back to the rows
+    it had seen; remove checkpoints progress.json does not list. Returns the finished stages."""
+    if progress and progress.get("checkpoint"):
+        extra = ctx.backend.load(progress["checkpoint"])
+        ctx.progress = {"checkpoints": [], **progress, "completed": list(progress.get("completed", []))}
+        ctx.global_step = int(progress.get("global_step", 0))
+        if progress.get("current"):
+            ctx.resume_state = dict(extra.get("state") or {})
+    ctx.rows_logged = progress.get("metrics_rows") if progress else 0  # None: no count to cut back to
+    if ctx.rows_logged is not None:
+        for logger in ctx.loggers:
+            if hasattr(logger, "rewind"):  # optional: a logger that cannot take rows back skips it
+                logger.rewind(ctx.rows_logged)
+    if primary and (progress is None or "checkpoints" in progress):
+        runfolder.remove_unlisted_checkpoints(ctx.output_dir, ctx.progress["checkpoints"])
+    return list(ctx.progress["completed"])
+
+
+def _run_stage(ctx: RunContext, index: int, sid: str, algorithm: Any, progress: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Run one stage and checkpoint it: finished, or unfinished when it ran out of budget or
+    raised :class:`StopRun` (which becomes :class:`RunStopped`)."""
+    ctx.stage_index, ctx.stage_id = index, sid
+    if not progress or progress.get("current") != sid:
+        ctx.resume_state = None
+    ctx.interrupted = False
+    ctx.last_state = dict(ctx.resume_state) if ctx.resume_state else None  # a resumed stage starts where it was
+    try:
+        result = algorithm.run(ctx) or {}
+    except StopRun as stop:
+        saved = ctx.checkpoint_unfinished()
+        where = f"is checkpointed at step {ctx.global_step}" if saved else "will start this stage over"
+        raise RunStopped(f"stage '{sid}' stopped the run: {stop}. The run {where}: fix the cause and run "
+                         f"the same recipe again to resume") from stop  # fmt: skip
+    if ctx.interrupted:  # out of budget mid-stage: checkpoint where it stands, resumable
+        ctx.checkpoint_unfinished()
+    else:
+        ctx.checkpoint(None, done=True)
+        ctx.resume_state = None
+    return result
+
+
+def _check_run_keys(cfg: Mapping[str, Any]) -> None:
+    """The checkpoint keys, checked before anything runs (one line: key, problem, fix)."""
+    def number(value: Any, kinds: tuple[type, ...]) -> bool:
+        return isinstance(value, kinds) and not isinstance(value, bool)
+
+    every, minutes = cfg["checkpoint_every"], cfg["checkpoint_minutes"]
+    if not (number(every, (int,)) and every >= 0):
+        raise ConfigError(f"must be a whole number of steps >= 0 (0 = off), got {every!r}", "checkpoint_every")
+    if not (number(minutes, (int, float)) and minutes >= 0):
+        raise ConfigError(f"must be a number of minutes >= 0 (0 = off), got {minutes!r}", "checkpoint_minutes")
+    keep = cfg["keep_checkpoints"]
+    if keep is not None and not (number(keep, (int,)) and keep >= 1):
+        raise ConfigError(f"must be an integer >= 1 (the latest checkpoint is always kept) or null to keep all, "
+                          f"got {keep!r}", "keep_checkpoints")  # fmt: skip
 
 
 def _accepts(registry: Registry, spec: Mapping[str, Any], key: str) -> bool:

@@ -20,6 +20,12 @@ def _clean(v: Any) -> Any:
 
 
 class JsonlLogger:
+    """Appends one line per logged row, flushed at once (a killed run loses no finished row).
+
+    A resumed run continues the file after :meth:`rewind` cut it back to the rows its
+    checkpoint had seen, so every step is in the file once.
+    """
+
     def __init__(self, output_dir: str, filename: str = "metrics.jsonl") -> None:
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, filename)
@@ -28,6 +34,20 @@ class JsonlLogger:
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         self._fh.write(json.dumps({k: _clean(v) for k, v in metrics.items()}) + "\n")
         self._fh.flush()
+
+    def rewind(self, rows: int) -> None:
+        """Keep the first ``rows`` lines and drop the rest: those were logged after the
+        checkpoint the run resumes from, by a run that was killed, and will be logged again.
+        A line cut short by the kill is dropped too."""
+        self._fh.flush()
+        keep = 0
+        with open(self.path, "rb") as fh:
+            for _ in range(rows):
+                line = fh.readline()
+                if not line.endswith(b"\n"):
+                    break  # fewer whole rows than the checkpoint saw (the file was edited): keep them
+                keep += len(line)
+        os.truncate(self.path, keep)
 
     def close(self) -> None:
         self._fh.close()
