@@ -1,11 +1,17 @@
-"""The ``tempering`` command: ``plugins`` lists what is installed, ``run`` runs a recipe.
+"""The ``tempering`` command: ``plugins`` lists what is installed, ``run`` runs a recipe,
+``serve-reward`` serves a reward over HTTP.
 
-Kept import-light: torch is only imported once a recipe actually runs.
+Options may come anywhere on the line (``tempering run x.yaml --fresh seed=1``): argparse stops
+filling a ``nargs="*"`` positional at the first option, so what follows it is collected here.
+Every :class:`~tempering.errors.TemperingError` is printed as one line, ``tempering: error: ...``
+(exit status 2), never as a traceback. Kept import-light: torch is only imported once a recipe
+actually runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import sys
 from collections.abc import Sequence
@@ -68,10 +74,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve_reward(args: argparse.Namespace) -> int:  # pragma: no cover - wired by the rewards plugin
+def cmd_serve_reward(args: argparse.Namespace) -> int:
     from tempering.plugins.rewards.server import serve
 
-    serve(args.target, host=args.host, port=args.port)
+    serve(args.target, host=args.host, port=args.port, token=args.token,
+          max_body=int(args.max_request_mb * 1024 * 1024))  # fmt: skip
     return 0
 
 
@@ -89,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="List installed plugins, their components and source packages.")
     p.add_argument("--kind", help="only components of this kind (reward, loss, algorithm, ...)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_plugins)
+    p.set_defaults(func=cmd_plugins, parser=p)
 
     p = sub.add_parser("run", help="run a recipe (a bundled name such as 'arithmetic', or a YAML path)",
                        description="Run a recipe. Overrides are key=value, e.g. stages.rl.steps=10 seed=1.")
@@ -97,20 +104,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value config overrides (stage lists take an index or stage id)")
     p.add_argument("--output-dir", help="where metrics, plot and checkpoints go (default runs/<name>)")
     p.add_argument("--fresh", action="store_true", help="ignore an earlier run's progress in the output dir")
-    p.set_defaults(func=cmd_run)
+    p.set_defaults(func=cmd_run, parser=p)
+
+    from tempering.plugins.rewards.remote import TOKEN_ENV
 
     p = sub.add_parser("serve-reward", help="serve a reward function over HTTP (JSON in/out)",
-                       description="Serve MODULE:FUNC as a remote reward over HTTP.")
-    p.add_argument("target", help="MODULE:FUNC of the reward function")
-    p.add_argument("--host", default="127.0.0.1")
+                       description="Serve MODULE:FUNC (imported with the working folder on sys.path) or a "
+                                   "registered reward name as a remote reward over HTTP.")
+    p.add_argument("target", help="MODULE:FUNC of the reward function, or a registered reward name")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback needs a token")
     p.add_argument("--port", type=int, default=8765)
-    p.set_defaults(func=cmd_serve_reward)
+    p.add_argument("--token", default=None,
+                   help=f"shared secret requests must send as 'Authorization: Bearer ...' (default ${TOKEN_ENV}; "
+                        "prefer the variable: a flag shows in the process list)")
+    p.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body accepted (413 above)")
+    p.set_defaults(func=cmd_serve_reward, parser=p)
     return parser
+
+
+#: Subcommands whose free positional arguments may also come after options (overrides).
+_TRAILING_POSITIONALS = {"run": "overrides"}
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parse_args``, but positionals after an option (``run x.yaml --fresh k=v``) are kept,
+    and an unknown option gets a suggestion."""
+    args, extra = parser.parse_known_args(argv)
+    dest = _TRAILING_POSITIONALS.get(getattr(args, "command", None) or "")
+    if dest is not None:
+        getattr(args, dest).extend(a for a in extra if not a.startswith("-"))
+        extra = [a for a in extra if a.startswith("-")]
+    if extra:
+        where = getattr(args, "parser", parser)  # the subcommand's parser: its options and usage
+        close = difflib.get_close_matches(extra[0].split("=")[0], list(where._option_string_actions), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        where.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

@@ -241,6 +241,8 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Any = 
         if isinstance(spec, Mapping):
             spec = {k: v for k, v in spec.items() if k != "id"}
         stages.append((sid, registry.build("algorithm", spec, f"stages[{i}]")))
+    if backend is None:  # its name, keys, model and model kwargs: before the run folder is touched
+        registry.check("backend", cfg["backend"], "backend")
 
     os.makedirs(out_dir, exist_ok=True)
     primary = runfolder.is_primary_process()

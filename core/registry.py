@@ -38,6 +38,11 @@ ENTRY_POINT_GROUP = "tempering"
 ENV_LOAD = "TEMPERING_LOAD_PLUGINS"  # comma list of external plugins to load; "" = none
 ENV_STRICT = "TEMPERING_STRICT_PLUGINS"  # "1": a plugin that fails to load is an error
 BUILTIN_DIST = "tempering"
+#: A factory may define ``check_params(params, path)`` (a static method or function attribute):
+#: checks beyond keys and types that must pass before anything is built -- the local backend
+#: resolves its model name and validates ``model_kwargs`` against the model builder there, so
+#: a typo fails in a second instead of after a download. It raises ``ConfigError`` under ``path``.
+CHECK_HOOK = "check_params"
 
 
 @dataclass(frozen=True)
@@ -152,14 +157,13 @@ class Registry:
 
     def _fail(self, info: PluginInfo) -> None:
         self.plugins.append(info)
-        message = (
-            f"tempering: plugin '{info.name}' ({info.dist} {info.version}, entry point "
-            f"'{info.module}') failed to load: {info.error}. The other plugins keep working; "
-            f"fix or uninstall it, or exclude it with {ENV_LOAD}."
-        )
-        if self.strict:
-            raise PluginError(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        what = (f"plugin '{info.name}' ({info.dist} {info.version}, entry point '{info.module}') "
+                f"failed to load: {info.error}.")
+        fix = f"fix or uninstall it, or exclude it with {ENV_LOAD}"
+        if self.strict:  # nothing else loads after this: say so, and how to load the rest anyway
+            raise PluginError(f"{what} Strict mode ({ENV_STRICT}=1) stops at a broken plugin; {fix}, "
+                              f"or unset {ENV_STRICT} to load the other plugins without it.")
+        warnings.warn(f"tempering: {what} The other plugins keep working; {fix}.", RuntimeWarning, stacklevel=3)
 
     def add_plugin(self, plugin: object, info: PluginInfo | None = None) -> PluginInfo:
         """Register a plugin module/object and collect the components it registers."""
@@ -309,19 +313,25 @@ class Registry:
                           path or kind)  # fmt: skip
 
     def check(self, kind: str, spec: Any, path: str = "", context: Iterable[str] = ()) -> None:
-        """Validate ``spec`` (its name and keys) without building it: lets a recipe fail on a
-        typo in its last stage before its first stage trains."""
+        """Validate ``spec`` (its name, keys and the factory's ``check_params``) without building
+        it: lets a recipe fail on a typo in its last stage before its first stage trains."""
         if isinstance(spec, (str, Mapping)) or _is_omegaconf(spec):
             self._resolve(kind, spec, path, set(context))
 
     def _resolve(self, kind: str, spec: Any, path: str, context: set[str]) -> tuple[Callable[..., Any], dict[str, Any]]:
-        name, params = split_spec(spec, path or kind)
+        path = path or kind
+        name, params = split_spec(spec, path)
         try:
-            comp = self.get(kind, name)
+            factory = self.get(kind, name).load()
         except UnknownComponentError as exc:
-            raise UnknownComponentError(f"{path or kind}.name: {exc}") from None
-        factory = comp.load()
-        return factory, validate_params(factory, params, path or kind, exclude=context)
+            raise UnknownComponentError(f"{path}.name: {exc}") from None
+        except PluginError as exc:  # two packages provide the name, or it fails to import
+            raise PluginError(f"{path}.name: {exc}") from None
+        kwargs = validate_params(factory, params, path, exclude=context)
+        check = getattr(factory, CHECK_HOOK, None)
+        if callable(check):
+            check(kwargs, path)
+        return factory, kwargs
 
 
 def _is_omegaconf(obj: Any) -> bool:
@@ -374,12 +384,16 @@ _SIMPLE = (int, float, bool, str)
 
 def _hint(owner: Any, name: str, annotation: Any) -> Any:
     """An omegaconf-friendly type for ``name``: the real hint when omegaconf can check it."""
+    target = owner.__init__ if isinstance(owner, type) and not dataclasses.is_dataclass(owner) else owner
     try:
-        target = owner.__init__ if isinstance(owner, type) and not dataclasses.is_dataclass(owner) else owner
-        hints = typing.get_type_hints(target)
-        annotation = hints.get(name, annotation)
-    except Exception:  # noqa: BLE001 - unresolvable forward refs: fall back to Any
-        return Any
+        annotation = typing.get_type_hints(target).get(name, annotation)
+    except Exception:  # noqa: BLE001 - another annotation is unresolvable (a TYPE_CHECKING import)
+        try:  # resolve this one alone, so ``hidden_size: int`` is still checked
+            module = importlib.import_module(getattr(owner, "__module__", "") or "builtins")
+            shim = types.SimpleNamespace(__annotations__={name: annotation})
+            annotation = typing.get_type_hints(shim, globalns=vars(module)).get(name, Any)
+        except Exception:  # noqa: BLE001 - unresolvable: accept any value
+            return Any
     return _omegaconf_type(annotation)
 
 

@@ -25,3 +25,5 @@ def register_rewards(register):
              description="run a CPU-heavy reward in worker processes with a per-call timeout")
     register("remote", f"{_R}.remote:RemoteReward",
              description="reward served over HTTP (tempering serve-reward): retries, backoff, batching")
+    register("python", f"{_R}.python:python_reward",
+             description="your own function or class by import path: {name: python, function: my_module:score}")

@@ -9,17 +9,27 @@ Each call retries connection errors, timeouts and 429/5xx with exponential backo
 ``concurrency`` requests are in flight; with ``batch_size > 1`` calls that arrive within
 ``batch_wait`` seconds of each other share one request. A sample the server could not score,
 or a request that still fails after the retries, raises: the runner records a failure.
+
+A server started with a token (``$TEMPERING_REWARD_TOKEN``) gets it back as
+``Authorization: Bearer <token>``, read from the environment variable ``token_env`` names --
+never from the recipe, whose resolved copy is written to ``run.json``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tempering.errors import ConfigError
 from tempering.interfaces import RewardResult
 from tempering.plugins.rewards._common import HTTPRewardError, LoopLocal, MicroBatcher, RewardError, post_json
+
+
+#: The environment variable holding the reward server's shared secret (server and client).
+TOKEN_ENV = "TEMPERING_REWARD_TOKEN"
 
 
 class RemoteRewardError(RewardError):
@@ -45,8 +55,10 @@ class RemoteReward:
     ``timeout``: seconds per HTTP attempt; ``retries``: extra attempts after the first;
     ``backoff``: first retry delay, doubled each time up to ``backoff_max``; ``concurrency``:
     requests in flight; ``batch_size``: samples per request (1 = one request per sample);
-    ``batch_wait``: how long a partial batch waits for more samples. Mind the runner's own
-    ``timeout`` (``reward_timeout``): it should exceed ``(retries + 1) * timeout`` plus backoff.
+    ``batch_wait``: how long a partial batch waits for more samples; ``token_env``: the
+    environment variable whose value, if set, is sent as the bearer token (``""``: none). Mind
+    the runner's own ``timeout`` (``reward_timeout``): it should exceed
+    ``(retries + 1) * timeout`` plus backoff.
     """
 
     url: str
@@ -58,12 +70,25 @@ class RemoteReward:
     batch_size: int = 1
     batch_wait: float = 0.01
     headers: dict = field(default_factory=dict)  # type: ignore[type-arg]
+    token_env: str = TOKEN_ENV
+
+    @staticmethod
+    def check_params(params: Mapping[str, Any], path: str = "remote") -> None:
+        """The URL's scheme and the counts' ranges, under the reward's config path (the
+        registry calls this before building; ``__post_init__`` too)."""
+        url = params.get("url")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ConfigError(f"expected http(s)://host:port, got {url!r}", f"{path}.url")
+        for key, low in (("batch_size", 1), ("concurrency", 1), ("retries", 0)):
+            if key in params and params[key] < low:
+                raise ConfigError(f"must be >= {low}, got {params[key]}", f"{path}.{key}")
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"remote.url: expected http(s)://host:port, got '{self.url}'")
-        if self.batch_size < 1 or self.concurrency < 1 or self.retries < 0:
-            raise ValueError("remote: batch_size and concurrency must be >= 1, retries >= 0")
+        self.check_params({"url": self.url, "batch_size": self.batch_size, "concurrency": self.concurrency,
+                           "retries": self.retries})  # fmt: skip
+        token = os.environ.get(self.token_env) if self.token_env else None
+        # Not a dataclass field: stays out of repr() and of anything that prints the config.
+        self._headers = {**dict(self.headers), **({"Authorization": f"Bearer {token.strip()}"} if token else {})}
         base = self.url.rstrip("/")
         self.endpoint = base if base.endswith("/score") else base + "/score"
         self._state: LoopLocal[_LoopState] = LoopLocal(lambda: _LoopState(self.concurrency, self.timeout))
@@ -109,7 +134,7 @@ class RemoteReward:
         async with state.sem:
             reply = await post_json(
                 state.client, self.endpoint, {"samples": items}, retries=self.retries, backoff=self.backoff,
-                backoff_max=self.backoff_max, timeout=self.timeout, headers=self.headers, what="reward request",
+                backoff_max=self.backoff_max, timeout=self.timeout, headers=self._headers, what="reward request",
             )
         self.requests += 1
         return _parse_reply(reply, len(items), self.endpoint)

@@ -8,7 +8,14 @@ One endpoint does the work, ``POST /score``::
 
 with one entry per sample: a sample whose reward raised, timed out or returned NaN gets
 ``reward: null`` and its error, and the others are still scored (the request succeeds with
-200). A malformed request is a 400. ``GET /health`` answers ``{"status": "ok", ...}``.
+200). A malformed request is a 400, a body over ``max_body`` bytes a 413.
+``GET /health`` answers ``{"status": "ok", ...}``.
+
+Access: with a shared-secret ``token`` (``--token`` or ``$TEMPERING_REWARD_TOKEN``) every request
+must carry ``Authorization: Bearer <token>`` (compared in constant time; 401 otherwise, checked
+before the body is read). A server without a token binds loopback addresses only: a heavy
+reward hosted on another machine is otherwise open to anyone who can reach the port. The
+token is never printed or logged.
 
 Rewards run with the same semantics as in training (:class:`~tempering.scoring.RewardRunner`):
 sync or ``async def``, float or :class:`~tempering.interfaces.RewardResult`. The server is the
@@ -18,8 +25,11 @@ reward's samples of one request are scored concurrently on an event loop.
 
 from __future__ import annotations
 
+import hmac
 import inspect
+import ipaddress
 import json
+import os
 import socket
 import sys
 import threading
@@ -28,7 +38,9 @@ from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from tempering.errors import ConfigError
 from tempering.plugins.rewards._common import json_safe, reward_name
+from tempering.plugins.rewards.remote import TOKEN_ENV
 from tempering.scoring import RewardRunner
 from tempering.types import Completion, Sample
 
@@ -36,11 +48,41 @@ MAX_BODY = 64 * 1024 * 1024
 
 
 def load_reward(target: str | Callable[..., Any]) -> Callable[..., Any]:
-    """``"module:func"`` (a class there is instantiated without arguments), a registered reward
-    name, or a callable."""
+    """``"module:func"`` (a class there is instantiated without arguments; the working folder is
+    on ``sys.path``, as for ``python -m``), a registered reward name, or a callable."""
     from tempering.plugins.rewards._common import resolve_reward
+    from tempering.plugins.rewards.python import working_folder_on_path
 
+    if isinstance(target, str) and ":" in target:
+        working_folder_on_path()
     return resolve_reward(target, path="serve-reward")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` reaches this machine only (``127.0.0.1``, ``::1``, ``localhost``); a
+    name counts only if every address it resolves to is loopback."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    if not host:
+        return False  # "" binds every interface
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def check_access(host: str, token: str | None) -> None:
+    """Refuse to serve a non-loopback address without a token (a ConfigError saying how)."""
+    if token is not None and not token.strip():
+        raise ConfigError(f"the token is empty; set {TOKEN_ENV} (or --token) to a secret, or unset it", "serve-reward --token")
+    if not token and not is_loopback(host):
+        raise ConfigError(
+            f"refusing to serve on '{host}' without a token: anyone who reaches the port could use the reward. "
+            f"Set {TOKEN_ENV} to a shared secret on both machines (or pass --token; the remote reward sends "
+            "it from that variable), or bind 127.0.0.1", "serve-reward --host")  # fmt: skip
 
 
 def score_payload(runner: RewardRunner, payload: Any) -> dict[str, Any]:
@@ -71,8 +113,11 @@ class RewardHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], runner: RewardRunner, name: str, quiet: bool = True) -> None:
+    def __init__(self, address: tuple[str, int], runner: RewardRunner, name: str, quiet: bool = True,
+                 token: str | None = None, max_body: int = MAX_BODY) -> None:
         self.runner, self.reward_name, self.quiet = runner, name, quiet
+        self._token = token.encode() if token else None  # kept out of repr and logs
+        self.max_body = int(max_body)
         self.started = time.time()
         self.requests_served = 0
         self._conns: set[socket.socket] = set()
@@ -98,6 +143,13 @@ class RewardHTTPServer(ThreadingHTTPServer):
             except OSError:
                 pass
 
+    def authorized(self, header: str | None) -> bool:
+        """``Authorization: Bearer <token>`` matches (constant time), or no token is set."""
+        if self._token is None:
+            return True
+        scheme, _, value = (header or "").strip().partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self._token)
+
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -106,12 +158,36 @@ class _Handler(BaseHTTPRequestHandler):
     def _reply(self, status: int, body: Mapping[str, Any]) -> None:
         data = json.dumps(body, allow_nan=False).encode()
         self.send_response(status)
+        if status == 401:
+            self.send_header("WWW-Authenticate", "Bearer")
+        if self.close_connection:  # tell the client, so it does not send its next request here
+            self.send_header("Connection", "close")
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
 
+    def _refused(self) -> bool:
+        """Answer 401 unless the request carries the token. A body within the size cap is read
+        and dropped first (closing a socket with unread data resets it, and the client may then
+        never see the 401); a larger or unknown one ends the connection."""
+        if self.server.authorized(self.headers.get("Authorization")):
+            return False
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
+        if 0 <= length <= self.server.max_body:
+            self.rfile.read(length)
+        else:
+            self.close_connection = True
+        self._reply(401, {"error": f"this reward server needs a token: send 'Authorization: Bearer <token>' "
+                                   f"(the remote reward reads it from {TOKEN_ENV})"})
+        return True
+
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        if self._refused():
+            return
         if self.path.rstrip("/") == "/health":
             self._reply(200, {"status": "ok", "reward": self.server.reward_name,
                               "uptime_s": round(time.time() - self.server.started, 3)})
@@ -119,13 +195,16 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(404, {"error": f"no route GET {self.path}; use POST /score or GET /health"})
 
     def do_POST(self) -> None:  # noqa: N802
+        if self._refused():
+            return
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
             length = -1
-        if length < 0 or length > MAX_BODY:
+        if length < 0 or length > self.server.max_body:
             self.close_connection = True  # the body cannot be skipped: drop the connection
-            self._reply(400, {"error": "a Content-Length up to 64 MiB is required"})
+            status, what = (413, "is over") if length > 0 else (400, "is required, up to")
+            self._reply(status, {"error": f"a Content-Length {what} this server's limit of {self.server.max_body} bytes"})
             return
         raw = self.rfile.read(length)  # read it even for a wrong path, to keep the stream in sync
         if self.path.rstrip("/") != "/score":
@@ -151,13 +230,18 @@ class _Handler(BaseHTTPRequestHandler):
 def make_server(
     target: str | Callable[..., Any], host: str = "127.0.0.1", port: int = 0,
     timeout: float | None = 60.0, concurrency: int = 64, quiet: bool = True,
+    token: str | None = None, max_body: int = MAX_BODY,
 ) -> RewardHTTPServer:
     """A bound (not yet serving) server for ``target``. ``timeout`` bounds each async reward
-    call; ``concurrency`` the async calls in flight per request."""
+    call; ``concurrency`` the async calls in flight per request; ``token`` is the shared secret
+    requests must carry (required unless ``host`` is loopback); ``max_body`` caps a request."""
+    check_access(host, token)
+    if max_body < 1:
+        raise ConfigError(f"must be >= 1 byte, got {max_body}", "serve-reward --max-request-mb")
     reward = load_reward(target)
     runner = RewardRunner(reward, timeout=timeout, concurrency=concurrency)
     name = target if isinstance(target, str) else reward_name(reward)
-    return RewardHTTPServer((host, port), runner, name, quiet=quiet)
+    return RewardHTTPServer((host, port), runner, name, quiet=quiet, token=token, max_body=max_body)
 
 
 def start_server(
@@ -187,14 +271,17 @@ def start_server(
 
 
 def serve(target: str, host: str = "127.0.0.1", port: int = 8765, timeout: float | None = 60.0,
-          quiet: bool = False) -> None:
-    """Serve ``target`` until interrupted (the ``tempering serve-reward`` command)."""
-    server = make_server(target, host, port, timeout=timeout, quiet=quiet)
+          quiet: bool = False, token: str | None = None, max_body: int = MAX_BODY) -> None:
+    """Serve ``target`` until interrupted (the ``tempering serve-reward`` command). ``token``
+    defaults to ``$TEMPERING_REWARD_TOKEN``."""
+    token = os.environ.get(TOKEN_ENV) if token is None else token
+    server = make_server(target, host, port, timeout=timeout, quiet=quiet, token=token, max_body=max_body)
     real_port = server.server_address[1]
     kind = "async" if inspect.iscoroutinefunction(getattr(server.runner.reward, "__call__", None)) or \
         inspect.iscoroutinefunction(server.runner.reward) else "sync"
+    access = "requests need the token" if token else "no token: loopback only"
     print(f"tempering: serving {kind} reward '{server.reward_name}' on http://{host}:{real_port} "
-          "(POST /score, GET /health); Ctrl-C to stop", flush=True)
+          f"(POST /score, GET /health; {access}); Ctrl-C to stop", flush=True)
     try:
         server.serve_forever(poll_interval=0.2)
     except KeyboardInterrupt:

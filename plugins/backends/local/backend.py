@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import json
 import os
@@ -47,23 +48,24 @@ from transformers import StoppingCriteriaList, TemperatureLogitsWarper, TopKLogi
 from tempering.errors import ConfigError
 from tempering.interfaces import Loss
 from tempering.plugins.backends.local import distributed
+from tempering.plugins.backends.local.model_source import check_model, registered_builder
 from tempering.types import AdamParams, Batch, Completion, SamplingParams
 
 T = TypeVar("T")
 
+DEFAULT_MODEL = "tiny_llama"
 
 
-def _registered_model(name: str) -> Callable[..., tuple[Any, Any]] | None:
-    """A model builder registered under ``name`` by any plugin (``tiny_llama``, ...), or None
-    so that the name is treated as a Hugging Face path / hub name."""
-    from tempering.registry import get_registry
+@dataclasses.dataclass
+class LoraParams:
+    """The ``lora:`` block: adapter rank, alpha, dropout and the modules it wraps (peft's
+    ``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``)."""
 
-    registry = get_registry()
-    if name.rpartition(":")[2] not in registry.names("model"):
-        return None
-    return registry.get("model", name).load()
+    rank: int = 32
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: Any = "all-linear"
 
-LORA_DEFAULTS: dict[str, Any] = {"rank": 32, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHECKPOINT_FORMAT = 1
 STATE_FILE, META_FILE = "state.pt", "meta.json"
@@ -105,7 +107,7 @@ class LocalBackend:
 
     def __init__(
         self,
-        model: str = "tiny_llama",
+        model: str = DEFAULT_MODEL,
         model_kwargs: Mapping[str, Any] | None = None,
         lora: Mapping[str, Any] | None = None,
         seed: int = 0,
@@ -116,18 +118,18 @@ class LocalBackend:
         threaded: bool = True,
         model_builder: Callable[..., tuple[Any, Any]] | None = None,
     ) -> None:
-        if sample_batch_size < 1:
-            raise ConfigError(f"must be >= 1, got {sample_batch_size}", path="sample_batch_size")
+        self.check_params({"model": model, "model_kwargs": model_kwargs, "lora": lora, "device": device, "dtype": dtype,
+                           "sample_batch_size": sample_batch_size, "model_builder": model_builder})  # fmt: skip
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         self.model_name = model
         self.model_kwargs = dict(model_kwargs or {})
-        self.lora = _check_lora(lora)
+        self.lora = _check_lora(lora, "backend.lora")
         self.seed = int(seed)
         self.rank = distributed.rank()
         self.world_size = distributed.world_size()
-        self.device = _resolve_device(device)
-        self.dtype = _resolve_dtype(dtype)
+        self.device = _resolve_device(device, "backend.device")
+        self.dtype = _resolve_dtype(dtype, "backend.dtype")
         self.sample_batch_size = sample_batch_size
         self._model_builder = model_builder
         self.step = 0
@@ -150,6 +152,26 @@ class LocalBackend:
         self._sampler_model: Any = None
         self._sampler_loaded: LocalSamplingClient | None = None
         self._sampler_executor: ThreadPoolExecutor | None = None
+
+    @staticmethod
+    def check_params(params: Mapping[str, Any], path: str = "backend") -> None:
+        """Check what can be checked before a model is built or downloaded; the keys present only.
+
+        ``Registry.check`` / ``build`` call this (the registry's ``check_params`` hook) and so does
+        ``__init__``: ``lora``, ``dtype``, ``device``, ``sample_batch_size``, and the model source
+        (:func:`~tempering.plugins.backends.local.model_source.check_model`: a registered
+        builder and its ``model_kwargs``, a saved-model folder, or a hub id). Errors are one
+        line under ``path``."""
+        if "lora" in params:
+            _check_lora(params["lora"], f"{path}.lora")
+        if "dtype" in params:
+            _resolve_dtype(params["dtype"], f"{path}.dtype")
+        if "device" in params:
+            _resolve_device(params["device"], f"{path}.device")
+        if params.get("sample_batch_size", 1) < 1:
+            raise ConfigError(f"must be >= 1, got {params['sample_batch_size']}", f"{path}.sample_batch_size")
+        if params.get("model_builder") is None:  # a runtime builder takes any name and arguments
+            check_model(params.get("model", DEFAULT_MODEL), params.get("model_kwargs"), path)
 
     # ------------------------------------------------------------------ public primitives
     def sample(
@@ -290,7 +312,7 @@ class LocalBackend:
     def _load_source(self) -> tuple[Any, Any]:
         builder = self._model_builder
         if builder is None:
-            builder = _registered_model(self.model_name)
+            builder = registered_builder(self.model_name)
         if builder is not None:
             kwargs = dict(self.model_kwargs)
             if "seed" not in kwargs and "seed" in inspect.signature(builder).parameters:
@@ -861,27 +883,29 @@ def _float_metrics(metrics: Mapping[str, Any], who: str) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------- config helpers
-def _check_lora(lora: Mapping[str, Any] | None) -> dict[str, Any] | None:
+def _check_lora(lora: Any, path: str) -> dict[str, Any] | None:
+    """The ``lora:`` block with defaults filled in (``None``: full fine-tuning)."""
+    from tempering.registry import validate_params
+
     if lora is None:
         return None
-    unknown = sorted(set(lora) - set(LORA_DEFAULTS))
-    if unknown:
-        raise ConfigError(f"unknown key(s) {unknown}; allowed: {sorted(LORA_DEFAULTS)}", path="lora")
-    cfg = {**LORA_DEFAULTS, **dict(lora)}
-    if int(cfg["rank"]) < 1:
-        raise ConfigError(f"must be >= 1, got {cfg['rank']}", path="lora.rank")
+    if not isinstance(lora, Mapping):
+        raise ConfigError(f"expected a mapping such as {{rank: 8}} (or null for full fine-tuning), got {lora!r}", path)
+    cfg = dataclasses.asdict(LoraParams(**validate_params(LoraParams, lora, path)))
+    if cfg["rank"] < 1:
+        raise ConfigError(f"must be >= 1, got {cfg['rank']}", f"{path}.rank")
     tm = cfg["target_modules"]
     cfg["target_modules"] = tm if isinstance(tm, str) else [str(m) for m in tm]
     return cfg
 
 
-def _resolve_dtype(name: str) -> torch.dtype:
+def _resolve_dtype(name: str, path: str) -> torch.dtype:
     if name not in DTYPES:
-        raise ConfigError(f"unknown dtype '{name}'; choose one of {sorted(DTYPES)}", path="dtype")
+        raise ConfigError(f"unknown dtype '{name}'; choose one of {', '.join(sorted(DTYPES))}", path)
     return DTYPES[name]
 
 
-def _resolve_device(name: str) -> torch.device:
+def _resolve_device(name: str, path: str) -> torch.device:
     """``auto`` picks CUDA when present; under torchrun a bare ``cuda`` is the local GPU."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -890,7 +914,7 @@ def _resolve_device(name: str) -> torch.device:
     try:
         return torch.device(name)
     except RuntimeError as err:
-        raise ConfigError(f"invalid device '{name}' ({err})", path="device") from err
+        raise ConfigError(f"invalid device '{name}' ({err}); use cpu, cuda, cuda:N or auto", path) from err
 
 
 # ---------------------------------------------------------------------- RNG and files

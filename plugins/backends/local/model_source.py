@@ -1,0 +1,126 @@
+"""Where the local backend's model comes from, checked before anything is built or downloaded.
+
+``model:`` is one of three things, tried in this order:
+
+1. a model builder registered by a plugin (``tiny_llama``); ``model_kwargs`` are its arguments
+   and are checked against its signature, so ``hiden_size`` fails with a suggestion instead of
+   a ``TypeError`` from deep inside the build;
+2. an existing folder holding a saved model (``config.json``);
+3. a Hugging Face hub id, found in the local cache or -- unless the hub is off
+   (``HF_HUB_OFFLINE=1``) -- looked up once, with a short timeout.
+
+A name that is none of these used to reach ``from_pretrained``, which retries the hub for the
+better part of a minute before an ``OSError``. :func:`check_model` says at once which of the
+three the name is not. Only :func:`registered_builder` is needed at build time.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from tempering.errors import ConfigError, PluginError
+
+#: Seconds for the one hub lookup of a name that is neither a builder nor a folder.
+HUB_TIMEOUT = 10.0
+_OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def registered_builder(name: str) -> Callable[..., tuple[Any, Any]] | None:
+    """The model builder a plugin registered under ``name`` (or ``dist:name``), or ``None``:
+    then the name is a folder or a hub id."""
+    from tempering.registry import get_registry
+
+    registry = get_registry()
+    if name.rpartition(":")[2] not in registry.names("model"):
+        return None
+    return registry.get("model", name).load()
+
+
+def check_model(name: Any, model_kwargs: Any, path: str) -> None:
+    """Raise a one-line :class:`ConfigError` under ``path`` (the backend's config path) unless
+    ``name`` is a builder whose arguments ``model_kwargs`` fit, a saved-model folder, or a hub id
+    that exists."""
+    from tempering.registry import validate_params
+
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"expected a model builder name, a folder or a Hugging Face hub id, got {name!r}",
+                          f"{path}.model")  # fmt: skip
+    if model_kwargs is not None and not isinstance(model_kwargs, Mapping):
+        raise ConfigError(f"expected a mapping of keyword arguments, got {type(model_kwargs).__name__}",
+                          f"{path}.model_kwargs")  # fmt: skip
+    try:
+        builder = registered_builder(name)
+    except PluginError as exc:  # two packages register this model name
+        raise PluginError(f"{path}.model: {exc}") from None
+    if builder is not None:
+        validate_params(builder, dict(model_kwargs or {}), f"{path}.model_kwargs")
+        return
+    if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise ConfigError(f"the folder '{name}' holds no config.json, so it is not a saved model "
+                              "(write one with save_pretrained or the backend's export_pretrained)", f"{path}.model")
+        return
+    problem = _hub_problem(name, (model_kwargs or {}).get("revision"))
+    if problem is None:
+        return
+    from tempering.registry import get_registry
+
+    builders = get_registry().names("model")
+    close = difflib.get_close_matches(name, builders, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise ConfigError(
+        f"'{name}' is not a registered model builder{hint}, not an existing folder, and {problem}. "
+        f"Model builders: {', '.join(builders) or '(none)'}", f"{path}.model")  # fmt: skip
+
+
+def _hub_problem(name: str, revision: str | None) -> str | None:
+    """``None`` if ``name`` is a usable hub id, else why not (the end of the error message)."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return "not a Hugging Face hub id either (those read 'name' or 'org/name')"
+    if isinstance(try_to_load_from_cache(name, "config.json", revision=revision), str):
+        return None
+    if hub_offline():
+        why = " / ".join(v for v in _OFFLINE_VARS if _env_true(v)) or "HF_HUB_OFFLINE"
+        return f"not in the Hugging Face cache ({why} is set, so the hub was not asked)"
+    return hub_lookup(name)
+
+
+def hub_offline() -> bool:
+    """Whether the hub may not be asked (read now, not at import: tests and users set it late)."""
+    from huggingface_hub import is_offline_mode
+
+    return any(_env_true(v) for v in _OFFLINE_VARS) or bool(is_offline_mode())
+
+
+def _env_true(var: str) -> bool:
+    return os.environ.get(var, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+@functools.lru_cache(maxsize=64)
+def hub_lookup(name: str) -> str | None:
+    """Ask the hub once whether model ``name`` exists (``None``: it does, gated ones included).
+    Cached: the backend checks its config when the registry validates it and again when built."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        HfApi().model_info(name, timeout=HUB_TIMEOUT)
+    except GatedRepoError:
+        return None  # it exists; access is from_pretrained's business
+    except RepositoryNotFoundError:
+        return "not a model on the Hugging Face hub (no such repository, or a private one: log in with `hf auth login`)"
+    except Exception as exc:  # noqa: BLE001 - any network failure: say so in one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return (f"the Hugging Face hub could not be reached to look it up ({type(exc).__name__}: {first}); "
+                "fix the name, or download the model and set HF_HUB_OFFLINE=1")
+    return None
