@@ -17,3 +17,9 @@ def _load(name: str) -> dict[str, Any]:
 def arithmetic() -> dict[str, Any]:
     """The main CPU demo: SFT warmup then GRPO on 2-digit addition with a tiny Llama."""
     return _load("arithmetic")
+
+
+def tool_use() -> dict[str, Any]:
+    """The tool-use CPU demo: SFT warmup on tool-use transcripts, then GRPO through the
+    ``calculator`` environment (a tiny Llama learns to multiply by calling ``mul``)."""
+    return _load("tool_use")

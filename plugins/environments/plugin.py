@@ -7,4 +7,5 @@ _E = "tempering.plugins.environments"
 
 @hookimpl
 def register_environments(register):
-    pass
+    register("calculator", f"{_E}.calculator:Calculator",
+             description="products of two numbers via a mul tool, over two turns (the tool_use demo)")
