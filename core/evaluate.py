@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from tempering.failures import failure_metrics
 from tempering.rollout import SamplerContext, collect, rollout_metrics
 from tempering.scoring import RewardRunner
-from tempering.types import SamplingParams
+from tempering.types import Sample, SamplingParams
 
 
 def evaluate(
@@ -24,24 +25,25 @@ def evaluate(
     batch_size: int = 256,
     success_threshold: float = 1.0,
     sampler: Any = None,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Mean reward and accuracy (share of rewards >= ``success_threshold``) on ``examples``.
 
     ``sampler`` defaults to single-turn completions (built for ``backend``'s tokenizer).
-    Failed samples count as wrong (reward 0) and are counted in ``eval/failed``; masked
-    episodes (a limit configured to mask) count as wrong too.
+    Failed samples count as wrong (reward 0) and are counted in ``eval/failed``, per cause in
+    ``eval/failed/<cause>`` with the first error's text in ``eval/first_error/<cause>`` (see
+    :mod:`tempering.failures`); masked episodes (a limit configured to mask) count as wrong too.
     """
     if sampler is None:
         sampler = completion_sampler(backend.tokenizer, RewardRunner(reward) if reward is not None else None)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
     rewards: list[float] = []
-    failed = 0
-    extra: dict[str, float] = {}
+    failures: list[Sample] = []
+    extra: dict[str, Any] = {}
     for start in range(0, len(examples), batch_size):
         chunk = [dict(e) for e in examples[start : start + batch_size]]
         rollout = collect(sampler, backend, chunk, 1, params, first_id=start)
         samples = [g.samples[0] for g in rollout.groups]
-        failed += sum(s.failed for s in samples)
+        failures += [s for s in samples if s.failed]
         rewards += [0.0 if (s.failed or s.masked) else s.reward for s in samples]
         for k, v in rollout_metrics(rollout.groups).items():
             if k.startswith("env/") and isinstance(v, float) and not k.startswith("env/stop/") and k != "env/turns_mean":
@@ -50,9 +52,10 @@ def evaluate(
     return {
         "eval/reward": sum(rewards) / n,
         "eval/accuracy": sum(r >= success_threshold - 1e-9 for r in rewards) / n,
-        "eval/failed": float(failed),
+        "eval/failed": float(len(failures)),
         "eval/n": float(len(rewards)),
         **extra,
+        **failure_metrics(failures, prefix="eval/"),
     }
 
 
@@ -99,7 +102,7 @@ class StageEvaluator:
             key = "eval.sampler" if cfg.sampler is not None else "sampler"
             self.sampler = build_sampler(ctx, spec or "completion", key, reward, getattr(stage, "renderer", "auto"))
 
-    def run(self, at_start: bool = False) -> dict[str, float]:
+    def run(self, at_start: bool = False) -> dict[str, Any]:
         if not self.examples or (at_start and not self.cfg.at_start):
             return {}
         return evaluate(self.ctx.backend, self.examples, None, self.cfg.max_tokens, self.cfg.temperature, sampler=self.sampler)

@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tempering.data import ExampleStream, load_examples
+from tempering.dataset_checks import Columns, check_rows, prompt_columns, reward_columns
 from tempering.errors import ConfigError
 from tempering.evaluate import build_sampler
+from tempering.registry import split_spec
 from tempering.rollout import RolloutBatch, collect, rollout_metrics
 from tempering.scoring import RewardRunner
-from tempering.stage import SamplingKeys, Stage, check_stage
+from tempering.stage import SamplingKeys, Stage, build_checked, check_stage, require
 from tempering.types import Batch, Group, SamplingParams
 
 
@@ -62,7 +64,13 @@ class RLStage(SamplingKeys, Stage):
     model's format), ``steps``, ``prompts_per_step``, ``group_size``, ``max_tokens`` (per model
     turn), ``temperature``, ``top_p``, ``top_k``, ``stop``, ``optimizer``,
     ``drop_zero_variance``, ``reward_timeout``, ``reward_concurrency``, ``success_threshold``,
-    ``eval``, ``seed``.
+    ``max_failed_fraction``, ``failure_window``, ``eval``, ``seed``.
+
+    ``max_failed_fraction`` (default 0.5): the stage stops (checkpointed, resumable, the run
+    ends with one line naming the cause) once more than this share of the samples of the last
+    ``failure_window`` (default 3) steps failed -- a reward that raises, times out or returns
+    no number, an episode whose environment raised. 1 never stops. Each new cause's first
+    error is printed once either way (see :mod:`tempering.failures`).
     """
 
     dataset: Any = field(default_factory=lambda: {"name": "arithmetic"})
@@ -77,20 +85,28 @@ class RLStage(SamplingKeys, Stage):
     reward_timeout: float = 60.0
     reward_concurrency: int = 64
     success_threshold: float = 1.0
+    max_failed_fraction: float = 0.5
+    failure_window: int = 3
 
     summary_keys = ("reward/mean", "accuracy", "loss")
     postfix = {"reward": "reward/mean", "acc": "accuracy"}
 
     # ------------------------------------------------------------------ validation and setup
     def validate(self, ctx: Any) -> None:
-        for key in ("prompts_per_step", "group_size", "max_tokens"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"must be >= 1, got {getattr(self, key)}", f"{ctx.path}.{key}")
-        check_stage(ctx, self, ("reward", "advantage", "loss"))
+        path = ctx.path
+        for key in ("prompts_per_step", "group_size", "reward_concurrency", "failure_window"):
+            require(getattr(self, key) >= 1, f"{path}.{key}", f"must be >= 1, got {getattr(self, key)}")
+        require(self.reward_timeout is None or self.reward_timeout > 0, f"{path}.reward_timeout",
+                f"must be > 0 (seconds), got {self.reward_timeout}")  # fmt: skip
+        require(0 <= self.max_failed_fraction <= 1, f"{path}.max_failed_fraction",
+                f"must be in [0, 1] (1 = never stop), got {self.max_failed_fraction}")  # fmt: skip
+        built = check_stage(ctx, self, ("reward", "advantage", "loss"), self.dataset_columns(ctx))
+        name = split_spec(self.advantage, "advantage")[0] if isinstance(self.advantage, (str, Mapping)) else ""
+        check_group_size(ctx, built["advantage"], self.group_size, name)
 
     def setup(self, ctx: Any, state: Mapping[str, Any]) -> None:
         self.backend = ctx.backend
-        reward = ctx.build("reward", self.reward, "reward")
+        reward = build_checked(ctx, "reward", self.reward, "reward")
         self.reward_runner = RewardRunner(reward, timeout=self.reward_timeout, concurrency=self.reward_concurrency)
         self.estimator = ctx.build("advantage", self.advantage, "advantage")
         self.loss_fn = ctx.build("loss", self.loss, "loss")
@@ -98,9 +114,15 @@ class RLStage(SamplingKeys, Stage):
             self.loss_fn.max_completion_length = self.max_tokens  # Dr. GRPO's constant normaliser
         self.rollout_sampler = build_sampler(ctx, self.sampler, "sampler", self.reward_runner, self.renderer)
         examples = load_examples(ctx, self.dataset, "dataset")
+        check_rows(examples, self.dataset_columns(ctx), ctx.path, "dataset")  # rows validate could not peek at
         self.stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
         self.params = self.sampling_params()
         self.rollouts = self.make_rollouts(ctx, state)
+
+    def dataset_columns(self, ctx: Any) -> Columns:
+        """What the rows must hold: a prompt (for the ``completion`` sampler) and the columns
+        the reward reads (see :mod:`tempering.dataset_checks`)."""
+        return prompt_columns(self.sampler, reward_columns(ctx, self.reward))
 
     def make_rollouts(self, ctx: Any, state: Mapping[str, Any]) -> Any:
         """The rollout source: synchronous, on-policy by default."""
@@ -121,9 +143,11 @@ class RLStage(SamplingKeys, Stage):
         rb = self.rollouts.next_batch(step)
         batch, info = build_group_batch(rb.groups, self.estimator, self.drop_zero_variance, self.success_threshold)
         metrics: dict[str, Any] = {**info, **rollout_metrics(rb.groups), **rb.metrics}
-        if batch is None:  # every group was dropped: nothing to learn from this batch
+        if batch is None:  # every group was dropped, or no sample is valid: nothing to learn from
             self.after_optim(ctx, step)
-            metrics.update(loss=0.0, skipped=1.0)
+            metrics["skipped"] = 1.0
+            if "reward/mean" in info:  # zero-variance groups: a real, zero, loss
+                metrics["loss"] = 0.0
             return metrics
         metrics.update(self.prepare(ctx, batch, step))
         t1 = time.perf_counter()
@@ -150,6 +174,30 @@ class RLStage(SamplingKeys, Stage):
         """Called once the step's training calls are submitted (or the step was skipped)."""
 
 
+def check_group_size(ctx: Any, estimator: Any, group_size: int, name: str = "") -> None:
+    """``group_size`` must give the advantage estimator something to compare: a probe batch
+    of two groups with distinct rewards must get some non-zero, finite advantage. A
+    group-relative estimator (``group_norm``, ``rloo``, ...) gives a group of 1 advantage 0
+    forever -- nothing would be learned."""
+    import torch
+
+    name = name or getattr(estimator, "__name__", type(estimator).__name__)
+    path = f"{ctx.path}.group_size"
+    rewards = torch.arange(2 * group_size, dtype=torch.float32)
+    gids = torch.arange(2).repeat_interleave(group_size)
+    try:
+        adv = torch.as_tensor(estimator(rewards, gids)).float()
+    except Exception as exc:  # noqa: BLE001 - reported with the key that causes it
+        raise ConfigError(f"advantage '{name}' fails on groups of {group_size}: {type(exc).__name__}: {exc}", path) from None
+    if bool(torch.isfinite(adv).all()) and bool(adv.abs().sum() > 0):
+        return
+    what = f"groups of {group_size} get advantages {[round(a, 3) for a in adv.tolist()[:4]]}: nothing would be learned"
+    if group_size < 2:
+        raise ConfigError(f"must be >= 2 with advantage '{name}', got {group_size} (it compares the samples of a "
+                          f"group: {what})", path)  # fmt: skip
+    raise ConfigError(f"advantage '{name}': {what}", path)
+
+
 def build_group_batch(
     groups: list[Group], estimator: Any, drop_zero_variance: bool = False, success_threshold: float = 1.0
 ) -> tuple[Batch | None, dict[str, float]]:
@@ -157,7 +205,9 @@ def build_group_batch(
     training row (a single-turn sample has one; a multi-turn trajectory one per segment).
 
     Failed and masked samples, and (optionally) zero-variance groups, get weight 0: they stay
-    visible in the metrics but do not move the policy.
+    visible in the metrics but do not move the policy. With no valid sample at all there is no
+    batch and no ``reward/mean`` / ``accuracy``: a batch of failures has no reward to report
+    (a 0 would read as one).
     """
     import torch
 
@@ -174,13 +224,14 @@ def build_group_batch(
         zero_var[valid] = zero_variance_groups(rewards[valid], gids[valid])
     keep = valid & ~zero_var if drop_zero_variance else valid
     ok = rewards[valid]
-    info = {
-        "reward/mean": float(ok.mean()) if len(ok) else 0.0,
-        "reward/std": float(ok.std()) if len(ok) > 1 else 0.0,
-        "accuracy": float((ok >= success_threshold - 1e-9).float().mean()) if len(ok) else 0.0,
-        "groups/zero_variance_frac": float(zero_var[valid].float().mean()) if valid.any() else 0.0,
-        "advantage/abs_mean": float(adv[keep].abs().mean()) if keep.any() else 0.0,
-    }
+    info = {"advantage/abs_mean": float(adv[keep].abs().mean()) if keep.any() else 0.0}
+    if len(ok):
+        info.update({
+            "reward/mean": float(ok.mean()),
+            "reward/std": float(ok.std()) if len(ok) > 1 else 0.0,
+            "accuracy": float((ok >= success_threshold - 1e-9).float().mean()),
+            "groups/zero_variance_frac": float(zero_var[valid].float().mean()),
+        })  # fmt: skip
     if not keep.any():
         return None, info
     data = [

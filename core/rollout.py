@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tempering.failures import SAMPLES_KEY, failure_metrics
 from tempering.scoring import RewardRunner, ScoreStats, run_coroutine
 from tempering.types import Group, SamplingParams
 
@@ -74,9 +75,11 @@ def collect(sampler: Any, client: Any, examples: Sequence[Mapping[str, Any]], gr
 
 
 def rollout_metrics(groups: Sequence[Group]) -> dict[str, Any]:
-    """Counts every RL stage logs for its rollouts: failures (with the first error's text),
-    masked samples, completion lengths and stops, and -- for multi-turn samples -- turns, tool
-    calls and errors, parse errors and how episodes ended (``env/stop/<cause>`` fractions)."""
+    """Counts every RL stage logs for its rollouts: failures (``reward/failed``, with the first
+    error's text, and per cause: ``failed/<cause>``, ``first_error/<cause>``, see
+    :mod:`tempering.failures`), the number of samples (``rollout/samples``), masked samples,
+    completion lengths and stops, and -- for multi-turn samples -- turns, tool calls and errors,
+    parse errors and how episodes ended (``env/stop/<cause>`` fractions)."""
     samples = [s for g in groups for s in g.samples]
     n = max(len(samples), 1)
     out: dict[str, Any] = {
@@ -88,6 +91,8 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, Any]:
     errors = [s.error for s in samples if s.failed and s.error]
     if errors:
         out["first_error"] = errors[0]
+    out[SAMPLES_KEY] = float(len(samples))
+    out.update(failure_metrics(samples))
     trajectories = [s.trajectory for s in samples if s.trajectory is not None]
     if trajectories:
         out["env/masked"] = float(sum(s.masked for s in samples))

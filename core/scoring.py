@@ -1,8 +1,12 @@
 """Running rewards: sync or async, one sample at a time or streamed, never crashing the run.
 
-A reward that raises, returns NaN/inf or exceeds ``timeout`` marks its sample ``failed``: the
-sample stays in its group (so counts stay honest) and the loop masks it out of the loss.
-Failures are counted in :class:`ScoreStats` and surface in the step's metrics.
+A reward that raises, exceeds ``timeout`` or returns anything but a finite real number marks
+its sample ``failed`` (with a cause, see :mod:`tempering.failures`): the sample stays in its
+group (so counts stay honest) and the loop masks it out of the loss. Values are strict
+(:func:`reward_number`): a bool counts as 0/1, but the string ``"1.0"`` or ``None`` is a
+failure whose message names the type it got -- a reward that returns text has a bug, and
+reading it as a number would hide it. Failures are counted in :class:`ScoreStats` and surface
+in the step's metrics.
 
 Three ways to score:
 
@@ -27,15 +31,42 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
+import math
+import numbers
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from tempering.failures import mark_failed, raised
 from tempering.interfaces import RewardResult
-from tempering.types import Sample, is_bad_number
+from tempering.types import Sample
 
 T = TypeVar("T")
+
+
+class RewardValueError(ValueError):
+    """A reward returned something that is not a finite real number; ``cause`` is
+    ``not_a_number`` or ``not_finite``."""
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+def reward_number(value: Any) -> float:
+    """``value`` as a reward: a finite real number (int, float, a numpy scalar, a Fraction; a
+    bool counts as 0/1), else :class:`RewardValueError` naming what it got."""
+    if isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, numbers.Real):
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise RewardValueError(f"returned {shown} of type {type(value).__name__}, not a real number", "not_a_number")
+    x = float(value)
+    if not math.isfinite(x):
+        raise RewardValueError(f"returned {value!r} (not a finite number)", "not_finite")
+    return x
 
 
 @dataclass
@@ -91,7 +122,7 @@ class RewardRunner:
             except (asyncio.TimeoutError, TimeoutError) as exc:
                 self._timeout(s, exc, stats)
             except Exception as exc:  # noqa: BLE001 - a reward bug must not kill the run
-                self._fail(s, f"{type(exc).__name__}: {exc}", stats)
+                self._fail(s, raised(exc), f"{type(exc).__name__}: {exc}", stats)
         stats.seconds = time.perf_counter() - t0
         return stats
 
@@ -220,7 +251,7 @@ class RewardRunner:
         except (asyncio.TimeoutError, TimeoutError) as exc:
             self._timeout(s, exc, stats)
         except Exception as exc:  # noqa: BLE001
-            self._fail(s, f"{type(exc).__name__}: {exc}", stats)
+            self._fail(s, raised(exc), f"{type(exc).__name__}: {exc}", stats)
 
     def _apply(self, s: Sample, value: Any, stats: ScoreStats) -> None:
         info: dict[str, Any] = {}
@@ -229,19 +260,21 @@ class RewardRunner:
         elif isinstance(value, dict):
             info = {k: v for k, v in value.items() if k != "reward"}
             value = value.get("reward")
-        if is_bad_number(value):
-            self._fail(s, f"reward returned {value!r} (not a finite number)", stats)
+        try:
+            number = reward_number(value)
+        except RewardValueError as exc:
+            self._fail(s, exc.cause, f"reward {exc}", stats)
             return
-        s.reward, s.reward_info, s.failed, s.error = float(value), info, False, None
+        s.reward, s.reward_info, s.failed, s.error = number, info, False, None
         stats.scored += 1
 
     def _timeout(self, s: Sample, exc: BaseException, stats: ScoreStats) -> None:
         stats.timeouts += 1
-        self._fail(s, str(exc) or f"timed out after {self.timeout}s", stats)
-        s.reward_info = {"timeout": True}  # counted per sample, wherever the sample goes
+        self._fail(s, "timeout", str(exc) or f"timed out after {self.timeout}s", stats)
+        s.reward_info["timeout"] = True  # counted per sample, wherever the sample goes
 
-    def _fail(self, s: Sample, message: str, stats: ScoreStats) -> None:
-        s.reward, s.failed, s.error = 0.0, True, message
+    def _fail(self, s: Sample, cause: str, message: str, stats: ScoreStats) -> None:
+        mark_failed(s, cause, message)
         stats.failed += 1
         if len(stats.errors) < self.max_logged_errors:
             stats.errors.append(message)

@@ -5,27 +5,58 @@ A stage subclasses :class:`Stage` and writes only what is its own -- ``setup`` (
 components, restore its position), ``train_step`` (one optimizer step), ``loop_state`` (what a
 checkpoint must remember to resume) and ``teardown``. :meth:`Stage.run` owns the rest, once for
 all stages: the evaluation at the start, the progress bar, the step budget, ``end_step`` and its
-checkpoints, periodic evaluation (and stopping early at a target accuracy), logging and the
-final evaluation.
+checkpoints, periodic evaluation (and stopping early at a target accuracy), logging, failed
+samples (each new cause printed once; too many stop the run, see :mod:`tempering.failures`) and
+the final evaluation.
 
 The ``optimizer:`` and ``eval:`` blocks are validated with their own schema so a misspelt key
-reports e.g. ``stages[1].optimizer.learnig_rate``.
+reports e.g. ``stages[1].optimizer.learnig_rate``. :func:`check_stage` checks, before any stage
+trains, everything knowable from the config: value ranges (a learning rate <= 0 climbs the
+loss), the enums of the stage's loss and advantage estimator (built, which is cheap, so their
+own checks run), and the stage's dataset: that it loads, is not empty and has the columns the
+stage and its reward read (:mod:`tempering.dataset_checks`).
 """
 
 from __future__ import annotations
 
+import difflib
+import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-from tempering.errors import ConfigError
+from tempering.dataset_checks import Columns, check_dataset, prompt_columns, reward_columns
+from tempering.errors import ConfigError, TemperingError
+from tempering.failures import FailureWatch
 from tempering.progress import progress
-from tempering.registry import validate_params
+from tempering.registry import split_spec, validate_params
 from tempering.schedule import lr_at
 from tempering.types import AdamParams, SamplingParams
 
 T = TypeVar("T")
+
+SCHEDULES = ("constant", "linear", "cosine")  # the schedules tempering.schedule.lr_at knows
+#: Components :func:`check_stage` builds (cheap, and their own checks -- enums such as a loss's
+#: ``loss_type`` -- run at build time); the others (rewards, samplers) are only name-checked.
+BUILT_TO_CHECK = ("loss", "advantage")
+
+
+def require(ok: bool, path: str, message: str) -> None:
+    """Raise ``ConfigError(message, path)`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(message, path)
+
+
+def check_choice(value: Any, choices: Sequence[str], path: str) -> None:
+    """``value`` must be one of ``choices``; the error suggests the closest one."""
+    if value in choices:
+        return
+    close = difflib.get_close_matches(str(value), list(choices), n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    raise ConfigError(f"use one of {', '.join(choices)} (got '{value}').{hint}", path)
 
 
 def sub_config(cls: type[T], value: Any, path: str) -> T:
@@ -46,6 +77,20 @@ class OptimizerConfig:
     schedule: str = "constant"  # constant | linear | cosine
     warmup_steps: int = 0
     final_ratio: float = 0.0
+
+    def check(self, path: str) -> None:
+        """Value ranges that cannot work (a negative learning rate is gradient *ascent*)."""
+        lr = self.learning_rate
+        require(lr > 0, f"{path}.learning_rate", f"must be > 0, got {lr} (a rate <= 0 does not descend the loss); "
+                "typical values are 1e-5 to 1e-3")  # fmt: skip
+        for key in ("beta1", "beta2"):
+            require(0 <= getattr(self, key) < 1, f"{path}.{key}", f"must be in [0, 1), got {getattr(self, key)}")
+        require(self.eps > 0, f"{path}.eps", f"must be > 0, got {self.eps}")
+        require(self.weight_decay >= 0, f"{path}.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        require(self.grad_clip_norm >= 0, f"{path}.grad_clip_norm", f"must be >= 0 (0 = no clipping), got {self.grad_clip_norm}")
+        check_choice(self.schedule, SCHEDULES, f"{path}.schedule")
+        require(self.warmup_steps >= 0, f"{path}.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        require(0 <= self.final_ratio <= 1, f"{path}.final_ratio", f"must be in [0, 1], got {self.final_ratio}")
 
     def adam(self, step: int, total: int) -> AdamParams:
         lr = lr_at(step, total, self.learning_rate, self.schedule, self.warmup_steps, self.final_ratio)
@@ -74,13 +119,17 @@ class EvalConfig:
 
 
 def check_eval(ctx: Any, value: Any) -> EvalConfig:
-    """Validate an ``eval:`` block and the components it names."""
+    """Validate an ``eval:`` block and the components it names (its dataset's rows:
+    :func:`check_stage`, after every config check)."""
     ev = sub_config(EvalConfig, value, f"{ctx.path}.eval")
-    if ev.dataset is not None and not isinstance(ev.dataset, list):
-        ctx.check("dataset", ev.dataset, "eval.dataset")
-        ctx.check("reward", ev.reward, "eval.reward")
+    path = f"{ctx.path}.eval"
+    require(ev.max_tokens >= 1, f"{path}.max_tokens", f"must be >= 1, got {ev.max_tokens}")
+    require(ev.every >= 0, f"{path}.every", f"must be >= 0 (0 = at the start and end only), got {ev.every}")
+    require(ev.temperature >= 0, f"{path}.temperature", f"must be >= 0 (0 = greedy), got {ev.temperature}")
     if ev.sampler is not None:
         check_sampler(ctx, ev.sampler, "eval.sampler")
+    if ev.dataset is not None:
+        ctx.check("reward", ev.reward, "eval.reward")
     if ev.stop_at_accuracy is not None and not (ev.every and 0 < float(ev.stop_at_accuracy) <= 1):
         raise ConfigError("needs eval.every > 0 and a value in (0, 1]", f"{ctx.path}.eval.stop_at_accuracy")
     return ev
@@ -94,25 +143,85 @@ def check_sampler(ctx: Any, spec: Any, key: str) -> None:
         ctx.check("environment", params["environment"], f"{key}.environment")
 
 
-def check_stage(ctx: Any, stage: Any, components: tuple[str, ...] = ("loss",)) -> None:
-    """Validate the blocks every training stage has -- ``optimizer``, ``eval``, ``dataset`` --
-    its named components (attribute name = component kind), its sampler and renderer, without
-    building them."""
+def check_stage(
+    ctx: Any, stage: Any, components: tuple[str, ...] = ("loss",), columns: Columns | None = None
+) -> dict[str, Any]:
+    """Validate the blocks every training stage has -- ``steps``, ``optimizer``, ``eval``,
+    ``dataset`` -- its named components (attribute name = component kind), its sampler and
+    renderer, before anything trains. Losses and advantage estimators are built (their own
+    checks run) and returned by kind, for further checks; the rest are checked by name, keys
+    and their factory's ``check_params`` (see :data:`tempering.registry.CHECK_HOOK`). Then,
+    unless in :func:`config_only`, the datasets (the stage's and ``eval``'s): ``columns`` is
+    what the stage's rows must hold (see :func:`check_dataset`)."""
     from tempering.renderer import check_renderer
 
-    sub_config(OptimizerConfig, stage.optimizer, f"{ctx.path}.optimizer")
-    check_eval(ctx, stage.eval)
+    steps = getattr(stage, "steps", 1)
+    require(steps >= 1, f"{ctx.path}.steps", f"must be >= 1, got {steps} (a stage of no steps would be skipped; "
+            "remove the stage instead)")  # fmt: skip
+    sub_config(OptimizerConfig, stage.optimizer, f"{ctx.path}.optimizer").check(f"{ctx.path}.optimizer")
+    if isinstance(stage, SamplingKeys):
+        stage.check_sampling(ctx.path)
+    ev = check_eval(ctx, stage.eval)
+    built: dict[str, Any] = {}
     for kind in components:
-        ctx.check(kind, getattr(stage, kind), kind)
+        if kind in BUILT_TO_CHECK:
+            built[kind] = build_checked(ctx, kind, getattr(stage, kind), kind)
+        else:
+            ctx.check(kind, getattr(stage, kind), kind)
     if getattr(stage, "sampler", None) is not None:
         check_sampler(ctx, stage.sampler, "sampler")
     if hasattr(stage, "renderer"):
         check_renderer(ctx, stage.renderer)
-    if not isinstance(stage.dataset, list):
-        ctx.check("dataset", stage.dataset, "dataset")
-    steps = getattr(stage, "steps", 0)
-    if steps < 0:
-        raise ConfigError(f"must be >= 0, got {steps}", f"{ctx.path}.steps")
+    if CHECK_DATA.get():  # the data last: a typo in the config is reported before a missing file
+        check_dataset(ctx, stage.dataset, "dataset", columns)
+        if ev.dataset is not None:
+            sampler = ev.sampler if ev.sampler is not None else stage.eval_sampler() or "completion"
+            needed = reward_columns(ctx, ev.reward, "eval.reward")
+            check_dataset(ctx, ev.dataset, "eval.dataset", prompt_columns(sampler, needed))
+    return built
+
+
+#: Whether :func:`check_stage` loads datasets (see :func:`config_only`).
+CHECK_DATA: ContextVar[bool] = ContextVar("tempering_check_data", default=True)
+
+
+@contextmanager
+def config_only() -> Iterator[None]:
+    """Validate stages (``stage.validate(ctx)``) without looking at their datasets: to check a
+    recipe's config before its data exists, e.g. with placeholder paths."""
+    token = CHECK_DATA.set(False)
+    try:
+        yield
+    finally:
+        CHECK_DATA.reset(token)
+
+
+def build_checked(ctx: Any, kind: str, spec: Any, key: str, **context: Any) -> Any:
+    """Build a component; a ``ValueError`` / ``TypeError`` its own checks raise becomes a
+    one-line :class:`ConfigError` at the key it names (:func:`config_error`). Used before
+    anything trains for the cheap components (losses, estimators: their enums), and at stage
+    start for the others."""
+    try:
+        return ctx.build(kind, spec, key, **context)
+    except TemperingError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise config_error(ctx, exc, spec, key) from None
+
+
+def config_error(ctx: Any, exc: BaseException, spec: Any, key: str) -> ConfigError:
+    """``exc`` (raised by a component's own checks) as a :class:`ConfigError` at the config
+    key its message names (``stages[1].loss.loss_type``), with the closest of the values it
+    lists in quotes when the key's value is a string (``Did you mean 'dapo'?``)."""
+    params = dict(split_spec(spec, key)[1]) if isinstance(spec, Mapping) else {}
+    message = str(exc)
+    named = [k for k in params if re.search(rf"\b{re.escape(k)}\b", message)]
+    value = params.get(named[0]) if named else None
+    if isinstance(value, str):
+        options = [o for o in re.findall(r"'([^']*)'", message) if o != value]
+        close = difflib.get_close_matches(value, options, n=1)
+        message += f". Did you mean '{close[0]}'?" if close else ""
+    return ConfigError(message, f"{ctx.path}.{key}" + (f".{named[0]}" if named else ""))
 
 
 @dataclass
@@ -169,7 +278,8 @@ class Stage:
     def run(self, ctx: Any) -> dict[str, Any]:
         from tempering.evaluate import StageEvaluator
 
-        self.validate(ctx)
+        with config_only():  # run_recipe checked the data before stage 1; setup loads it now
+            self.validate(ctx)
         self._optimizer = sub_config(OptimizerConfig, self.optimizer, f"{ctx.path}.optimizer")
         ev = sub_config(EvalConfig, self.eval, f"{ctx.path}.eval")
         state = dict(ctx.resume_state or {})
@@ -179,9 +289,12 @@ class Stage:
         last: dict[str, Any] = {}
         finished = False
         fresh_eval = False
+        watch = FailureWatch(ctx.stage_id or self.label, ctx.path, getattr(self, "max_failed_fraction", None),
+                             getattr(self, "failure_window", 1))  # fmt: skip
         bar = progress(self.steps, f"{ctx.stage_id} ({self.label})", initial=start)
         try:
             if start == 0 and (first := evaluator.run(at_start=True)):
+                watch.observe(first, " (evaluation at the start)")
                 ctx.log(first)
                 last.update(first)
             finished = start >= self.steps
@@ -195,10 +308,12 @@ class Stage:
                 fresh_eval = bool(ev.every and (step + 1) % ev.every == 0 and step + 1 < self.steps)
                 if fresh_eval:
                     metrics.update(evaluator.run())
+                watch.observe(metrics, f" step {step + 1}")
                 ctx.log(metrics)
                 last.update(metrics)
                 bar.update(1)
                 bar.set_postfix({k: f"{metrics[m]:.3f}" for k, m in self.postfix.items() if isinstance(metrics.get(m), float)})
+                watch.check(last=step + 1 == self.steps)  # StopRun: the run checkpoints this stage, unfinished
                 if fresh_eval and ev.stop_at_accuracy is not None and metrics["eval/accuracy"] >= float(ev.stop_at_accuracy):
                     ctx.log({"stopped_early": 1.0, "eval/stop_at_accuracy": float(ev.stop_at_accuracy)})
                     finished = True
@@ -209,6 +324,7 @@ class Stage:
             bar.close()
             self.teardown(ctx, finished)
         if not (finished and fresh_eval) and (final := evaluator.run()):
+            watch.observe(final, " (final evaluation)")
             ctx.log(final)
             last.update(final)
         return {k: v for k, v in last.items() if k in self.summary_keys or k.startswith(self.summary_prefixes)}
@@ -226,3 +342,10 @@ class SamplingKeys:
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, list(self.stop))
+
+    def check_sampling(self, path: str) -> None:
+        """Ranges of the sampling keys (``path``: the stage's)."""
+        require(self.max_tokens >= 1, f"{path}.max_tokens", f"must be >= 1, got {self.max_tokens}")
+        require(self.temperature >= 0, f"{path}.temperature", f"must be >= 0, got {self.temperature}")
+        require(0 < self.top_p <= 1, f"{path}.top_p", f"must be in (0, 1], got {self.top_p}")
+        require(self.top_k >= 0, f"{path}.top_k", f"must be >= 0 (0 = no top-k), got {self.top_k}")

@@ -68,13 +68,15 @@ def test_kl_is_logged_every_kl_every_steps_by_default(tmp_path: Path) -> None:
 
 
 def test_failing_reward_is_counted_and_masked_not_fatal(tmp_path: Path) -> None:
+    """A third of the rewards fail: below the default ``max_failed_fraction`` (0.5), so the
+    run goes on (tests/test_failures.py covers the stop)."""
     calls = {"n": 0}
 
     def flaky(completion: str, example: dict) -> float:
         calls["n"] += 1
-        if calls["n"] % 3 == 0:
+        if calls["n"] % 6 == 0:
             raise RuntimeError("judge unreachable")
-        if calls["n"] % 3 == 1:
+        if calls["n"] % 6 == 1:
             return float("nan")
         return 1.0
 
@@ -82,7 +84,7 @@ def test_failing_reward_is_counted_and_masked_not_fatal(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r["stage"] == "rl" and "reward/failed" in r]
     assert len(rl) == 3
-    assert sum(r["reward/failed"] for r in rl) == pytest.approx(2 / 3 * 3 * 16, abs=2)
+    assert sum(r["reward/failed"] for r in rl) == 1 / 3 * 3 * 16
     assert {r["first_error"] for r in rl} <= {"RuntimeError: judge unreachable", "reward returned nan (not a finite number)"}
 
 

@@ -116,9 +116,6 @@ def test_callable_reward_and_bad_configs():
         ProcessPoolReward(length_with_pid, params={"x": 1})
     with pytest.raises(ValueError, match="start_method"):
         ProcessPoolReward(TARGET, start_method="teleport")
-    bad = ProcessPoolReward("no_such_module_xyz:f", workers=1)
-    try:
-        ss = mk([("abc", {})])
-        assert RewardRunner(bad).score(ss).failed == 1 and "no_such_module_xyz" in ss[0].error
-    finally:
-        bad.close()
+    # an unimportable target fails when the reward is configured, not as a failure of every call
+    with pytest.raises(ValueError, match=r"^process_pool\.reward: cannot import module 'no_such_module_xyz'"):
+        ProcessPoolReward("no_such_module_xyz:f", workers=1)

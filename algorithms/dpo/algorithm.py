@@ -72,7 +72,13 @@ class DPO(Stage):
             )
         if self.batch_size < 1:
             raise ConfigError(f"must be >= 1 (pairs per step), got {self.batch_size}", f"{path}.batch_size")
-        check_stage(ctx, self)
+        if self.precompute_batch_size < 1:
+            raise ConfigError(f"must be >= 1, got {self.precompute_batch_size}", f"{path}.precompute_batch_size")
+        pair = {self.chosen_key: "chosen_key", self.rejected_key: "rejected_key"}
+        columns = {"": {self.prompt_key: "prompt_key", **pair}}
+        if self.prompt_key == "prompt":  # a chat prompt instead
+            columns = {"messages": pair, **columns}
+        check_stage(ctx, self, columns=columns)
 
     def setup(self, ctx: Any, state: Mapping[str, Any]) -> None:
         path = ctx.path

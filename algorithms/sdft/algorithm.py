@@ -96,7 +96,7 @@ class SDFT(SamplingKeys, Stage):
             raise ConfigError(f"must be in (0, 1], got {self.ema_rate}", f"{path}.ema_rate")
         if self.recompute_logprobs not in ("auto", "always", "never"):
             raise ConfigError(f"use auto, always or never (got '{self.recompute_logprobs}')", f"{path}.recompute_logprobs")
-        for key in ("prompts_per_step", "samples_per_prompt", "max_tokens"):
+        for key in ("prompts_per_step", "samples_per_prompt"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"must be >= 1, got {getattr(self, key)}", f"{path}.{key}")
         if self.skip_first_tokens < 0:
@@ -111,7 +111,7 @@ class SDFT(SamplingKeys, Stage):
             raise ConfigError(
                 f"bad placeholder {err}; use {{prompt}} and {{demonstration}}", f"{path}.teacher_template"
             ) from None
-        check_stage(ctx, self)
+        check_stage(ctx, self, columns={"": {self.prompt_key: "prompt_key", self.demonstration_key: "demonstration_key"}})
 
     def setup(self, ctx: Any, state: Mapping[str, Any]) -> None:
         path = ctx.path

@@ -18,7 +18,7 @@ from tempering.chat import check_messages
 from tempering.data import ExampleStream, encode_completion, encode_prompt, load_examples
 from tempering.errors import ConfigError
 from tempering.renderer import build_renderer
-from tempering.stage import Stage
+from tempering.stage import Stage, check_stage, require
 from tempering.types import Batch, Segment
 
 
@@ -37,6 +37,10 @@ class SFT(Stage):
 
     label = "sft"
     summary_keys = ("loss", "nll")
+
+    def validate(self, ctx: Any) -> None:
+        require(self.batch_size >= 1, f"{ctx.path}.batch_size", f"must be >= 1, got {self.batch_size}")
+        check_stage(ctx, self, columns={"prompt": {self.completion_key: "completion_key"}, "messages": {}})
 
     def setup(self, ctx: Any, state: Mapping[str, Any]) -> None:
         self.loss_fn = ctx.build("loss", self.loss, "loss")

@@ -207,6 +207,7 @@ def validate_recipe(recipe: Any) -> None:
     from tempering.config import stage_id
     from tempering.recipe import RunContext
     from tempering.registry import get_registry
+    from tempering.stage import config_only
 
     registry = get_registry()
     registry.check("backend", recipe.backend, "backend")
@@ -214,7 +215,8 @@ def validate_recipe(recipe: Any) -> None:
         algorithm = registry.build("algorithm", {k: v for k, v in stage.items() if k != "id"}, f"stages[{i}]")
         if hasattr(algorithm, "validate"):  # nested blocks: optimizer, eval, loss, reward, ...
             ctx = RunContext(registry, None, recipe.to_dict(), "", [], recipe.seed, stage_index=i, stage_id=stage_id(stage, i))
-            algorithm.validate(ctx)
+            with config_only():  # the data does not exist yet (placeholder paths)
+                algorithm.validate(ctx)
 
 
 def check_config(scale: Scale, backend: Mapping[str, Any] | None = None, reward: Any = "exact_match",

@@ -8,3 +8,5 @@ def register_datasets(register):
     register("arithmetic", "tempering.plugins.datasets.arithmetic:arithmetic", description="synthetic a+b=c, train/test split")
     register("jsonl", "tempering.plugins.datasets.files:jsonl", description="rows of a local JSON-lines file")
     register("hf", "tempering.plugins.datasets.files:hf", description="datasets.load_dataset (hub name or local files)")
+    register("tool_use", "tempering.plugins.datasets.tool_use:tool_use",
+             description="products a*b for the calculator environment, or SFT tool-use transcripts")

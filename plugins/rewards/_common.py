@@ -103,18 +103,18 @@ def normalize_minus(text: str) -> str:
 
 def as_finite(value: Any, what: str) -> float:
     """``value`` (a number, :class:`RewardResult` or ``{"reward": ...}``) as a finite float,
-    or a :class:`RewardError` naming ``what``."""
+    or a :class:`RewardError` naming ``what``. As strict as the reward runner
+    (:func:`tempering.scoring.reward_number`): ``"1.0"`` is not a number."""
+    from tempering.scoring import RewardValueError, reward_number
+
     if isinstance(value, RewardResult):
         value = value.reward
     elif isinstance(value, Mapping):
         value = value.get("reward")
     try:
-        x = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise RewardError(f"{what} returned {value!r}, not a number") from None
-    if not math.isfinite(x):
-        raise RewardError(f"{what} returned {value!r} (not a finite number)")
-    return x
+        return reward_number(value)
+    except RewardValueError as exc:
+        raise RewardError(f"{what} {exc}") from None
 
 
 def info_of(value: Any) -> dict[str, Any]:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass
 class ExactMatch:
     """1.0 if the completion equals ``example[answer_key]`` (after ``strip``), else 0.0."""
 
+    column_keys: ClassVar[tuple[str, ...]] = ("answer_key",)  # config keys naming dataset columns it reads
     answer_key: str = "answer"
     strip: bool = True
     case_sensitive: bool = True

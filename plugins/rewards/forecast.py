@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from tempering.interfaces import RewardResult
 from tempering.plugins.rewards._common import RewardError, find_numbers
@@ -79,6 +79,7 @@ class Brier:
     -1 = confidently wrong). A completion without a readable probability raises (a failure,
     not a score)."""
 
+    column_keys: ClassVar[tuple[str, ...]] = ("outcome_key",)  # config keys naming dataset columns it reads
     outcome_key: str = "outcome"
     pattern: str | None = None
 
@@ -98,6 +99,7 @@ class BrierSkill:
     (the reference was exactly right) leaves the skill undefined: that raises.
     """
 
+    column_keys: ClassVar[tuple[str, ...]] = ("outcome_key",)
     outcome_key: str = "outcome"
     p_ref: float = 0.5
     p_ref_key: str | None = None

@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, ClassVar
 
 from tempering.interfaces import RewardResult
 from tempering.plugins.rewards._common import NumberToken, find_numbers, parse_number
@@ -185,6 +185,7 @@ class MathAnswer:
     ``extract``: auto | boxed | last_number. ``percent``: strip | fraction | either.
     """
 
+    column_keys: ClassVar[tuple[str, ...]] = ("answer_key",)  # config keys naming dataset columns it reads
     answer_key: str = "answer"
     extract: str = "auto"
     abs_tol: float = 1e-6

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib.util
 import inspect
 import json
 import multiprocessing
@@ -154,6 +155,7 @@ class ProcessPoolReward:
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError("process_pool.timeout must be > 0")
         self.workers = int(self.workers) or (os.cpu_count() or 1)
+        self.check_params({"reward": self.reward})
         if isinstance(self.reward, (str, Mapping)):
             self._key: str | None = json.dumps([self.reward, self.params], sort_keys=True, default=str)
             self._spec: Any = dict(self.reward) if isinstance(self.reward, Mapping) else self.reward
@@ -169,6 +171,29 @@ class ProcessPoolReward:
         self._lock = threading.Lock()
         self._slots: LoopLocal[asyncio.Semaphore] = LoopLocal(lambda: asyncio.Semaphore(self.workers))
         self.recycled = 0  # pools retired because a call timed out or the pool broke
+
+    @staticmethod
+    def check_params(params: Mapping[str, Any], path: str = "process_pool") -> None:
+        """Before anything trains (the registry's ``check_params`` hook; ``__post_init__``
+        too): a ``"module:attr"`` target's module must exist -- else every call would fail in
+        its worker. A registered ``"dist:name"`` reward is fine too."""
+        reward = params.get("reward")
+        if not isinstance(reward, str) or ":" not in reward:
+            return
+        module = reward.partition(":")[0]
+        try:
+            if importlib.util.find_spec(module) is not None:
+                return
+        except (ImportError, ValueError):
+            pass
+        from tempering.errors import ConfigError, UnknownComponentError
+        from tempering.registry import get_registry
+
+        try:
+            get_registry().get("reward", reward)
+        except UnknownComponentError:
+            raise ConfigError(f"cannot import module '{module}' (of '{reward}') and no reward is registered under that "
+                              "name; check the module's name and that it is installed", f"{path}.reward") from None
 
     def _label(self) -> str:
         if isinstance(self.reward, str):

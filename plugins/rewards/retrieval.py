@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from tempering.interfaces import RewardResult
 
@@ -39,6 +39,7 @@ class RetrievalRecall:
     ``cost_unit``: ``tokens`` (needs ``tokenizer``, a runtime object), ``words`` or ``chars``.
     """
 
+    column_keys: ClassVar[tuple[str, ...]] = ("gold_key",)  # config keys naming dataset columns it reads
     gold_key: str = "gold_ids"
     pattern: str = r"\[(doc\d+)\]"
     case_sensitive: bool = False

@@ -24,6 +24,7 @@ from typing import Any
 
 from tempering.episode import LIMIT_ACTIONS, EpisodeLimits, ModelQueue, run_episode
 from tempering.errors import ConfigError
+from tempering.failures import mark_failed
 from tempering.rollout import Rollout, SamplerContext
 from tempering.scoring import ScoreStats
 from tempering.types import Completion, Group, Sample, SamplingParams
@@ -93,7 +94,7 @@ class EnvironmentSampler:
         if to_score:
             if self.context.reward is None:
                 for s in to_score:
-                    s.failed, s.error = True, "the environment left the reward to the stage, which has none"
+                    mark_failed(s, "no_reward", "the environment left the reward to the stage, which has none")
             else:
                 bonus = {id(s): s.reward for s in to_score}  # group rewards already added
                 stats = await self.context.reward.ascore(to_score)
@@ -110,7 +111,7 @@ class EnvironmentSampler:
         sample.reward_info = {"stop": traj.stop, "turns": len(traj.turns)}
         action = {"max_turns": self.on_max_turns, "context": self.on_context_limit}.get(traj.stop)
         if traj.stop == "error":
-            sample.failed, sample.error = True, f"episode: {traj.errors[0]}"
+            mark_failed(sample, "episode_error", f"episode: {traj.errors[0]}")
         elif action == "mask":
             sample.masked = True
         elif action == "zero":
@@ -135,7 +136,7 @@ class EnvironmentSampler:
         except Exception as exc:  # noqa: BLE001 - a judge failure fails the group, never the run
             for s in samples:
                 if not s.failed:
-                    s.failed, s.error = True, f"group_reward: {type(exc).__name__}: {exc}"
+                    mark_failed(s, "group_reward", f"group_reward: {type(exc).__name__}: {exc}")
             return
         for s, v in zip(samples, values):
             s.reward += v

@@ -1,0 +1,138 @@
+"""Failed samples: why each one failed, how many per step, and when a stage must stop.
+
+A failed sample (a reward that raised, timed out or returned something that is not a finite
+real number; an episode whose environment raised) stays in its group but out of the loss. That
+keeps one bad call from killing a run -- and would let a run whose *every* reward fails train
+on nothing and finish "Done". So failures are made loud here:
+
+* each failure records its *cause* (:func:`mark_failed`), one of
+
+  ========================  ====================================================================
+  ``raised:<Exception>``    the reward raised (``raised:KeyError``, ``raised:RemoteRewardError``)
+  ``timeout``               the reward took longer than ``reward_timeout`` (or its own timeout)
+  ``not_a_number``          the reward returned something that is not a real number (a str,
+                            None, a list, a tensor, ...)
+  ``not_finite``            the reward returned NaN or an infinity
+  ``episode_error``         the environment raised during an episode
+  ``group_reward``          the environment's ``group_reward`` raised or returned a wrong count
+  ``no_reward``             the environment left the reward to the stage, which has none
+  ``failed``                a sampler marked the sample failed without a cause
+  ========================  ====================================================================
+
+* :func:`failure_metrics` counts them per step (``failed/<cause>``) with the first error's text
+  (``first_error/<cause>``); evaluation logs the same under ``eval/``;
+* :class:`FailureWatch` prints the first error of each *new* cause once, above the progress
+  bar, keeps that text in the step's logged row only the first time, and stops the stage
+  (:class:`tempering.recipe.StopRun`: the run checkpoints it as unfinished and ends with one
+  line naming the cause) once more than ``max_failed_fraction`` of the samples of the last
+  ``failure_window`` steps failed.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from collections.abc import Iterable, MutableMapping
+from typing import Any
+
+from tempering.types import Sample
+
+CAUSE_KEY = "failure"  # where a failed sample's cause is kept, in ``sample.reward_info``
+FAILED_PREFIX = "failed/"
+ERROR_PREFIX = "first_error/"
+SAMPLES_KEY = "rollout/samples"
+
+
+def raised(exc: BaseException) -> str:
+    """The cause of a failure by exception: ``raised:<its type>``."""
+    return f"raised:{type(exc).__name__}"
+
+
+def mark_failed(sample: Sample, cause: str, message: str) -> None:
+    """Fail ``sample``: reward 0 (never trained on), the error's text and its cause."""
+    sample.reward, sample.failed, sample.error = 0.0, True, message
+    sample.reward_info = {**(sample.reward_info or {}), CAUSE_KEY: cause}
+
+
+def failure_cause(sample: Sample) -> str:
+    return str((sample.reward_info or {}).get(CAUSE_KEY) or "failed")
+
+
+def failure_metrics(samples: Iterable[Sample], prefix: str = "") -> dict[str, Any]:
+    """``{prefix}failed/<cause>``: how many samples failed of each cause, and
+    ``{prefix}first_error/<cause>``: the first error's text of each."""
+    counts: dict[str, int] = {}
+    first: dict[str, str] = {}
+    for s in samples:
+        if s.failed:
+            cause = failure_cause(s)
+            counts[cause] = counts.get(cause, 0) + 1
+            first.setdefault(cause, s.error or "(no error text)")
+    out: dict[str, Any] = {f"{prefix}{FAILED_PREFIX}{c}": float(n) for c, n in sorted(counts.items())}
+    out.update({f"{prefix}{ERROR_PREFIX}{c}": text for c, text in sorted(first.items())})
+    return out
+
+
+def announce(message: str) -> None:
+    """Print a line above any live progress bar (``tqdm.write`` moves the bar down)."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(message, file=sys.stderr)
+
+
+class FailureWatch:
+    """A stage's failure bookkeeping (see the module docs).
+
+    ``max_failed_fraction`` None (or a stage without the key) never stops; a window is judged
+    once it holds ``window`` steps, or at the stage's last step when the stage is shorter, so a
+    single bad step does not end a long run but a short run whose every reward fails does.
+    """
+
+    def __init__(self, label: str, path: str, max_failed_fraction: float | None = None, window: int = 1) -> None:
+        self.label, self.path = label, path
+        self.limit = max_failed_fraction
+        self.window: deque[tuple[float, float, dict[str, float]]] = deque(maxlen=max(1, int(window)))
+        self.seen: set[str] = set()
+        self.first: dict[str, str] = {}
+
+    def observe(self, metrics: MutableMapping[str, Any], where: str = "") -> None:
+        """Take one logged row (in place): announce each new cause's first error and drop the
+        texts of causes already announced; count the training samples for :meth:`check`."""
+        for key in [k for k in metrics if ERROR_PREFIX in k]:
+            text = metrics[key]
+            if key in self.seen:
+                del metrics[key]
+                continue
+            self.seen.add(key)
+            prefix, _, cause = key.partition(ERROR_PREFIX)
+            self.first.setdefault(key, str(text))
+            scope = "evaluation samples" if prefix else "samples"
+            n = metrics.get(f"{prefix}{FAILED_PREFIX}{cause}")
+            count = f"{int(n)} " if isinstance(n, float) else ""
+            announce(f"tempering: {self.label}{where}: {count}{scope} failed [{cause}]: {text}")
+        if SAMPLES_KEY in metrics:
+            causes = {k[len(FAILED_PREFIX):]: float(v) for k, v in metrics.items() if k.startswith(FAILED_PREFIX)}
+            self.window.append((sum(causes.values()), float(metrics[SAMPLES_KEY]), causes))
+
+    def check(self, last: bool = False) -> None:
+        """Raise :class:`~tempering.recipe.StopRun` when too many samples failed lately."""
+        if self.limit is None or not self.window or (len(self.window) < (self.window.maxlen or 1) and not last):
+            return
+        failed = sum(f for f, _, _ in self.window)
+        total = sum(n for _, n, _ in self.window)
+        if not total or failed / total <= self.limit:
+            return
+        causes: dict[str, float] = {}
+        for _, _, per in self.window:
+            for cause, n in per.items():
+                causes[cause] = causes.get(cause, 0.0) + n
+        cause, n = max(causes.items(), key=lambda kv: kv[1]) if causes else ("failed", failed)
+        text = self.first.get(f"{ERROR_PREFIX}{cause}", "")
+        steps = len(self.window)
+        from tempering.recipe import StopRun
+
+        raise StopRun(
+            f"{self.path}: {int(failed)} of {int(total)} samples failed in the last {steps} step{'s' * (steps > 1)} "
+            f"(more than max_failed_fraction={self.limit:g}); cause {cause} ({int(n)}x): {text or '(no text)'}. "
+            f"Fix the cause, or raise {self.path}.max_failed_fraction (1 never stops)"
+        )
