@@ -74,7 +74,7 @@ class RLStage(SamplingKeys, Stage):
     """
 
     dataset: Any = field(default_factory=lambda: {"name": "arithmetic"})
-    reward: Any = "exact_match"
+    reward: Any = "tempering:exact_match"  # a default means the built-in: never a conflict the user did not write
     advantage: Any = "group_norm"
     loss: Any = "grpo"
     sampler: Any = "completion"

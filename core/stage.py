@@ -109,7 +109,7 @@ class EvalConfig:
     """
 
     dataset: Any = None
-    reward: Any = "exact_match"
+    reward: Any = "tempering:exact_match"  # a default means the built-in: never a conflict the user did not write
     every: int = 0
     max_tokens: int = 8
     temperature: float = 0.0

@@ -655,3 +655,29 @@ def test_every_hook_and_env_var_is_documented():
         assert f"| `{kind}` | `{hook}` |" in docs["architecture.md"]
     for var in (ENV_LOAD, ENV_STRICT):
         assert var in docs["writing-a-plugin.md"] and var in docs["architecture.md"]
+
+
+def test_a_default_never_conflicts_with_a_plugin_the_user_did_not_name(fake_dist, tmp_path, monkeypatch):
+    """A plugin shadowing ``exact_match`` (without override) must not break a recipe that never
+    wrote ``exact_match``: the eval's and RL stages' default reward is the built-in, pinned.
+    Naming it is still a conflict to resolve."""
+    fake_dist("fake-shadow-em", """
+        from tempering import hookimpl
+
+        @hookimpl
+        def register_rewards(register):
+            register("exact_match", lambda: (lambda completion, example: 0.5))
+    """)
+    from tempering.recipe import Recipe
+    from tempering.registry import get_registry
+
+    monkeypatch.setattr("tempering.registry._default", Registry())
+    tiny = {"name": "local", "model": "tiny_llama", "num_threads": 1,
+            "model_kwargs": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "intermediate_size": 32}}
+    ev = {"dataset": {"name": "arithmetic", "split": "test", "size": 4}, "max_tokens": 3}
+    stage = {"name": "sft", "steps": 1, "batch_size": 4, "dataset": {"name": "arithmetic", "size": 8}, "eval": ev}
+    result = Recipe(name="d", output_dir=str(tmp_path / "a"), loggers=[], backend=tiny, stages=[stage]).run()
+    assert "eval/accuracy" in result.stages["sft"]
+    named = {**stage, "eval": {**ev, "reward": "exact_match"}}
+    with pytest.raises(PluginError, match=r"^stages\[0\]\.eval\.reward\.name: reward 'exact_match' is registered by two"):
+        Recipe(name="d", output_dir=str(tmp_path / "b"), loggers=[], backend=tiny, stages=[named]).run(get_registry())
