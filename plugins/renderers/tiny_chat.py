@@ -54,14 +54,21 @@ class TinyChat:
         self.eos_id = int(tokenizer.eos_token_id)
         self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         self.chars = {t for t in tokenizer.get_vocab() if len(t) == 1}
+        self._cache: dict[str, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ rendering
     def _text(self, text: str) -> list[int]:
         """Plain text: marker strings inside it (``<|assistant|>`` in a tool's output) stay
-        characters, never become role tokens."""
+        characters, never become role tokens. Cached: every turn re-renders the whole history,
+        and a tokenizer call costs more than the lookup (a third of an episode's CPU time)."""
         if not text:
             return []
-        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        ids = self._cache.get(text)
+        if ids is None:
+            if len(self._cache) > 100_000:
+                self._cache.clear()
+            ids = self._cache[text] = tuple(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        return list(ids)
 
     def _seen(self, text: str) -> list[int]:
         """Text the model reads but did not write (a question, a tool's result, an error such as
