@@ -29,6 +29,7 @@ from tempering.rollout import SamplerContext, collect, rollout_metrics
 from tempering.scoring import RewardRunner
 from tempering.tools import Tool, tool, tools_of
 from tempering.types import Completion, SamplingParams
+from tool_envs import WithAdd
 
 
 # --------------------------------------------------------------------------- the scripted model
@@ -112,7 +113,7 @@ def roll(renderer: Any, environment: Any, script: dict[str, list[Any]], examples
 
 
 # --------------------------------------------------------------------------- test environments
-class Adder(Environment):
+class Adder(WithAdd):
     """Add numbers with a tool; the answer is scored by exact match. Each instance records its
     calls in ``events`` (and adds itself to ``log``); an example's ``fail`` key makes ``reset``,
     ``step`` or ``cleanup`` raise."""
@@ -128,16 +129,6 @@ class Adder(Environment):
         if self.fail == "reset":
             raise RuntimeError("boom in reset")
         return [{"role": "user", "content": self.q}]
-
-    @tool
-    def add(self, a: int, b: int) -> int:
-        """Add two integers.
-
-        Args:
-            a: the first term
-            b: the second term
-        """
-        return a + b
 
     async def step(self, response: ParsedResponse) -> StepResult:
         self.events.append("step")
@@ -595,7 +586,7 @@ def test_batch_wait_lets_a_request_go_without_waiting_for_a_slow_tool(renderer, 
 
 
 # --------------------------------------------------------------------------- training through environments
-class TwoTurns(Environment):
+class TwoTurns(WithAdd):
     """For an untrained model: whatever it says first, it is asked once more, and the episode is
     worth the share of digits in its two turns (a shaped reward that varies within a group, so
     the advantages and the update are not zero). ``add`` is offered, so prompts list a tool."""
@@ -603,16 +594,6 @@ class TwoTurns(Environment):
     async def reset(self, example: dict[str, Any]) -> list[dict[str, Any]]:
         self.said: list[str] = []
         return [{"role": "user", "content": example["q"]}]
-
-    @tool
-    def add(self, a: int, b: int) -> int:
-        """Add two integers.
-
-        Args:
-            a: the first term
-            b: the second term
-        """
-        return a + b
 
     async def step(self, response: ParsedResponse) -> StepResult:
         self.said.append(response.raw)

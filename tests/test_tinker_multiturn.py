@@ -30,25 +30,16 @@ ENV_PLUGIN = '''
 from tempering import hookimpl
 from tempering.environment import Environment, StepResult
 from tempering.tools import tool
+from tool_envs import WithAdd
 
 
-class AskedTwice(Environment):
+class AskedTwice(WithAdd):
     """Whatever the model says first, it is asked once more; the episode is worth the share of
     digits in its two turns (a reward that varies for an untrained model)."""
 
     async def reset(self, example):
         self.said = []
         return [{"role": "user", "content": example["q"]}]
-
-    @tool
-    def add(self, a: int, b: int) -> int:
-        """Add two integers.
-
-        Args:
-            a: the first term
-            b: the second term
-        """
-        return a + b
 
     async def step(self, response):
         self.said.append(response.raw)

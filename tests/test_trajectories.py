@@ -26,32 +26,22 @@ from typing import Any
 
 import pytest
 
-from tempering.environment import Environment, StepResult
+from tempering.environment import StepResult
 from tempering.registry import get_registry
 from tempering.rollout import SamplerContext, collect
-from tempering.tools import tool
 from tempering.trajectory import Trajectory
 from tempering.types import Batch, Completion, SamplingParams, Segment
+from tool_envs import WithAdd
 
 MAX_TURNS = 3
 
 
-class KeepTalking(Environment):
+class KeepTalking(WithAdd):
     """Answers a tool call with the tool's result and anything else (an answer, a malformed
     turn) with a user message, so an episode lasts ``max_turns``."""
 
     async def reset(self, example: dict[str, Any]) -> list[dict[str, Any]]:
         return [{"role": "user", "content": example["q"]}]
-
-    @tool
-    def add(self, a: int, b: int) -> int:
-        """Add two integers.
-
-        Args:
-            a: the first term
-            b: the second term
-        """
-        return a + b
 
     async def step(self, response: Any) -> StepResult:
         if response.tool_calls and response.parse_error is None:

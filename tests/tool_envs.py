@@ -1,0 +1,20 @@
+"""Environments shared by the multi-turn tests."""
+
+from __future__ import annotations
+
+from tempering.environment import Environment
+from tempering.tools import tool
+
+
+class WithAdd(Environment):
+    """An environment that offers one tool, ``add``: subclasses write the episode."""
+
+    @tool
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first term
+            b: the second term
+        """
+        return a + b
