@@ -14,7 +14,9 @@ import argparse
 import difflib
 import json
 import sys
+import warnings
 from collections.abc import Sequence
+from typing import Any
 
 from tempering.errors import TemperingError
 
@@ -148,6 +150,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    default_show = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:  # fmt: skip
+        """tempering's own warnings are one line, like its errors (no file:line, no source)."""
+        text = str(message)
+        if text.startswith("tempering:"):
+            print(" ".join(text.split()), file=sys.stderr)
+        else:
+            default_show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
     try:
         return int(args.func(args) or 0)
     except TemperingError as exc:  # one line, no traceback: the message says what to fix
@@ -156,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # pragma: no cover
         print("tempering: interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.showwarning = default_show
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -243,6 +243,7 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Any = 
         stages.append((sid, registry.build("algorithm", spec, f"stages[{i}]")))
     if backend is None:  # its name, keys, model and model kwargs: before the run folder is touched
         registry.check("backend", cfg["backend"], "backend")
+    _check_stage_configs(registry, cfg, stages, backend)
 
     os.makedirs(out_dir, exist_ok=True)
     primary = runfolder.is_primary_process()
@@ -288,6 +289,21 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Any = 
             backend.close()  # finish queued calls, end remote sessions
         lock.release()
     return RunResult(out_dir, results, ctx.history, metadata)
+
+
+def _check_stage_configs(registry: Registry, cfg: Mapping[str, Any], stages: Sequence[tuple[str, Any]], backend: Any) -> None:
+    """Every stage's config (values, enums, nested components; not its data, not what needs
+    the backend) before anything else happens: a typo must not cost a model load, nor move an
+    earlier run aside under ``--fresh``. The full check, data included, runs again once the
+    backend is up and the finished stages are known."""
+    from tempering.stage import config_only
+
+    ctx = RunContext(registry, backend, dict(cfg), cfg["output_dir"], [], cfg["seed"])
+    with config_only():
+        for i, (sid, algorithm) in enumerate(stages):
+            if hasattr(algorithm, "validate"):
+                ctx.stage_index, ctx.stage_id = i, sid
+                algorithm.validate(ctx)
 
 
 def _resume(ctx: RunContext, progress: Mapping[str, Any] | None, primary: bool) -> list[str]:

@@ -323,3 +323,26 @@ def test_the_python_reward_is_documented_and_listed(fresh_registry):
     assert "function: my_module:score" in comp.description
     docs = (Path(__file__).resolve().parents[1] / "docs" / "rewards.md").read_text(encoding="utf-8")
     assert "name: python" in docs and "TEMPERING_REWARD_TOKEN" in docs
+
+
+def test_a_config_error_under_fresh_leaves_the_earlier_run_in_place(tmp_path, capsys, fresh_registry):
+    """A typo must not move an earlier run aside: every stage's config is checked before the
+    run folder is touched. tempering's own warnings print as one line."""
+    out = tmp_path / "out"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        f"name: r\noutput_dir: {out}\nloggers: [jsonl]\n"
+        "backend: {name: local, model: tiny_llama, num_threads: 1, "
+        "model_kwargs: {hidden_size: 16, num_layers: 1, num_heads: 2, intermediate_size: 32}}\n"
+        "stages: [{id: s, name: sft, steps: 1, batch_size: 4, dataset: {name: arithmetic, size: 8}}]\n",
+        encoding="utf-8",
+    )
+    rc, _ = run_cli(capsys, "run", str(recipe))
+    assert rc == 0 and (out / "metrics.jsonl").exists()
+    rc, err = run_cli(capsys, "run", str(recipe), "--fresh", "stages.s.optimizer.learning_rate=-1")
+    assert rc == 2 and one_error_line(err).startswith("stages[0].optimizer.learning_rate: must be > 0")
+    assert (out / "metrics.jsonl").exists() and not list(tmp_path.glob("out.prev-*"))
+    rc, err = run_cli(capsys, "run", str(recipe), "--fresh")
+    assert rc == 0 and len(list(tmp_path.glob("out.prev-*"))) == 1
+    [warning] = [line for line in err.splitlines() if "starting fresh" in line]
+    assert warning.startswith("tempering: starting fresh in ") and ".py:" not in err
