@@ -1,5 +1,7 @@
 """The ``tempering`` command: ``plugins`` lists what is installed, ``run`` runs a recipe,
-``serve-reward`` serves a reward over HTTP.
+``show`` prints one, ``view`` serves a run's page, ``export`` writes a checkpoint as a
+Hugging Face model, ``eval`` evaluates a checkpoint or model, ``serve-reward`` serves a reward
+over HTTP.
 
 Options may come anywhere on the line (``tempering run x.yaml --fresh seed=1``): argparse stops
 filling a ``nargs="*"`` positional at the first option, so what follows it is collected here.
@@ -76,6 +78,91 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_show(args: argparse.Namespace) -> int:
+    """The bundled recipe's YAML as shipped (comments included); with overrides or
+    ``--resolved``, the recipe as a run would see it (overrides applied, ``${...}`` resolved)."""
+    import yaml
+
+    from tempering.recipe import find_recipe
+
+    if not args.overrides and not args.resolved:
+        text = _recipe_source(args.recipe)
+        if text is not None:
+            print(text, end="" if text.endswith("\n") else "\n")
+            return 0
+    recipe = find_recipe(args.recipe, args.overrides).to_dict()
+    print(yaml.safe_dump(recipe, sort_keys=False, default_flow_style=None, width=110), end="")
+    return 0
+
+
+def _recipe_source(name_or_path: str) -> str | None:
+    """The YAML text of a recipe file, or of a bundled recipe shipped as ``<name>.yaml`` beside
+    the module that registers it; None when there is no such file (a recipe built in code)."""
+    import os
+    from importlib import resources
+
+    from tempering.registry import get_registry
+
+    if name_or_path.endswith((".yaml", ".yml")) or os.path.sep in name_or_path:
+        if not os.path.isfile(name_or_path):
+            raise TemperingError(f"no recipe file '{name_or_path}'")
+        with open(name_or_path, encoding="utf-8") as fh:
+            return fh.read()
+    target = get_registry().get("recipe", name_or_path).target
+    module = target.partition(":")[0] if isinstance(target, str) else getattr(target, "__module__", "")
+    try:
+        source = resources.files(module).joinpath(f"{name_or_path}.yaml")
+        return source.read_text(encoding="utf-8") if source.is_file() else None
+    except (ModuleNotFoundError, TypeError):  # a module, not a package: no files beside it
+        return None
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    from tempering.view.server import ViewServer
+
+    server = ViewServer(args.run_dir, port=args.port, log=(lambda m: print(m, file=sys.stderr)) if args.verbose else None)
+    print(f"tempering view: {args.run_dir} at {server.url} (Ctrl-C to stop)", flush=True)
+    if args.open:
+        import webbrowser
+
+        webbrowser.open(server.url)
+    try:
+        server.serve()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from tempering.export import export_run
+
+    done = export_run(args.run_dir, args.to, step=args.step, adapter=args.adapter)
+    what = "the LoRA adapter" if done.adapter else "the model"
+    print(f"Exported {what} of checkpoint {done.checkpoint} (stage '{done.stage}', step {done.global_step}) to {done.path}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from tempering.checkpoint_eval import dataset_spec, run_eval
+    from tempering.config import parse_value
+
+    spec = {
+        "dataset": dataset_spec(args.dataset) if args.dataset else None,
+        "reward": parse_value(args.reward) if args.reward else None,
+        "sampler": parse_value(args.sampler) if args.sampler else None,
+        "renderer": parse_value(args.renderer) if args.renderer else None,
+        "max_tokens": args.max_tokens, "temperature": args.temperature, "samples": args.samples,
+        "success_threshold": args.success_threshold, "outcome_key": args.outcome_key, "limit": args.limit,
+    }  # fmt: skip
+    report = run_eval(args.target, spec, out=args.out, step=args.step)
+    rows = [[k, f"{v:.4g}" if isinstance(v, float) else str(v)] for k, v in report.metrics.items()]
+    print(_table(rows, ["metric", "value"]))
+    print("\n" + "\n".join(f"{name}: {path}" for name, path in report.files.items()))
+    return 0
+
+
 def cmd_serve_reward(args: argparse.Namespace) -> int:
     from tempering.plugins.rewards.server import serve
 
@@ -108,6 +195,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fresh", action="store_true", help="ignore an earlier run's progress in the output dir")
     p.set_defaults(func=cmd_run, parser=p)
 
+    p = sub.add_parser("show", help="print a recipe (a bundled name or a YAML path)",
+                       description="Print a recipe: a bundled one as shipped, or with key=value overrides "
+                                   "(or --resolved) as a run would resolve it.")
+    p.add_argument("recipe", help="bundled recipe name (see `tempering plugins --kind recipe`) or path to YAML")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides, as for `tempering run`")
+    p.add_argument("--resolved", action="store_true", help="print the resolved recipe rather than the file")
+    p.set_defaults(func=cmd_show, parser=p)
+
+    p = sub.add_parser("view", help="browse a run in a local web page: curves, rollouts, recipe",
+                       description="Serve a run folder's metric curves, rollouts (with filters and multi-turn "
+                                   "transcripts), resolved recipe and component provenance on 127.0.0.1.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run's output folder (runs/<name>)")
+    p.add_argument("--port", type=int, default=8300, help="port on 127.0.0.1 (0 = any free port)")
+    p.add_argument("--open", action="store_true", help="open the page in a web browser")
+    p.add_argument("--verbose", action="store_true", help="print each request")
+    p.set_defaults(func=cmd_view, parser=p)
+
+    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model folder",
+                       description="Export a checkpoint of a run as a folder AutoModelForCausalLM.from_pretrained "
+                                   "loads (LoRA merged into the base weights), with its tokenizer.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run's output folder (runs/<name>)")
+    p.add_argument("--to", required=True, metavar="DIR", help="the new model folder")
+    p.add_argument("--step", type=int, default=None, help="the checkpoint's global step (default: the latest)")
+    p.add_argument("--adapter", action="store_true", help="write the LoRA adapter alone (peft format), not merged")
+    p.set_defaults(func=cmd_export, parser=p)
+
+    p = sub.add_parser("eval", help="evaluate a run's checkpoint or a model folder on a dataset",
+                       description="Mean reward, accuracy and pass@k (and Brier, Brier skill, ECE and a reliability "
+                                   "diagram for probability answers) through the same components as training. A run "
+                                   "folder defaults to its recipe's last held-out evaluation.")
+    p.add_argument("target", metavar="RUN_DIR|MODEL_DIR", help="a run's output folder, or a Hugging Face model folder")
+    p.add_argument("--dataset", help="registered name, YAML mapping ('{name: arithmetic, split: test}') or .jsonl file")
+    p.add_argument("--reward", help="registered reward name or YAML mapping (default: the recipe's, or none)")
+    p.add_argument("--sampler", help="sampler: completion (default) or e.g. "
+                                     "'{name: environment, environment: calculator, max_turns: 3}'")
+    p.add_argument("--renderer", help="renderer for chat examples and episodes (default auto)")
+    p.add_argument("--samples", type=int, default=None, help="samples per example: pass@k for k up to this")
+    p.add_argument("--temperature", type=float, default=None, help="default: 0 for one sample, 1 for several")
+    p.add_argument("--max-tokens", type=int, default=None, help="per model turn (default 32, or the recipe's)")
+    p.add_argument("--success-threshold", type=float, default=None, help="reward counted as correct (default 1)")
+    p.add_argument("--outcome-key", help="forecasts: the example column with the outcome (probabilities read "
+                                         "from completions); not needed with a brier reward")
+    p.add_argument("--limit", type=int, default=None, help="only the first N examples")
+    p.add_argument("--step", type=int, default=None, help="a run's checkpoint by global step (default: the latest)")
+    p.add_argument("--out", help="results folder (default RUN_DIR/evals/stepNNNNNN, or evals/<model folder>)")
+    p.set_defaults(func=cmd_eval, parser=p)
+
     from tempering.plugins.rewards.remote import TOKEN_ENV
 
     p = sub.add_parser("serve-reward", help="serve a reward function over HTTP (JSON in/out)",
@@ -125,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: Subcommands whose free positional arguments may also come after options (overrides).
-_TRAILING_POSITIONALS = {"run": "overrides"}
+_TRAILING_POSITIONALS = {"run": "overrides", "show": "overrides"}
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:

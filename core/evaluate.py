@@ -12,8 +12,9 @@ from typing import Any
 
 from tempering.failures import failure_metrics
 from tempering.rollout import SamplerContext, collect, rollout_metrics
+from tempering.rollout_log import DEFAULT_GROUPS, log_groups
 from tempering.scoring import RewardRunner
-from tempering.types import Sample, SamplingParams
+from tempering.types import Group, Sample, SamplingParams
 
 
 def evaluate(
@@ -25,6 +26,7 @@ def evaluate(
     batch_size: int = 256,
     success_threshold: float = 1.0,
     sampler: Any = None,
+    on_groups: Callable[[list[Group]], Any] | None = None,
 ) -> dict[str, Any]:
     """Mean reward and accuracy (share of rewards >= ``success_threshold``) on ``examples``.
 
@@ -32,6 +34,7 @@ def evaluate(
     Failed samples count as wrong (reward 0) and are counted in ``eval/failed``, per cause in
     ``eval/failed/<cause>`` with the first error's text in ``eval/first_error/<cause>`` (see
     :mod:`tempering.failures`); masked episodes (a limit configured to mask) count as wrong too.
+    ``on_groups`` sees each chunk's scored groups (the rollout log keeps some).
     """
     if sampler is None:
         sampler = completion_sampler(backend.tokenizer, RewardRunner(reward) if reward is not None else None)
@@ -42,6 +45,8 @@ def evaluate(
     for start in range(0, len(examples), batch_size):
         chunk = [dict(e) for e in examples[start : start + batch_size]]
         rollout = collect(sampler, backend, chunk, 1, params, first_id=start)
+        if on_groups is not None:
+            on_groups(rollout.groups)
         samples = [g.samples[0] for g in rollout.groups]
         failures += [s for s in samples if s.failed]
         rewards += [0.0 if (s.failed or s.masked) else s.reward for s in samples]
@@ -93,7 +98,7 @@ class StageEvaluator:
     def __init__(self, ctx: Any, cfg: Any, stage: Any = None) -> None:
         from tempering.data import load_examples
 
-        self.ctx, self.cfg = ctx, cfg
+        self.ctx, self.cfg, self.stage = ctx, cfg, stage
         self.examples = load_examples(ctx, cfg.dataset, "eval.dataset") if cfg.dataset is not None else None
         self.sampler = None
         if self.examples:
@@ -105,7 +110,12 @@ class StageEvaluator:
     def run(self, at_start: bool = False) -> dict[str, Any]:
         if not self.examples or (at_start and not self.cfg.at_start):
             return {}
-        return evaluate(self.ctx.backend, self.examples, None, self.cfg.max_tokens, self.cfg.temperature, sampler=self.sampler)
+        groups: list[Group] = []
+        metrics = evaluate(self.ctx.backend, self.examples, None, self.cfg.max_tokens, self.cfg.temperature,
+                           sampler=self.sampler, on_groups=groups.extend)  # fmt: skip
+        count = getattr(self.stage, "log_rollouts", DEFAULT_GROUPS)
+        log_groups(self.ctx, groups, "eval", getattr(self.ctx, "global_step", 0), count)
+        return metrics
 
 
 def build_sampler(ctx: Any, spec: Any, key: str, reward: RewardRunner | None, renderer: Any = "auto") -> Any:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tempering import runfolder
+from tempering import rollout_log, runfolder
 from tempering.config import load_yaml, resolve_recipe, stage_id
 from tempering.errors import ConfigError, TemperingError
 from tempering.registry import Registry, get_registry
@@ -257,10 +257,7 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Any = 
             runfolder.start_fresh(out_dir)
         progress = read_progress(out_dir) if cfg["resume"] else None
         if backend is None:
-            spec = cfg["backend"]
-            if isinstance(spec, Mapping) and "seed" not in spec and _accepts(registry, spec, "seed"):
-                spec = {**spec, "seed": cfg["seed"]}  # one seed for the whole recipe unless overridden
-            backend = registry.build("backend", spec, "backend")
+            backend = registry.build("backend", backend_spec(registry, cfg), "backend")
         for i, spec in enumerate(_as_list(cfg["loggers"])):
             loggers.append(registry.build("logger", spec, f"loggers[{i}]", output_dir=out_dir))
         metadata = _metadata(registry, cfg)
@@ -320,6 +317,8 @@ def _resume(ctx: RunContext, progress: Mapping[str, Any] | None, primary: bool) 
         for logger in ctx.loggers:
             if hasattr(logger, "rewind"):  # optional: a logger that cannot take rows back skips it
                 logger.rewind(ctx.rows_logged)
+        if primary:
+            rollout_log.rewind(ctx.output_dir, ctx.rows_logged)  # records are keyed by metrics row
     if primary and (progress is None or "checkpoints" in progress):
         runfolder.remove_unlisted_checkpoints(ctx.output_dir, ctx.progress["checkpoints"])
     return list(ctx.progress["completed"])
@@ -362,6 +361,16 @@ def _check_run_keys(cfg: Mapping[str, Any]) -> None:
     if keep is not None and not (number(keep, (int,)) and keep >= 1):
         raise ConfigError(f"must be an integer >= 1 (the latest checkpoint is always kept) or null to keep all, "
                           f"got {keep!r}", "keep_checkpoints")  # fmt: skip
+
+
+def backend_spec(registry: Registry, cfg: Mapping[str, Any]) -> Any:
+    """The recipe's backend spec as the run builds it: with the recipe's ``seed`` unless the
+    backend sets its own (one seed for the whole recipe). ``tempering export``/``eval`` rebuild
+    a run's backend through this, so a LoRA run gets back the base model it trained on."""
+    spec = cfg["backend"]
+    if isinstance(spec, Mapping) and "seed" not in spec and _accepts(registry, spec, "seed"):
+        spec = {**spec, "seed": cfg.get("seed", 0)}
+    return spec
 
 
 def _accepts(registry: Registry, spec: Mapping[str, Any], key: str) -> bool:

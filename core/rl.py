@@ -27,6 +27,7 @@ from tempering.errors import ConfigError
 from tempering.evaluate import build_sampler
 from tempering.registry import split_spec
 from tempering.rollout import RolloutBatch, collect, rollout_metrics
+from tempering.rollout_log import DEFAULT_GROUPS, log_groups
 from tempering.scoring import RewardRunner
 from tempering.stage import SamplingKeys, Stage, build_checked, check_stage, require
 from tempering.types import Batch, Group, SamplingParams
@@ -64,7 +65,11 @@ class RLStage(SamplingKeys, Stage):
     model's format), ``steps``, ``prompts_per_step``, ``group_size``, ``max_tokens`` (per model
     turn), ``temperature``, ``top_p``, ``top_k``, ``stop``, ``optimizer``,
     ``drop_zero_variance``, ``reward_timeout``, ``reward_concurrency``, ``success_threshold``,
-    ``max_failed_fraction``, ``failure_window``, ``eval``, ``seed``.
+    ``max_failed_fraction``, ``failure_window``, ``log_rollouts``, ``eval``, ``seed``.
+
+    ``log_rollouts`` (default 4): groups per step (and per evaluation) written to
+    ``rollouts.jsonl`` -- the first ones, plus every group with a failed sample; 0 = none,
+    -1 = all (see :mod:`tempering.rollout_log`).
 
     ``max_failed_fraction`` (default 0.5): the stage stops (checkpointed, resumable, the run
     ends with one line naming the cause) once more than this share of the samples of the last
@@ -87,6 +92,7 @@ class RLStage(SamplingKeys, Stage):
     success_threshold: float = 1.0
     max_failed_fraction: float = 0.5
     failure_window: int = 3
+    log_rollouts: int = DEFAULT_GROUPS
 
     summary_keys = ("reward/mean", "accuracy", "loss")
     postfix = {"reward": "reward/mean", "acc": "accuracy"}
@@ -98,6 +104,8 @@ class RLStage(SamplingKeys, Stage):
             require(getattr(self, key) >= 1, f"{path}.{key}", f"must be >= 1, got {getattr(self, key)}")
         require(self.reward_timeout is None or self.reward_timeout > 0, f"{path}.reward_timeout",
                 f"must be > 0 (seconds), got {self.reward_timeout}")  # fmt: skip
+        require(self.log_rollouts >= -1, f"{path}.log_rollouts",
+                f"must be a number of groups >= 0, or -1 for all, got {self.log_rollouts}")  # fmt: skip
         require(0 <= self.max_failed_fraction <= 1, f"{path}.max_failed_fraction",
                 f"must be in [0, 1] (1 = never stop), got {self.max_failed_fraction}")  # fmt: skip
         built = check_stage(ctx, self, ("reward", "advantage", "loss"), self.dataset_columns(ctx))
@@ -143,6 +151,8 @@ class RLStage(SamplingKeys, Stage):
         rb = self.rollouts.next_batch(step)
         batch, info = build_group_batch(rb.groups, self.estimator, self.drop_zero_variance, self.success_threshold)
         metrics: dict[str, Any] = {**info, **rollout_metrics(rb.groups), **rb.metrics}
+        log_groups(ctx, rb.groups, "train", getattr(ctx, "global_step", step) + 1, self.log_rollouts,
+                   batch.meta["advantages"] if batch is not None else None)  # fmt: skip
         if batch is None:  # every group was dropped, or no sample is valid: nothing to learn from
             self.after_optim(ctx, step)
             metrics["skipped"] = 1.0
@@ -239,4 +249,5 @@ def build_group_batch(
         for s, a, k in zip(samples, adv.tolist(), keep.tolist())
         for seg in s.segments()
     ]
-    return Batch(data, meta={"num_groups": len(groups)}), info
+    # per-sample advantages ride along in meta, for the rollout log
+    return Batch(data, meta={"num_groups": len(groups), "advantages": adv.tolist()}), info

@@ -1,1 +1,2 @@
-"""Built-in metric loggers: JSONL lines and a reward-curve PNG."""
+"""Built-in loggers: JSONL lines, a reward-curve PNG, and the experiment trackers (wandb,
+trackio, mlflow; each an optional extra)."""

@@ -276,10 +276,14 @@ class LocalBackend:
         """Restore a checkpoint written by :meth:`save`; returns its ``extra``."""
         return self._submit(self._load, str(path)).result()
 
-    def export_pretrained(self, path: str) -> str:
-        """Write the policy in Hugging Face format (full model, or the peft adapter) plus the
-        tokenizer, for use outside tempering. Rank 0 only."""
-        return self._submit(self._export, str(path)).result()
+    def export_pretrained(self, path: str, adapter: bool = False) -> str:
+        """Write the policy in Hugging Face format plus the tokenizer, for use outside
+        tempering (``AutoModelForCausalLM.from_pretrained(path)``): a LoRA policy merged into
+        its base weights, or with ``adapter=True`` the peft adapter alone. Rank 0 only."""
+        if adapter and not self.lora:
+            raise ValueError("export_pretrained(adapter=True): this backend trains every weight (no lora:), "
+                             "so there is no adapter; export the full model")  # fmt: skip
+        return self._submit(self._export, str(path), adapter).result()
 
     def close(self) -> None:
         """Finish queued calls and stop the worker threads."""
@@ -674,9 +678,11 @@ class LocalBackend:
             for name, tensor in weights.items():
                 params[name].copy_(tensor)
 
-    def _export(self, path: str) -> str:
+    def _export(self, path: str, adapter: bool) -> str:
         if distributed.is_main():
-            self.model.save_pretrained(path)
+            merge = bool(self.lora) and not adapter  # a copy: merging in place would end the training
+            model = copy.deepcopy(self.model).merge_and_unload() if merge else self.model
+            model.save_pretrained(path)
             self.tokenizer.save_pretrained(path)
         distributed.barrier()
         return path

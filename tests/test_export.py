@@ -1,0 +1,112 @@
+"""``tempering export``: a run's checkpoint becomes a folder ``AutoModelForCausalLM.from_pretrained``
+loads, whose logprobs are the training backend's (to 1e-5): LoRA merged into the base weights,
+or the adapter alone with ``--adapter``; ``--step`` picks an earlier checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tempering import cli
+from tempering.recipe import Recipe, backend_spec
+from tempering.registry import get_registry
+from tempering.rundata import RunDir, run_backend
+from tempering.types import Batch, Datum
+
+from observability_run import small_run
+
+TINY = {"name": "local", "model": "tiny_llama", "num_threads": 1, "lora": {"rank": 4, "alpha": 8},
+        "model_kwargs": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64}}  # fmt: skip
+TEXTS = ["12+34=46", "7+8=15", "99+1=100"]
+
+
+def sft(sid: str) -> dict:
+    return {"id": sid, "name": "sft", "steps": 3, "batch_size": 8, "optimizer": {"learning_rate": 5e-2}}
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory: pytest.TempPathFactory):
+    """A LoRA run of two SFT stages (checkpoints at steps 3 and 6), and its live backend."""
+    out = tmp_path_factory.mktemp("lora") / "run"
+    cfg = {"name": "lora", "output_dir": str(out), "loggers": ["jsonl"], "backend": TINY, "seed": 3,
+           "stages": [sft("first"), sft("second")]}  # fmt: skip
+    registry = get_registry()
+    backend = registry.build("backend", backend_spec(registry, cfg), "backend")
+    Recipe.from_dict(cfg).run(backend=backend)
+    yield out, backend
+    backend.close()
+
+
+def batch(tokenizer) -> Batch:
+    rows = [tokenizer(t)["input_ids"] for t in TEXTS]
+    return Batch([Datum(r[:-1], r[1:], [1.0] * (len(r) - 1)) for r in rows])
+
+
+def backend_logprobs(backend) -> torch.Tensor:
+    return torch.cat([torch.tensor(x) for x in backend.logprobs(batch(backend.tokenizer)).result()])
+
+
+def hf_logprobs(model, tokenizer) -> torch.Tensor:
+    out = []
+    with torch.no_grad():
+        for d in batch(tokenizer).data:
+            logits = model(torch.tensor([d.input_tokens])).logits[0].float()
+            out.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(d.target_tokens)[:, None])[:, 0])
+    return torch.cat(out)
+
+
+def test_export_merges_lora_and_matches_the_training_backend(lora_run, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, trained = lora_run
+    assert cli.main(["export", str(out), "--to", str(tmp_path / "hf")]) == 0
+    names = {p.name for p in (tmp_path / "hf").iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tempering.json"} <= names
+    assert "adapter_config.json" not in names  # merged: a plain model
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    assert tokenizer("12+34=46")["input_ids"] == trained.tokenizer("12+34=46")["input_ids"]
+    diff = (hf_logprobs(model, tokenizer) - backend_logprobs(trained)).abs().max().item()
+    assert diff <= 1e-5, diff
+    note = json.loads((tmp_path / "hf" / "tempering.json").read_text())
+    assert note["global_step"] == 6 and note["stage"] == "second" and note["adapter"] is False
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft calls a deprecated alias
+def test_adapter_export_loads_on_its_base_and_step_picks_a_checkpoint(lora_run, tmp_path: Path) -> None:
+    from peft import PeftModel
+
+    from tempering.plugins.models.tiny import tiny_llama
+
+    out, trained = lora_run
+    assert cli.main(["export", str(out), "--to", str(tmp_path / "adapter"), "--adapter"]) == 0
+    assert (tmp_path / "adapter" / "adapter_config.json").exists()
+    base, tokenizer = tiny_llama(**TINY["model_kwargs"], seed=3)  # the base the run built (the recipe's seed)
+    model = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    assert (hf_logprobs(model, tokenizer) - backend_logprobs(trained)).abs().max().item() <= 1e-5
+
+    from transformers import AutoModelForCausalLM
+
+    assert cli.main(["export", str(out), "--step", "3", "--to", str(tmp_path / "step3")]) == 0
+    early = hf_logprobs(AutoModelForCausalLM.from_pretrained(tmp_path / "step3"), tokenizer)
+    with run_backend(RunDir(str(out)), step=3) as (at3, ckpt):
+        assert ckpt["stage"] == "first" and ckpt["global_step"] == 3
+        assert (early - backend_logprobs(at3)).abs().max().item() <= 1e-5
+    assert (early - backend_logprobs(trained)).abs().max().item() > 1e-3  # a different checkpoint indeed
+
+
+def test_export_errors_are_one_line(lora_run, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, _ = lora_run
+    assert cli.main(["export", str(out), "--step", "5", "--to", str(tmp_path / "x")]) == 2
+    assert f"tempering: error: --step: no checkpoint at step 5 in '{out}'; kept: 3, 6" in capsys.readouterr().err
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    assert cli.main(["export", str(out), "--to", str(tmp_path / "full")]) == 2
+    assert "--to: " in capsys.readouterr().err and (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    assert cli.main(["export", small_run(), "--adapter", "--to", str(tmp_path / "y")]) == 2  # a full fine-tune
+    assert "tempering: error: --adapter: export_pretrained(adapter=True): this backend trains every weight" in (
+        capsys.readouterr().err)
