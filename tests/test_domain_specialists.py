@@ -228,24 +228,23 @@ def test_tinker_and_llm_judge_options_validate(tmp_path: Path) -> None:
 
 
 def test_a_specialist_trains_and_answers_on_the_tinker_backend_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--backend tinker`` without the network: one specialist's job, in this process, against the
-    in-process fake of the service (tests/fake_tinker.py; a tiny Llama on the example's characters).
-    The real service is not exercised here; the concurrency of the processes is the local path's."""
+    """``--backend tinker`` without the network: one specialist's job, in this process, through the
+    real SDK against the local Tinker server (tests/fake_tinker.py; a tiny Llama on the example's
+    characters). The concurrency of the processes is the local path's."""
     pytest.importorskip("tinker")
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from fake_tinker import MODEL_KWARGS, FakeTinkerServer
+    from fake_tinker import MODEL_KWARGS, close_backends, set_env, start_server
 
-    from tempering.plugins.backends.tinker import backend as backend_module
+    from tempering.plugins.backends.tinker.local_service import ServedModel
 
-    server = FakeTinkerServer(model_kwargs={**MODEL_KWARGS, "chars": make_data.load_meta()["chars"]})
-    monkeypatch.setattr(backend_module, "service_client_factory", server.service_client)
-    monkeypatch.delenv("TINKER_API_KEY", raising=False)
+    set_env(monkeypatch, tmp_path)
+    server = start_server(monkeypatch, {"fake/tiny": ServedModel("tiny_llama", {**MODEL_KWARGS, "chars": make_data.load_meta()["chars"]})})
     scale = experiment.Scale(sft_steps=6, grpo_steps=2, router_steps=1, val_size=4, test_size=6)
     paths = experiment.prepare_data(tmp_path, scale)
     spec = {**experiment.backend_spec("tinker", "fake/tiny", rank=8), "checkpoint_index_dir": str(tmp_path / "index")}
-    small = ["loggers=[jsonl]", "stages.rl.prompts_per_step=2", "stages.rl.group_size=2"]  # the fake samples slowly
+    small = ["loggers=[jsonl]", "stages.rl.prompts_per_step=2", "stages.rl.group_size=2"]
     recipe = experiment.build_recipe("units", tmp_path, paths, scale, backend=spec, overrides=small)
     questions = _prompts(Path(paths["test"]))
     threads = torch.get_num_threads()
@@ -254,11 +253,14 @@ def test_a_specialist_trains_and_answers_on_the_tinker_backend_offline(tmp_path:
         again = evaluate_systems.answer_job({"backend": spec, "checkpoint": out["checkpoint"], "prompts": questions})
     finally:
         torch.set_num_threads(threads)
+        close_backends()
+        server.stop()
     assert out["completed"] == ["warmup", "rl"]
     assert len(out["answers"]) == len(questions) and again == out["answers"]
     assert (Path(out["checkpoint"]) / "tinker_checkpoint.json").is_file()
-    assert server.received[0] == {"method": "create_lora_training_client", "base_model": "fake/tiny", "rank": 8, "seed": 0}
-    assert len(server.methods("forward_backward")) == scale.sft_steps + scale.grpo_steps
+    created = server.bodies("CreateModel")[0]
+    assert (created.base_model, created.lora_config.rank, created.lora_config.seed) == ("fake/tiny", 8, 0)
+    assert len(server.bodies("ForwardBackward")) == scale.sft_steps + scale.grpo_steps
     assert out["samples_seen"] == experiment.samples_seen(recipe)
 
 

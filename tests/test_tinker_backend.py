@@ -1,7 +1,10 @@
-"""The Tinker backend against an in-process fake of the service (tests/fake_tinker.py).
+"""The Tinker backend through the real SDK (``tinker`` 0.38) against the local Tinker server.
 
-No network: the fake implements the SDK surface on the real ``tinker.types`` and computes with a
-tiny Llama. What is checked here:
+Every test that talks to a service starts
+:class:`~tempering.plugins.backends.tinker.local_server.LocalTinkerServer` on loopback
+(``tests/fake_tinker.py``): the backend builds a real ``tinker.ServiceClient``, which speaks the
+SDK's own wire protocol (JSON, and protobuf for forward/backward and samples) to a server that
+trains and samples a tiny Llama with the local backend's code. What is checked here:
 
 * the rows sent for GRPO, DPO, SDFT and off-policy batches, against hand-built datums (tokens,
   weights, sampler logprobs, advantages, ``loss_fn`` and ``loss_fn_config``);
@@ -9,9 +12,12 @@ tiny Llama. What is checked here:
   documented formula of the built-in on the same tensors, and that the custom-loss path gives the
   service exactly our gradient;
 * call order (forward_backward and optim_step submitted before anything is awaited, the sampler
-  refreshed after the optimizer step), retries (and what is never retried), the one-line auth
-  errors, checkpoints and resume;
+  refreshed after the optimizer step), retries, checkpoints and resume;
 * one recipe YAML run on ``backend.name=local`` and, switched by that key alone, on ``tinker``.
+
+What the service does wrong, and what the backend does about it (setup errors, bounded waits,
+recovery, ...), is tests/test_tinker_faults.py; the bundled recipes end to end on the server
+are tests/test_tinker_recipes.py.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import math
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +37,7 @@ import torch
 tinker = pytest.importorskip("tinker")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fake_tinker import FakeTinkerServer, MODEL_KWARGS, builtin_loss  # noqa: E402
+from fake_tinker import make_backend, plain, sent, serve  # noqa: E402
 
 from tempering.algorithms.dpo.algorithm import DPO  # noqa: E402
 from tempering.algorithms.dpo.loss import DPOLoss  # noqa: E402
@@ -39,38 +46,31 @@ from tempering.algorithms.sdft.loss import ImportanceSamplingLoss, SDFTLoss, fol
 from tempering.algorithms.sft.loss import CrossEntropyLoss  # noqa: E402
 from tempering.plugins.backends.tinker import backend as backend_module  # noqa: E402
 from tempering.plugins.backends.tinker.backend import TinkerBackend  # noqa: E402
+from tempering.plugins.backends.tinker.builtin_losses import builtin_loss  # noqa: E402
 from tempering.plugins.backends.tinker.errors import (  # noqa: E402
     TinkerAuthError,
     TinkerNotInstalledError,
     TinkerServiceError,
     TinkerTrainingError,
 )
-from tempering.plugins.backends.tinker.mapping import plain_datum, plan_loss  # noqa: E402
+from tempering.plugins.backends.tinker.mapping import plan_loss  # noqa: E402
 from tempering.types import AdamParams, Batch, Completion, Datum, SamplingParams  # noqa: E402
 
 offpolicy = pytest.importorskip("tempering.algorithms.offpolicy.loss")
+
+
+@pytest.fixture
+def server(monkeypatch, tmp_path):
+    yield from serve(monkeypatch, tmp_path)
 
 # The char tokenizer of tiny_llama: <pad>=0 <bos>=1 <eos>=2, "0".."9" = 3..12, "+"=13, "="=14, " "=15.
 BOS, EOS = 1, 2
 PROMPT = [BOS, 4, 5, 13, 6, 7, 14]  # "12+34="
 
 
-@pytest.fixture
-def server() -> FakeTinkerServer:
-    return FakeTinkerServer()
-
-
-def make_backend(server: FakeTinkerServer, **kwargs) -> TinkerBackend:
-    kwargs.setdefault("retry_backoff", 0.0)
-    return TinkerBackend(base_model="fake/tiny", service_client=server.service_client(), **kwargs)
-
-
-def sent(server: FakeTinkerServer, method: str) -> list[dict]:
-    return [r for r in server.received if r["method"] == method]
-
-
-def plain(record: dict) -> list[dict]:
-    return [plain_datum(d) for d in record["data"]]
+def base_model(server):
+    """The served model before any training (what a fresh adapter computes)."""
+    return server.service.base("tiny_llama").model
 
 
 def approx_rows(rows):
@@ -126,37 +126,31 @@ def test_malformed_key_fails_before_any_request(monkeypatch, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "TINKER_API_KEY" in err and "tml-" in err
 
 
-def test_key_rejected_by_the_service_is_one_line(server):
-    server.reject_key = True
-    backend = make_backend(server)
-    with pytest.raises(TinkerAuthError) as info:
-        backend.tokenizer  # the training client is created on first use
-    message = str(info.value)
-    assert "\n" not in message and "TINKER_API_KEY" in message and "tml-" in message
-
-
 # ---------------------------------------------------------------------- sampling
 def test_sampling_params_and_completions(server):
     backend = make_backend(server)
     params = backend.sampling_params(SamplingParams(max_tokens=3, temperature=0.7, top_k=0, stop=[]))
-    assert (params.max_tokens, params.temperature, params.top_k, params.top_p, params.stop, params.seed) == (3, 0.7, -1, 1.0, None, None)
+    # no stop given: the tokenizer's EOS, explicitly (never None: the service's implicit stop)
+    assert (params.max_tokens, params.temperature, params.top_k, params.top_p, params.stop, params.seed) == (3, 0.7, -1, 1.0, [EOS], None)
     assert backend.sampling_params(SamplingParams(stop=[14])).stop == [14, EOS]  # EOS always stops
     assert backend.sampling_params(SamplingParams(stop=["="], top_k=5, seed=3)).model_dump(include={"stop", "top_k", "seed"}) == {
         "stop": ["="], "top_k": 5, "seed": 3}  # fmt: skip
 
     groups = backend.sample([PROMPT, PROMPT[:4]], 3, SamplingParams(max_tokens=4, seed=1)).result()
     assert [len(g) for g in groups] == [3, 3]
-    base = server.fresh_model()
+    base, tokenizer = base_model(server), server.service.base("tiny_llama").tokenizer
     for prompt, group in zip([PROMPT, PROMPT[:4]], groups):
         for c in group:
             assert c.prompt_tokens == prompt and len(c.tokens) == len(c.logprobs) and 1 <= len(c.tokens) <= 4
             assert c.stop_reason == ("stop" if c.tokens[-1] == EOS else "length")
-            assert c.policy_version == 0 and c.text == server.tokenizer.decode(c.tokens, skip_special_tokens=True)
-            with torch.no_grad():  # the sampler's logprobs are the model's
+            assert c.policy_version == 0 and c.text == tokenizer.decode(c.tokens, skip_special_tokens=True)
+            with torch.no_grad():  # the sampler's logprobs are the model's (temperature 1)
                 logp = torch.log_softmax(base(input_ids=torch.tensor([prompt + c.tokens])).logits[0], -1)
             expected = [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(c.tokens)]
             assert c.logprobs == pytest.approx(expected, abs=1e-5)
-    assert [r["num_samples"] for r in server.sample_requests] == [3, 3]
+    requests = sent(server, "Sample")
+    assert [(r.num_samples, r.prompt.to_ints(), r.sampling_params.stop) for r in requests] == [
+        (3, PROMPT, [EOS]), (3, PROMPT[:4], [EOS])]  # fmt: skip
 
 
 # ---------------------------------------------------------------------- the rows sent, by batch type
@@ -173,9 +167,9 @@ def test_grpo_rows_fold_the_normaliser_into_ppo_advantages(server, loss_type, ex
     backend = make_backend(server)
     fb = backend.forward_backward(grpo_batch(), GRPOLoss(loss_type=loss_type, epsilon_high=0.28, **extra))
     metrics = fb.result()
-    (record,) = sent(server, "forward_backward")
-    assert record["loss_fn"] == "ppo"
-    assert record["loss_fn_config"] == pytest.approx({"clip_low_threshold": 0.8, "clip_high_threshold": 1.28})
+    (record,) = sent(server, "ForwardBackward")
+    assert record.loss_fn == "ppo"
+    assert record.loss_fn_config == pytest.approx({"clip_low_threshold": 0.8, "clip_high_threshold": 1.28})
     expected = [
         {"model_input": PROMPT + [7, 9], "loss_fn_inputs": {
             "target_tokens": PROMPT[1:] + [7, 9, EOS],
@@ -196,14 +190,31 @@ def test_grpo_with_kl_or_two_sided_clip_is_a_custom_loss(server):
     batch = grpo_batch()
     for d in batch.data:
         d.extra["ref_logprobs"] = [-1.0] * len(d.target_tokens)
-    for loss in (GRPOLoss(beta=0.04), GRPOLoss(delta=1.5), GRPOLoss(importance_sampling_level="sequence")):
+    for loss in (GRPOLoss(beta=0.04), GRPOLoss(delta=1.5), GRPOLoss(importance_sampling_level="sequence", beta=0.04)):
         assert plan_loss(loss, batch).custom
-    backend.forward_backward(batch, GRPOLoss(beta=0.04)).result()
-    (record,) = sent(server, "forward_backward_custom")
+    metrics = backend.forward_backward(batch, GRPOLoss(beta=0.04)).result()
+    (record,) = sent(server, "Forward")  # the SDK's custom loss: a forward pass, our loss, a linear backward
+    assert record.loss_fn == "cross_entropy"
+    (backward,) = sent(server, "ForwardBackward")
+    assert backward.loss_fn == "cross_entropy" and metrics["tinker/custom_loss"] == 1.0
     assert plain(record) == [  # only what the service needs for the surrogate cross_entropy
         {"model_input": PROMPT + [7, 9], "loss_fn_inputs": {"target_tokens": PROMPT[1:] + [7, 9, EOS], "weights": [0.0] * 6 + [1.0] * 3}},
         {"model_input": PROMPT + [7], "loss_fn_inputs": {"target_tokens": PROMPT[1:] + [7, EOS], "weights": [0.0] * 6 + [1.0] * 2}},
     ]
+
+
+def test_grpo_with_sequence_ratios_is_tinker_gspo(server):
+    """GSPO (sequence-level ratios) maps onto Tinker's built-in ``gspo`` (GSPO-token) with the
+    loss mask as ``sequence_ratio_mask``; the service's loss is ours."""
+    backend = make_backend(server)
+    metrics = backend.forward_backward(grpo_batch(), GRPOLoss(importance_sampling_level="sequence", epsilon_high=0.28)).result()
+    (record,) = sent(server, "ForwardBackward")
+    assert record.loss_fn == "gspo" and not sent(server, "Forward")  # a built-in: no extra forward pass
+    assert record.loss_fn_config == pytest.approx({"clip_low_threshold": 0.8, "clip_high_threshold": 1.28})
+    rows = plain(record)
+    assert [r["loss_fn_inputs"]["sequence_ratio_mask"] for r in rows] == [[0.0] * 6 + [1.0] * 3, [0.0] * 6 + [1.0] * 2]
+    assert rows[0]["loss_fn_inputs"]["advantages"] == pytest.approx([0.0] * 6 + [1 / 5] * 3)  # dapo: 1 / N folded in
+    assert metrics["loss"] == pytest.approx(metrics["tinker/loss_sum"], abs=1e-6)
 
 
 def test_dpo_rows_and_reference(server):
@@ -213,7 +224,7 @@ def test_dpo_rows_and_reference(server):
     for d, lp in zip(batch.data, backend.logprobs(batch, reference=True).result()):
         d.extra["ref_logprobs"] = lp
     metrics = backend.forward_backward(batch, DPOLoss(beta=0.1)).result()
-    (record,) = sent(server, "forward_backward_custom")
+    (record,) = sent(server, "Forward")
     prompt = [BOS, 4, 13, 5, 14]  # "1+2="
     assert plain(record) == [
         {"model_input": prompt + [6], "loss_fn_inputs": {"target_tokens": prompt[1:] + [6, EOS], "weights": [0.0] * 4 + [1.0] * 2}},
@@ -234,8 +245,8 @@ def test_sdft_sampled_token_rows_are_importance_sampling(server):
     d.advantages = [-(q - t) * n for q, t, n in zip(d.sampler_logprobs, teacher, norm)]
     d.extra["teacher_token_logprobs"] = teacher
     backend.forward_backward(Batch([d]), SDFTLoss(mode="sampled_token")).result()
-    (record,) = sent(server, "forward_backward")
-    assert (record["loss_fn"], record["loss_fn_config"]) == ("importance_sampling", None)
+    (record,) = sent(server, "ForwardBackward")
+    assert (record.loss_fn, record.loss_fn_config) == ("importance_sampling", None)
     assert plain(record) == approx_rows([{"model_input": [BOS, 4, 14, 5, 6], "loss_fn_inputs": {
         "target_tokens": [4, 14, 5, 6, EOS],
         "logprobs": [0.0, 0.0, 0.0, -0.4, -0.5],  # 0 where the weight is 0 (the skipped token too)
@@ -264,13 +275,13 @@ def test_offpolicy_rows_use_the_builtin_with_its_thresholds(server, loss):
         Datum([BOS, 14, 6], [14, 6, EOS], [0, 1, 0], [0.0, -1.5, -0.9], [0.5, -0.5, -0.5]),  # last token masked out
     ]
     backend.forward_backward(Batch(rows), loss).result()
-    (record,) = sent(server, "forward_backward")
-    assert record["loss_fn"] == loss.tinker_builtin in ("ppo", "cispo")
+    (record,) = sent(server, "ForwardBackward")
+    assert record.loss_fn == loss.tinker_builtin in ("ppo", "cispo")
     declared = loss.tinker_loss_fn_config
     assert set(declared) == {"clip_low_threshold", "clip_high_threshold"}
-    assert record["loss_fn_config"] == pytest.approx(declared)
+    assert record.loss_fn_config == pytest.approx(declared)
     if isinstance(loss, offpolicy.PPOLoss) and type(loss) is offpolicy.PPOLoss:
-        assert (record["loss_fn"], record["loss_fn_config"]) == ("ppo", pytest.approx({"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}))
+        assert (record.loss_fn, record.loss_fn_config) == ("ppo", pytest.approx({"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}))
     assert plain(record) == approx_rows([
         {"model_input": [BOS, 4, 14, 5], "loss_fn_inputs": {"target_tokens": [4, 14, 5, EOS],
          "logprobs": [0.0, 0.0, -0.7, -0.2], "advantages": [0.0, 0.0, 0.25, 0.25]}},
@@ -290,7 +301,7 @@ def test_losses_tinker_cannot_run_fail_clearly(server):
 
     with pytest.raises(ValueError, match="clip thresholds"):
         plan_loss(NoThresholds(), batch)
-    assert not sent(server, "forward_backward")
+    assert not sent(server, "ForwardBackward")
 
 
 def test_soft_targets_go_to_cross_entropy_as_n_by_k(server):
@@ -302,11 +313,11 @@ def test_soft_targets_go_to_cross_entropy_as_n_by_k(server):
     d.extra["soft_target_ids"] = [[4, 5], [14, 6]]
     d.extra["soft_target_weights"] = [[0.0, 0.0], [0.75, 0.25]]
     metrics = backend.forward_backward(Batch([d]), TopKCE()).result()
-    (record,) = sent(server, "forward_backward")
-    assert (record["loss_fn"], plain(record)) == ("cross_entropy", [{"model_input": [BOS, 4], "loss_fn_inputs": {
+    (record,) = sent(server, "ForwardBackward")
+    assert (record.loss_fn, plain(record)) == ("cross_entropy", [{"model_input": [BOS, 4], "loss_fn_inputs": {
         "target_tokens": [[4, 5], [14, 6]], "weights": [[0.0, 0.0], [0.75, 0.25]]}}])  # fmt: skip
     with torch.no_grad():
-        logp = torch.log_softmax(server.fresh_model()(input_ids=torch.tensor([[BOS, 4]])).logits[0], -1)
+        logp = torch.log_softmax(base_model(server)(input_ids=torch.tensor([[BOS, 4]])).logits[0], -1)
     assert metrics["loss"] == pytest.approx(-(0.75 * float(logp[1, 14]) + 0.25 * float(logp[1, 6])), abs=1e-5)
 
 
@@ -357,6 +368,7 @@ EXACT = [
     *[GRPOLoss(loss_type=t, epsilon_low=lo, epsilon_high=hi) for t in ("dapo", "bnpo", "grpo") for lo, hi in ((0.2, 0.2), (0.2, 0.28))],
     GRPOLoss(loss_type="dr_grpo", max_completion_length=6),
     GRPOLoss(loss_type="dr_grpo"),  # constant = the padded width
+    *[GRPOLoss(loss_type=t, importance_sampling_level="sequence", epsilon_high=0.28) for t in ("dapo", "grpo", "dr_grpo")],
     ImportanceSamplingLoss(),
     SDFTLoss(mode="sampled_token"),
     CrossEntropyLoss(),
@@ -364,7 +376,7 @@ EXACT = [
 ]
 
 
-@pytest.mark.parametrize("loss", EXACT, ids=lambda x: f"{type(x).__name__}-{getattr(x, 'loss_type', '')}")
+@pytest.mark.parametrize("loss", EXACT, ids=lambda x: f"{type(x).__name__}-{getattr(x, 'loss_type', '')}-{getattr(x, 'importance_sampling_level', '')}")
 @pytest.mark.parametrize("seed", [0, 1])
 def test_builtin_mapping_computes_exactly_our_loss(loss, seed):
     batch, lp = random_batch(seed, per_token_adv=not isinstance(loss, GRPOLoss))
@@ -402,6 +414,7 @@ def test_the_exactness_check_detects_a_wrong_normaliser():
 def _model_gradient(model, batch: Batch, loss) -> list[torch.Tensor]:
     model = copy.deepcopy(model)
     model.zero_grad(set_to_none=True)
+    model.train()
     t = batch.to_tensors()
     rows = []
     for d in batch.data:
@@ -409,7 +422,7 @@ def _model_gradient(model, batch: Batch, loss) -> list[torch.Tensor]:
         rows.append(logp.gather(-1, torch.tensor(d.target_tokens).unsqueeze(-1)).squeeze(-1))
     lp = torch.stack([torch.nn.functional.pad(r, (0, t["weights"].shape[1] - r.shape[0])) for r in rows])
     loss(lp, t).loss.backward()
-    return [p.grad.clone() for p in model.parameters()]
+    return [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
 
 
 @pytest.mark.parametrize("loss", [GRPOLoss(epsilon_high=0.28), GRPOLoss(beta=0.04), DPOLoss()], ids=["ppo", "custom-kl", "custom-dpo"])
@@ -420,33 +433,42 @@ def test_service_gradient_equals_the_local_gradient(server, loss):
     batch = grpo_batch()
     for d in batch.data:
         d.extra["ref_logprobs"] = [-2.5] * len(d.target_tokens)
-    model = backend.training_client.model
+    model = server.service.runs[backend.training_client.model_id].backend.model  # the run's (LoRA) model
     expected = _model_gradient(model, batch, loss)
     backend.forward_backward(batch, loss).result()
-    got = [p.grad for p in model.parameters()]
-    assert any(float(g.abs().sum()) > 0 for g in expected)
+    got = [p.grad for p in model.parameters() if p.requires_grad]
+    expected = [g for g, p in zip(expected, model.parameters()) if p.requires_grad]
+    assert any(float(g.abs().sum()) > 0 for g in expected) and len(got) == len(expected) > 0
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------- call order and refresh
+def kinds(server, *names):
+    return [r.kind for r in server.requests(*names)]
+
+
 def test_forward_backward_and_optim_step_go_out_before_anything_is_awaited(server):
     backend = make_backend(server)
     first = backend.sample([PROMPT], 1, SamplingParams(max_tokens=2)).result()
-    server.train_gate.clear()  # the service holds every training request
+    server.paused.set()  # the service holds every result back (try_again, queue paused)
     fb = backend.forward_backward(grpo_batch(), GRPOLoss())
     op = backend.optim_step(AdamParams(learning_rate=1e-2))
-    assert not fb.done() and not op.done()  # both calls returned without waiting
-    assert server.methods("forward_backward", "optim_step") == ["forward_backward", "optim_step"]
-    assert not server.methods("forward_backward", "optim_step", kind="done")
-    server.train_gate.set()
+    deadline = time.monotonic() + 10
+    while len(kinds(server, "ForwardBackward", "OptimStep")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert kinds(server, "ForwardBackward", "OptimStep") == ["ForwardBackward", "OptimStep"]  # both submitted ...
+    assert not fb.done() and not op.done()  # ... before either result came back
+    server.paused.clear()
     fb.result(), op.result()
     second = backend.sample([PROMPT], 1, SamplingParams(max_tokens=2)).result()
-    assert server.methods("save_weights_and_get_sampling_client", "sample", "forward_backward", "optim_step") == [
-        "save_weights_and_get_sampling_client", "sample", "forward_backward", "optim_step",
-        "save_weights_and_get_sampling_client", "sample"]  # fmt: skip
+    assert kinds(server, "SaveWeightsForSampler", "Sample", "ForwardBackward", "OptimStep") == [
+        "SaveWeightsForSampler", "Sample", "ForwardBackward", "OptimStep", "SaveWeightsForSampler", "Sample"]  # fmt: skip
     assert (first[0][0].policy_version, second[0][0].policy_version, backend.step) == (0, 1, 1)
-    assert [r["client"].rsplit("@", 1)[1] for r in server.sample_requests] == ["0", "1"]  # the new weights
+    sessions = [r.sampling_session_id for r in sent(server, "Sample")]
+    assert sessions[0] != sessions[1]  # the second sample used the new weights' session
+    seqs = [r.seq_id for r in sent(server, "ForwardBackward") + sent(server, "OptimStep")]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 2
 
 
 def test_sampler_refresh_every_k_steps(server):
@@ -457,7 +479,7 @@ def test_sampler_refresh_every_k_steps(server):
         backend.forward_backward(grpo_batch(), GRPOLoss()).result()
         backend.optim_step(AdamParams()).result()
     assert versions == [0, 0, 2, 2]
-    assert len(server.methods("save_weights_and_get_sampling_client")) == 2
+    assert len(sent(server, "SaveWeightsForSampler")) == 2
 
 
 def test_sampling_client_for_async_loops(server):
@@ -467,41 +489,50 @@ def test_sampling_client_for_async_loops(server):
     client = backend.sampling_client().result()  # queued after the optim step
     assert client.policy_version == 1
     assert client.sample([PROMPT], 2, SamplingParams(max_tokens=2)).result()[0][1].policy_version == 1
-    assert server.methods()[-3:] == ["optim_step", "save_weights_and_get_sampling_client", "sample"]
+    assert kinds(server)[-3:] == ["OptimStep", "SaveWeightsForSampler", "Sample"]
+    (save,) = sent(server, "SaveWeightsForSampler")
+    assert (save.kind, save.path) == ("snapshot", None)  # the default: fixed weights, exact policy_version
 
 
 # ---------------------------------------------------------------------- retries
-def test_rate_limited_sampling_is_retried_with_backoff(server, monkeypatch):
+def test_failed_sampling_is_retried_with_backoff(server, monkeypatch):
+    """A sample the service fails (RequestFailedError, category server) is sent again; the SDK
+    itself does not retry those."""
     delays = []
     monkeypatch.setattr(backend_module.time, "sleep", delays.append)
     monkeypatch.setattr(backend_module.random, "uniform", lambda a, b: 1.0)
     backend = make_backend(server, retry_backoff=0.5)
-    server.fail("sample", tinker.RateLimitError, tinker.RateLimitError)
+    server.faults.fail("Sample", times=2)
     groups = backend.sample([PROMPT], 2, SamplingParams(max_tokens=2)).result()
-    assert len(groups[0]) == 2 and server.calls["sample"] == 3
+    assert len(groups[0]) == 2 and len(sent(server, "Sample")) == 3
     assert delays == [0.5, 1.0] and backend.retry_count == 2
 
 
 def test_scoring_retries_until_the_budget_then_fails_in_one_line(server):
     backend = make_backend(server, max_retries=2)
     batch = Batch(grpo_batch().data[:1])  # one request: the retries are per request
-    server.fail("compute_logprobs", tinker.APIConnectionError)
+    assert len(backend.logprobs(batch, reference=True).result()) == 1  # the base-model sampler exists now
+    before = len(sent(server, "Sample"))
+    server.faults.fail("Sample")
     assert len(backend.logprobs(batch, reference=True).result()) == 1  # retried once
-    assert server.calls["compute_logprobs"] == 2
-    server.fail("compute_logprobs", *[tinker.APITimeoutError] * 3)
+    assert len(sent(server, "Sample")) == before + 2
+    server.faults.fail("Sample", times=3)
     with pytest.raises(TinkerServiceError) as info:
         backend.logprobs(batch, reference=True).result()
-    assert "\n" not in str(info.value) and "3 attempt" in str(info.value)
-    assert server.calls["compute_logprobs"] == 2 + 3
+    assert "\n" not in str(info.value) and "3 attempt" in str(info.value) and "max_retries" in str(info.value)
+    assert len(sent(server, "Sample")) == before + 2 + 3
 
 
-def test_training_calls_are_never_retried(server):
-    backend = make_backend(server)
-    server.fail("forward_backward", tinker.InternalServerError)
+def test_a_failed_training_call_is_never_simply_sent_again(server):
+    """With recovery off, a training call the service failed raises (once, one line); it is not
+    re-sent, since the service may already have applied it or what was queued behind it."""
+    backend = make_backend(server, max_recoveries=0)
+    server.faults.fail("ForwardBackward")
     with pytest.raises(TinkerTrainingError) as info:
         backend.forward_backward(grpo_batch(), GRPOLoss()).result()
-    assert server.calls["forward_backward"] == 1  # it may have been applied: not sent again
-    assert "not retried" in str(info.value) and "resume" in str(info.value) and "\n" not in str(info.value)
+    assert len(sent(server, "ForwardBackward")) == 1
+    message = str(info.value)
+    assert "recovery is off" in message and "resume" in message and "\n" not in message
 
 
 # ---------------------------------------------------------------------- scoring, snapshots
@@ -517,10 +548,10 @@ def _row_logprobs(model, batch: Batch) -> list[list[float]]:
 def test_logprobs_policy_reference_and_snapshots(server):
     backend = make_backend(server)
     batch = grpo_batch()
-    base = _row_logprobs(server.fresh_model(), batch)
+    base = _row_logprobs(base_model(server), batch)
     for got, want in zip(backend.logprobs(batch).result(), base):
         assert got == pytest.approx(want, abs=1e-5)
-    assert sent(server, "forward")[0]["loss_fn"] == "cross_entropy"  # the trainer's own forward
+    assert sent(server, "Forward")[0].loss_fn == "cross_entropy"  # the trainer's own forward
     backend.snapshot("start").result()
     backend.forward_backward(batch, GRPOLoss())
     backend.optim_step(AdamParams(learning_rate=5e-2)).result()
@@ -541,7 +572,7 @@ def test_distributions_topk_and_what_tinker_cannot_do(server):
     (values, ids), _ = backend.distributions(batch, reference=True, topk=3).result()
     assert values.shape == ids.shape == (9, 3)
     with torch.no_grad():
-        logp = torch.log_softmax(server.fresh_model()(input_ids=torch.tensor([batch.data[0].input_tokens])).logits[0], -1)
+        logp = torch.log_softmax(base_model(server)(input_ids=torch.tensor([batch.data[0].input_tokens])).logits[0], -1)
     top = torch.topk(logp, 3, dim=-1)
     torch.testing.assert_close(values, top.values, atol=1e-5, rtol=0)
     assert torch.equal(ids, top.indices)
@@ -561,8 +592,8 @@ def test_save_and_resume_restore_weights_step_snapshots_and_extra(server, tmp_pa
     backend.optim_step(AdamParams(learning_rate=5e-2))
     path = backend.save(str(tmp_path / "ckpt" / "step000001"), extra={"state": {"position": 7}})
     record = json.loads((tmp_path / "ckpt" / "step000001" / "tinker_checkpoint.json").read_text())
-    assert server.methods("save_state") == ["save_state"]
-    assert record["tinker_path"] in server.states and record["tinker_path"].startswith("tinker://")
+    assert kinds(server, "SaveWeights") == ["SaveWeights"]
+    assert record["tinker_path"] in server.service.states and record["tinker_path"].startswith("tinker://")
     assert (record["step"], record["extra"], sorted(record["snapshots"])) == (1, {"state": {"position": 7}}, ["reference/rl"])
     trained, at_start = backend.logprobs(batch).result(), backend.logprobs(batch, weights="reference/rl").result()
 
@@ -573,8 +604,9 @@ def test_save_and_resume_restore_weights_step_snapshots_and_extra(server, tmp_pa
         assert resumed.logprobs(batch).result()[0] == pytest.approx(trained[0], abs=1e-6)
         assert resumed.logprobs(batch, weights="reference/rl").result()[0] == pytest.approx(at_start[0], abs=1e-6)
         assert resumed.sample([PROMPT], 1, SamplingParams(max_tokens=1)).result()[0][0].policy_version == 1
-    assert sent(server, "create_training_client_from_state_with_optimizer")[-1]["path"] == record["tinker_path"]
-    assert not sent(server, "create_lora_training_client")[1:]  # a resumed backend creates no fresh run
+    loads = sent(server, "LoadWeights")
+    assert [r.path for r in loads] == [record["tinker_path"]] * 2 and all(r.optimizer for r in loads)
+    assert len(sent(server, "CreateModel")) == 1  # a resumed backend creates no fresh run
     started = make_backend(server, init_state=record["tinker_path"])  # start a new run from a saved state
     assert started.logprobs(batch).result()[0] == pytest.approx(trained[0], abs=1e-6) and started.step == 0
 
@@ -617,15 +649,11 @@ def _rl_rows(out: Path) -> list[dict]:
     return [r for r in rows if r["stage"] == "rl" and "reward/mean" in r]
 
 
-def test_the_same_recipe_runs_on_local_and_on_tinker(tmp_path, monkeypatch, fresh_registry):
+def test_the_same_recipe_runs_on_local_and_on_tinker(server, tmp_path, fresh_registry):
     from tempering.recipe import Recipe, read_progress
 
     recipe = tmp_path / "switch.yaml"
     recipe.write_text(RECIPE)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.delenv("TINKER_API_KEY", raising=False)
-    server = FakeTinkerServer(model_kwargs=MODEL_KWARGS)
-    monkeypatch.setattr(backend_module, "service_client_factory", server.service_client)
 
     Recipe.from_yaml(str(recipe), [f"output_dir={tmp_path / 'local'}"]).run()
     with pytest.warns(UserWarning, match="ignores local-backend keys: model_kwargs, num_threads"):
@@ -636,35 +664,38 @@ def test_the_same_recipe_runs_on_local_and_on_tinker(tmp_path, monkeypatch, fres
     backend_only = {"grad_norm", "grad_clipped", "skipped_nonfinite"}
     assert set(local[0]) - backend_only <= set(remote[0])
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["kl_ref"]) for r in remote)
-    fbs = sent(server, "forward_backward")
-    assert [(r["loss_fn"], r["loss_fn_config"]) for r in fbs] == [("ppo", pytest.approx({"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}))] * 2
-    assert sent(server, "create_lora_training_client")[0]["base_model"] == "tiny_llama"  # backend.model carried over
+    fbs = sent(server, "ForwardBackward")
+    assert [(r.loss_fn, r.loss_fn_config) for r in fbs] == [("ppo", pytest.approx({"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}))] * 2
+    assert sent(server, "CreateModel")[0].base_model == "tiny_llama"  # backend.model carried over
     progress = read_progress(str(tmp_path / "tinker"))
     assert progress["current"] == "rl" and progress["global_step"] == 2
     record = json.loads((Path(progress["checkpoint"]) / "tinker_checkpoint.json").read_text())
     assert record["extra"]["state"]["step"] == 2
+    assert [r["reason"]["type"] for r in sent(server, "FinishSession")] == ["success"]
 
-    # Resume the interrupted Tinker run: a new service client, the state restored, step 3 trained.
+    # Resume the interrupted Tinker run: a new session, the state restored, step 3 trained.
     with pytest.warns(UserWarning):
         Recipe.from_yaml(str(recipe), [f"output_dir={tmp_path / 'tinker'}", "backend.name=tinker", "max_total_steps=null"]).run()
-    assert sent(server, "create_training_client_from_state_with_optimizer")[-1]["path"] == record["tinker_path"]
+    assert sent(server, "LoadWeights")[-1].path == record["tinker_path"]
     assert [r["step"] for r in _rl_rows(tmp_path / "tinker")] == [1, 2, 3]
-    assert len(sent(server, "forward_backward")) == 3
+    assert len(sent(server, "ForwardBackward")) == 3
     assert read_progress(str(tmp_path / "tinker"))["completed"] == ["rl"]
+    names = [r.path for r in sent(server, "SaveWeights")]
+    assert len(names) == len(set(names))  # every checkpoint has its own name
 
 
-def test_async_offpolicy_stage_samples_from_published_snapshots(tmp_path, monkeypatch, fresh_registry):
-    """The off-policy stage's producer samples through ``sampling_client()`` while training."""
+def test_async_offpolicy_stage_samples_from_published_snapshots(server, tmp_path, fresh_registry):
+    """The off-policy stage's producer samples through ``sampling_client()`` while training,
+    here with ``inflight`` sampling clients (weights shared with the trainer)."""
     from tempering.recipe import Recipe
 
-    server = FakeTinkerServer()
-    monkeypatch.setattr(backend_module, "service_client_factory", server.service_client)
-    monkeypatch.delenv("TINKER_API_KEY", raising=False)
     stage = {"name": "offpolicy", "steps": 3, "prompts_per_step": 2, "group_size": 2, "max_tokens": 3,
              "max_steps_off_policy": 1, "optimizer": {"learning_rate": 1e-2}, "dataset": {"name": "arithmetic", "size": 32}}  # fmt: skip
     Recipe.from_dict({"name": "o", "output_dir": str(tmp_path / "o"), "loggers": ["jsonl"], "stages": [stage],
-                      "backend": {"name": "tinker", "base_model": "fake/tiny", "checkpoint_index_dir": str(tmp_path / "i")}}).run()  # fmt: skip
+                      "backend": {"name": "tinker", "base_model": "tiny_llama", "sampling_client_kind": "inflight",
+                                  "checkpoint_index_dir": str(tmp_path / "i")}}).run()  # fmt: skip
     rows = [r for r in (json.loads(x) for x in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()) if "offpolicy/staleness_mean" in r]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["offpolicy/staleness_max"] <= 1 for r in rows)
-    assert {r["loss_fn"] for r in sent(server, "forward_backward")} == {fresh_registry.build("loss", "clipped_is").tinker_builtin}
-    assert len(server.methods("save_weights_and_get_sampling_client")) >= 3  # a snapshot published per step
+    assert {r.loss_fn for r in sent(server, "ForwardBackward")} == {fresh_registry.build("loss", "clipped_is").tinker_builtin}
+    publishes = [r for r in sent(server, "SaveWeightsForSampler") if r.path is None]
+    assert len(publishes) >= 3 and {r.kind for r in publishes} == {"inflight"}  # a publish per step, no copy

@@ -1,5 +1,6 @@
-"""A multi-turn recipe (the ``environment`` sampler, GRPO) on the Tinker backend, against the
-in-process fake of the service (tests/fake_tinker.py), and the same YAML on the local backend.
+"""A multi-turn recipe (the ``environment`` sampler, GRPO) on the Tinker backend, through the
+real SDK against the local Tinker server (tests/fake_tinker.py), and the same YAML on the local
+backend.
 
 The environment comes from a real installed distribution (an entry point written by the
 ``fake_dist`` fixture) and is named in the YAML by its registered name. On Tinker, what must
@@ -21,9 +22,9 @@ import pytest
 tinker = pytest.importorskip("tinker")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fake_tinker import MODEL_KWARGS, FakeSamplingClient, FakeTinkerServer  # noqa: E402
+from fake_tinker import CHAT_KWARGS, serve  # noqa: E402
 
-from tempering.plugins.backends.tinker import backend as backend_module  # noqa: E402
+from tempering.plugins.backends.tinker.local_service import ServedModel  # noqa: E402
 from tempering.plugins.backends.tinker.mapping import plain_datum  # noqa: E402
 
 ENV_PLUGIN = '''
@@ -98,25 +99,18 @@ def _sampled_targets(tokens: list[int], samples: list[tuple[list[int], list[int]
     return positions
 
 
-def test_a_multi_turn_recipe_trains_on_tinker_on_exactly_the_sampled_tokens(tmp_path, monkeypatch, fake_dist):
+@pytest.fixture
+def chat_server(monkeypatch, tmp_path):
+    yield from serve(monkeypatch, tmp_path, {"tiny_llama": ServedModel("tiny_llama", CHAT_KWARGS)})
+
+
+def test_a_multi_turn_recipe_trains_on_tinker_on_exactly_the_sampled_tokens(tmp_path, chat_server, fake_dist):
     from tempering.recipe import Recipe
 
+    server = chat_server
     fake_dist("multiturn-env", ENV_PLUGIN)
     recipe = tmp_path / "multiturn.yaml"
     recipe.write_text(RECIPE)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.delenv("TINKER_API_KEY", raising=False)
-    server = FakeTinkerServer(model_kwargs={**MODEL_KWARGS, "chat": True, "max_position_embeddings": 128})
-    monkeypatch.setattr(backend_module, "service_client_factory", server.service_client)
-    sampled: list[tuple[list[int], list[int]]] = []  # (prompt, sampled tokens) of every sequence the fake served
-    serve = FakeSamplingClient._one
-
-    def recording(self, prompt, params):
-        seq = serve(self, prompt, params)
-        sampled.append((list(prompt), [int(t) for t in seq.tokens]))
-        return seq
-
-    monkeypatch.setattr(FakeSamplingClient, "_one", recording)
 
     Recipe.from_yaml(str(recipe), [f"output_dir={tmp_path / 'local'}"]).run()
     with pytest.warns(UserWarning, match="ignores local-backend keys: model_kwargs, num_threads"):
@@ -130,17 +124,18 @@ def test_a_multi_turn_recipe_trains_on_tinker_on_exactly_the_sampled_tokens(tmp_
         assert r["env/turns_mean"] >= 2.0 and r["env/asked_again"] >= 1.0 and r["env/model_calls"] >= 2.0
         assert sum(v for k, v in r.items() if k.startswith("env/stop/")) == pytest.approx(1.0)
 
-    tokenizer = server.tokenizer
+    tokenizer = server.service.base("tiny_llama").tokenizer
     renderer_stop = [tokenizer.eos_token_id]  # tiny_chat ends a turn with EOS, and says so explicitly
-    requests = [r for r in server.sample_requests if "params" in r]
-    assert len(requests) == len(sampled) >= 2 * 6 * 2  # 2 steps x 6 episodes x at least 2 turns
-    assert all(r["params"].stop == renderer_stop for r in requests)
+    sampled = server.sampled  # (prompt, sampled tokens) of every sequence the server served
+    requests = [r for r in server.bodies("Sample") if not r.prompt_logprobs]  # not scoring requests
+    assert sum(r.num_samples for r in requests) == len(sampled) >= 2 * 6 * 2  # 2 steps x 6 episodes x at least 2 turns
+    assert all(r.sampling_params.stop == renderer_stop for r in requests)
 
-    fbs = [r for r in server.received if r["method"] == "forward_backward"]
-    assert [r["loss_fn"] for r in fbs] == ["ppo", "ppo"]
+    fbs = server.bodies("ForwardBackward")
+    assert [r.loss_fn for r in fbs] == ["ppo", "ppo"]
     multi = 0
     for fb in fbs:
-        for datum in fb["data"]:
+        for datum in fb.data:
             row = plain_datum(datum)
             tokens = row["model_input"] + row["loss_fn_inputs"]["target_tokens"][-1:]
             expected = _sampled_targets(tokens, sampled)

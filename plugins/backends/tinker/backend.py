@@ -24,11 +24,23 @@ Choices (see docs/tinker.md for the reasoning):
 * **Losses** map onto Tinker's built-ins where that is exact, else ``forward_backward_custom``
   (:mod:`tempering.plugins.backends.tinker.mapping`).
 * **Retries.** Sampling and sampling-client scoring are idempotent and retried with
-  exponential backoff on rate limits, timeouts, connection errors and 5xx. Training-client calls
-  are never retried here (the SDK already retries their submission; after that the service may
-  have applied them): a failure raises :class:`TinkerTrainingError`, and the fix is to resume
-  from the last checkpoint.
-* **Checkpoints.** ``save(path, extra)`` calls ``save_state`` and writes the returned
+  exponential backoff on errors the SDK gives up on (server-side failures, expired futures,
+  connection errors, 5xx). A training call is never simply sent again (the service may have
+  applied it, or the calls queued behind it): a failed or poisoned training client is replaced
+  by one built from the last saved state, and the calls since then are repeated in order
+  (:mod:`~tempering.plugins.backends.tinker.recovery`).
+* **Waits are bounded** (:mod:`~tempering.plugins.backends.tinker.waits`): setup (the session,
+  the training client) within ``setup_timeout_seconds``, every result within
+  ``request_timeout_seconds``, with a warning naming what is awaited after
+  ``wait_warning_seconds``; an unreachable service is reported at once.
+* **Errors** are one line naming the fix (key, base URL, model name), setup errors included.
+* **Stops** are always explicit: the caller's stop ids (a renderer's) or strings, else the
+  tokenizer's EOS ids -- never the service's implicit stop, which for a base model can differ
+  from what the tokenizer ``get_tokenizer`` returns says (Llama 3: the instruct tokenizer).
+* **Custom losses** run once locally on zero logprobs before anything is sent, so a loss that
+  cannot run (a missing ``ref_logprobs``, a non-scalar result) fails at once, one line, and
+  never reaches -- and poisons -- the SDK's training client.
+* **Checkpoints.** ``save(path, extra)`` calls ``save_state`` (a name unique in the run) and writes the returned
   ``tinker://`` path, the step, the snapshot paths and ``extra`` to ``path/tinker_checkpoint.json``
   (plus an index keyed by the tinker path, so ``load("tinker://...")`` finds ``extra`` too).
   ``load`` creates a training client from that state *with* optimizer state
@@ -42,10 +54,12 @@ backend is built, with a clear message if the ``tinker`` extra is missing.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import random
 import re
+import sys
 import threading
 import time
 import warnings
@@ -60,14 +74,20 @@ from tempering.errors import ConfigError, TemperingError
 from tempering.plugins.backends.tinker.errors import (
     INSTALL_HINT,
     KEY_HINT,
+    URL_HINT,
     TinkerAuthError,
     TinkerBackendError,
+    TinkerLossError,
     TinkerNotInstalledError,
     TinkerServiceError,
     TinkerTrainingError,
     one_line,
+    retryable,
+    translate,
 )
 from tempering.plugins.backends.tinker.mapping import LossPlan, plan_loss, to_tinker_data
+from tempering.plugins.backends.tinker.recovery import Call, TrainingCalls
+from tempering.plugins.backends.tinker.waits import Overdue, in_thread, probe, wait_for
 from tempering.types import AdamParams, Batch, Completion, SamplingParams
 
 T = TypeVar("T")
@@ -75,6 +95,13 @@ T = TypeVar("T")
 CHECKPOINT_FILE = "tinker_checkpoint.json"
 CHECKPOINT_FORMAT = 1
 POLICY_LOGPROBS = ("trainer", "sampler")
+SAMPLING_CLIENT_KINDS = ("snapshot", "inflight")
+#: The SDK documents checkpoint TTLs "between 1 hour (3600) and 10 years".
+MIN_TTL_SECONDS, MAX_TTL_SECONDS = 3600, 10 * 365 * 24 * 3600
+#: End-of-text tokens a base model stops on that the tokenizer ``get_tokenizer`` returns may not
+#: name as EOS: for ``meta-llama/Llama-3*`` the SDK loads the *instruct* tokenizer (EOS
+#: ``<|eot_id|>``), while the base model ends text with ``<|end_of_text|>``.
+END_TOKENS = {"meta-llama/Llama-3": ("<|end_of_text|>", "<|eot_id|>")}
 #: Keys of the local backend that mean nothing on Tinker. Accepted (with one warning) so that a
 #: recipe switches backends by ``backend.name`` alone; ``model`` and ``lora.rank`` do carry over.
 LOCAL_ONLY_KEYS = ("model_kwargs", "device", "dtype", "sample_batch_size", "num_threads", "threaded")
@@ -110,7 +137,7 @@ class _Snapshot:
 
     name: str
     step: int
-    save: Any = None  # SDK future of SaveWeightsForSamplerResponse (None when restored)
+    save: Call | None = None  # the save_weights_for_sampler call (None when restored)
     path: str | None = None
     client: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -127,27 +154,41 @@ class TinkerBackend:
         rank: LoRA rank (default: ``lora.rank`` if given, else 32).
         base_url / api_key: the service and key; default ``TINKER_BASE_URL`` / ``TINKER_API_KEY``
             (or the SDK's stored credentials, ``tinker auth login``).
-        seed: LoRA initialisation seed.
+        seed: LoRA initialisation seed (also what lets a failed client be rebuilt before the
+            first checkpoint: a fresh adapter with the same seed starts from the same weights).
         sampler_refresh_every: refresh the sampling client (``save_weights_and_get_sampling_client``)
             once this many optimizer steps have passed since the last refresh (1 = sample every
             step from the newest weights).
+        sampling_client_kind: what :meth:`sampling_client` (asynchronous RL) asks for:
+            ``snapshot`` (fixed weights; ``policy_version`` exact) or ``inflight`` (weights shared
+            with the trainer, updated in place by later publishes: no copy per step, and samples
+            come from the published weights *or newer* -- ``policy_version`` is then a lower
+            bound, so staleness is at most what is logged; not with ``fixed_staleness``).
         policy_logprobs: ``trainer`` (forward pass of the trainer, default) or ``sampler``
             (the current sampling client; retried, but sampler numerics and possibly stale).
         max_retries / retry_backoff / retry_max_backoff: retries of idempotent calls (sampling,
             sampling-client scoring): up to ``max_retries`` more attempts, waiting
             ``retry_backoff * 2**attempt`` seconds (jittered, capped at ``retry_max_backoff``).
+        max_recoveries: new training clients one failed training call may cost (rebuilt from
+            the last saved state, the calls since repeated) before its error is raised; 0 = off.
+        setup_timeout_seconds: the most a setup step may take (the session, a training or
+            sampling client); the SDK itself retries setup for up to 5 minutes.
+        request_timeout_seconds: the most any one result may take (a training call, a sample).
+        wait_warning_seconds: warn, naming what is awaited, when a wait lasts this long (then at
+            twice, four times, ... that).
         train_mlp / train_attn / train_unembed: which LoRA targets to train.
         tokenizer: a Hugging Face name or path to load the tokenizer from instead of asking the
             training client (which downloads the base model's tokenizer).
         init_state: a ``tinker://`` state path to start from (weights and optimizer state).
-        checkpoint_ttl_seconds / snapshot_ttl_seconds: expiry of saved states / snapshot weights.
+        checkpoint_ttl_seconds / snapshot_ttl_seconds: expiry of saved states / snapshot weights
+            (None: never; else at least 3600, the service's minimum).
         checkpoint_index_dir: where ``save`` indexes checkpoints by tinker path (default
             ``~/.cache/tempering/tinker``).
         concurrency: worker threads that wait on the service (sampling many prompts at once).
         lora: the local backend's LoRA block; only ``rank`` is used.
         model_kwargs, device, dtype, sample_batch_size, num_threads, threaded: local-backend keys,
             accepted and ignored (with a warning) so one recipe runs on both backends.
-        service_client: a runtime ``tinker.ServiceClient`` (or a fake of it); not a config key.
+        service_client: a runtime ``tinker.ServiceClient``; not a config key.
     """
 
     #: What this backend cannot do, for stages that want to fail before training: no weight
@@ -163,10 +204,15 @@ class TinkerBackend:
         api_key: str | None = None,
         seed: int | None = 0,
         sampler_refresh_every: int = 1,
+        sampling_client_kind: str = "snapshot",
         policy_logprobs: str = "trainer",
         max_retries: int = 5,
         retry_backoff: float = 1.0,
         retry_max_backoff: float = 30.0,
+        max_recoveries: int = 3,
+        setup_timeout_seconds: float = 600.0,
+        request_timeout_seconds: float = 1800.0,
+        wait_warning_seconds: float = 60.0,
         train_mlp: bool = True,
         train_attn: bool = True,
         train_unembed: bool = True,
@@ -209,14 +255,30 @@ class TinkerBackend:
             raise ConfigError(f"must be >= 1, got {sampler_refresh_every}", path="backend.sampler_refresh_every")
         if policy_logprobs not in POLICY_LOGPROBS:
             raise ConfigError(f"use one of {POLICY_LOGPROBS}, got {policy_logprobs!r}", path="backend.policy_logprobs")
-        if max_retries < 0 or retry_backoff < 0 or concurrency < 1:
-            raise ConfigError("max_retries and retry_backoff must be >= 0, concurrency >= 1", path="backend")
+        if sampling_client_kind not in SAMPLING_CLIENT_KINDS:
+            raise ConfigError(f"use one of {SAMPLING_CLIENT_KINDS}, got {sampling_client_kind!r}", path="backend.sampling_client_kind")
+        if max_retries < 0 or retry_backoff < 0 or concurrency < 1 or max_recoveries < 0:
+            raise ConfigError("max_retries, max_recoveries and retry_backoff must be >= 0, concurrency >= 1", path="backend")
+        for key, value in (("setup_timeout_seconds", setup_timeout_seconds), ("request_timeout_seconds", request_timeout_seconds),
+                           ("wait_warning_seconds", wait_warning_seconds)):  # fmt: skip
+            if not value > 0:
+                raise ConfigError(f"must be > 0 seconds, got {value}", path=f"backend.{key}")
+        for key, ttl in (("checkpoint_ttl_seconds", checkpoint_ttl_seconds), ("snapshot_ttl_seconds", snapshot_ttl_seconds)):
+            if ttl is not None and not MIN_TTL_SECONDS <= int(ttl) <= MAX_TTL_SECONDS:
+                raise ConfigError(
+                    f"must be null (never expire) or {MIN_TTL_SECONDS}..{MAX_TTL_SECONDS} seconds (Tinker's range), got {ttl}",
+                    path=f"backend.{key}",
+                )
         self.seed = seed
         self.sampler_refresh_every = int(sampler_refresh_every)
+        self.sampling_client_kind = sampling_client_kind
         self.policy_logprobs = policy_logprobs
         self.max_retries = int(max_retries)
         self.retry_backoff = float(retry_backoff)
         self.retry_max_backoff = float(retry_max_backoff)
+        self.setup_timeout = float(setup_timeout_seconds)
+        self.request_timeout = float(request_timeout_seconds)
+        self.wait_warning = float(wait_warning_seconds)
         self.lora_targets = {"train_mlp": train_mlp, "train_attn": train_attn, "train_unembed": train_unembed}
         self.tokenizer_name = tokenizer
         self.init_state = init_state
@@ -227,6 +289,9 @@ class TinkerBackend:
         )
         if isinstance(service_client, (str, Mapping)):
             raise ConfigError("a runtime object (a tinker.ServiceClient), not a config key", path="backend.service_client")
+        from tinker.lib.base_url import resolve_base_url
+
+        self.base_url = resolve_base_url(base_url)
         if service_client is None:
             _check_api_key(api_key)
             service_client = service_client_factory(base_url=base_url, api_key=api_key)
@@ -238,39 +303,66 @@ class TinkerBackend:
         self.retry_count = 0
         self.last_plan: LossPlan | None = None
         self._lock = threading.RLock()  # orders submissions to the training client
-        self._training: Any = None
+        self._reachable = not self._owns_service  # probed before the first setup call
+        self.calls = TrainingCalls(self._create_training_client, lambda fut, what: self._wait(fut, what, training=True),
+                                   max_recoveries, fresh_ok=seed is not None, lock=self._lock, state=init_state)  # fmt: skip
         self._tokenizer: Any = None
-        self._eos_ids: list[int] | None = None
-        self._sampler: Any = None  # SDK future of the current SamplingClient
+        self._stop_ids: list[int] | None = None
+        self._sampler: Call | None = None  # the save_weights_and_get_sampling_client of the newest weights
         self._sampler_version = 0
         self._base_sampler: Any = None
+        self._reference_lock = threading.Lock()
         self._snapshots: dict[str, _Snapshot] = {}
         self._snapshot_counter = 0
+        self._names = itertools.count(1)
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="tempering-tinker")
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self, what: str, make: Callable[[], Any]) -> Any:
+        """``make().result()`` -- a setup call, which does its network work (the session) before
+        it returns a future -- on a thread of its own, within ``setup_timeout_seconds``; errors
+        one line. An unreachable service is reported at once (the SDK would retry for minutes)."""
+        if not self._reachable:
+            problem = probe(self.base_url)
+            if problem is not None:
+                raise TinkerServiceError(f"the Tinker service at {self.base_url} cannot be reached ({problem}): {URL_HINT}")
+            self._reachable = True
+        try:
+            return wait_for(in_thread(lambda: make().result()), what, self.setup_timeout, self.wait_warning,
+                            setting="backend.setup_timeout_seconds")  # fmt: skip
+        except Overdue as err:
+            raise TinkerServiceError(
+                f"no answer from the Tinker service at {self.base_url} after {err.seconds:.0f} s while trying to {what} "
+                f"(backend.setup_timeout_seconds): {URL_HINT}"
+            ) from err
+        except Exception as err:  # noqa: BLE001
+            raise self._translate(err, what) from err
+
+    def _create_training_client(self, state: str | None) -> Any:
+        """A training client: from ``state`` (weights and optimizer state), or a fresh adapter."""
+        if state:
+            return self._setup(f"create the training client from {state}",
+                               lambda: self.service.create_training_client_from_state_with_optimizer(state))  # fmt: skip
+        try:
+            return self._setup(
+                f"create a LoRA training client for {self.base_model!r}",
+                lambda: self.service.create_lora_training_client(base_model=self.base_model, rank=self.rank, seed=self.seed,
+                                                                 **self.lora_targets),  # fmt: skip
+            )
+        except TinkerServiceError as err:
+            if "rejected" not in str(err) and "found nothing" not in str(err):
+                raise
+            raise TinkerServiceError(
+                f"{err}; is {self.base_model!r} a Tinker model name? Set backend.base_model, e.g. "
+                "Qwen/Qwen3-4B-Instruct-2507 (`tinker model list` lists yours)"
+            ) from err
 
     # ------------------------------------------------------------------ clients
     @property
     def training_client(self) -> Any:
-        """The LoRA training client, created on first use (or by :meth:`load`)."""
-        with self._lock:
-            if self._training is None:
-                if self.init_state:
-                    fut = self.service.create_training_client_from_state_with_optimizer(self.init_state)
-                    self._training = self._wait(fut, f"create the training client from {self.init_state}")
-                else:
-                    fut = self.service.create_lora_training_client(
-                        base_model=self.base_model, rank=self.rank, seed=self.seed, **self.lora_targets
-                    )
-                    try:
-                        self._training = self._wait(fut, f"create a LoRA training client for {self.base_model!r}")
-                    except TinkerServiceError as err:
-                        if "/" in self.base_model:
-                            raise
-                        raise TinkerServiceError(
-                            f"{err}; {self.base_model!r} is not a Tinker model name: set backend.base_model, e.g. "
-                            "Qwen/Qwen3-4B-Instruct-2507 (`tinker model list` lists yours)"
-                        ) from err
-            return self._training
+        """The LoRA training client, created on first use (or by :meth:`load`, or rebuilt by a
+        recovery)."""
+        return self.calls.current()
 
     @property
     def tokenizer(self) -> Any:
@@ -293,23 +385,35 @@ class TinkerBackend:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        if self._eos_ids is None:
-            eos = getattr(self.tokenizer, "eos_token_id", None)
-            self._eos_ids = [int(eos)] if isinstance(eos, int) else [int(t) for t in (eos or [])]
-        return self._eos_ids
+        """Every id that ends a completion: the tokenizer's EOS, plus the end-of-text tokens of
+        the base model where the SDK's tokenizer does not name them (:data:`END_TOKENS`)."""
+        if self._stop_ids is None:
+            tok = self.tokenizer
+            eos = getattr(tok, "eos_token_id", None)
+            ids = [int(eos)] if isinstance(eos, int) else [int(t) for t in (eos or [])]
+            for prefix, names in END_TOKENS.items():
+                if self.base_model.startswith(prefix):
+                    vocab = tok.get_vocab() if hasattr(tok, "get_vocab") else {}
+                    ids += [int(vocab[n]) for n in names if n in vocab and int(vocab[n]) not in ids]
+            self._stop_ids = ids
+        return self._stop_ids
 
-    def _live_sampler(self) -> tuple[Any, int]:
+    def _live_sampler(self) -> tuple[Call, int]:
         """The sampling client of the newest weights (refreshed when stale) and their step."""
         with self._lock:
             if self._sampler is None or self.step - self._sampler_version >= self.sampler_refresh_every:
-                self._sampler = self.training_client.save_weights_and_get_sampling_client()
+                self._sampler = self.calls.submit("refresh the sampling client",
+                                                  lambda c: c.save_weights_and_get_sampling_client(), stateful=False)  # fmt: skip
                 self._sampler_version = self.step
             return self._sampler, self._sampler_version
 
     def _reference_sampler(self) -> Any:
-        with self._lock:
+        """A sampling client of the base model, created on first use (and again after a failed
+        attempt: a failure is never cached)."""
+        with self._reference_lock:  # not the backend's lock: training calls go on meanwhile
             if self._base_sampler is None:
-                self._base_sampler = self.service.create_sampling_client(base_model=self.base_model)
+                self._base_sampler = self._setup("create the base-model sampling client",
+                                                 lambda: self.service.create_sampling_client(base_model=self.base_model))  # fmt: skip
             return self._base_sampler
 
     def _snapshot_client(self, name: str) -> Callable[[], Any]:
@@ -322,15 +426,16 @@ class TinkerBackend:
             with snap.lock:
                 if snap.client is None:
                     path = self._snapshot_path(snap)
-                    fut = self.service.create_sampling_client(model_path=path)
-                    snap.client = self._wait(fut, f"create a sampling client for snapshot '{name}'")
+                    snap.client = self._setup(f"create a sampling client for snapshot '{name}'",
+                                              lambda: self.service.create_sampling_client(model_path=path))  # fmt: skip
                 return snap.client
 
         return get
 
     def _snapshot_path(self, snap: _Snapshot) -> str:
         if snap.path is None:
-            snap.path = str(self._wait(snap.save, f"save snapshot '{snap.name}'", training=True).path)
+            assert snap.save is not None
+            snap.path = str(self.calls.result(snap.save).path)
         return snap.path
 
     # ------------------------------------------------------------------ sampling
@@ -338,27 +443,30 @@ class TinkerBackend:
         self, prompts: list[list[int]], num_samples: int, params: SamplingParams
     ) -> Future[list[list[Completion]]]:
         """``num_samples`` completions per prompt from the newest weights (one SDK request per
-        prompt, all in flight at once; each retried on rate limits / timeouts / 5xx)."""
+        prompt, all in flight at once; each retried on failures the SDK gives up on)."""
         sampler, version = self._live_sampler()
         return self._sample_with(sampler, version, prompts, num_samples, params)
 
     def sampling_client(self) -> Future[TinkerSamplingClient]:
-        """A sampler of the current weights (``save_weights_and_get_sampling_client``, queued
-        after the training calls already submitted, e.g. an ``optim_step``), for sampling while
-        training (asynchronous RL). Its completions carry the step it was taken at as
-        ``policy_version``; it also becomes the sampler :meth:`sample` uses."""
+        """A sampler of the current weights (``save_weights_and_get_sampling_client`` of kind
+        ``sampling_client_kind``, queued after the training calls already submitted, e.g. an
+        ``optim_step``), for sampling while training (asynchronous RL). Its completions carry the
+        step it was taken at as ``policy_version``; it also becomes the sampler :meth:`sample`
+        uses."""
+        kind = self.sampling_client_kind
         with self._lock:
-            sdk_future = self.training_client.save_weights_and_get_sampling_client()
+            call = self.calls.submit(f"save weights for a sampling client ({kind})",
+                                     lambda c: c.save_weights_and_get_sampling_client(kind=kind), stateful=False)  # fmt: skip
             version = self.step
-            self._sampler, self._sampler_version = sdk_future, version
+            self._sampler, self._sampler_version = call, version
 
         def ready() -> TinkerSamplingClient:
-            self._wait(sdk_future, "save weights for a sampling client", training=True)
-            return TinkerSamplingClient(self, sdk_future, version)
+            self.calls.result(call)
+            return TinkerSamplingClient(self, call, version)
 
         return self._spawn(ready)
 
-    def _sample_with(self, sampler: Any, version: int, prompts: list[list[int]], num_samples: int,
+    def _sample_with(self, sampler: Call, version: int, prompts: list[list[int]], num_samples: int,
                      params: SamplingParams) -> Future[list[list[Completion]]]:  # fmt: skip
         prompts = [list(p) for p in prompts]
         if num_samples < 1:
@@ -375,9 +483,11 @@ class TinkerBackend:
         return self._spawn(self._sample, sampler, version, prompts, num_samples, params, tinker_params)
 
     def sampling_params(self, params: SamplingParams) -> Any:
-        """Ours -> ``tinker.types.SamplingParams``. An empty ``stop`` becomes ``None`` (the
-        service's implicit EOS stop; ``[]`` would disable EOS); token-id stops get the EOS ids
-        added, so EOS always stops a completion, as on the local backend. ``top_k=0`` -> -1."""
+        """Ours -> ``tinker.types.SamplingParams``. Stops are always explicit: stop strings as
+        given, else the stop ids given (a renderer's) plus every EOS id (:attr:`eos_token_ids`),
+        so a completion ends where it would on the local backend whatever the service's implicit
+        stop for the model is (``None``) -- and never ``[]``, which disables EOS. ``top_k=0``
+        -> -1."""
         items = [params.stop] if isinstance(params.stop, (str, int)) else list(params.stop or [])
         strings = [s for s in items if isinstance(s, str)]
         ids = [int(s) for s in items if not isinstance(s, str)]
@@ -385,11 +495,7 @@ class TinkerBackend:
             raise ValueError("SamplingParams.stop: Tinker takes stop strings or stop token ids, not both")
         if any(s == "" for s in strings):
             raise ValueError("SamplingParams.stop: empty stop string")
-        stop: Any = None
-        if strings:
-            stop = strings
-        elif ids:
-            stop = ids + [e for e in self.eos_token_ids if e not in ids]
+        stop: list[Any] = strings if strings else ids + [e for e in self.eos_token_ids if e not in ids]
         return self._tinker.types.SamplingParams(
             max_tokens=int(params.max_tokens),
             temperature=float(params.temperature),
@@ -399,9 +505,9 @@ class TinkerBackend:
             seed=params.seed,
         )
 
-    def _sample(self, sampler: Any, version: int, prompts: list[list[int]], n: int,
+    def _sample(self, sampler: Call, version: int, prompts: list[list[int]], n: int,
                 params: SamplingParams, tinker_params: Any) -> list[list[Completion]]:  # fmt: skip
-        client = self._wait(sampler, "refresh the sampling client", training=True)
+        client = self.calls.result(sampler)
         types = self._tinker.types
 
         def submit(p: list[int]) -> Any:
@@ -434,19 +540,23 @@ class TinkerBackend:
         return Completion(list(prompt), tokens, lps, reason, text, version, params.temperature)
 
     # ------------------------------------------------------------------ scoring
+    def _scorer(self, reference: bool, weights: str | None) -> Callable[[], Any]:
+        """The sampling client that scores: a snapshot's, the base model's, or the newest weights'."""
+        if weights is not None:
+            return self._snapshot_client(str(weights))
+        if reference:
+            return self._reference_sampler
+        sampler, _ = self._live_sampler()
+        return lambda: self.calls.result(sampler)
+
     def logprobs(self, batch: Batch, reference: bool = False, weights: str | None = None) -> Future[list[list[float]]]:
         """Per-target-token logprobs of each row (no gradients): the trainer's forward pass
         (default), the base model (``reference=True``) or a snapshot (``weights=NAME``)."""
         if reference and weights is not None:
             raise ValueError("logprobs: pass reference=True or weights=NAME, not both")
-        if weights is not None:
-            return self._spawn(self._score_batch, self._snapshot_client(str(weights)), batch, f"logprobs(weights={weights!r})")
-        if reference:
-            ref = self._reference_sampler()
-            return self._spawn(self._score_batch, lambda: self._wait(ref, "create the base-model sampling client"), batch, "logprobs(reference=True)")
-        if self.policy_logprobs == "sampler":
-            sampler, _ = self._live_sampler()
-            return self._spawn(self._score_batch, lambda: self._wait(sampler, "refresh the sampling client", training=True), batch, "logprobs")
+        if weights is not None or reference or self.policy_logprobs == "sampler":
+            what = f"logprobs(weights={weights!r})" if weights is not None else "logprobs(reference=True)" if reference else "logprobs"
+            return self._spawn(self._score_batch, self._scorer(reference, weights), batch, what)
         types = self._tinker.types
         data = [
             types.Datum(
@@ -458,16 +568,15 @@ class TinkerBackend:
             )
             for d in batch.data
         ]
-        with self._lock:
-            fut = self.training_client.forward(data, "cross_entropy")
-        return self._spawn(self._forward_logprobs, fut, batch)
+        call = self.calls.submit("forward (logprobs)", lambda c: c.forward(data, "cross_entropy"), stateful=False)
+        return self._spawn(self._forward_logprobs, call, batch)
 
     def reference_logprobs(self, batch: Batch) -> Future[list[list[float]]]:
         """Same as ``logprobs(batch, reference=True)``."""
         return self.logprobs(batch, reference=True)
 
-    def _forward_logprobs(self, fut: Any, batch: Batch) -> list[list[float]]:
-        out = self._wait(fut, "forward (logprobs)", training=True)
+    def _forward_logprobs(self, call: Call, batch: Batch) -> list[list[float]]:
+        out = self.calls.result(call)
         rows = [_tensor_list(o["logprobs"]) for o in out.loss_fn_outputs]
         for d, row in zip(batch.data, rows):
             if len(row) != len(d.target_tokens):
@@ -519,15 +628,7 @@ class TinkerBackend:
             raise ValueError(f"distributions: topk must be >= 1 (or None), got {topk}")
         if reference and weights is not None:
             raise ValueError("distributions: pass reference=True or weights=NAME, not both")
-        if weights is not None:
-            get = self._snapshot_client(str(weights))
-        elif reference:
-            ref = self._reference_sampler()
-            get = lambda: self._wait(ref, "create the base-model sampling client")  # noqa: E731
-        else:
-            sampler, _ = self._live_sampler()
-            get = lambda: self._wait(sampler, "refresh the sampling client", training=True)  # noqa: E731
-        return self._spawn(self._topk_batch, get, batch, int(topk))
+        return self._spawn(self._topk_batch, self._scorer(reference, weights), batch, int(topk))
 
     def _topk_batch(self, get_client: Callable[[], Any], batch: Batch, k: int) -> list[Any]:
         client = get_client()
@@ -561,11 +662,13 @@ class TinkerBackend:
         queued after the training calls already submitted); score with ``weights=name``.
         Snapshots are recorded in checkpoints."""
         name = str(name)
+        ttl = self.snapshot_ttl_seconds
         with self._lock:
             self._snapshot_counter += 1
             label = _safe_name(f"tempering-{name}-s{self.step}-{self._snapshot_counter}")
-            fut = self.training_client.save_weights_for_sampler(label, ttl_seconds=self.snapshot_ttl_seconds)
-            snap = _Snapshot(name, self.step, save=fut)
+            call = self.calls.submit(f"save snapshot '{name}'", lambda c: c.save_weights_for_sampler(label, ttl_seconds=ttl),
+                                     stateful=False)  # fmt: skip
+            snap = _Snapshot(name, self.step, save=call)
             self._snapshots[name] = snap
         return self._spawn(lambda: (self._snapshot_path(snap), None)[1])
 
@@ -591,24 +694,27 @@ class TinkerBackend:
     # ------------------------------------------------------------------ training
     def forward_backward(self, batch: Batch, loss: Any) -> Future[dict[str, float]]:
         """Accumulate the gradients of ``loss`` on ``batch`` on the service: a Tinker built-in
-        when it is exact for ``loss``, else ``forward_backward_custom``. Returns the loss's own
-        metrics (computed from the logprobs Tinker returns) plus ``loss``; never retried."""
+        when it is exact for ``loss``, else ``forward_backward_custom`` (after a local dry run of
+        the loss). Returns the loss's own metrics (computed from the logprobs Tinker returns)
+        plus ``loss``. A failure on the service is recovered from (see ``max_recoveries``)."""
         plan = plan_loss(loss, batch)
         data = to_tinker_data(batch, plan, self._tinker.types)
         tensors = batch.to_tensors()
         captured: dict[str, Any] = {}
+        if plan.custom:
+            _dry_run(loss, tensors)
+            fn = _custom_loss_fn(loss, tensors, captured)
+            submit: Callable[[Any], Any] = lambda c: c.forward_backward_custom(data, fn)  # noqa: E731
+        else:
+            submit = lambda c: c.forward_backward(data, plan.loss_fn, plan.loss_fn_config)  # noqa: E731
         with self._lock:
-            client = self.training_client
-            if plan.custom:
-                fut = client.forward_backward_custom(data, _custom_loss_fn(loss, tensors, captured))
-            else:
-                fut = client.forward_backward(data, plan.loss_fn, plan.loss_fn_config)
+            call = self.calls.submit("forward_backward", submit, stateful=True)
             self.last_plan = plan
-        return self._spawn(self._finish_forward_backward, fut, plan, loss, tensors, captured)
+        return self._spawn(self._finish_forward_backward, call, plan, loss, tensors, captured)
 
-    def _finish_forward_backward(self, fut: Any, plan: LossPlan, loss: Any, tensors: dict[str, Any],
+    def _finish_forward_backward(self, call: Call, plan: LossPlan, loss: Any, tensors: dict[str, Any],
                                  captured: dict[str, Any]) -> dict[str, float]:  # fmt: skip
-        out = self._wait(fut, "forward_backward", training=True)
+        out = self.calls.result(call)
         server = dict(getattr(out, "metrics", None) or {})
         metrics: dict[str, float] = {}
         if plan.custom and "out" in captured:
@@ -643,12 +749,12 @@ class TinkerBackend:
             grad_clip_norm=float(params.grad_clip_norm),
         )
         with self._lock:
-            fut = self.training_client.optim_step(adam)
+            call = self.calls.submit("optim_step", lambda c: c.optim_step(adam), stateful=True)
             self.step += 1
-        return self._spawn(self._finish_optim, fut, float(params.learning_rate))
+        return self._spawn(self._finish_optim, call, float(params.learning_rate))
 
-    def _finish_optim(self, fut: Any, lr: float) -> dict[str, float]:
-        response = self._wait(fut, "optim_step", training=True)
+    def _finish_optim(self, call: Call, lr: float) -> dict[str, float]:
+        response = self.calls.result(call)
         metrics = {"lr": lr}
         for key, value in (getattr(response, "metrics", None) or {}).items():
             metrics[f"tinker/{key}"] = float(value)
@@ -656,19 +762,25 @@ class TinkerBackend:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str, extra: Mapping[str, Any] | None = None) -> str:
-        """``save_state`` (weights + optimizer, after all queued calls), then write the tinker
-        path, step, snapshots and ``extra`` to ``path/tinker_checkpoint.json``; returns ``path``."""
+        """``save_state`` (weights + optimizer, after all queued calls) under a name no other
+        save of this run uses (a periodic and a stage-end checkpoint can share a step and a
+        folder name; Tinker refuses a name twice), then write the tinker path, step, snapshots
+        and ``extra`` to ``path/tinker_checkpoint.json``; returns ``path``. The saved state is
+        where a recovery starts from."""
         payload = dict(extra or {})
         try:
             json.dumps(payload)
         except TypeError as err:
             raise TypeError(f"TinkerBackend.save: extra must be JSON-serialisable ({err})") from err
         path = str(path)
+        ttl = self.checkpoint_ttl_seconds
         with self._lock:
-            name = _safe_name(f"tempering-{os.path.basename(os.path.normpath(path)) or 'checkpoint'}-s{self.step}")
-            fut = self.training_client.save_state(name, ttl_seconds=self.checkpoint_ttl_seconds)
+            base = os.path.basename(os.path.normpath(path)) or "checkpoint"
+            name = _safe_name(f"tempering-{base}-s{self.step}-{next(self._names)}")
+            call = self.calls.submit("save_state", lambda c: c.save_state(name, ttl_seconds=ttl), stateful=False)
             step, snaps = self.step, list(self._snapshots.values())
-        state_path = str(self._wait(fut, "save_state", training=True).path)
+        state_path = str(self.calls.result(call).path)
+        self.calls.saved(call, state_path)
         record = {
             "format": CHECKPOINT_FORMAT,
             "backend": "tinker",
@@ -709,9 +821,9 @@ class TinkerBackend:
                 f"TinkerBackend.load: '{path}' was trained from {record['base_model']!r}; set backend.base_model to it "
                 f"(configured: {self.base_model!r})"
             )
+        state = str(record["tinker_path"])
         with self._lock:
-            fut = self.service.create_training_client_from_state_with_optimizer(record["tinker_path"])
-            self._training = self._wait(fut, f"restore the training client from {record['tinker_path']}", training=True)
+            self.calls.reset(self._create_training_client(state), state)
             self.step = int(record.get("step") or 0)
             self._sampler = None  # sampled from the restored weights on the next sample()
             self._sampler_version = self.step
@@ -725,13 +837,18 @@ class TinkerBackend:
         key = hashlib.sha256(tinker_path.encode("utf-8")).hexdigest()[:32]
         return os.path.join(self.checkpoint_index_dir, f"{key}.json")
 
-    def close(self) -> None:
+    def close(self, status: str | None = None) -> None:
         """Wait for queued work, stop the worker threads and (if this backend created the
-        service client) finish the Tinker session."""
+        service client) finish the Tinker session with ``status``: by default ``success``,
+        ``errored`` when an exception is on its way out of the run (the recipe runner closes the
+        backend in a ``finally``) or a training call could not be recovered, ``interrupted``
+        for Ctrl-C or a stage that stopped the run."""
+        if status is None:
+            status = _run_status(sys.exc_info()[1], self.calls.gave_up)
         self._pool.shutdown(wait=True)
         if self._owns_service and hasattr(self.service, "close"):
             try:
-                closing = self.service.close("success")
+                closing = self.service.close(status)
                 if hasattr(closing, "result"):
                     closing.result(timeout=30)
             except Exception as err:  # noqa: BLE001 - closing must not mask the run's outcome
@@ -753,9 +870,15 @@ class TinkerBackend:
         return self._pool.submit(run)
 
     def _wait(self, fut: Any, what: str, training: bool = False) -> Any:
-        """``fut.result()`` with the service's errors translated (no retry)."""
+        """``fut.result()`` within ``request_timeout_seconds`` (warning after
+        ``wait_warning_seconds``), the service's errors translated (no retry). A training call
+        past its time is a :class:`TinkerTrainingError` (recoverable: its client is abandoned)."""
         try:
-            return fut.result()
+            return wait_for(fut, what, self.request_timeout, self.wait_warning)
+        except Overdue as err:
+            message = (f"no result for {what} from Tinker after {err.seconds:.0f} s (backend.request_timeout_seconds; the "
+                       "service may be paused for capacity or rate limits, which the SDK waits out without a word)")  # fmt: skip
+            raise (TinkerTrainingError if training else TinkerServiceError)(message) from err
         except TemperingError:
             raise
         except Exception as err:  # noqa: BLE001
@@ -771,71 +894,38 @@ class TinkerBackend:
             return failed
 
     def _result_with_retry(self, what: str, fut: Any, resubmit: Callable[[], Any]) -> Any:
-        """The result of an *idempotent* request, resubmitting it after a retryable failure."""
+        """The result of an *idempotent* request, resubmitting it after a retryable failure
+        (each attempt bounded by ``request_timeout_seconds``)."""
         attempt = 0
         while True:
             try:
-                return fut.result()
-            except Exception as err:  # noqa: BLE001
-                if not self._retryable(err) or attempt >= self.max_retries:
-                    raise self._translate(err, what, attempts=attempt + 1) from err
+                return self._wait(fut, what)
+            except TemperingError as translated:
+                cause = translated.__cause__
+                if not isinstance(cause, Exception) or isinstance(cause, Overdue) or not retryable(self._tinker, cause):
+                    raise
+                if attempt >= self.max_retries:
+                    raise self._translate(cause, what, attempts=attempt + 1) from cause
                 delay = min(self.retry_backoff * 2**attempt, self.retry_max_backoff) * random.uniform(0.75, 1.25)
                 with self._lock:
                     self.retry_count += 1
                 time.sleep(delay)
                 attempt += 1
-                try:
-                    fut = resubmit()
-                except Exception as again:  # noqa: BLE001
-                    fut = Future()
-                    fut.set_exception(again)
-
-    def _retryable(self, err: BaseException) -> bool:
-        t = self._tinker
-        if isinstance(err, (t.RateLimitError, t.InternalServerError, t.APIConnectionError, TimeoutError, ConnectionError)):
-            return True
-        if isinstance(err, t.APIStatusError):
-            return err.status_code in (408, 409, 429) or err.status_code >= 500
-        return False
+                fut = self._try_submit(lambda _: resubmit(), None)
 
     def _translate(self, err: BaseException, what: str, training: bool = False, attempts: int | None = None) -> TemperingError:
-        """A one-line error that says what happened and what to do."""
-        if isinstance(err, TemperingError):
-            return err
-        t = self._tinker
-        detail = one_line(getattr(err, "message", None) or err)[:300]
-        text = str(err)
-        if isinstance(err, t.AuthenticationError) or "api_key must start with" in text or "api_key client option must be set" in text:
-            return TinkerAuthError(f"Tinker rejected the API key while trying to {what} ({detail}): {KEY_HINT}")
-        if isinstance(err, t.PermissionDeniedError):
-            return TinkerAuthError(f"Tinker denied access while trying to {what} (403: {detail}); check the key's project and {KEY_HINT}")
-        if isinstance(err, t.BillingError):
-            return TinkerServiceError(f"Tinker refused to {what}: billing is not set up for this account (402: {detail})")
-        if training:
-            return TinkerTrainingError(
-                f"Tinker failed to {what} ({type(err).__name__}: {detail}). Training calls are not retried: the service "
-                "may already have applied it. Re-run the same command (same output_dir) to resume from the last checkpoint"
-            )
-        if self._retryable(err):
-            kind = "rate limit (429)" if isinstance(err, t.RateLimitError) else type(err).__name__
-            if attempts is None:
-                return TinkerServiceError(f"Tinker could not {what}: {kind} persisted after the SDK's own retries ({detail}); try again later")
-            return TinkerServiceError(
-                f"Tinker could not {what}: {kind} persisted over {attempts} attempt(s) ({detail}); raise backend.max_retries "
-                "or backend.retry_backoff, or try later"
-            )
-        if isinstance(err, (t.BadRequestError, t.UnprocessableEntityError, t.NotFoundError)):
-            return TinkerServiceError(f"Tinker rejected the request to {what} ({type(err).__name__}: {detail})")
-        return TinkerServiceError(f"Tinker failed to {what} ({type(err).__name__}: {detail})")
+        return translate(self._tinker, err, what, training=training, attempts=attempts)
 
 
 class TinkerSamplingClient:
     """A sampler of one weight snapshot (see :meth:`TinkerBackend.sampling_client`); ``sample``
-    has the backend's signature and conventions, ``policy_version`` is the snapshot's step."""
+    has the backend's signature and conventions, ``policy_version`` is the snapshot's step (for
+    an ``inflight`` client, the step of the weights it was created with: samples use those or
+    newer)."""
 
-    def __init__(self, backend: TinkerBackend, sdk_future: Any, policy_version: int) -> None:
+    def __init__(self, backend: TinkerBackend, call: Call, policy_version: int) -> None:
         self._backend = backend
-        self._sdk_future = sdk_future
+        self._call = call
         self.policy_version = int(policy_version)
 
     @property
@@ -843,7 +933,7 @@ class TinkerSamplingClient:
         return self._backend.tokenizer
 
     def sample(self, prompts: list[list[int]], num_samples: int, params: SamplingParams) -> Future[list[list[Completion]]]:
-        return self._backend._sample_with(self._sdk_future, self.policy_version, prompts, num_samples, params)
+        return self._backend._sample_with(self._call, self.policy_version, prompts, num_samples, params)
 
     def __repr__(self) -> str:
         return f"TinkerSamplingClient(policy_version={self.policy_version})"
@@ -856,6 +946,37 @@ def _check_api_key(api_key: str | None) -> None:
     source = "backend.api_key" if api_key else "TINKER_API_KEY"
     if key and not key.startswith(("tml-", "eyJ")) and not os.environ.get("TINKER_CREDENTIAL_CMD"):
         raise TinkerAuthError(f"{source} must start with 'tml-' (the value set does not): {KEY_HINT}")
+
+
+def _run_status(exc: BaseException | None, gave_up: bool) -> str:
+    """The session's finish status for a run ending with ``exc`` in flight (or none)."""
+    if exc is None:
+        return "errored" if gave_up else "success"
+    if type(exc).__name__ in ("RunStopped", "StopRun") or not isinstance(exc, Exception):
+        return "interrupted"  # Ctrl-C, or a stage that stopped the run on purpose
+    return "errored"
+
+
+def _dry_run(loss: Any, tensors: dict[str, Any]) -> None:
+    """Run ``loss`` on zero logprobs, with a gradient, before anything is sent: the SDK runs a
+    custom loss inside the training client's queue, where an error poisons the client for good.
+    Catches what does not depend on the logprobs' values (missing inputs, wrong shapes, a
+    non-scalar loss, non-numeric metrics)."""
+    try:
+        lp = torch.zeros_like(tensors["weights"], dtype=torch.float32, requires_grad=True)
+        out = loss(lp, tensors)
+        value = getattr(out, "loss", None)
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            raise TypeError(f"it must return a LossOutput with a scalar tensor .loss, got {type(value).__name__}"
+                            + (f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""))  # fmt: skip
+        value.backward()
+        _float_metrics(getattr(out, "metrics", {}) or {}, type(loss).__name__)
+    except Exception as err:  # noqa: BLE001
+        raise TinkerLossError(
+            f"forward_backward: {type(loss).__name__} failed on zero logprobs before anything was sent to Tinker "
+            f"({type(err).__name__}: {one_line(err)}); the batch lacks what the loss reads (e.g. ref_logprobs: give the "
+            "stage a reference) or the loss is wrong"
+        ) from err
 
 
 def _custom_loss_fn(loss: Any, tensors: dict[str, Any], captured: dict[str, Any]) -> Callable[..., Any]:

@@ -9,7 +9,12 @@ functions"), with ``r = exp(lp - q)`` (``lp`` the trainer's logprob of the targe
 * ``importance_sampling``: ``-sum(r * A)``;
 * ``ppo``: ``-sum(min(r * A, clip(r, lo, hi) * A))`` with ``lo``/``hi`` =
   ``loss_fn_config["clip_low_threshold" / "clip_high_threshold"]`` (ratios, e.g. 0.8 / 1.28);
-* ``cispo``: ``-sum(sg(clip(r, lo, hi)) * lp * A)``.
+* ``cispo``: ``-sum(sg(clip(r, lo, hi)) * lp * A)``;
+* ``gspo`` (GSPO-token): ``-sum(min(s_t * A, clip(s_t, lo, hi) * A))``, every ``s_t`` the
+  sequence ratio ``exp(mean over sequence_ratio_mask of (lp - q))`` in value, with the gradient
+  of the token's own logprob.
+
+The formulas are written out once, in :mod:`~tempering.plugins.backends.tinker.builtin_losses`.
 
 None of them has a mask: every position of ``target_tokens`` counts. So :func:`plan_loss` sends
 ``advantages = 0`` and ``logprobs = 0`` where our ``weights`` are 0 (such a position then adds
@@ -19,6 +24,11 @@ constant) are linear in the per-token loss with non-negative coefficients ``c[b,
 ``c * min(r A, clip(r) A) = min(r (cA), clip(r) (cA))`` for ``c >= 0``. That makes the built-in
 compute *exactly* our loss as a function of the per-token logprobs (tests/test_tinker_backend.py
 checks loss and gradient against the documented formulas).
+
+GRPO with sequence-level ratios (GSPO) is Tinker's ``gspo`` when each row's loss mask is 0/1 and
+its folded advantage is one value over the mask: our ratio ``exp(mean(lp - q))`` has gradient
+``s / |M|`` for each of a row's ``|M|`` tokens, and summed over the row's tokens with one
+advantage ``a`` that is ``s * a`` per token -- exactly GSPO-token's.
 
 When no built-in is exact, the plan is ``custom``: ``forward_backward_custom`` with a wrapper
 that evaluates our pure-torch loss on the logprobs Tinker returns (one extra forward pass).
@@ -42,7 +52,7 @@ BUILTINS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo
 #: Built-ins that read ``target_tokens``, ``logprobs`` (the sampler's) and ``advantages``.
 RL_BUILTINS = ("importance_sampling", "ppo", "cispo", "dro", "gspo")
 #: Built-ins whose clip thresholds we must send explicitly (never rely on the service default).
-CLIPPED = ("ppo", "cispo")
+CLIPPED = ("ppo", "cispo", "gspo")
 #: ``Datum.extra`` keys that turn ``cross_entropy`` rows into ``(N, K)`` soft targets.
 SOFT_IDS, SOFT_WEIGHTS = "soft_target_ids", "soft_target_weights"
 
@@ -113,10 +123,13 @@ def _grpo_plan(loss: Any, batch: Batch) -> LossPlan | None:
         why.append(f"beta={loss.beta} adds the k3 KL term, which no built-in has")
     if loss.delta is not None:
         why.append(f"delta={loss.delta} (two-sided clip) is not in Tinker's ppo")
-    if loss.importance_sampling_level != "token":
-        why.append(f"importance_sampling_level={loss.importance_sampling_level!r} (sequence ratios) is not Tinker's token-level ppo")
+    if loss.importance_sampling_level not in ("token", "sequence"):
+        why.append(f"importance_sampling_level={loss.importance_sampling_level!r} has no built-in")
     if any(w < 0 for d in batch.data for w in d.weights):
         why.append("negative weights cannot be folded into advantages")
+    sequence = loss.importance_sampling_level == "sequence"
+    if sequence and any(w not in (0.0, 1.0) for d in batch.data for w in d.weights):
+        why.append("sequence ratios over fractional weights (a weighted mean) are not Tinker's gspo (a mean over a 0/1 mask)")
     if why:
         return custom_plan(loss, batch, "GRPOLoss: " + "; ".join(why))
     _require(batch, ("sampler_logprobs", "advantages"), "GRPOLoss")
@@ -139,6 +152,16 @@ def _grpo_plan(loss: Any, batch: Batch) -> LossPlan | None:
         for i, d in enumerate(batch.data)
     ]
     config = {"clip_low_threshold": 1.0 - float(loss.epsilon_low), "clip_high_threshold": 1.0 + float(loss.epsilon_high)}
+    if sequence:
+        for i, d in enumerate(batch.data):
+            values = {round(float(a), 12) for a, w in zip(inputs[i]["advantages"], d.weights) if w}
+            if len(values) > 1:
+                return custom_plan(loss, batch, "GRPOLoss (sequence ratios): a row's folded advantage varies along it, "
+                                   "where Tinker's gspo (GSPO-token) differs from the sequence ratio's gradient")  # fmt: skip
+            inputs[i]["sequence_ratio_mask"] = [1.0 if w else 0.0 for w in d.weights]
+        return LossPlan("gspo", config, inputs, details={"coefficients": coef},
+                        note=f"GRPOLoss(loss_type={loss.loss_type!r}, sequence ratios) as Tinker's gspo with its normaliser "
+                             "folded into the advantages (exact: 0/1 mask, one advantage per row)")  # fmt: skip
     return LossPlan(
         "ppo",
         config,
@@ -196,6 +219,8 @@ def _builtin_plan(loss: Any, name: str, batch: Batch) -> LossPlan:
                 "advantages": [float(x) if a else 0.0 for x, a in zip(d.advantages or [], active)],
             }
         )
+        if name == "gspo":
+            inputs[-1]["sequence_ratio_mask"] = [1.0 if a else 0.0 for a in active]
     for row in inputs:
         bad = [x for x in row["logprobs"] + row["advantages"] if not math.isfinite(x)]
         if bad:

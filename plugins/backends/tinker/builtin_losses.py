@@ -1,0 +1,104 @@
+"""Tinker's built-in losses, computed as Tinker's documentation defines them.
+
+One function, :func:`builtin_loss`, gives the loss of *one datum* (Tinker's losses are sums over
+a datum's positions, with no mask): ``lp`` is the trainer's logprob of each target token
+(``(N,)``, or ``(N, K)`` for 2-D ``target_tokens``), ``inputs`` the datum's ``loss_fn_inputs``
+as tensors. With ``r = exp(lp - q)`` (``q`` the ``logprobs`` input, the sampler's):
+
+* ``cross_entropy``: ``-sum(weights * lp)`` (``weights`` absent: zeros, as the SDK's forward);
+* ``importance_sampling``: ``-sum(r * A)``;
+* ``ppo``: ``-sum(min(r * A, clip(r, lo, hi) * A))``;
+* ``cispo``: ``-sum(sg(clip(r, lo, hi)) * lp * A)``;
+* ``dro``: ``-sum(lp * A - beta / 2 * (lp - q)**2)``;
+* ``gspo`` (GSPO-token): every token carries the value of the sequence ratio
+  ``s = exp(mean over sequence_ratio_mask of (lp - q))`` with the gradient of its own
+  logprob, ``s_t = sg(s) * exp(lp_t - sg(lp_t))``; ``-sum(min(s_t * A, clip(s_t, lo, hi) * A))``.
+
+``lo``/``hi`` are ``loss_fn_config["clip_low_threshold" / "clip_high_threshold"]`` (ratios, e.g.
+0.8 / 1.28). Two users share this module, so the formula lives in one place: the local Tinker
+server (:mod:`~tempering.plugins.backends.tinker.local_service`) computes the losses with it,
+and the tests check with it that :mod:`~tempering.plugins.backends.tinker.mapping` sends rows on
+which the built-in equals our loss, value and gradient.
+
+A strict reading: a key a loss does not take, a missing input, or a missing threshold where the
+documentation gives no default is a :class:`ValueError` (the local server answers it with
+HTTP 400), so a client never silently runs with a service default it did not choose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["BUILTIN_INPUTS", "BUILTIN_CONFIG", "builtin_loss", "check_builtin"]
+
+#: ``loss_fn_inputs`` each built-in requires, and those it accepts.
+BUILTIN_INPUTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "cross_entropy": (frozenset({"target_tokens"}), frozenset({"target_tokens", "weights"})),
+    **{
+        name: (frozenset({"target_tokens", "logprobs", "advantages"}), frozenset({"target_tokens", "logprobs", "advantages"}))
+        for name in ("importance_sampling", "ppo", "cispo", "dro")
+    },
+    "gspo": (
+        frozenset({"target_tokens", "logprobs", "advantages", "sequence_ratio_mask"}),
+        frozenset({"target_tokens", "logprobs", "advantages", "sequence_ratio_mask"}),
+    ),
+}
+#: ``loss_fn_config`` keys each built-in takes, with the documented default (None: required).
+BUILTIN_CONFIG: dict[str, dict[str, float | None]] = {
+    "cross_entropy": {},
+    "importance_sampling": {},
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},  # "currently fixed to 0.2"
+    "cispo": {"clip_low_threshold": None, "clip_high_threshold": None},
+    "gspo": {"clip_low_threshold": None, "clip_high_threshold": None},
+    "dro": {"beta": None},
+}
+
+
+def check_builtin(loss_fn: str, config: Mapping[str, Any] | None, keys: set[str] | frozenset[str]) -> dict[str, float]:
+    """The loss's full config (defaults filled in) after checking its name, config keys and
+    input keys; a :class:`ValueError` names what is wrong."""
+    if loss_fn not in BUILTIN_INPUTS:
+        raise ValueError(f"unknown loss_fn {loss_fn!r}; built-ins: {', '.join(BUILTIN_INPUTS)}")
+    required, allowed = BUILTIN_INPUTS[loss_fn]
+    if not required <= set(keys) or not set(keys) <= allowed:
+        raise ValueError(f"{loss_fn} takes loss_fn_inputs {sorted(allowed)} (requires {sorted(required)}), got {sorted(keys)}")
+    known = BUILTIN_CONFIG[loss_fn]
+    given = {str(k): float(v) for k, v in dict(config or {}).items()}
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ValueError(f"loss_fn_config keys {unknown} are not valid for {loss_fn} (it takes {sorted(known) or 'none'})")
+    full: dict[str, float] = {}
+    for key, default in known.items():
+        if key in given:
+            full[key] = given[key]
+        elif default is None:
+            raise ValueError(f"{loss_fn} needs loss_fn_config[{key!r}] (no documented default)")
+        else:
+            full[key] = default
+    return full
+
+
+def builtin_loss(loss_fn: str, config: Mapping[str, Any] | None, lp: Any, inputs: Mapping[str, Any]) -> Any:
+    """Tinker's built-in ``loss_fn`` of one datum (a scalar tensor, differentiable in ``lp``)."""
+    import torch
+
+    cfg = check_builtin(loss_fn, config, frozenset(inputs))
+    if loss_fn == "cross_entropy":
+        weights = inputs.get("weights")
+        return -(lp * weights).sum() if weights is not None else lp.sum() * 0.0
+    q, adv = inputs["logprobs"], inputs["advantages"]
+    if loss_fn == "dro":
+        return -(lp * adv - 0.5 * cfg["beta"] * (lp - q) ** 2).sum()
+    if loss_fn == "gspo":
+        in_ratio = inputs["sequence_ratio_mask"] != 0
+        log_ratio = (lp.detach() - q)[in_ratio].mean() if bool(in_ratio.any()) else lp.new_zeros(())
+        ratio = torch.exp(log_ratio + lp - lp.detach())
+    else:
+        ratio = torch.exp(lp - q)
+    if loss_fn == "importance_sampling":
+        return -(ratio * adv).sum()
+    clipped = torch.clamp(ratio, cfg["clip_low_threshold"], cfg["clip_high_threshold"])
+    if loss_fn == "cispo":
+        return -(clipped.detach() * lp * adv).sum()
+    return -torch.minimum(ratio * adv, clipped * adv).sum()  # ppo, gspo

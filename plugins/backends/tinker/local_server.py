@@ -1,0 +1,437 @@
+"""A Tinker-compatible HTTP server on loopback: the real ``tinker`` SDK (0.38) talks to it as it
+talks to Tinker, and tiny models built in code train and sample behind it.
+
+Why it exists: no open-source server speaks SDK 0.38's protocol (forward/backward and sampling
+results moved to protobuf), and an in-process fake of the SDK's *client objects* hides what the
+SDK itself does -- its retries, its futures, how it reports errors. With this server the tests
+(and anyone without a Tinker account) run the official client end to end, offline:
+
+```bash
+python -m tempering.plugins.backends.tinker.local_server --port 8765 &
+TINKER_BASE_URL=http://127.0.0.1:8765 TINKER_API_KEY=tml-local \\
+    tempering run arithmetic backend.name=tinker output_dir=runs/arithmetic-local-tinker
+```
+
+The endpoints are those the SDK's ServiceClient, TrainingClient and SamplingClient call:
+``client/config`` (optional features off: JSON futures, client-side custom losses, no pyqwest),
+``client/dynamic_config`` (404: the SDK's defaults), ``create_session``, ``session_heartbeat``,
+``sessions/{id}/finish``, ``create_model``, ``get_info``, ``forward_backward`` (protobuf, with
+``forward_only``), ``optim_step``, ``save_weights``, ``save_weights_for_sampler``,
+``load_weights``, ``create_sampling_session``, ``GET samplers/{id}``, ``asample``,
+``retrieve_future`` (a long poll: it answers as soon as the result is ready, else
+``try_again`` after ``hold_seconds``), ``healthz``, ``get_server_capabilities``, ``telemetry``
+and ``cancel_future``. State and compute: :mod:`~tempering.plugins.backends.tinker.local_service`.
+
+Fault injection (:class:`Faults`, ``server.faults``) makes the next requests fail the ways the
+service can: an HTTP status at submission (401, 409, 429, 5xx, ...), a failed future (category
+``server`` or ``user``; the operation is not applied), a future that never completes (its
+queue paused for capacity), an expired future (410), a ``retrieve_future`` that answers 408.
+Every request is recorded (``server.received``) with its decoded ``tinker.types`` body, and every
+sequence sampled as ``(prompt, completion)`` tokens (``server.sampled``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from tinker import types
+
+from tempering.plugins.backends.tinker import wire
+from tempering.plugins.backends.tinker.local_service import LocalService, Rejected, ServedModel, UserError
+
+__all__ = ["LocalTinkerServer", "Faults", "Received", "DEFAULT_MODELS"]
+
+#: What ``tiny_llama`` means on a server started without ``models``: a very small char-level
+#: Llama, so that a test step takes milliseconds.
+DEFAULT_MODELS = {"tiny_llama": ServedModel("tiny_llama", {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64})}
+#: The server's feature flags (``/client/config``): the SDK's plain paths, nothing experimental.
+CLIENT_CONFIG = {
+    "pjwt_auth_enabled": False,
+    "use_pyqwest_transport": False,
+    "proto_compress_fwdbwd": False,
+    "sample_use_retrieve_futures": False,
+    "custom_loss_server_side": False,
+    "sample_join_sampling_session": False,
+}
+
+
+@dataclass
+class Received:
+    """One request: its route, its kind (the SDK's request type for future-returning calls,
+    e.g. ``ForwardBackward``, ``Forward``, ``Sample``), and its decoded body."""
+
+    route: str
+    kind: str
+    body: Any
+    at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Fault:
+    kind: str  # "http" | "fail" | "hang" | "expire" | "retrieve"
+    status: int = 500
+    message: str = "injected by the local Tinker server"
+    category: str = "server"
+
+
+class Faults:
+    """Planned failures, consumed in order by the requests they match.
+
+    ``route`` is an endpoint path without ``/api/v1`` (``"asample"``, ``"forward_backward"``,
+    ``"client/config"``, ...); ``kind`` a future's request type (``"ForwardBackward"``,
+    ``"Forward"``, ``"OptimStep"``, ``"SaveWeights"``, ``"SaveWeightsForSampler"``,
+    ``"CreateModel"``, ``"LoadWeights"``, ``"Sample"``)."""
+
+    def __init__(self) -> None:
+        self._planned: dict[str, list[_Fault]] = defaultdict(list)
+        self._lock = threading.Lock()
+        self.hit: list[tuple[str, str]] = []  # (key, fault kind) of every fault served
+
+    def http(self, route: str, status: int, times: int = 1, message: str = "injected by the local Tinker server") -> None:
+        """The next ``times`` requests to ``route`` answer ``status`` (nothing is done)."""
+        self._add(f"route:{route}", _Fault("http", status, message), times)
+
+    def fail(self, kind: str, times: int = 1, message: str = "injected server failure", category: str = "server") -> None:
+        """The next ``times`` futures of ``kind`` fail (``category`` ``server`` or ``user``);
+        the operation is not applied, and its place in the run's order is used up."""
+        self._add(f"kind:{kind}", _Fault("fail", message=message, category=category), times)
+
+    def hang(self, kind: str, times: int = 1) -> None:
+        """The next ``times`` futures of ``kind`` never complete: every poll answers
+        ``try_again`` with the queue ``paused_capacity``."""
+        self._add(f"kind:{kind}", _Fault("hang"), times)
+
+    def expire(self, kind: str, times: int = 1) -> None:
+        """The next ``times`` futures of ``kind`` are gone when polled (HTTP 410)."""
+        self._add(f"kind:{kind}", _Fault("expire", 410), times)
+
+    def retrieve(self, status: int = 408, times: int = 1) -> None:
+        """The next ``times`` ``retrieve_future`` polls answer ``status`` (408: try again)."""
+        self._add("retrieve", _Fault("retrieve", status), times)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._planned.clear()
+
+    def _add(self, key: str, fault: _Fault, times: int) -> None:
+        with self._lock:
+            self._planned[key].extend([fault] * times)
+
+    def take(self, key: str, kinds: tuple[str, ...] | None = None) -> _Fault | None:
+        """The next planned fault for ``key`` (only if it is one of ``kinds``), used up."""
+        with self._lock:
+            planned = self._planned.get(key)
+            if not planned or (kinds is not None and planned[0].kind not in kinds):
+                return None
+            fault = planned.pop(0)
+            self.hit.append((key, fault.kind))
+            return fault
+
+
+@dataclass
+class _Pending:
+    """A server future: the request's result future and how to send it back."""
+
+    kind: str
+    future: Future[Any]
+    render: Callable[[Any], tuple[str, bytes]]
+    fault: _Fault | None = None
+
+
+def _json(value: Any) -> tuple[str, bytes]:
+    return "application/json", json.dumps(value).encode()
+
+
+class LocalTinkerServer:
+    """A Tinker-compatible service on ``http://127.0.0.1:<port>`` (see the module docstring).
+
+    Args:
+        models: base-model name -> :class:`~tempering.plugins.backends.tinker.local_service.ServedModel`
+            (or a mapping of its fields); default :data:`DEFAULT_MODELS`.
+        host / port: where to listen (port 0: a free port; loopback only by default).
+        api_keys: the keys accepted (default: any key starting with ``tml-``); another key gets
+            HTTP 401.
+        hold_seconds: how long ``retrieve_future`` waits for a result before ``try_again``.
+        root: a folder for checkpoints and tokenizers (default: a temporary one, removed by
+            :meth:`stop`).
+
+    Use as a context manager, or :meth:`start` / :meth:`stop`. ``url`` is the base URL to give
+    the SDK (``TINKER_BASE_URL`` or ``ServiceClient(base_url=...)``).
+    """
+
+    def __init__(self, models: Mapping[str, ServedModel | Mapping[str, Any]] | None = None, *, host: str = "127.0.0.1",
+                 port: int = 0, api_keys: set[str] | None = None, hold_seconds: float = 1.0, root: str | None = None) -> None:  # fmt: skip
+        self._own_root = root is None
+        self.root = root or tempfile.mkdtemp(prefix="tempering-tinker-")
+        self.service = LocalService(models if models is not None else DEFAULT_MODELS, self.root)
+        self.api_keys = api_keys
+        self.hold_seconds = float(hold_seconds)
+        self.faults = Faults()
+        self.received: list[Received] = []
+        self.sampled: list[tuple[list[int], list[int]]] = []  # (prompt, completion) of every sequence served
+        self.futures: dict[str, _Pending] = {}
+        self.paused = threading.Event()  # while set, finished results are held back (try_again)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._http = ThreadingHTTPServer((host, port), _handler(self))
+        self._http.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self._http.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> LocalTinkerServer:
+        self._thread = threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="local-tinker-server", daemon=True)  # fmt: skip
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop listening, release the models, remove the temporary folder."""
+        self._http.shutdown()
+        self._http.server_close()
+        self.service.close()
+        if self._own_root:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> LocalTinkerServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ for tests
+    def requests(self, *kinds: str) -> list[Received]:
+        """The requests received (of these kinds, or routes), in arrival order."""
+        with self._lock:
+            return [r for r in self.received if not kinds or r.kind in kinds or r.route in kinds]
+
+    def bodies(self, *kinds: str) -> list[Any]:
+        return [r.body for r in self.requests(*kinds)]
+
+    # ------------------------------------------------------------------ internals
+    def _record(self, route: str, kind: str, body: Any) -> None:
+        with self._lock:
+            self.received.append(Received(route, kind, body))
+
+    def _future(self, kind: str, future: Future[Any], render: Callable[[Any], tuple[str, bytes]],
+                model_id: str | None = None, **extra: Any) -> dict[str, Any]:  # fmt: skip
+        """Register a server future (applying a planned fault for ``kind``): the UntypedAPIFuture."""
+        request_id = f"req-{next(self._ids)}"
+        self.futures[request_id] = _Pending(kind, future, render, self.faults.take(f"kind:{kind}", ("hang", "expire")))
+        out = {"request_id": request_id, **extra}
+        if model_id is not None:
+            out["model_id"] = model_id
+        return out
+
+    def _submit(self, kind: str, model_id: str, seq_id: int | None, start: Callable[[], Future[Any]]) -> Future[Any]:
+        """Start a run's operation unless a fault fails it (then it uses up its place only)."""
+        fault = self._peek_fail(kind)
+        if fault is None:
+            return start()
+        run = self.service.run(model_id)
+        if seq_id is not None:
+            run.skip(seq_id)
+        failed: Future[Any] = Future()
+        failed.set_exception(UserError(fault.message) if fault.category == "user" else RuntimeError(fault.message))
+        return failed
+
+    def _peek_fail(self, kind: str) -> _Fault | None:
+        return self.faults.take(f"kind:{kind}", ("fail",))
+
+    def _record_samples(self, prompt: list[int], fut: Future[Any]) -> None:
+        if fut.exception() is None:
+            with self._lock:
+                self.sampled.extend((list(prompt), list(c.tokens)) for c in fut.result()[0])
+
+    def _retrieve(self, request_id: str) -> tuple[int, str, bytes]:
+        pending = self.futures.get(request_id)
+        if pending is None:
+            return 404, *_json({"detail": f"no future {request_id!r}"})
+        fault = self.faults.take("retrieve")
+        if fault is not None:
+            return fault.status, *_json({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        if pending.fault is not None and pending.fault.kind == "expire":
+            return 410, *_json({"detail": f"future {request_id!r} expired"})
+        hung = pending.fault is not None and pending.fault.kind == "hang"
+        if hung or self.paused.is_set():
+            time.sleep(self.hold_seconds)
+        else:
+            wait([pending.future], timeout=self.hold_seconds)
+        if hung or self.paused.is_set() or not pending.future.done():
+            state = "paused_capacity" if hung or self.paused.is_set() else "active"
+            return 200, *_json({"type": "try_again", "request_id": request_id, "queue_state": state})
+        err = pending.future.exception()
+        if err is not None:
+            return 200, *_json({"error": str(err), "category": "user" if isinstance(err, UserError) else "server"})
+        return 200, *pending.render(pending.future.result())
+
+    # ------------------------------------------------------------------ routes
+    def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> tuple[int, str, bytes]:
+        """One HTTP request -> ``(status, content type, body)``."""
+        route = path.split("?", 1)[0].removeprefix("/api/v1/").strip("/")
+        if route != "healthz":
+            key = headers.get("x-api-key") or ""
+            accepted = key in self.api_keys if self.api_keys is not None else key.startswith("tml-")
+            if not accepted:
+                return 401, *_json({"detail": "Invalid API key"})
+        fault = self.faults.take(f"route:{route}")
+        if fault is not None:
+            return fault.status, *_json({"detail": fault.message})
+        try:
+            return self._route(method, route, headers, body)
+        except Rejected as err:
+            return err.status, *_json({"detail": str(err)})
+        except UserError as err:
+            return 400, *_json({"detail": str(err)})
+
+    def _route(self, method: str, route: str, headers: Mapping[str, str], body: bytes) -> tuple[int, str, bytes]:
+        svc = self.service
+        data: Any = json.loads(body or b"null") if "protobuf" not in headers.get("content-type", "") else None
+        if route == "healthz":
+            return 200, *_json({"status": "ok"})
+        if route == "client/config":
+            return 200, *_json(CLIENT_CONFIG)
+        if route in ("telemetry", "cancel_future"):
+            return 200, *_json({})
+        if route == "get_server_capabilities":
+            return 200, *_json({"supported_models": [{"model_name": m, "trainable": True, "sampleable": True} for m in svc.models]})
+        if route == "create_session":
+            self._record(route, "CreateSession", types.CreateSessionRequest.model_validate(data))
+            return 200, *_json({"type": "create_session", "session_id": svc.create_session()})
+        if route == "session_heartbeat":
+            svc.heartbeat(data["session_id"])
+            return 200, *_json({"type": "session_heartbeat"})
+        if (m := re.fullmatch(r"sessions/([^/]+)/finish", route)) is not None:
+            self._record(route, "FinishSession", data)
+            svc.finish(m.group(1), (data.get("reason") or {}).get("type", "success"))
+            return 200, *_json(None)
+        if route == "create_model":
+            req = types.CreateModelRequest.model_validate(data)
+            self._record(route, "CreateModel", req)
+            model_id, fut = svc.create_model(req)
+            return 200, *_json(self._future("CreateModel", fut, _json, model_id))
+        if route == "get_info":
+            return 200, *_json(svc.info(data["model_id"]))
+        if route == "forward_backward":
+            call = wire.decode_forward_backward(body)
+            kind = "Forward" if call.forward_only else "ForwardBackward"
+            self._record(route, kind, call)
+            fut = self._submit(kind, call.model_id, call.seq_id, lambda: svc.forward_backward(call))
+            return 200, *_json(self._future(kind, fut, lambda r: (wire.PROTO, wire.encode_forward_backward(*r)), call.model_id))
+        if route == "optim_step":
+            req = types.OptimStepRequest.model_validate(data)
+            self._record(route, "OptimStep", req)
+            fut = self._submit("OptimStep", req.model_id, req.seq_id, lambda: svc.optim_step(req))
+            return 200, *_json(self._future("OptimStep", fut, _json, req.model_id))
+        if route == "save_weights":
+            req = types.SaveWeightsRequest.model_validate(data)
+            self._record(route, "SaveWeights", req)
+            fut = self._submit("SaveWeights", req.model_id, req.seq_id, lambda: svc.save_state(req))
+            return 200, *_json(self._future("SaveWeights", fut, _json, req.model_id))
+        if route == "save_weights_for_sampler":
+            req = types.SaveWeightsForSamplerRequest.model_validate(data)
+            self._record(route, "SaveWeightsForSampler", req)
+            fut = self._submit("SaveWeightsForSampler", req.model_id, req.seq_id, lambda: svc.save_for_sampler(req))
+            return 200, *_json(self._future("SaveWeightsForSampler", fut, _json, req.model_id))
+        if route == "load_weights":
+            req = types.LoadWeightsRequest.model_validate(data)
+            self._record(route, "LoadWeights", req)
+            model_id, fut = svc.load_state(req)
+            return 200, *_json(self._future("LoadWeights", fut, _json, model_id))
+        if route == "create_sampling_session":
+            req = types.CreateSamplingSessionRequest.model_validate(data)
+            self._record(route, "CreateSamplingSession", req)
+            return 200, *_json({"type": "create_sampling_session", "sampling_session_id": svc.create_sampling_session(req)})
+        if method == "GET" and (m := re.fullmatch(r"samplers/([^/]+)", route)) is not None:
+            sampler = svc.sampler(m.group(1))
+            return 200, *_json({"sampler_id": m.group(1), "base_model": sampler.base_model, "model_path": sampler.path})
+        if route == "asample":
+            req = types.SampleRequest.model_validate(data)
+            self._record(route, "Sample", req)
+            if self._peek_fail("Sample") is not None:
+                fut: Future[Any] = Future()
+                fut.set_exception(RuntimeError("injected server failure"))
+            else:
+                fut = svc.sample(req)
+                if not (req.prompt_logprobs or req.topk_prompt_logprobs):  # not a scoring request's throwaway token
+                    fut.add_done_callback(lambda f, p=req.prompt.to_ints(): self._record_samples(p, f))
+            ids = [f"{req.sampling_session_id}:{req.seq_id}:{i}" for i in range(int(req.num_samples))]
+            return 200, *_json(self._future("Sample", fut, _render_sample, sample_sequence_ids=ids))
+        if route == "retrieve_future":
+            return self._retrieve(types.FutureRetrieveRequest.model_validate(data).request_id)
+        return 404, *_json({"detail": f"no route {method} /api/v1/{route}"})
+
+
+def _render_sample(result: Any) -> tuple[str, bytes]:
+    completions, prompt_lps, topk, k = result
+    seqs = [(c.tokens, c.logprobs, c.stop_reason) for c in completions]
+    return wire.PROTO, wire.encode_sample(seqs, prompt_lps, topk, k)
+
+
+def _handler(server: LocalTinkerServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: the SDK reuses its connections
+        disable_nagle_algorithm = True  # small answers go out at once (no 40 ms delayed-ACK stall)
+
+        def _serve(self) -> None:
+            length = int(self.headers.get("content-length") or 0)
+            body = self.rfile.read(length) if length else b""
+            headers = {k.lower(): v for k, v in self.headers.items()}
+            try:
+                status, ctype, payload = server.handle(self.command, self.path, headers, body)
+            except Exception as err:  # noqa: BLE001 - a bug here is the client's 500
+                status, (ctype, payload) = 500, _json({"detail": f"{type(err).__name__}: {err}"})
+            try:
+                self.send_response(status)
+                self.send_header("content-type", ctype)
+                self.send_header("content-length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True  # the client gave up on this request (a cancelled poll)
+
+        do_GET = do_POST = _serve
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+            pass
+
+    return Handler
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve until interrupted: ``python -m tempering.plugins.backends.tinker.local_server``."""
+    parser = argparse.ArgumentParser(description="A local Tinker-compatible server (tiny models, CPU).")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--model", default="tiny_llama", help="a registered model builder, served under its own name")
+    parser.add_argument("--model-kwargs", default="{}", help="JSON keyword arguments for the builder")
+    args = parser.parse_args(argv)
+    server = LocalTinkerServer({args.model: ServedModel(args.model, json.loads(args.model_kwargs))}, host=args.host, port=args.port)
+    print(f"serving {args.model} at {server.url} (TINKER_BASE_URL={server.url}, any TINKER_API_KEY starting with tml-)", flush=True)
+    server.start()
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Bounded waits on the Tinker SDK: nothing the backend waits for can hang a run silently.
+
+The SDK waits without limit in places: it polls a future whose queue is paused (capacity,
+rate limits) forever, loops on HTTP 429 for sampling, and retries a training request's
+submission and the session's setup for minutes. So every wait of the backend goes through
+:func:`wait_for`: after ``warn_after`` seconds it warns, naming what it waits for (again at
+twice that, four times, ...), and after ``timeout`` seconds it gives up with :class:`Overdue`.
+Setup calls, which do their network work *before* returning a future, run on a thread of their
+own (:func:`in_thread`) so that they are bounded the same way. :func:`probe` tells an
+unreachable service apart at once, instead of after the SDK's connection retries.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+__all__ = ["Overdue", "wait_for", "in_thread", "probe"]
+
+_TIMEOUTS = (TimeoutError, concurrent.futures.TimeoutError)
+
+
+class Overdue(Exception):
+    """No result within the time allowed (the operation itself may still finish)."""
+
+    def __init__(self, what: str, seconds: float) -> None:
+        super().__init__(f"no result for {what} after {seconds:.0f} s")
+        self.what, self.seconds = what, seconds
+
+
+def _done(fut: Any) -> bool:
+    inner = fut.future() if callable(getattr(fut, "future", None)) else fut
+    return bool(inner.done())
+
+
+def wait_for(fut: Any, what: str, timeout: float, warn_after: float, setting: str = "backend.request_timeout_seconds") -> Any:
+    """``fut.result()`` within ``timeout`` seconds (an SDK future or a concurrent one), warning
+    after ``warn_after`` seconds and then at doubling intervals; :class:`Overdue` past it."""
+    start = time.monotonic()
+    warn_at = max(float(warn_after), 0.0) or float("inf")
+    while True:
+        elapsed = time.monotonic() - start
+        try:
+            return fut.result(timeout=max(0.0, min(warn_at, timeout) - elapsed))
+        except _TIMEOUTS:
+            if _done(fut):
+                raise  # the operation's own TimeoutError
+        elapsed = time.monotonic() - start
+        if elapsed >= timeout:
+            raise Overdue(what, elapsed)
+        if elapsed >= warn_at:
+            warnings.warn(
+                f"Tinker: still waiting for {what} after {elapsed:.0f} s (the service may be queueing it, or paused for "
+                f"capacity or rate limits, which the SDK waits out without a word); giving up after {timeout:.0f} s ({setting})",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            warn_at *= 2
+
+
+def in_thread(fn: Callable[[], T], name: str = "tempering-tinker-setup") -> Future[T]:
+    """Run ``fn`` on a daemon thread of its own: a caller can stop waiting for it (the thread
+    then finishes or fails on its own, holding nothing of the caller's)."""
+    out: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            out.set_result(fn())
+        except BaseException as err:  # noqa: BLE001 - the future carries it
+            out.set_exception(err)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return out
+
+
+def probe(base_url: str, timeout: float = 5.0) -> str | None:
+    """Why ``base_url`` cannot be reached (connection refused, unknown host, no connection in
+    time), or None once a connection is made -- any answer counts: the SDK reports those itself."""
+    import httpx
+
+    try:
+        # the connection is the question: a slow answer (read timeout) still counts as reachable
+        httpx.get(f"{base_url.rstrip('/')}/api/v1/healthz", timeout=httpx.Timeout(1.0, connect=timeout))
+    except httpx.ConnectError as err:
+        return f"cannot connect: {err}" if str(err) else "cannot connect (connection refused)"
+    except httpx.ConnectTimeout:
+        return f"no connection within {timeout:.0f} s"
+    except httpx.HTTPError:  # it connected: whatever else went wrong, the SDK will say
+        return None
+    return None
