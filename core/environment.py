@@ -138,6 +138,16 @@ class Environment:
         """Reward of the final answer; ``None`` (default) lets the stage's ``reward`` score it."""
         return None
 
+    def view(self, messages: list[Message]) -> list[Message]:
+        """The history as the model sees it before its next turn. Default: all of it.
+
+        An environment that manages the model's context -- drops the documents it pruned,
+        summarises old turns -- rewrites it here and keeps the history itself intact (the
+        transcript records what happened). Where the rewritten prompt no longer extends the
+        previous one, the trajectory starts a new training row: no row holds a token the
+        model did not see."""
+        return messages
+
     async def cleanup(self) -> None:
         """Release what the episode holds (always called, also after an error)."""
 

@@ -151,7 +151,7 @@ async def run_episode(env: Any, example: dict[str, Any], renderer: Any, queue: M
         traj.messages, traj.tools = messages, tools
         traj.stop = "max_turns"
         for turn in range(limits.max_turns):
-            prompt = renderer.render_prompt(messages, tools or None)
+            prompt = renderer.render_prompt(model_view(env, messages), tools or None)
             builder.observe(prompt.tokens)
             room = max_tokens
             if limits.max_total_tokens:
@@ -193,6 +193,15 @@ async def run_episode(env: Any, example: dict[str, Any], renderer: Any, queue: M
     traj.count("turns", float(len(traj.turns)))
     traj.count("row_splits", float(builder.splits))
     return traj, total
+
+
+def model_view(env: Any, messages: list[Any]) -> list[Any]:
+    """What the model sees of ``messages``: the environment's :meth:`~tempering.environment.Environment.view`
+    (on a copy, so a view cannot edit the history), or all of it."""
+    view = getattr(env, "view", None)
+    if view is None:
+        return messages
+    return check_messages(view([dict(m) for m in messages]), "environment.view() returned")
 
 
 def _parse(prompt: Any, completion: Completion) -> ParsedResponse:

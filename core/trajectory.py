@@ -113,12 +113,21 @@ def training_rows(
     ``render_prompt(history)`` is the generation prompt before a model turn and
     ``render_response(message)`` the tokens the model would emit for an assistant message (its
     stop token included): the rows are what a rollout of this transcript would have produced,
-    so an SFT warmup and RL later train on identically tokenized text.
+    so an SFT warmup and RL later train on identically tokenized text. An assistant message
+    with ``"weight": 0`` (OpenAI's fine-tuning convention, :func:`trains`) is context only.
     """
     builder = TrajectoryBuilder()
     for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
+        if not trains(message):
             continue
         builder.observe(render_prompt(messages[:i]))
         builder.act(render_response(message))
     return [TrainingRow(s.tokens, s.weights) for s in builder.segments]
+
+
+def trains(message: Message) -> bool:
+    """Whether supervised training learns ``message``: an assistant message, unless it says
+    ``"weight": 0`` -- a turn kept as context, e.g. an earlier turn of a conversation whose
+    history was rewritten (one row per context, each training only its own turns), or the
+    shared prefix of a preference pair."""
+    return message.get("role") == "assistant" and float(message.get("weight", 1.0)) != 0.0

@@ -385,6 +385,17 @@ def test_a_malformed_tool_call_parses_to_a_parse_error(renderer):
     assert (bad_json.text, bad_json.parse_error) == ("hi", "malformed tool call 'add(a=1,b=)': not a call expression")
 
 
+@pytest.mark.parametrize("written", ["""find(q='say "hi"')""", '''find(q="it's")''', '''find(q="""a"b'c""")'''])
+def test_a_call_the_model_wrote_re_renders_as_it_wrote_it(renderer, written):
+    """A call re-rendered into the next prompt keeps the model's quoting: JSON's ``\\"`` escape
+    would need a backslash, which the tiny alphabet lacks (the episode then failed with the
+    tokenizer's "Missing [UNK] token" on the next turn)."""
+    tokens = [renderer.call_id, *renderer._text(written), renderer.eos_id]
+    parsed = renderer.parse(tokens)
+    assert parsed.parse_error is None
+    message = {"role": "assistant", "content": "", "tool_calls": [c.to_openai() for c in parsed.tool_calls]}
+    assert renderer.render_response(message) == tokens
+
 class Strict(Adder):
     parse_errors = "end"
 

@@ -1,5 +1,22 @@
 """DPO stage: preference pairs -> one optimizer step per batch of pairs.
 
+A pair is single-turn -- ``prompt`` (or ``messages``) and two completion texts -- or
+multi-turn: ``messages`` (the shared history), ``tools`` and two *continuations*, each a list
+of messages starting with an assistant turn (or one assistant message), e.g. the same search
+agent's preferred and rejected next tool call::
+
+    {"messages": [{"role": "user", "content": "country of kam olo?"}, ...],
+     "tools": [{"type": "function", "function": {"name": "search", ...}}, ...],
+     "chosen": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "search",
+                 "arguments": "{\"query\": \"tes\"}"}}]}],
+     "rejected": [{"role": "assistant", "content": "", "tool_calls": [...]}]}
+
+A multi-turn side is rendered by the stage's ``renderer`` (``auto``: the model's chat format)
+as history + continuation, tokenized exactly as an episode of those turns would be, with
+weight on the continuation's assistant tokens only: the shared history's assistant turns are
+context (``"weight": 0``), tool results and user turns never train. Where the format rewrites
+history inside a continuation, a side is several rows; the loss sums a side over its rows.
+
 Reference policy (``reference`` x ``reference_model``):
 
 * ``reference: live`` (default) scores each batch with the reference at every step;
@@ -22,9 +39,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tempering.chat import Message, check_messages
 from tempering.data import ExampleStream, encode_completion, encode_prompt, load_examples
 from tempering.errors import ConfigError
+from tempering.renderer import build_renderer
 from tempering.stage import Stage, check_stage
+from tempering.trajectory import trains
 from tempering.types import Batch, Datum
 
 REFERENCES = ("live", "precomputed")
@@ -32,10 +52,34 @@ REFERENCE_MODELS = ("base", "stage_start")
 _REF_C, _REF_R = "_ref_chosen", "_ref_rejected"
 
 
+SLOT = "dpo_slot"  # Datum.extra: pair i's chosen rows hold 2i, its rejected rows 2i + 1 (multi-row sides)
+
+
 def completion_datum(prompt: list[int], completion: list[int], **extra: Any) -> Datum:
     """A row that scores ``completion`` after ``prompt``: weight 1 on completion targets."""
     tokens = prompt + completion
     return Datum(tokens[:-1], tokens[1:], [0.0] * (len(prompt) - 1) + [1.0] * len(completion), extra=dict(extra))
+
+
+def is_multi_turn(row: Mapping[str, Any], key: str) -> bool:
+    """Whether ``row[key]`` is a continuation (messages) rather than a completion text."""
+    return isinstance(row.get(key), (list, tuple, Mapping))
+
+
+def continuation(value: Any, where: str) -> list[Message]:
+    """A side of a multi-turn pair as messages: a list starting with an assistant turn."""
+    messages = check_messages([value] if isinstance(value, Mapping) else value, where)
+    if not messages or messages[0].get("role") != "assistant":
+        raise ValueError(f"{where}: a continuation starts with an assistant message (the turn the pair prefers or rejects)")
+    return messages
+
+
+def turn_rows(renderer: Any, history: list[Message], side: list[Message], tools: Any) -> list[Datum]:
+    """The rows of one side: ``history`` + ``side`` rendered for training, weight on the
+    side's assistant tokens only (the history's assistant turns are context)."""
+    context = [{**m, "weight": 0} if trains(m) else dict(m) for m in history]
+    rows = [r for r in renderer.render_training([*context, *side], tools) if any(r.weights)]
+    return [r.segment().to_datum(weight=1.0, logprobs=False) for r in rows]
 
 
 @dataclass
@@ -56,6 +100,7 @@ class DPO(Stage):
     reference: str = "live"
     reference_model: str = "stage_start"
     precompute_batch_size: int = 64
+    renderer: Any = "auto"
 
     label = "dpo"
     summary_keys = ("loss",)
@@ -90,6 +135,8 @@ class DPO(Stage):
                 raise ConfigError(f"rows have no '{key}' (keys: {sorted(examples[0])})", f"{path}.{key_name}")
         start = int(state.get("step", 0))
         self.backend = backend = ctx.backend
+        multi = any(is_multi_turn(r, self.chosen_key) or is_multi_turn(r, self.rejected_key) for r in examples)
+        self._renderer = build_renderer(ctx, self.renderer) if multi else None
         self.snap = f"{ctx.stage_id}/dpo_reference"
         self.live_snapshot = self.reference == "live" and self.reference_model == "stage_start"
         if self.live_snapshot:
@@ -129,6 +176,7 @@ class DPO(Stage):
 
     # ------------------------------------------------------------------ batches
     def encode(self, tokenizer: Any, row: dict[str, Any]) -> tuple[list[int], list[int], list[int]]:
+        """A single-turn pair's tokens: prompt, chosen completion, rejected completion."""
         example = dict(row)
         if self.prompt_key != "prompt" and self.prompt_key in row:
             example["prompt"] = row[self.prompt_key]
@@ -137,17 +185,46 @@ class DPO(Stage):
         rejected = encode_completion(tokenizer, str(row[self.rejected_key]))
         return prompt, chosen, rejected
 
-    def build_batch(self, tokenizer: Any, rows: list[dict[str, Any]]) -> Batch:
-        """Interleaved rows: ``2i`` = pair i's chosen, ``2i + 1`` its rejected; precomputed
-        reference logprobs (if any) ride along as ``extra["ref_logprobs"]``."""
-        data = []
-        for row in rows:
+    def sides(self, tokenizer: Any, row: dict[str, Any], renderer: Any = None) -> tuple[list[Datum], list[Datum]]:
+        """The rows of a pair's chosen and rejected side (one each for a single-turn pair)."""
+        if not (is_multi_turn(row, self.chosen_key) or is_multi_turn(row, self.rejected_key)):
             prompt, chosen, rejected = self.encode(tokenizer, row)
-            c_extra = {"ref_logprobs": list(row[_REF_C])} if _REF_C in row else {}
-            r_extra = {"ref_logprobs": list(row[_REF_R])} if _REF_R in row else {}
-            data.append(completion_datum(prompt, chosen, **c_extra))
-            data.append(completion_datum(prompt, rejected, **r_extra))
-        return Batch(data, meta={"num_pairs": len(rows)})
+            return [completion_datum(prompt, chosen)], [completion_datum(prompt, rejected)]
+        renderer = renderer if renderer is not None else getattr(self, "_renderer", None)
+        if renderer is None:
+            raise ValueError("a multi-turn DPO pair needs the stage's renderer (build_batch(..., renderer=...))")
+        if "messages" not in row:
+            raise ValueError(f"a multi-turn pair needs 'messages', the shared history (keys: {sorted(row)})")
+        history = check_messages(row["messages"], "pair messages")
+        out = []
+        for key in (self.chosen_key, self.rejected_key):
+            data = turn_rows(renderer, history, continuation(row[key], f"pair {key}"), row.get("tools"))
+            if not data:
+                raise ValueError(f"pair {key}: no assistant tokens to score")
+            out.append(data)
+        return out[0], out[1]
+
+    def build_batch(self, tokenizer: Any, rows: list[dict[str, Any]], renderer: Any = None) -> Batch:
+        """Interleaved rows: ``2i`` = pair i's chosen, ``2i + 1`` its rejected, when every side
+        is one row; otherwise each side's rows in turn, each carrying its slot (``extra["dpo_slot"]``:
+        ``2i`` or ``2i + 1``) so the loss sums a side over its rows. Precomputed reference
+        logprobs (if any) ride along as ``extra["ref_logprobs"]``; ``meta["slots"]`` is each
+        row's slot."""
+        data, slots = [], []
+        for i, row in enumerate(rows):
+            for side, (datums, ref_key) in enumerate(zip(self.sides(tokenizer, row, renderer), (_REF_C, _REF_R))):
+                refs = _ref_rows(row.get(ref_key))
+                if refs is not None and len(refs) != len(datums):
+                    raise RuntimeError(f"pair {i}: {len(refs)} cached reference rows for {len(datums)} rows")
+                for j, d in enumerate(datums):
+                    if refs is not None:
+                        d.extra["ref_logprobs"] = list(refs[j])
+                    data.append(d)
+                    slots.append(2 * i + side)
+        if len(data) != 2 * len(rows):
+            for d, slot in zip(data, slots):
+                d.extra[SLOT] = [float(slot)] * len(d.target_tokens)
+        return Batch(data, meta={"num_pairs": len(rows), "slots": slots})
 
     # ------------------------------------------------------------------ precomputed reference
     def _cache_path(self, ctx: Any) -> str:
@@ -173,9 +250,13 @@ class DPO(Stage):
             tok = ctx.backend.tokenizer
             kwargs = {"reference": True} if self.reference_model == "base" else {}
             for start in range(0, len(examples), self.precompute_batch_size):
-                batch = self.build_batch(tok, examples[start : start + self.precompute_batch_size])
+                chunk = examples[start : start + self.precompute_batch_size]
+                batch = self.build_batch(tok, chunk)
                 lps = ctx.backend.logprobs(batch, **kwargs).result()
-                refs += [[lps[2 * i], lps[2 * i + 1]] for i in range(len(lps) // 2)]
+                pairs: list[list[list[list[float]]]] = [[[], []] for _ in chunk]
+                for slot, lp in zip(batch.meta["slots"], lps):
+                    pairs[slot // 2][slot % 2].append(list(lp))
+                refs += [[_flat(c), _flat(r)] for c, r in pairs]
             os.makedirs(os.path.dirname(cache), exist_ok=True)
             tmp = cache + ".tmp"
             with open(tmp, "w", encoding="utf-8") as fh:
@@ -183,3 +264,16 @@ class DPO(Stage):
             os.replace(tmp, cache)
         for row, (c, r) in zip(examples, refs):
             row[_REF_C], row[_REF_R] = c, r
+
+
+def _flat(rows: list[list[float]]) -> Any:
+    """A side's reference logprobs as cached: one row's list, or a list of rows."""
+    return rows[0] if len(rows) == 1 else rows
+
+
+def _ref_rows(value: Any) -> list[list[float]] | None:
+    """Cached reference logprobs of a side as a list of rows (see :func:`_flat`)."""
+    if value is None:
+        return None
+    value = list(value)
+    return value if value and isinstance(value[0], (list, tuple)) else [value]

@@ -1,7 +1,9 @@
 """DPO-family preference losses over per-token logprobs (a pure function of the batch).
 
 Layout: a batch of ``2N`` rows holds ``N`` pairs *interleaved*: row ``2i`` is pair ``i``'s
-chosen completion and row ``2i + 1`` its rejected one, both after the same prompt. (TRL stacks
+chosen completion and row ``2i + 1`` its rejected one, both after the same prompt (a
+multi-turn side that spans several rows instead marks each row with its slot, ``2i`` or
+``2i + 1``, in ``batch["dpo_slot"]``, see :func:`pair_sequence_logprobs`). (TRL stacks
 all chosen rows, then all rejected rows; interleaving keeps a pair together when a backend
 splits a batch into micro-batches.) Per row, over target positions ``(B, T)`` as
 :meth:`tempering.types.Batch.to_tensors` pads them:
@@ -53,18 +55,27 @@ LOSS_TYPES = ("sigmoid", "ipo", "robust", "sigmoid_sft")
 
 
 def pair_sequence_logprobs(
-    logprobs: torch.Tensor, mask: torch.Tensor
+    logprobs: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(B, T)`` per-token values of interleaved pairs -> ``(chosen_sum, rejected_sum,
     chosen_len, rejected_len)``, each ``(N,)``. Masked positions contribute exactly 0, whatever
-    they hold."""
-    if logprobs.dim() != 2 or logprobs.size(0) % 2:
-        raise ValueError(
-            f"DPO: expected (2N, T) rows of interleaved (chosen, rejected) pairs, got shape {tuple(logprobs.shape)}"
-        )
+    they hold. ``slots`` (``(B, T)``, a row's slot at each of its positions): a multi-turn
+    side may span several rows; row ``b`` then belongs to slot ``slots[b, 0]`` -- ``2i`` for
+    pair i's chosen side, ``2i + 1`` its rejected -- and a side's sum is over its rows."""
     active = mask != 0
     sums = torch.where(active, logprobs, torch.zeros_like(logprobs)).sum(-1)
     lengths = active.sum(-1).to(logprobs.dtype)
+    if slots is not None:
+        slot = slots[:, 0].long()
+        n = int(slot.max()) + 1 if slot.numel() else 0
+        if n % 2 or bool((torch.bincount(slot, minlength=n) == 0).any()):
+            raise ValueError(f"DPO: every pair needs a chosen and a rejected side; row slots are {slot.tolist()}")
+        sums = sums.new_zeros(n).index_add(0, slot, sums)
+        lengths = lengths.new_zeros(n).index_add(0, slot, lengths)
+    elif logprobs.dim() != 2 or logprobs.size(0) % 2:
+        raise ValueError(
+            f"DPO: expected (2N, T) rows of interleaved (chosen, rejected) pairs, got shape {tuple(logprobs.shape)}"
+        )
     return sums[0::2], sums[1::2], lengths[0::2], lengths[1::2]
 
 
@@ -134,9 +145,10 @@ class DPOLoss:
                 raise KeyError(f"DPOLoss needs batch[{key!r}]; the batch has {sorted(batch)}")
         mask = batch["weights"]
         ref = batch["ref_logprobs"].to(logprobs.dtype)
-        s_c, s_r, n_c, n_r = pair_sequence_logprobs(logprobs, mask)
+        slots = batch.get("dpo_slot")
+        s_c, s_r, n_c, n_r = pair_sequence_logprobs(logprobs, mask, slots)
         with torch.no_grad():
-            ref_c, ref_r, _, _ = pair_sequence_logprobs(ref, mask)
+            ref_c, ref_r, _, _ = pair_sequence_logprobs(ref, mask, slots)
         chosen_lr, rejected_lr = s_c - ref_c, s_r - ref_r
         per_pair = preference_loss(
             chosen_lr, rejected_lr, self.loss_type, self.beta, self.label_smoothing, n_c, n_r

@@ -23,3 +23,15 @@ def tool_use() -> dict[str, Any]:
     """The tool-use CPU demo: SFT warmup on tool-use transcripts, then GRPO through the
     ``calculator`` environment (a tiny Llama learns to multiply by calling ``mul``)."""
     return _load("tool_use")
+
+
+def agentic_search_dpo() -> dict[str, Any]:
+    """Agentic search, DPO warmup on preferred vs rejected tool calls, then GRPO on recall and
+    efficiency (a tiny chat Llama on the tiny generated corpus)."""
+    return _load("agentic_search_dpo")
+
+
+def agentic_search_sft() -> dict[str, Any]:
+    """Agentic search, SFT on search trajectories that prune their context, then GRPO on recall
+    and token efficiency (a tiny chat Llama on the tiny generated corpus)."""
+    return _load("agentic_search_sft")

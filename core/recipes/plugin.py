@@ -8,3 +8,7 @@ def register_recipes(register):
     register("arithmetic", "tempering.recipes:arithmetic", description="main CPU demo: SFT warmup then GRPO on addition")
     register("tool_use", "tempering.recipes:tool_use",
              description="CPU demo: SFT on tool-use transcripts, then GRPO through the calculator environment")
+    register("agentic_search_dpo", "tempering.recipes:agentic_search_dpo",
+             description="CPU demo: DPO on preferred vs rejected tool calls, then GRPO through the search environment")
+    register("agentic_search_sft", "tempering.recipes:agentic_search_sft",
+             description="CPU demo: SFT on search trajectories that prune their context, then GRPO on recall and tokens")

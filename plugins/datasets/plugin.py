@@ -10,3 +10,5 @@ def register_datasets(register):
     register("hf", "tempering.plugins.datasets.files:hf", description="datasets.load_dataset (hub name or local files)")
     register("tool_use", "tempering.plugins.datasets.tool_use:tool_use",
              description="products a*b for the calculator environment, or SFT tool-use transcripts")
+    register("agentic_search", "tempering.plugins.datasets.search_traces:agentic_search",
+             description="multi-hop questions over a generated corpus: tasks, SFT trajectories or DPO pairs")

@@ -9,3 +9,5 @@ _E = "tempering.plugins.environments"
 def register_environments(register):
     register("calculator", f"{_E}.calculator:Calculator",
              description="products of two numbers via a mul tool, over two turns (the tool_use demo)")
+    register("search", f"{_E}.search:Search",
+             description="multi-hop search over a corpus: search (BM25), open, prune; answer citing [d12] documents")

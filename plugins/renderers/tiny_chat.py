@@ -145,12 +145,27 @@ def signature(spec: dict[str, Any]) -> str:
 def format_value(v: Any) -> str:
     """A Python literal that :func:`ast.literal_eval` reads back as ``v`` (no spaces)."""
     if isinstance(v, str):
-        return json.dumps(v, ensure_ascii=False)
+        return format_string(v)
     if isinstance(v, (list, tuple)):
         return "[" + ",".join(format_value(x) for x in v) + "]"
     if isinstance(v, dict):
         return "{" + ",".join(f"{format_value(str(k))}:{format_value(x)}" for k, x in v.items()) + "}"
     return repr(v)
+
+
+def format_string(s: str) -> str:
+    """``s`` as a string literal that needs no escape where a quoting allows it: a model's call
+    ``search(query='say "hi"')`` is re-rendered with the quotes it used, not as ``"say \\"hi\\""``,
+    whose backslash a character model's alphabet may not hold (the next prompt would then be
+    unrenderable). Escapes (JSON's) only where no quoting reads back as ``s``."""
+    if "\\" not in s:  # a backslash always reads as the start of an escape
+        for quote in ('"', "'", '"""', "'''"):
+            try:
+                if ast.literal_eval(quote + s + quote) == s:
+                    return quote + s + quote
+            except (SyntaxError, ValueError):
+                continue
+    return json.dumps(s, ensure_ascii=False)
 
 
 def format_call(name: str, arguments: dict[str, Any]) -> str:

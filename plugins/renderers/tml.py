@@ -28,7 +28,7 @@ from tempering.chat import Message, ParsedResponse, ToolCall, text_of
 from tempering.errors import ConfigError
 from tempering.plugins.renderers.hf_chat import error_line
 from tempering.renderer import RenderedPrompt
-from tempering.trajectory import TrainingRow
+from tempering.trajectory import TrainingRow, trains
 
 #: Text whose encoding must agree between the model's tokenizer and the renderer's (letters,
 #: digits, punctuation, whitespace runs, accents and CJK hit different merges in every vocab).
@@ -82,9 +82,17 @@ class TmlRenderer:
         where one extends the previous: tml-renderers gives one example per assistant turn, each
         repeating the earlier turns at weight 0; a merged row trains the same tokens in the same
         context once, and is exactly the row a rollout of the conversation builds. Where the
-        format rewrites history the examples stay apart."""
+        format rewrites history the examples stay apart. An assistant message with
+        ``"weight": 0`` is context only: its example is dropped."""
+        examples = self.renderer.render_for_sft(self._messages(messages, tools))
+        keep = [trains(m) for m in messages if m.get("role") == "assistant"]
+        if not all(keep):
+            if len(keep) != len(examples):
+                raise ValueError(f"renderer '{self.name}': {len(examples)} supervised examples for {len(keep)} assistant "
+                                 "messages, so the 'weight': 0 ones cannot be told apart; give them weight 1")  # fmt: skip
+            examples = [e for e, k in zip(examples, keep) if k]
         rows: list[TrainingRow] = []
-        for e in self.renderer.render_for_sft(self._messages(messages, tools)):
+        for e in examples:
             tokens, weights = _tokens(e.input_token_spans), [float(w) for w in e.per_token_loss_weight_unshifted]
             if rows and tokens[: len(rows[-1].tokens)] == rows[-1].tokens:
                 before = rows.pop().weights

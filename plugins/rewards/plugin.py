@@ -19,6 +19,12 @@ def register_rewards(register):
              description="1 - Brier/Brier_ref against a base rate p_ref (default 0.5 or an example key)")
     register("retrieval_recall", f"{_R}.retrieval:RetrievalRecall",
              description="recall of cited [docN] ids against gold ids, minus coef * length")
+    register("answer_match", f"{_R}.search:AnswerMatch",
+             description="1 if the final answer, citations removed, equals the gold answer")
+    register("tool_call_cost", f"{_R}.search:ToolCallCost",
+             description="-(tool calls of the episode): a cost per call (search environment)")
+    register("context_token_cost", f"{_R}.search:ContextTokenCost",
+             description="-(tokens the model read over the episode): a cost per context token (search environment)")
     register("weighted", f"{_R}.combine:weighted",
              description="weighted sum of other rewards by name; fails if any component fails")
     register("process_pool", f"{_R}.pool:ProcessPoolReward",
