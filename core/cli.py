@@ -138,7 +138,7 @@ def cmd_view(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from tempering.export import export_run
 
-    done = export_run(args.run_dir, args.to, step=args.step, adapter=args.adapter)
+    done = export_run(args.run_dir, args.to, step=args.step, adapter=args.adapter, base_model=args.base_model)
     what = "the LoRA adapter" if done.adapter else "the model"
     print(f"Exported {what} of checkpoint {done.checkpoint} (stage '{done.stage}', step {done.global_step}) to {done.path}")
     return 0
@@ -219,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, metavar="DIR", help="the new model folder")
     p.add_argument("--step", type=int, default=None, help="the checkpoint's global step (default: the latest)")
     p.add_argument("--adapter", action="store_true", help="write the LoRA adapter alone (peft format), not merged")
+    p.add_argument("--base-model", default=None, metavar="PATH",
+                   help="the base model's Hugging Face folder, to merge an adapter trained on Tinker into "
+                        "(default: built or found locally from the run's model name)")  # fmt: skip
     p.set_defaults(func=cmd_export, parser=p)
 
     p = sub.add_parser("eval", help="evaluate a run's checkpoint or a model folder on a dataset",

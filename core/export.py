@@ -10,14 +10,22 @@ base weights), or with ``adapter`` the peft adapter alone; the tokenizer goes wi
 ``tempering.json`` says which run, checkpoint and renderer it came from (``tempering eval`` and
 the inspect bridge read the renderer there when the tokenizer has no chat template).
 
-A backend without ``export_pretrained`` cannot be exported (the error says so); a remote
-backend implements it by downloading its weights (Tinker: the sampler weights, through its SDK).
+A backend that trains a LoRA adapter on a service offers ``download_weights(dir)`` instead
+(Tinker: ``save_weights_external`` and the signed URLs of its SDK). Export downloads the
+adapter and does the rest here, as the local backend does: with ``adapter`` the peft folder as
+downloaded; else the adapter merged into the base model, built locally -- a model builder the
+recipe names (``tiny_llama`` with the recipe's ``model_kwargs``: what the local Tinker server
+serves), or a Hugging Face folder or cached hub model of that name, or ``base_model`` (``--base-model
+PATH``: the base model's Hugging Face folder). The tokenizer is the backend's, the one training
+used. A backend with neither method cannot be exported (the error says so).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,19 +48,28 @@ class Exported:
     adapter: bool
 
 
-def export_run(run_dir: str, to: str, step: int | None = None, adapter: bool = False, registry: Any = None) -> Exported:
-    """Export checkpoint ``step`` (default: the latest) of the run in ``run_dir`` to ``to``."""
+def export_run(run_dir: str, to: str, step: int | None = None, adapter: bool = False, registry: Any = None,
+               base_model: str | None = None) -> Exported:  # fmt: skip
+    """Export checkpoint ``step`` (default: the latest) of the run in ``run_dir`` to ``to``;
+    ``base_model``: the base model's Hugging Face folder, for a run that trained an adapter on
+    a service (Tinker) whose base cannot be built or found on this machine."""
     run = RunDir.open(run_dir)
     if os.path.exists(to) and os.listdir(to):
         raise ConfigError(f"'{to}' exists and is not empty; export into a new folder", "--to")
     with run_backend(run, step, registry) as (backend, checkpoint):
         export = getattr(backend, "export_pretrained", None)
-        if export is None:
+        if hasattr(backend, "download_weights"):
+            export_downloaded(backend, run.recipe.get("backend") or {}, to, adapter, base_model)
+        elif export is None:
             raise ConfigError(f"the {type(backend).__name__} backend cannot export a model (no export_pretrained)", "backend")
-        try:
-            export(to, adapter=adapter)
-        except ValueError as exc:  # the backend's own refusal, e.g. --adapter without LoRA
-            raise ConfigError(str(exc), "--adapter") from None
+        elif base_model is not None:
+            raise ConfigError(f"the {type(backend).__name__} backend exports its own model; --base-model is for runs "
+                              "trained on a service (Tinker)", "--base-model")  # fmt: skip
+        else:
+            try:
+                export(to, adapter=adapter)
+            except ValueError as exc:  # the backend's own refusal, e.g. --adapter without LoRA
+                raise ConfigError(str(exc), "--adapter") from None
         renderer = trained_renderer(run.recipe) or getattr(getattr(backend, "tokenizer", None), "tempering_renderer", None)
     done = Exported(to, checkpoint["path"], int(checkpoint["global_step"]), str(checkpoint.get("stage", "")), adapter)
     note = {"run": os.path.abspath(run.path), "checkpoint": done.checkpoint, "global_step": done.global_step,
@@ -60,6 +77,73 @@ def export_run(run_dir: str, to: str, step: int | None = None, adapter: bool = F
     with open(os.path.join(to, NOTE), "w", encoding="utf-8") as fh:
         json.dump(note, fh, indent=2)
     return done
+
+
+def write_pretrained(model: Any, tokenizer: Any, path: str, merge: bool, keep: bool = True) -> str:
+    """Save ``model`` (a peft model merged into its base weights when ``merge``) and the
+    tokenizer to ``path``. ``keep``: merge a copy, as merging in place ends a model still in use."""
+    if merge:
+        model = (copy.deepcopy(model) if keep else model).merge_and_unload()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def export_downloaded(backend: Any, spec: Mapping[str, Any], to: str, adapter: bool, base_model: str | None) -> None:
+    """The adapter ``backend.download_weights`` fetches, written to ``to`` with the backend's
+    tokenizer: as downloaded (``adapter``), or merged into the base model (:func:`adapter_base`)."""
+    if adapter:
+        backend.download_weights(to)
+        backend.tokenizer.save_pretrained(to)
+        return
+    base = adapter_base(getattr(backend, "base_model", None) or spec.get("model"), spec.get("model_kwargs"), base_model)
+    from peft import PeftModel
+
+    with tempfile.TemporaryDirectory(prefix="tempering-export-") as folder:
+        backend.download_weights(folder)
+        if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
+            raise ConfigError(f"the weights {type(backend).__name__} downloaded are not a LoRA adapter (no "
+                              "adapter_config.json); export them with --adapter", "--adapter")  # fmt: skip
+        model = PeftModel.from_pretrained(base, folder)
+        write_pretrained(model, backend.tokenizer, to, merge=True, keep=False)
+
+
+def adapter_base(name: Any, model_kwargs: Any, folder: str | None) -> Any:
+    """The base model an adapter trained on a service merges into: ``folder`` (``--base-model``),
+    else the model builder ``name`` with ``model_kwargs`` at its own default seed (the local Tinker
+    server's base), else the Hugging Face folder or cached hub model ``name`` -- never downloaded."""
+    from tempering.plugins.backends.local.model_source import registered_builder
+    from transformers import AutoModelForCausalLM
+
+    if folder is not None:
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            raise ConfigError(f"'{folder}' holds no config.json; give the base model's Hugging Face folder", "--base-model")
+        return AutoModelForCausalLM.from_pretrained(folder)
+    builder = registered_builder(str(name)) if isinstance(name, str) and name else None
+    if builder is not None:
+        return builder(**dict(model_kwargs or {}))[0]
+    local = _local_model_folder(str(name))
+    if local is None:
+        raise ConfigError(f"the base model {name!r} is not on this machine (no model builder, folder or Hugging Face "
+                          "cache entry of that name), so the adapter cannot be merged; pass --base-model PATH (the "
+                          "base model's Hugging Face folder) or export the adapter alone with --adapter",
+                          "--base-model")  # fmt: skip
+    return AutoModelForCausalLM.from_pretrained(local)
+
+
+def _local_model_folder(name: str) -> str | None:
+    """``name`` as a saved-model folder, or its Hugging Face cache snapshot; ``None`` if it is
+    neither (the hub is not asked: ``from_pretrained`` retries it for tens of seconds)."""
+    if os.path.isfile(os.path.join(name, "config.json")):
+        return name
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        config = try_to_load_from_cache(name, "config.json")
+    except HFValidationError:  # not a hub id either
+        return None
+    return os.path.dirname(config) if isinstance(config, str) else None
 
 
 def trained_renderer(recipe: Mapping[str, Any]) -> str | None:

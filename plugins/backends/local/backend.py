@@ -42,14 +42,24 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria
-from transformers import StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
 from tempering.errors import ConfigError
 from tempering.interfaces import Loss
 from tempering.plugins.backends.local import distributed
-from tempering.plugins.backends.local.model_source import check_model, registered_builder
+from tempering.plugins.backends.local.model_source import (
+    check_model,
+    registered_builder,
+)
 from tempering.types import AdamParams, Batch, Completion, SamplingParams
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 T = TypeVar("T")
 
@@ -680,10 +690,9 @@ class LocalBackend:
 
     def _export(self, path: str, adapter: bool) -> str:
         if distributed.is_main():
-            merge = bool(self.lora) and not adapter  # a copy: merging in place would end the training
-            model = copy.deepcopy(self.model).merge_and_unload() if merge else self.model
-            model.save_pretrained(path)
-            self.tokenizer.save_pretrained(path)
+            from tempering.export import write_pretrained
+
+            write_pretrained(self.model, self.tokenizer, path, merge=bool(self.lora) and not adapter)
         distributed.barrier()
         return path
 

@@ -46,6 +46,11 @@ Choices (see docs/tinker.md for the reasoning):
   ``load`` creates a training client from that state *with* optimizer state
   (``create_training_client_from_state_with_optimizer``: the SDK's replacement for the
   deprecated ``TrainingClient.load_state``).
+* **Weights out.** ``download_weights(dest)`` is the SDK's documented way to get weights off the
+  service (what ``tinker checkpoint download`` does; sampler weights cannot be downloaded):
+  ``save_weights_external`` (the LoRA adapter, peft format) under a short TTL, the per-file signed
+  URLs from ``RestClient.get_external_weights_urls``, each file fetched, the temporary export
+  deleted. ``tempering export`` merges the adapter into the base model locally.
 
 This module imports torch but not the Tinker SDK at import time; the SDK is imported when a
 backend is built, with a clear message if the ``tinker`` extra is missing.
@@ -59,6 +64,7 @@ import json
 import os
 import random
 import re
+import shutil
 import sys
 import threading
 import time
@@ -69,7 +75,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
-
 from tempering.errors import ConfigError, TemperingError
 from tempering.plugins.backends.tinker.errors import (
     INSTALL_HINT,
@@ -85,7 +90,11 @@ from tempering.plugins.backends.tinker.errors import (
     retryable,
     translate,
 )
-from tempering.plugins.backends.tinker.mapping import LossPlan, plan_loss, to_tinker_data
+from tempering.plugins.backends.tinker.mapping import (
+    LossPlan,
+    plan_loss,
+    to_tinker_data,
+)
 from tempering.plugins.backends.tinker.recovery import Call, TrainingCalls
 from tempering.plugins.backends.tinker.waits import Overdue, in_thread, probe, wait_for
 from tempering.types import AdamParams, Batch, Completion, SamplingParams
@@ -292,6 +301,7 @@ class TinkerBackend:
         from tinker.lib.base_url import resolve_base_url
 
         self.base_url = resolve_base_url(base_url)
+        self._api_key = api_key
         if service_client is None:
             _check_api_key(api_key)
             service_client = service_client_factory(base_url=base_url, api_key=api_key)
@@ -833,6 +843,38 @@ class TinkerBackend:
             }
         return dict(record.get("extra") or {})
 
+    def download_weights(self, dest: str, state: str | None = None) -> str:
+        """Download the policy's weights (a LoRA adapter in peft format: ``adapter_config.json``,
+        ``adapter_model.safetensors``) into the folder ``dest``; returns ``dest``.
+
+        The weights are the training client's now (after every queued call: after :meth:`load`,
+        the checkpoint's), or those of the saved state ``state`` (a ``tinker://`` path, loaded into
+        a training client of its own). Exported with ``save_weights_external`` under the shortest
+        TTL Tinker allows, fetched through the signed URLs ``RestClient.get_external_weights_urls``
+        gives (each within ``request_timeout_seconds``), then deleted from the service (a failed
+        delete only warns: the export expires anyway)."""
+        ttl = MIN_TTL_SECONDS
+        what = "save the weights for download (save_weights_external)"
+        if state is None:
+            with self._lock:
+                name = _safe_name(f"tempering-export-s{self.step}-{next(self._names)}")
+                call = self.calls.submit(what, lambda c: c.save_weights_external(name, ttl_seconds=ttl), stateful=False)
+            export = str(self.calls.result(call).path)
+        else:
+            client = self._create_training_client(str(state))
+            name = _safe_name(f"tempering-export-{next(self._names)}")
+            export = str(self._wait(client.save_weights_external(name, ttl_seconds=ttl), what).path)
+        rest = self._tinker.RestClient(base_url=self.base_url, api_key=self._api_key)
+        try:
+            urls = self._wait(rest.get_external_weights_urls(export), f"get the download URLs of {export}")
+            _download_files(dict(urls.urls), dest, self.request_timeout)
+        finally:
+            try:
+                self._wait(rest.delete_checkpoint_from_tinker_path(export), f"delete the temporary export {export}")
+            except TemperingError as err:
+                warnings.warn(f"TinkerBackend.download_weights: {err}; it expires in {ttl} s", RuntimeWarning, stacklevel=2)
+        return dest
+
     def _index_file(self, tinker_path: str) -> str:
         key = hashlib.sha256(tinker_path.encode("utf-8")).hexdigest()[:32]
         return os.path.join(self.checkpoint_index_dir, f"{key}.json")
@@ -1019,6 +1061,27 @@ def _float_metrics(metrics: Mapping[str, Any], who: str) -> dict[str, float]:
         except (TypeError, ValueError, RuntimeError) as err:
             raise TypeError(f"forward_backward: metric '{key}' from {who} is not a number ({value!r})") from err
     return out
+
+
+def _download_files(urls: Mapping[str, str], dest: str, timeout: float) -> None:
+    """Fetch each ``relative path -> signed URL`` into ``dest`` (a path that would leave
+    ``dest`` is refused: the names come from the service)."""
+    import urllib.error
+    import urllib.request
+
+    if not urls:
+        raise TinkerServiceError("download_weights: Tinker listed no files for the exported weights")
+    root = os.path.realpath(dest)
+    for name, url in sorted(urls.items()):
+        target = os.path.realpath(os.path.join(root, name))
+        if os.path.commonpath([root, target]) != root:
+            raise TinkerServiceError(f"download_weights: refusing the file name {name!r}, which leaves the folder {dest}")
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as response, open(target, "wb") as fh:
+                shutil.copyfileobj(response, fh)
+        except (urllib.error.URLError, OSError) as err:
+            raise TinkerServiceError(f"download_weights: could not download {name} of the exported weights ({one_line(err)})") from err
 
 
 def _safe_name(name: str) -> str:

@@ -17,7 +17,11 @@ The endpoints are those the SDK's ServiceClient, TrainingClient and SamplingClie
 ``client/dynamic_config`` (404: the SDK's defaults), ``create_session``, ``session_heartbeat``,
 ``sessions/{id}/finish``, ``create_model``, ``get_info``, ``forward_backward`` (protobuf, with
 ``forward_only``), ``optim_step``, ``save_weights``, ``save_weights_for_sampler``,
-``load_weights``, ``create_sampling_session``, ``GET samplers/{id}``, ``asample``,
+``load_weights``, ``save_weights_external`` (the run's LoRA adapter as a peft folder),
+``GET training_runs/{run}/checkpoints/external_weights/{name}/external_weights_urls`` (one signed URL
+per file, served by this server under ``/external/{token}/``: no API key, the token is the
+signature, valid for ``url_ttl_seconds``), ``DELETE training_runs/{run}/checkpoints/{id}``,
+``create_sampling_session``, ``GET samplers/{id}``, ``asample``,
 ``retrieve_future`` (a long poll: it answers as soon as the result is ready, else
 ``try_again`` after ``hold_seconds``), ``healthz``, ``get_server_capabilities``, ``telemetry``
 and ``cancel_future``. State and compute: :mod:`~tempering.plugins.backends.tinker.local_service`.
@@ -33,9 +37,11 @@ sequence sampled as ``(prompt, completion)`` tokens (``server.sampled``).
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
 import json
 import re
+import secrets
 import shutil
 import tempfile
 import threading
@@ -93,7 +99,7 @@ class Faults:
     ``route`` is an endpoint path without ``/api/v1`` (``"asample"``, ``"forward_backward"``,
     ``"client/config"``, ...); ``kind`` a future's request type (``"ForwardBackward"``,
     ``"Forward"``, ``"OptimStep"``, ``"SaveWeights"``, ``"SaveWeightsForSampler"``,
-    ``"CreateModel"``, ``"LoadWeights"``, ``"Sample"``)."""
+    ``"CreateModel"``, ``"LoadWeights"``, ``"SaveWeightsExternal"``, ``"Sample"``)."""
 
     def __init__(self) -> None:
         self._planned: dict[str, list[_Fault]] = defaultdict(list)
@@ -167,13 +173,15 @@ class LocalTinkerServer:
         hold_seconds: how long ``retrieve_future`` waits for a result before ``try_again``.
         root: a folder for checkpoints and tokenizers (default: a temporary one, removed by
             :meth:`stop`).
+        url_ttl_seconds: how long a signed download URL of external weights stays valid.
 
     Use as a context manager, or :meth:`start` / :meth:`stop`. ``url`` is the base URL to give
     the SDK (``TINKER_BASE_URL`` or ``ServiceClient(base_url=...)``).
     """
 
     def __init__(self, models: Mapping[str, ServedModel | Mapping[str, Any]] | None = None, *, host: str = "127.0.0.1",
-                 port: int = 0, api_keys: set[str] | None = None, hold_seconds: float = 1.0, root: str | None = None) -> None:  # fmt: skip
+                 port: int = 0, api_keys: set[str] | None = None, hold_seconds: float = 1.0, root: str | None = None,
+                 url_ttl_seconds: float = 3600.0) -> None:  # fmt: skip
         self._own_root = root is None
         self.root = root or tempfile.mkdtemp(prefix="tempering-tinker-")
         self.service = LocalService(models if models is not None else DEFAULT_MODELS, self.root)
@@ -184,6 +192,8 @@ class LocalTinkerServer:
         self.sampled: list[tuple[list[int], list[int]]] = []  # (prompt, completion) of every sequence served
         self.futures: dict[str, _Pending] = {}
         self.paused = threading.Event()  # while set, finished results are held back (try_again)
+        self.url_ttl_seconds = float(url_ttl_seconds)
+        self._signed: dict[str, tuple[str, float]] = {}  # URL token -> (external weights path, expiry time)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._http = ThreadingHTTPServer((host, port), _handler(self))
@@ -259,6 +269,27 @@ class LocalTinkerServer:
             with self._lock:
                 self.sampled.extend((list(prompt), list(c.tokens)) for c in fut.result()[0])
 
+    def _sign(self, path: str) -> dict[str, Any]:
+        """``ExternalWeightsUrlsResponse``: a URL per file under a fresh token (the signature)."""
+        files = self.service.external_files(path)
+        token = secrets.token_urlsafe(16)
+        with self._lock:
+            self._signed[token] = (path, time.time() + self.url_ttl_seconds)
+        expires = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=self.url_ttl_seconds)
+        return {"urls": {name: f"{self.url}/external/{token}/{name}" for name in sorted(files)}, "expires": expires.isoformat()}
+
+    def _download(self, token: str, name: str) -> tuple[int, str, bytes]:
+        """A file of signed URL ``token``: 403 once the token is unknown or expired."""
+        with self._lock:
+            path, until = self._signed.get(token, ("", 0.0))
+        if time.time() >= until:
+            return 403, *_json({"detail": "the signed URL is invalid or has expired"})
+        file = self.service.external_files(path).get(name)
+        if file is None:
+            return 404, *_json({"detail": f"no file {name!r} in {path}"})
+        with open(file, "rb") as fh:
+            return 200, "application/octet-stream", fh.read()
+
     def _retrieve(self, request_id: str) -> tuple[int, str, bytes]:
         pending = self.futures.get(request_id)
         if pending is None:
@@ -285,7 +316,7 @@ class LocalTinkerServer:
     def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> tuple[int, str, bytes]:
         """One HTTP request -> ``(status, content type, body)``."""
         route = path.split("?", 1)[0].removeprefix("/api/v1/").strip("/")
-        if route != "healthz":
+        if route != "healthz" and not route.startswith("external/"):  # a signed URL carries its own token
             key = headers.get("x-api-key") or ""
             accepted = key in self.api_keys if self.api_keys is not None else key.startswith("tml-")
             if not accepted:
@@ -349,6 +380,20 @@ class LocalTinkerServer:
             self._record(route, "SaveWeightsForSampler", req)
             fut = self._submit("SaveWeightsForSampler", req.model_id, req.seq_id, lambda: svc.save_for_sampler(req))
             return 200, *_json(self._future("SaveWeightsForSampler", fut, _json, req.model_id))
+        if route == "save_weights_external":
+            req = types.SaveWeightsExternalRequest.model_validate(data)
+            self._record(route, "SaveWeightsExternal", req)
+            fut = self._submit("SaveWeightsExternal", req.model_id, req.seq_id, lambda: svc.save_external(req))
+            return 200, *_json(self._future("SaveWeightsExternal", fut, _json, req.model_id))
+        if method == "GET" and (m := re.fullmatch(r"training_runs/([^/]+)/checkpoints/(.+)/external_weights_urls", route)):
+            self._record(route, "ExternalWeightsUrls", None)
+            return 200, *_json(self._sign(f"tinker://{m.group(1)}/{m.group(2)}"))
+        if method == "DELETE" and (m := re.fullmatch(r"training_runs/([^/]+)/checkpoints/(.+)", route)):
+            self._record(route, "DeleteCheckpoint", None)
+            svc.delete_checkpoint(f"tinker://{m.group(1)}/{m.group(2)}")
+            return 200, *_json(None)
+        if method == "GET" and (m := re.fullmatch(r"external/([^/]+)/(.+)", route)):
+            return self._download(m.group(1), m.group(2))
         if route == "load_weights":
             req = types.LoadWeightsRequest.model_validate(data)
             self._record(route, "LoadWeights", req)
@@ -406,7 +451,7 @@ def _handler(server: LocalTinkerServer) -> type[BaseHTTPRequestHandler]:
             except (BrokenPipeError, ConnectionResetError):
                 self.close_connection = True  # the client gave up on this request (a cancelled poll)
 
-        do_GET = do_POST = _serve
+        do_GET = do_POST = do_DELETE = _serve
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
             pass

@@ -275,6 +275,7 @@ class LocalService:
         self.states: dict[str, dict[str, Any]] = {}  # tinker path -> saved training state
         self.samplers: dict[str, Sampler | InflightSampler] = {}  # sampling session id -> sampler
         self.sampler_paths: dict[str, Sampler] = {}  # tinker path -> saved sampler weights
+        self.external: dict[str, str] = {}  # tinker path -> folder of external (Hugging Face) weights
         self._bases: dict[str, LocalBackend] = {}
         self._tokenizer_dirs: dict[str, str] = {}
         self._lock = threading.RLock()
@@ -463,6 +464,46 @@ class LocalService:
             return {"sampling_session_id": session, "type": "save_weights_for_sampler"}
 
         return run.run(req.seq_id, go)
+
+    def save_external(self, req: Any) -> Future[Any]:
+        """``save_weights_external``: the run's weights as a Hugging Face folder at a
+        ``tinker://<run>/external_weights/<name>`` path -- for a LoRA run the peft adapter
+        (``adapter_config.json``, ``adapter_model.safetensors``), the format Tinker exports."""
+        run = self.run(req.model_id)
+        path = f"tinker://{req.model_id}/external_weights/{req.path}"
+        try:
+            _check_ttl(req.ttl_seconds)
+            if req.age_encryption_recipients:
+                raise Rejected(400, "this server does not encrypt external weights (age_encryption_recipients)")
+            if path in self.external:
+                raise Rejected(409, f"external weights named {req.path!r} already exist for {req.model_id}")
+        except Rejected:
+            run.skip(req.seq_id)
+            raise
+        folder = os.path.join(self.root, "external", _safe(path))
+
+        def go() -> Future[Any]:
+            run.backend.export_pretrained(folder, adapter=run.backend.lora is not None)  # after every earlier call
+            self.external[path] = folder
+            size = sum(os.path.getsize(f) for f in self.external_files(path).values())
+            return _done({"path": path, "size_bytes": size, "type": "save_weights_external"})
+
+        return run.run(req.seq_id, go)
+
+    def external_files(self, path: str) -> dict[str, str]:
+        """The files of external weights: path relative to the checkpoint root -> local file."""
+        if path not in self.external:
+            raise Rejected(404, f"no external weights at {path}")
+        root = self.external[path]
+        return {os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/"): os.path.join(d, f)
+                for d, _, files in os.walk(root) for f in files}  # fmt: skip
+
+    def delete_checkpoint(self, path: str) -> None:
+        """Forget a saved state, sampler weights or external weights (404 if there is none)."""
+        with self._lock:
+            found = [table.pop(path, None) for table in (self.states, self.sampler_paths, self.external)]
+        if all(f is None for f in found):
+            raise Rejected(404, f"no checkpoint at {path}")
 
     # ------------------------------------------------------------------ sampling
     def create_sampling_session(self, req: Any) -> str:
