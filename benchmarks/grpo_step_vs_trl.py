@@ -45,7 +45,9 @@ loss maths, optimizer step, bookkeeping). Our sampler-logprob recorder runs insi
 
 Run: ``python benchmarks/grpo_step_vs_trl.py [--steps 10] [--warmup 3] [--prompts 16]
 [--group 8] [--max-tokens 8] [--lr 1e-5] [--threads 1] [--no-log-kl]
-[--trl-gradient-checkpointing] [--json out.json]``. The default run takes about 40-70 s on 2
+[--trl-gradient-checkpointing] [--json out.json] [--model tiny_llama --model-kwargs JSON --device
+cpu|cuda --dtype float32|bfloat16]`` (the last four change the model and where both sides run it:
+``benchmarks/gpu_check.sh`` uses them for a 1.5B-parameter model on a lent GPU). The default run takes about 40-70 s on 2
 CPU cores (``import trl`` alone is ~11 s). The machine's load average is printed at the start
 and the end: on a shared machine other processes slow both sides, which makes the ratio noisier
 but not biased toward either side (they alternate step by step).
@@ -171,7 +173,8 @@ class Ours:
         from tempering.stage import OptimizerConfig
 
         registry = get_registry()
-        self.backend = LocalBackend(model="tiny_llama", seed=0, num_threads=args.threads)
+        self.backend = LocalBackend(model=args.model, model_kwargs=args.model_kwargs, seed=0, num_threads=args.threads,
+                                    device=args.device, dtype=args.dtype)  # fmt: skip
         self.ctx = RunContext(registry, self.backend, {}, out_dir, [], 0)  # no loggers, no checkpoints
         self.grpo = GRPO(
             dataset=examples, reward=lambda text, ex: exact_match(text, ex["answer"]), advantage="group_norm",
@@ -225,7 +228,8 @@ def build_trl(args: argparse.Namespace, examples: list[dict[str, Any]], model_di
     rows = args.prompts * args.group
     config = trl.GRPOConfig(
         output_dir=os.path.join(model_dir, "trl_out"), report_to="none", save_strategy="no", disable_tqdm=True,
-        use_cpu=True, bf16=False, fp16=False, seed=0, dataloader_num_workers=0,
+        use_cpu=args.device == "cpu", bf16=args.dtype == "bfloat16", fp16=False, seed=0, dataloader_num_workers=0,
+        model_init_kwargs={"dtype": args.dtype},
         per_device_train_batch_size=rows, gradient_accumulation_steps=1, num_generations=args.group,
         # generation_batch_size / steps_per_generation left unset: TRL derives steps_per_generation =
         # gradient_accumulation_steps = 1 and generation_batch_size = rows (asserted below).
@@ -253,7 +257,7 @@ def build_trl(args: argparse.Namespace, examples: list[dict[str, Any]], model_di
     trainer = trl.GRPOTrainer(
         model=model_dir, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer
     )
-    assert next(trainer.model.parameters()).dtype == torch.float32
+    assert next(trainer.model.parameters()).dtype == getattr(torch, args.dtype)
 
     timer = ModelTimer()
     instrument(trainer.model, timer)
@@ -344,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-log-kl", dest="with_log_kl", action="store_false",
                    help="skip the 'ours default' and 'ours kl/step' columns (KL logging: extra reference forwards)")
     p.add_argument("--json", default=None, help="also write the raw per-step numbers here")
+    p.add_argument("--model", default="tiny_llama", help="a registered model builder (tiny_llama, tiny_qwen3, ...)")
+    p.add_argument("--model-kwargs", type=json.loads, default={}, metavar="JSON",
+                   help='its keys, e.g. \'{"hidden_size": 2048, "num_layers": 28}\' (a Qwen3-1.7B shape: benchmarks/gpu_check.sh)')
+    p.add_argument("--device", default="cpu", help="cpu or cuda (both sides)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute (both sides)")
     args = p.parse_args(argv)
 
     import warnings
@@ -358,12 +367,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     patch_backward()
 
+    from tempering.plugins.backends.local.model_source import registered_builder
     from tempering.plugins.datasets.arithmetic import arithmetic
-    from tempering.plugins.models.tiny import tiny_llama
 
     examples = arithmetic("train")
     with tempfile.TemporaryDirectory(prefix="grpo_bench_") as model_dir:
-        model, tokenizer = tiny_llama(seed=0)  # the same weights LocalBackend(model="tiny_llama", seed=0) builds
+        # the same weights LocalBackend(model=args.model, model_kwargs=..., seed=0) builds
+        model, tokenizer = registered_builder(args.model)(**{**args.model_kwargs, "seed": 0})
         model.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
         n_params = sum(t.numel() for t in model.parameters())
@@ -419,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     versions = f"transformers {sys.modules['transformers'].__version__}, torch {torch.__version__}"
     print(f"GRPO step, ours vs TRL {sys.modules['trl'].__version__} ({versions}, {args.threads} thread(s), "
           f"{os.cpu_count()} CPUs)")  # fmt: skip
-    print(f"model tiny_llama ({n_params / 1e3:.0f}k params, fp32, CPU); per step {args.prompts} prompts x "
+    print(f"model {args.model} ({n_params / 1e6:.2f}M params, {args.dtype}, {args.device}); per step {args.prompts} prompts x "
           f"{args.group} completions = {rows} rows, max {args.max_tokens} tokens, lr {args.lr}, dapo, beta 0; "
           f"TRL gradient_checkpointing={args.trl_gradient_checkpointing}")  # fmt: skip
     print(f"{args.warmup} warmup + {args.steps} measured steps per side, interleaved (TRL step, then ours); "
