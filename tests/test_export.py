@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-
+from observability_run import small_run
 from tempering import cli
 from tempering.recipe import Recipe, backend_spec
 from tempering.registry import get_registry
 from tempering.rundata import RunDir, run_backend
 from tempering.types import Batch, Datum
-
-from observability_run import small_run
 
 TINY = {"name": "local", "model": "tiny_llama", "num_threads": 1, "lora": {"rank": 4, "alpha": 8},
         "model_kwargs": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64}}  # fmt: skip
@@ -58,17 +57,25 @@ def hf_logprobs(model, tokenizer) -> torch.Tensor:
     return torch.cat(out)
 
 
-def test_export_merges_lora_and_matches_the_training_backend(lora_run, tmp_path: Path) -> None:
+
+def load_merged_export(folder: Path) -> tuple[Any, Any]:
+    """The model and tokenizer of a merged export, checked to be a plain model folder (no
+    adapter, no LoRA parameters) with the tokenizer and tempering's note."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    names = {p.name for p in folder.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tempering.json"} <= names
+    assert "adapter_config.json" not in names  # merged: a plain model
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+def test_export_merges_lora_and_matches_the_training_backend(lora_run, tmp_path: Path) -> None:
 
     out, trained = lora_run
     assert cli.main(["export", str(out), "--to", str(tmp_path / "hf")]) == 0
-    names = {p.name for p in (tmp_path / "hf").iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tempering.json"} <= names
-    assert "adapter_config.json" not in names  # merged: a plain model
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
-    assert not any("lora" in n for n, _ in model.named_parameters())
+    model, tokenizer = load_merged_export(tmp_path / "hf")
     assert tokenizer("12+34=46")["input_ids"] == trained.tokenizer("12+34=46")["input_ids"]
     diff = (hf_logprobs(model, tokenizer) - backend_logprobs(trained)).abs().max().item()
     assert diff <= 1e-5, diff
@@ -79,7 +86,6 @@ def test_export_merges_lora_and_matches_the_training_backend(lora_run, tmp_path:
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft calls a deprecated alias
 def test_adapter_export_loads_on_its_base_and_step_picks_a_checkpoint(lora_run, tmp_path: Path) -> None:
     from peft import PeftModel
-
     from tempering.plugins.models.tiny import tiny_llama
 
     out, trained = lora_run

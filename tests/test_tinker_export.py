@@ -22,7 +22,7 @@ from tempering.plugins.backends.tinker.local_service import ServedModel  # noqa:
 from tempering.plugins.models.tiny import tiny_llama  # noqa: E402
 from tempering.recipe import Recipe  # noqa: E402
 from tempering.rundata import RunDir, run_backend  # noqa: E402
-from test_export import backend_logprobs, hf_logprobs, sft  # noqa: E402
+from test_export import backend_logprobs, hf_logprobs, load_merged_export, sft  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 #: A base model named like a hub id: not buildable here, so merging it needs --base-model.
@@ -56,18 +56,13 @@ def tinker_logprobs(out: Path, step: int | None = None) -> torch.Tensor:
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft calls a deprecated alias
 def test_tinker_export_merged_and_adapter_match_the_service(server, tmp_path: Path) -> None:
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     out = train(tmp_path / "run", "tiny_llama")
     served = tinker_logprobs(out)
 
     assert cli.main(["export", str(out), "--to", str(tmp_path / "hf")]) == 0
-    names = {p.name for p in (tmp_path / "hf").iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tempering.json"} <= names
-    assert "adapter_config.json" not in names  # merged: a plain model
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
-    assert not any("lora" in n for n, _ in model.named_parameters())
+    model, tokenizer = load_merged_export(tmp_path / "hf")
     diff = (hf_logprobs(model, tokenizer) - served).abs().max().item()
     assert diff <= 1e-5, diff
     base, _ = tiny_llama(**MODEL_KWARGS)

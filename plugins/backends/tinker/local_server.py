@@ -53,10 +53,23 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from tempering.plugins.backends.tinker import wire
+from tempering.plugins.backends.tinker.local_service import (
+    LocalService,
+    Rejected,
+    ServedModel,
+    UserError,
+)
 from tinker import types
 
-from tempering.plugins.backends.tinker import wire
-from tempering.plugins.backends.tinker.local_service import LocalService, Rejected, ServedModel, UserError
+#: The JSON training routes, run in the model's ``seq_id`` order: route -> (request type, the
+#: kind ``server.received`` records, the :class:`LocalService` method that answers it).
+QUEUED_JSON: dict[str, tuple[Any, str, str]] = {
+    "optim_step": (types.OptimStepRequest, "OptimStep", "optim_step"),
+    "save_weights": (types.SaveWeightsRequest, "SaveWeights", "save_state"),
+    "save_weights_for_sampler": (types.SaveWeightsForSamplerRequest, "SaveWeightsForSampler", "save_for_sampler"),
+    "save_weights_external": (types.SaveWeightsExternalRequest, "SaveWeightsExternal", "save_external"),
+}
 
 __all__ = ["LocalTinkerServer", "Faults", "Received", "DEFAULT_MODELS"]
 
@@ -365,26 +378,12 @@ class LocalTinkerServer:
             self._record(route, kind, call)
             fut = self._submit(kind, call.model_id, call.seq_id, lambda: svc.forward_backward(call))
             return 200, *_json(self._future(kind, fut, lambda r: (wire.PROTO, wire.encode_forward_backward(*r)), call.model_id))
-        if route == "optim_step":
-            req = types.OptimStepRequest.model_validate(data)
-            self._record(route, "OptimStep", req)
-            fut = self._submit("OptimStep", req.model_id, req.seq_id, lambda: svc.optim_step(req))
-            return 200, *_json(self._future("OptimStep", fut, _json, req.model_id))
-        if route == "save_weights":
-            req = types.SaveWeightsRequest.model_validate(data)
-            self._record(route, "SaveWeights", req)
-            fut = self._submit("SaveWeights", req.model_id, req.seq_id, lambda: svc.save_state(req))
-            return 200, *_json(self._future("SaveWeights", fut, _json, req.model_id))
-        if route == "save_weights_for_sampler":
-            req = types.SaveWeightsForSamplerRequest.model_validate(data)
-            self._record(route, "SaveWeightsForSampler", req)
-            fut = self._submit("SaveWeightsForSampler", req.model_id, req.seq_id, lambda: svc.save_for_sampler(req))
-            return 200, *_json(self._future("SaveWeightsForSampler", fut, _json, req.model_id))
-        if route == "save_weights_external":
-            req = types.SaveWeightsExternalRequest.model_validate(data)
-            self._record(route, "SaveWeightsExternal", req)
-            fut = self._submit("SaveWeightsExternal", req.model_id, req.seq_id, lambda: svc.save_external(req))
-            return 200, *_json(self._future("SaveWeightsExternal", fut, _json, req.model_id))
+        if route in QUEUED_JSON:
+            request_type, kind, run = QUEUED_JSON[route]
+            req = request_type.model_validate(data)
+            self._record(route, kind, req)
+            fut = self._submit(kind, req.model_id, req.seq_id, lambda: getattr(svc, run)(req))
+            return 200, *_json(self._future(kind, fut, _json, req.model_id))
         if method == "GET" and (m := re.fullmatch(r"training_runs/([^/]+)/checkpoints/(.+)/external_weights_urls", route)):
             self._record(route, "ExternalWeightsUrls", None)
             return 200, *_json(self._sign(f"tinker://{m.group(1)}/{m.group(2)}"))
