@@ -20,7 +20,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -49,12 +49,15 @@ def is_tool(obj: Any) -> bool:
 @dataclass
 class ToolResult:
     """What one call returned: ``content`` for the model, ``error`` (None on success) for the
-    metrics, ``timed_out`` and the wall time."""
+    metrics, ``timed_out``, the wall time, and ``arguments``: the call's arguments as the tool
+    received them, defaults filled in (empty when they did not bind), so an environment that
+    acts on them (which documents a search showed) need not bind them again."""
 
     content: str
     error: str | None = None
     timed_out: bool = False
     seconds: float = 0.0
+    arguments: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -110,6 +113,8 @@ class Tool:
             bound = inspect.signature(self.fn).bind(**dict(arguments))
         except TypeError as exc:
             return ToolResult(f"Error: bad arguments for {self.name}: {exc}", f"TypeError: {exc}")
+        bound.apply_defaults()
+        received = dict(bound.arguments)
         try:
             if inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None)):
                 value = await asyncio.wait_for(self.fn(*bound.args, **bound.kwargs), limit)
@@ -121,11 +126,11 @@ class Tool:
         except (asyncio.TimeoutError, TimeoutError):
             seconds = time.perf_counter() - t0
             msg = f"tool {self.name} timed out after {limit:g}s"
-            return ToolResult(f"Error: {msg}", msg, timed_out=True, seconds=seconds)
+            return ToolResult(f"Error: {msg}", msg, timed_out=True, seconds=seconds, arguments=received)
         except Exception as exc:  # noqa: BLE001 - a tool bug is the model's observation, not a crash
             return ToolResult(f"Error: {type(exc).__name__}: {exc}", f"{type(exc).__name__}: {exc}",
-                              seconds=time.perf_counter() - t0)  # fmt: skip
-        return ToolResult(format_result(value), seconds=time.perf_counter() - t0)
+                              seconds=time.perf_counter() - t0, arguments=received)  # fmt: skip
+        return ToolResult(format_result(value), seconds=time.perf_counter() - t0, arguments=received)
 
 
 def _in_daemon_thread(call: Callable[[], Any]) -> asyncio.Future[Any]:

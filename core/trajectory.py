@@ -131,3 +131,9 @@ def trains(message: Message) -> bool:
     history was rewritten (one row per context, each training only its own turns), or the
     shared prefix of a preference pair."""
     return message.get("role") == "assistant" and float(message.get("weight", 1.0)) != 0.0
+
+
+def as_context(messages: Sequence[Message]) -> list[Message]:
+    """``messages`` as context only: each message :func:`trains` would learn marked
+    ``"weight": 0`` (copies: the caller's messages are left as they are)."""
+    return [{**m, "weight": 0} if trains(m) else dict(m) for m in messages]

@@ -44,7 +44,7 @@ from tempering.data import ExampleStream, encode_completion, encode_prompt, load
 from tempering.errors import ConfigError
 from tempering.renderer import build_renderer
 from tempering.stage import Stage, check_stage
-from tempering.trajectory import trains
+from tempering.trajectory import as_context
 from tempering.types import Batch, Datum
 
 REFERENCES = ("live", "precomputed")
@@ -77,8 +77,7 @@ def continuation(value: Any, where: str) -> list[Message]:
 def turn_rows(renderer: Any, history: list[Message], side: list[Message], tools: Any) -> list[Datum]:
     """The rows of one side: ``history`` + ``side`` rendered for training, weight on the
     side's assistant tokens only (the history's assistant turns are context)."""
-    context = [{**m, "weight": 0} if trains(m) else dict(m) for m in history]
-    rows = [r for r in renderer.render_training([*context, *side], tools) if any(r.weights)]
+    rows = [r for r in renderer.render_training([*as_context(history), *side], tools) if any(r.weights)]
     return [r.segment().to_datum(weight=1.0, logprobs=False) for r in rows]
 
 

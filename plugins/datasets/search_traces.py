@@ -29,7 +29,7 @@ from functools import lru_cache
 from typing import Any
 
 from tempering.chat import Message, ParsedResponse, ToolCall, assign_call_ids, check_messages
-from tempering.trajectory import trains
+from tempering.trajectory import as_context
 
 FORMATS = ("tasks", "transcripts", "pairs")
 
@@ -153,7 +153,7 @@ def context_rows(contexts: Sequence[list[Message]], turns: Sequence[Message]) ->
         if row is not None and [_bare(m) for m in context[: len(row)]] == [_bare(m) for m in row]:
             row += [*context[len(row) :], dict(turn)]
         else:
-            rows.append([{**m, "weight": 0} if trains(m) else dict(m) for m in context] + [dict(turn)])
+            rows.append([*as_context(context), dict(turn)])
     return rows
 
 

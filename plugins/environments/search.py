@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,7 +144,7 @@ class Search(Environment):
         for call, result in zip(response.tool_calls, results):
             if result.error is not None:
                 continue
-            args = bound_arguments(getattr(self, call.name), call.arguments)
+            args = result.arguments
             if call.name == "search":
                 self.listings[call.id] = Listing(self.steps, self._hits(**args), bool(self.snippet_chars))
                 counts["searches"] += 1
@@ -258,13 +258,6 @@ class Search(Environment):
             head = doc_id if doc.title in ("", doc_id) else f"{doc_id} {doc.title}"
             lines.append(f"{head}: {text}")
         return "\n".join(lines) or "(pruned)"
-
-
-def bound_arguments(fn: Any, arguments: Mapping[str, Any]) -> dict[str, Any]:
-    """A call's arguments as the tool received them, defaults filled in."""
-    bound = inspect.signature(fn).bind(**dict(arguments))
-    bound.apply_defaults()
-    return dict(bound.arguments)
 
 
 def episode_stats(traj: Any) -> dict[str, float]:

@@ -158,6 +158,8 @@ def format_string(s: str) -> str:
     ``search(query='say "hi"')`` is re-rendered with the quotes it used, not as ``"say \\"hi\\""``,
     whose backslash a character model's alphabet may not hold (the next prompt would then be
     unrenderable). Escapes (JSON's) only where no quoting reads back as ``s``."""
+    if not any(c in s for c in '"\\\n\r'):  # the common case, without parsing (every turn re-renders the history)
+        return f'"{s}"'
     if "\\" not in s:  # a backslash always reads as the start of an escape
         for quote in ('"', "'", '"""', "'''"):
             try:

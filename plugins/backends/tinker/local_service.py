@@ -175,6 +175,16 @@ class TrainingRun:
         """A request rejected at submission still takes its place in the order."""
         self.run(seq_id, lambda: _failed(UserError("rejected at submission")))
 
+    @contextlib.contextmanager
+    def admitting(self, seq_id: int) -> Iterator[None]:
+        """The checks of a request at submission: one they reject (:class:`Rejected`) still
+        takes its place in the order (:meth:`skip`), so the requests behind it run."""
+        try:
+            yield
+        except Rejected:
+            self.skip(seq_id)
+            raise
+
     def _drain(self) -> None:
         while self._next in self._waiting:
             fn, out = self._waiting.pop(self._next)
@@ -387,9 +397,9 @@ class LocalService:
 
     def optim_step(self, req: Any) -> Future[Any]:
         run, p = self.run(req.model_id), req.optim_params
-        if not hasattr(p, "beta2"):
-            run.skip(req.seq_id)
-            raise Rejected(400, f"this server trains with Adam, got optimizer params of type {getattr(p, 'type', '?')!r}")
+        with run.admitting(req.seq_id):
+            if not hasattr(p, "beta2"):
+                raise Rejected(400, f"this server trains with Adam, got optimizer params of type {getattr(p, 'type', '?')!r}")
         params = AdamParams(learning_rate=p.learning_rate, beta1=p.beta1, beta2=p.beta2, eps=p.eps,
                             weight_decay=p.weight_decay, grad_clip_norm=p.grad_clip_norm)  # fmt: skip
         return run.run(req.seq_id, lambda: _then(run.backend.optim_step(params), lambda m: {"metrics": m}))
@@ -397,13 +407,10 @@ class LocalService:
     def save_state(self, req: Any) -> Future[Any]:
         run = self.run(req.model_id)
         path = f"tinker://{req.model_id}/weights/{req.path}"
-        try:
+        with run.admitting(req.seq_id):
             _check_ttl(req.ttl_seconds)
             if path in self.states and not req.overwrite:
                 raise Rejected(409, f"a checkpoint named {req.path!r} already exists for {req.model_id} (pass overwrite=True)")
-        except Rejected:
-            run.skip(req.seq_id)
-            raise
         folder = os.path.join(self.root, "states", _safe(path))
 
         def go() -> Future[Any]:
@@ -437,14 +444,11 @@ class LocalService:
         snapshot (``kind=snapshot``) or of the run's inflight weights (``kind=inflight``)."""
         run = self.run(req.model_id)
         path = f"tinker://{req.model_id}/sampler_weights/{req.path}" if req.path else None
-        try:
+        with run.admitting(req.seq_id):
             if req.path is not None:
                 _check_ttl(req.ttl_seconds)
                 if path in self.sampler_paths:
                     raise Rejected(409, f"sampler weights named {req.path!r} already exist for {req.model_id}")
-        except Rejected:
-            run.skip(req.seq_id)
-            raise
 
         def go() -> Future[Any]:
             name = run.snapshot_name()
@@ -471,15 +475,12 @@ class LocalService:
         (``adapter_config.json``, ``adapter_model.safetensors``), the format Tinker exports."""
         run = self.run(req.model_id)
         path = f"tinker://{req.model_id}/external_weights/{req.path}"
-        try:
+        with run.admitting(req.seq_id):
             _check_ttl(req.ttl_seconds)
             if req.age_encryption_recipients:
                 raise Rejected(400, "this server does not encrypt external weights (age_encryption_recipients)")
             if path in self.external:
                 raise Rejected(409, f"external weights named {req.path!r} already exist for {req.model_id}")
-        except Rejected:
-            run.skip(req.seq_id)
-            raise
         folder = os.path.join(self.root, "external", _safe(path))
 
         def go() -> Future[Any]:
