@@ -44,9 +44,20 @@ def encode_prompt(tokenizer: Any, example: Mapping[str, Any]) -> list[int]:
     if "messages" in example and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(list(example["messages"]), add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+    return list(tokenizer(prompt_text(example), add_special_tokens=True)["input_ids"])
+
+
+def prompt_text(example: Mapping[str, Any]) -> str:
+    """An example's ``prompt`` text (a ``KeyError`` naming the columns when it has none)."""
     if "prompt" not in example:
         raise KeyError(f"the example has no 'prompt' (keys: {sorted(example)}); rename your column to 'prompt'")
-    return list(tokenizer(str(example["prompt"]), add_special_tokens=True)["input_ids"])
+    return str(example["prompt"])
+
+
+def user_turn(example: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """An example's ``prompt`` text as the one user message a chat renderer renders (what a
+    stage with a chat renderer does with a text prompt: :func:`tempering.renderer.chat_text_prompts`)."""
+    return [{"role": "user", "content": prompt_text(example)}]
 
 
 def encode_completion(tokenizer: Any, text: str, add_eos: bool = True) -> list[int]:

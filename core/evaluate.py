@@ -66,17 +66,17 @@ def evaluate(
 
 def completion_sampler(tokenizer: Any, reward: RewardRunner | None, renderer: Any = "auto") -> Any:
     """A ``completion`` sampler outside a recipe (tests, notebooks): renderer ``auto`` is
-    resolved through the process-wide registry when a chat example needs it."""
+    resolved through the process-wide registry when a chat example needs it; text prompts
+    follow the stages' rule (:func:`tempering.renderer.chat_text_prompts`)."""
     from tempering.plugins.samplers.completion import CompletionSampler
     from tempering.registry import get_registry
-    from tempering.renderer import AUTO, default_renderer_name
+    from tempering.renderer import chat_text_prompts, renderer_spec
 
     built: list[Any] = []
 
     def make_renderer() -> Any:
         if not built:
-            spec = default_renderer_name(tokenizer) if renderer in (None, AUTO) else renderer
-            built.append(get_registry().build("renderer", spec, "renderer", tokenizer=tokenizer))
+            built.append(get_registry().build("renderer", renderer_spec(renderer, tokenizer), "renderer", tokenizer=tokenizer))
         return built[0]
 
     reg = get_registry()
@@ -84,6 +84,7 @@ def completion_sampler(tokenizer: Any, reward: RewardRunner | None, renderer: An
         tokenizer, make_renderer, reward,
         build=lambda kind, spec, key: reg.build(kind, spec, key),
         factory=lambda kind, spec, key: reg.factory(kind, spec, key),
+        chat_prompts=chat_text_prompts(renderer, tokenizer),
     )  # fmt: skip
     return CompletionSampler(context=context)
 
@@ -120,8 +121,9 @@ class StageEvaluator:
 
 def build_sampler(ctx: Any, spec: Any, key: str, reward: RewardRunner | None, renderer: Any = "auto") -> Any:
     """Build a stage's sampler (``key`` is its config path under the stage), with the context
-    it needs: the backend's tokenizer, the stage's renderer (built on first use) and reward."""
-    from tempering.renderer import build_renderer
+    it needs: the backend's tokenizer, the stage's renderer (built on first use), whether text
+    prompts are rendered as user turns, and the reward."""
+    from tempering.renderer import build_renderer, chat_text_prompts
 
     built: list[Any] = []
 
@@ -134,6 +136,6 @@ def build_sampler(ctx: Any, spec: Any, key: str, reward: RewardRunner | None, re
         ctx.backend.tokenizer, make_renderer, reward,
         build=lambda kind, s, k: ctx.build(kind, s, f"{key}.{k}"),
         factory=lambda kind, s, k: ctx.factory(kind, s, f"{key}.{k}"),
-        path=f"{ctx.path}.{key}",
+        path=f"{ctx.path}.{key}", chat_prompts=chat_text_prompts(renderer, ctx.backend.tokenizer),
     )  # fmt: skip
     return ctx.build("sampler", spec, key, context=context)

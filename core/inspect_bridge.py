@@ -45,6 +45,7 @@ def model_class() -> type:
             from tempering.evaluate import completion_sampler
             from tempering.export import exported_renderer
             from tempering.registry import get_registry
+            from tempering.renderer import RAW
             from tempering.rundata import RunDir, run_backend
 
             super().__init__(model_name, base_url, api_key, [], config or GenerateConfig())
@@ -62,7 +63,8 @@ def model_class() -> type:
             tokenizer = self.backend.tokenizer
             hint = hint or getattr(tokenizer, "tempering_renderer", None)
             self.chat = bool(hint or getattr(tokenizer, "chat_template", None)) if chat is None else bool(chat)
-            self.sampler = completion_sampler(tokenizer, None, hint if renderer == "auto" and hint else renderer)
+            # chat off: the text goes raw, whatever the model's format (renderer: raw)
+            self.sampler = completion_sampler(tokenizer, None, (hint if renderer == "auto" and hint else renderer) if self.chat else RAW)
 
         def example(self, messages: list[ChatMessage]) -> dict[str, Any]:
             """The sampler's example: OpenAI-format messages, or the last user text as a prompt."""

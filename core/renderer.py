@@ -11,6 +11,10 @@ Built-ins (``tempering plugins --kind renderer``): ``tiny_chat`` for the in-code
 formats of ``tml-renderers`` (``qwen3``, ``deepseek_v3``, ``kimi_k2``, ``gpt_oss``, ...).
 A renderer factory receives the backend's ``tokenizer`` and must refuse one whose ids do not
 match its format (a Qwen3 renderer on a Llama tokenizer) rather than train on garbage.
+
+A stage's renderer also decides how its text ``prompt`` examples reach the model
+(:func:`chat_text_prompts`): as one user turn when the stage has a chat renderer, as raw text
+with ``renderer: raw`` or for a model without a chat format.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from tempering.chat import Message, ParsedResponse
+from tempering.errors import ConfigError
 from tempering.trajectory import TrainingRow
 
 
@@ -61,29 +66,59 @@ class Renderer(Protocol):
 
 
 AUTO = "auto"
+#: ``renderer: raw``: no chat format -- a stage's text prompts go to the model as they are.
+RAW = "raw"
 
 
-def default_renderer_name(tokenizer: Any) -> str:
-    """What ``renderer: auto`` means for a tokenizer: the renderer a model builder asked for
-    (``tokenizer.tempering_renderer``, e.g. ``qwen3_instruct`` for ``tiny_qwen3``), else the
-    tokenizer's own chat template (``hf_chat``), else ``tiny_chat``."""
+def declared_renderer(tokenizer: Any) -> str | None:
+    """The chat format a model declares: the renderer its builder asked for
+    (``tokenizer.tempering_renderer``, e.g. ``qwen3_instruct`` for ``tiny_qwen3``, ``chatml`` for
+    ``smollm2``), else ``hf_chat`` when the tokenizer has a chat template; None for a model
+    without one (the character-level tiny models without ``chat: true``)."""
     hint = getattr(tokenizer, "tempering_renderer", None)
     if isinstance(hint, str) and hint:
         return hint
     if getattr(tokenizer, "chat_template", None):
         return "hf_chat"
-    return "tiny_chat"
+    return None
+
+
+def default_renderer_name(tokenizer: Any) -> str:
+    """What ``renderer: auto`` means for a tokenizer: its :func:`declared_renderer`, else
+    ``tiny_chat``."""
+    return declared_renderer(tokenizer) or "tiny_chat"
+
+
+def chat_text_prompts(spec: Any, tokenizer: Any) -> bool:
+    """Whether a stage renders a text ``prompt`` as one user turn through its renderer (and
+    parses the answer back through it) rather than sending the raw text: yes when the stage
+    names a renderer, or leaves it ``auto`` and the model declares a chat format
+    (:func:`declared_renderer`); no with ``renderer: raw``. An instruct model given raw text
+    answers with an immediate end of turn; a model without a chat format keeps raw text."""
+    if spec == RAW:
+        return False
+    if spec is None or spec == AUTO:
+        return declared_renderer(tokenizer) is not None
+    return True
+
+
+def renderer_spec(spec: Any, tokenizer: Any, path: str = "renderer") -> Any:
+    """A stage's renderer spec with ``auto`` resolved for ``tokenizer``; ``raw`` is refused
+    here, where a chat (``messages``, an environment's episode) needs a renderer."""
+    if spec == RAW:
+        raise ConfigError("raw sends text prompts as they are, but this stage has chat messages to render "
+                          "(a 'messages' dataset or an environment); name the model's chat renderer, or auto", path)  # fmt: skip
+    return default_renderer_name(tokenizer) if spec is None or spec == AUTO else spec
 
 
 def build_renderer(ctx: Any, spec: Any, key: str = "renderer") -> Renderer:
     """Build a stage's renderer for the backend's tokenizer (``auto`` resolved first)."""
     tokenizer = ctx.backend.tokenizer
-    if spec is None or spec == AUTO:
-        spec = default_renderer_name(tokenizer)
-    return ctx.build("renderer", spec, key, tokenizer=tokenizer)
+    path = f"{getattr(ctx, 'path', '')}.{key}".lstrip(".")
+    return ctx.build("renderer", renderer_spec(spec, tokenizer, path), key, tokenizer=tokenizer)
 
 
 def check_renderer(ctx: Any, spec: Any, key: str = "renderer") -> None:
     """Validate a renderer spec before training (``auto`` needs the backend: checked at build)."""
-    if spec is not None and spec != AUTO:
+    if spec is not None and spec not in (AUTO, RAW):
         ctx.check("renderer", spec, key, context=("tokenizer",))

@@ -25,10 +25,12 @@ from tempering.types import Group, SamplingParams
 class SamplerContext:
     """What a sampler gets from its stage at build time (runtime objects, not config).
 
-    ``renderer()`` builds the stage's renderer on first use (a single-turn sampler on plain
-    text prompts never needs one); ``reward`` scores what the sampler cannot (None: leave
-    samples unscored, as SDFT does); ``build(kind, spec, key)`` and ``factory(kind, spec, key)``
+    ``renderer()`` builds the stage's renderer on first use (a single-turn sampler on raw text
+    prompts never needs one); ``reward`` scores what the sampler cannot (None: leave samples
+    unscored, as SDFT does); ``build(kind, spec, key)`` and ``factory(kind, spec, key)``
     resolve nested components through the registry with the sampler's config path.
+    ``chat_prompts``: a text ``prompt`` is rendered as a user turn through the renderer, not
+    sent as raw text (the stage's rule: :func:`tempering.renderer.chat_text_prompts`).
     """
 
     tokenizer: Any
@@ -37,6 +39,7 @@ class SamplerContext:
     build: Callable[[str, Any, str], Any]
     factory: Callable[[str, Any, str], Callable[[], Any]]
     path: str = "sampler"
+    chat_prompts: bool = False
 
 
 @dataclass

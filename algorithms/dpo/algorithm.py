@@ -11,6 +11,9 @@ agent's preferred and rejected next tool call::
                  "arguments": "{\"query\": \"tes\"}"}}]}],
      "rejected": [{"role": "assistant", "content": "", "tool_calls": [...]}]}
 
+A single-turn pair with a text ``prompt`` is one user turn and two assistant turns when the
+stage has a chat renderer (:func:`tempering.renderer.chat_text_prompts`: as RL samples that
+prompt), else raw text with each completion followed by EOS (``renderer: raw``).
 A multi-turn side is rendered by the stage's ``renderer`` (``auto``: the model's chat format)
 as history + continuation, tokenized exactly as an episode of those turns would be, with
 weight on the continuation's assistant tokens only: the shared history's assistant turns are
@@ -40,9 +43,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tempering.chat import Message, check_messages
-from tempering.data import ExampleStream, encode_completion, encode_prompt, load_examples
+from tempering.data import ExampleStream, encode_completion, encode_prompt, load_examples, user_turn
 from tempering.errors import ConfigError
-from tempering.renderer import build_renderer
+from tempering.renderer import build_renderer, chat_text_prompts
 from tempering.stage import Stage, check_stage
 from tempering.trajectory import as_context
 from tempering.types import Batch, Datum
@@ -135,7 +138,8 @@ class DPO(Stage):
         start = int(state.get("step", 0))
         self.backend = backend = ctx.backend
         multi = any(is_multi_turn(r, self.chosen_key) or is_multi_turn(r, self.rejected_key) for r in examples)
-        self._renderer = build_renderer(ctx, self.renderer) if multi else None
+        self._chat_text = chat_text_prompts(self.renderer, backend.tokenizer)
+        self._renderer = build_renderer(ctx, self.renderer) if multi or self._chat_text else None
         self.snap = f"{ctx.stage_id}/dpo_reference"
         self.live_snapshot = self.reference == "live" and self.reference_model == "stage_start"
         if self.live_snapshot:
@@ -176,28 +180,37 @@ class DPO(Stage):
     # ------------------------------------------------------------------ batches
     def encode(self, tokenizer: Any, row: dict[str, Any]) -> tuple[list[int], list[int], list[int]]:
         """A single-turn pair's tokens: prompt, chosen completion, rejected completion."""
-        example = dict(row)
-        if self.prompt_key != "prompt" and self.prompt_key in row:
-            example["prompt"] = row[self.prompt_key]
-        prompt = encode_prompt(tokenizer, example)
+        prompt = encode_prompt(tokenizer, self.prompt_example(row))
         chosen = encode_completion(tokenizer, str(row[self.chosen_key]))
         rejected = encode_completion(tokenizer, str(row[self.rejected_key]))
         return prompt, chosen, rejected
 
+    def prompt_example(self, row: dict[str, Any]) -> dict[str, Any]:
+        """The row with its prompt under ``prompt`` (``prompt_key`` may name another column)."""
+        example = dict(row)
+        if self.prompt_key != "prompt" and self.prompt_key in row:
+            example["prompt"] = row[self.prompt_key]
+        return example
+
     def sides(self, tokenizer: Any, row: dict[str, Any], renderer: Any = None) -> tuple[list[Datum], list[Datum]]:
-        """The rows of a pair's chosen and rejected side (one each for a single-turn pair)."""
-        if not (is_multi_turn(row, self.chosen_key) or is_multi_turn(row, self.rejected_key)):
+        """The rows of a pair's chosen and rejected side (one each for a single-turn pair). A
+        text prompt with a chat renderer (``_chat_text``, set by :meth:`setup`) is one user turn
+        and each completion one assistant turn, as RL samples them."""
+        multi = is_multi_turn(row, self.chosen_key) or is_multi_turn(row, self.rejected_key)
+        chat_text = not multi and getattr(self, "_chat_text", False) and "messages" not in row
+        if not (multi or chat_text):
             prompt, chosen, rejected = self.encode(tokenizer, row)
             return [completion_datum(prompt, chosen)], [completion_datum(prompt, rejected)]
         renderer = renderer if renderer is not None else getattr(self, "_renderer", None)
         if renderer is None:
             raise ValueError("a multi-turn DPO pair needs the stage's renderer (build_batch(..., renderer=...))")
-        if "messages" not in row:
+        if multi and "messages" not in row:
             raise ValueError(f"a multi-turn pair needs 'messages', the shared history (keys: {sorted(row)})")
-        history = check_messages(row["messages"], "pair messages")
+        history = user_turn(self.prompt_example(row)) if chat_text else check_messages(row["messages"], "pair messages")
         out = []
         for key in (self.chosen_key, self.rejected_key):
-            data = turn_rows(renderer, history, continuation(row[key], f"pair {key}"), row.get("tools"))
+            side = [{"role": "assistant", "content": str(row[key])}] if chat_text else continuation(row[key], f"pair {key}")
+            data = turn_rows(renderer, history, side, row.get("tools"))
             if not data:
                 raise ValueError(f"pair {key}: no assistant tokens to score")
             out.append(data)

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from tempering.data import ExampleStream, encode_prompt, load_examples
+from tempering.data import ExampleStream, encode_prompt, load_examples, user_turn
 from tempering.errors import ConfigError
 from tempering.evaluate import build_sampler, completion_sampler
 from tempering.rollout import collect, recompute_sampler_logprobs, should_recompute
@@ -195,14 +195,18 @@ class SDFT(SamplingKeys, Stage):
 
     def teacher_prefix(self, backend: Any, row: dict[str, Any], sample: Any) -> list[int]:
         """The teacher's prompt: the student's first prompt with the demonstration put in by
-        ``teacher_template`` -- around the prompt text, or around the last user message of a
-        chat (the episode's first messages, for a trajectory), rendered by the same renderer."""
+        ``teacher_template`` -- around the prompt text (raw, or a user turn where the student's
+        was one), or around the last user message of a chat (the episode's first messages, for
+        a trajectory), rendered by the same renderer."""
         demo = str(row[self.demonstration_key])
         traj = sample.trajectory
+        context = self.student_sampler.context
         if traj is None and "messages" not in sample.example:
-            text = teacher_prompt(self.teacher_template, str(row[self.prompt_key]), demo)
-            return encode_prompt(backend.tokenizer, {"prompt": text})
-        if traj is not None:
+            if not context.chat_prompts:  # the student saw the raw text, so does the teacher
+                text = teacher_prompt(self.teacher_template, str(row[self.prompt_key]), demo)
+                return encode_prompt(backend.tokenizer, {"prompt": text})
+            messages, tools = user_turn(sample.example), sample.example.get("tools")
+        elif traj is not None:
             first = next((i for i, m in enumerate(traj.messages) if m.get("role") == "assistant"), len(traj.messages))
             messages, tools = traj.messages[:first], traj.tools
         else:
@@ -210,7 +214,7 @@ class SDFT(SamplingKeys, Stage):
         last = max(i for i, m in enumerate(messages) if m.get("role") == "user")
         messages = [dict(m) for m in messages]
         messages[last]["content"] = teacher_prompt(self.teacher_template, str(messages[last].get("content", "")), demo)
-        return self.student_sampler.context.renderer().render_prompt(messages, tools or None).tokens
+        return context.renderer().render_prompt(messages, tools or None).tokens
 
     def build_batches(self, teacher_prompts: list[list[int]], groups: list[list[Any]]) -> tuple[Batch, Batch, dict[str, float]]:
         """:meth:`build_pairs` for single-turn completions: ``groups[i]`` are the completions

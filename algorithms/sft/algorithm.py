@@ -1,10 +1,12 @@
 """SFT stage: teacher-forced cross-entropy on (prompt, answer) rows or chat transcripts.
 
-A row is either ``prompt`` text plus its answer (``completion_key``), or a ``messages``
-transcript (with optional ``tools``): the stage's renderer turns a transcript into training
-rows with weight on the assistant's tokens only -- tool calls included, tool results and user
-turns excluded -- tokenized exactly as a rollout of the same conversation would be
-(:func:`tempering.trajectory.training_rows`). The loss is the token mean over the batch.
+A row is either ``prompt`` text plus its answer (``completion_key``) -- one user and one
+assistant turn when the stage has a chat renderer (:func:`tempering.renderer.chat_text_prompts`),
+else raw text -- or a ``messages`` transcript (with optional ``tools``). The stage's renderer
+turns a conversation into training rows with weight on the assistant's tokens only -- tool
+calls included, tool results and user turns excluded -- tokenized exactly as a rollout of the
+same conversation would be (:func:`tempering.trajectory.training_rows`). The loss is the token
+mean over the batch.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tempering.chat import check_messages
-from tempering.data import ExampleStream, encode_completion, encode_prompt, load_examples
+from tempering.data import ExampleStream, encode_completion, encode_prompt, load_examples, user_turn
 from tempering.errors import ConfigError
-from tempering.renderer import build_renderer
+from tempering.renderer import build_renderer, chat_text_prompts
 from tempering.stage import Stage, check_stage, require
 from tempering.types import Batch, Segment
 
@@ -25,7 +27,9 @@ from tempering.types import Batch, Segment
 @dataclass
 class SFT(Stage):
     """Train on ``dataset`` rows: ``prompt`` -> ``completion_key``, or ``messages`` (+ ``tools``)
-    rendered by ``renderer`` (``auto``: the model's chat format)."""
+    rendered by ``renderer`` (``auto``: the model's chat format). With a chat renderer a text
+    ``prompt`` row is a user turn answered by an assistant turn, as RL samples it
+    (``renderer: raw``: the raw text followed by the answer and EOS)."""
 
     dataset: Any = field(default_factory=lambda: {"name": "arithmetic"})
     completion_key: str = "answer"
@@ -51,7 +55,9 @@ class SFT(Stage):
                               f"{ctx.path}.completion_key")  # fmt: skip
         self.stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
         self.backend = ctx.backend
-        self._renderer = build_renderer(ctx, self.renderer) if "messages" in first else None
+        # A text prompt is a user turn (its answer the assistant's) where RL would render it so.
+        self._chat_text = chat_text_prompts(self.renderer, ctx.backend.tokenizer)
+        self._renderer = build_renderer(ctx, self.renderer) if "messages" in first or self._chat_text else None
 
     def rows(self, example: Mapping[str, Any]) -> list[Segment]:
         """The training rows of one example (a transcript may give several)."""
@@ -60,6 +66,9 @@ class SFT(Stage):
                 raise ConfigError("a row has 'messages' but the first row did not: mix formats in separate stages")
             messages = check_messages(example["messages"], "dataset row messages")
             return [r.segment() for r in self._renderer.render_training(messages, example.get("tools"))]
+        if self._chat_text:
+            answer = {"role": "assistant", "content": str(example[self.completion_key])}
+            return [r.segment() for r in self._renderer.render_training([*user_turn(example), answer], example.get("tools"))]
         tok = self.backend.tokenizer
         prompt = encode_prompt(tok, example)
         seg = Segment(prompt, [0.0] * len(prompt), [0.0] * len(prompt))

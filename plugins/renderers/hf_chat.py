@@ -16,7 +16,8 @@ For models no dedicated renderer knows. The template decides everything it can:
   unusual marker still ends a turn;
 * **parsing**: transformers' ``tokenizer.parse_response`` when the tokenizer declares a
   ``response_template`` (transformers 5), else Hermes-style calls -- ``<tool_call>{"name": ...,
-  "arguments": {...}}</tool_call>``, the convention of most open models -- plus an optional
+  "arguments": {...}}</tool_call>``, the convention of most open models, read by the parser
+  ``chatml`` shares (:mod:`~tempering.plugins.renderers.hermes`) -- plus an optional
   ``<think>...</think>`` block. A malformed call is a ``parse_error``, never an exception.
 
 ``prefix_preserving`` is measured when the renderer is built: a probe answer is parsed, put
@@ -27,21 +28,18 @@ Face convention), whatever form the messages carry them in.
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tempering.chat import Message, ParsedResponse, ToolCall
 from tempering.errors import ConfigError
+from tempering.plugins.renderers.hermes import parse_hermes
 from tempering.renderer import RenderedPrompt
 from tempering.trajectory import TrainingRow, training_rows
 
 #: End-of-turn markers of common chat formats (ChatML, Llama 3, Phi, Gemma, harmony, DeepSeek, ...).
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|end_of_turn|>",
                "<|return|>", "<|call|>", "</s>", "<｜end▁of▁sentence｜>", "<|endoftext|>")  # fmt: skip
-
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 class HfChat:
@@ -140,37 +138,6 @@ def error_line(exc: BaseException) -> str:
     return f"{lines[0]} ({cause})" if cause else lines[0]
 
 
-def parse_hermes(text: str, raw: str = "") -> ParsedResponse:
-    """``[<think>reasoning</think>] text <tool_call>{"name": ..., "arguments": {...}}</tool_call> ...``
-    -> :class:`ParsedResponse`; well-formed calls are kept next to the errors of the others."""
-    reasoning = None
-    if "</think>" in text:  # the prompt may have opened the block already
-        head, text = text.split("</think>", 1)
-        reasoning = head.replace("<think>", "", 1).strip() or None
-    calls, errors = [], []
-    for i, match in enumerate(TOOL_CALL.finditer(text)):
-        try:
-            calls.append(_hermes_call(match.group(1)))
-        except ValueError as exc:
-            errors.append(f"tool call {i}: {exc}")
-    rest = TOOL_CALL.sub("", text)
-    if "<tool_call>" in rest:
-        errors.append("a <tool_call> without its </tool_call>")
-    elif "</tool_call>" in rest:
-        errors.append("a </tool_call> without its <tool_call>")
-    return ParsedResponse(rest.strip(), calls, reasoning, "; ".join(errors) or None, raw or text)
-
-
-def _hermes_call(body: str) -> ToolCall:
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        raise ValueError('expected {"name": "...", "arguments": {...}}')
-    return ToolCall.from_openai({"function": {"name": obj["name"], "arguments": obj.get("arguments") or {}}})
-
-
 def _from_message(message: Mapping[str, Any], raw: str) -> ParsedResponse:
     """A message dict from ``parse_response`` -> :class:`ParsedResponse`."""
     content = message.get("content")
@@ -225,6 +192,12 @@ def _turn_end(tokenizer: Any, template: Any) -> int | None:
         return None
     if full[: len(prompt)] != prompt:
         return None
-    special = set(getattr(tokenizer, "all_special_ids", ()))
-    special |= {i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items() if getattr(t, "special", False)}
+    special = special_ids(tokenizer)
     return next((t for t in full[len(prompt) :] if t in special), None)
+
+
+def special_ids(tokenizer: Any) -> set[int]:
+    """The ids the tokenizer treats as special: its named special tokens and the added tokens
+    marked special (a tokenizer built with extra special tokens lists them only there)."""
+    special = {int(i) for i in getattr(tokenizer, "all_special_ids", ())}
+    return special | {int(i) for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items() if getattr(t, "special", False)}

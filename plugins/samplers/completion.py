@@ -1,9 +1,12 @@
 """The ``completion`` sampler: one sampled completion per sample, scored by the stage's reward.
 
-Examples with ``prompt`` text are encoded as they always were (the tokenizer with its BOS);
-examples with ``messages`` (and optional ``tools``) go through the stage's renderer, which
+Examples with ``messages`` (and optional ``tools``) go through the stage's renderer, which
 also parses the completion, so the reward sees the answer's text without chat markup or
-reasoning. Either way the stop tokens are explicit: the renderer's, or the tokenizer's EOS.
+reasoning. So do examples with ``prompt`` text when the stage has a chat renderer: the text is
+one user turn (:func:`tempering.renderer.chat_text_prompts`; an instruct model given the raw
+text would end its turn at once). Otherwise -- ``renderer: raw``, or a model without a chat
+format -- the text is encoded as it always was (the tokenizer with its BOS). Either way the
+stop tokens are explicit: the renderer's, or the tokenizer's EOS.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tempering.chat import check_messages
-from tempering.data import encode_prompt
+from tempering.data import encode_prompt, user_turn
 from tempering.rollout import Rollout, SamplerContext
 from tempering.scoring import ScoreStats
 from tempering.types import Group, Sample, SamplingParams
@@ -35,10 +38,13 @@ class CompletionSampler:
     def _encode(self, example: dict[str, Any]) -> tuple[list[int], Any]:
         assert self.context is not None
         if "messages" in example:
-            renderer = self.context.renderer()
-            prompt = renderer.render_prompt(check_messages(example["messages"], "example.messages"), example.get("tools"))
-            return prompt.tokens, prompt
-        return encode_prompt(self.context.tokenizer, example), None
+            messages = check_messages(example["messages"], "example.messages")
+        elif self.context.chat_prompts:
+            messages = user_turn(example)
+        else:
+            return encode_prompt(self.context.tokenizer, example), None
+        prompt = self.context.renderer().render_prompt(messages, example.get("tools"))
+        return prompt.tokens, prompt
 
     async def sample(self, client: Any, examples: list[dict[str, Any]], group_size: int, params: SamplingParams,
                      first_id: int = 0) -> Rollout:  # fmt: skip
