@@ -76,7 +76,8 @@ def completion_sampler(tokenizer: Any, reward: RewardRunner | None, renderer: An
 
     def make_renderer() -> Any:
         if not built:
-            built.append(get_registry().build("renderer", renderer_spec(renderer, tokenizer), "renderer", tokenizer=tokenizer))
+            spec = renderer_spec(renderer, tokenizer)
+            built.append(get_registry().build("renderer", spec, "renderer", tokenizer=tokenizer))
         return built[0]
 
     reg = get_registry()

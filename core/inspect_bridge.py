@@ -63,8 +63,9 @@ def model_class() -> type:
             tokenizer = self.backend.tokenizer
             hint = hint or getattr(tokenizer, "tempering_renderer", None)
             self.chat = bool(hint or getattr(tokenizer, "chat_template", None)) if chat is None else bool(chat)
-            # chat off: the text goes raw, whatever the model's format (renderer: raw)
-            self.sampler = completion_sampler(tokenizer, None, (hint if renderer == "auto" and hint else renderer) if self.chat else RAW)
+            spec = hint if renderer == "auto" and hint else renderer
+            # chat off: the last user text goes raw, whatever the model's format
+            self.sampler = completion_sampler(tokenizer, None, spec if self.chat else RAW)
 
         def example(self, messages: list[ChatMessage]) -> dict[str, Any]:
             """The sampler's example: OpenAI-format messages, or the last user text as a prompt."""

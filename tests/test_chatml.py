@@ -333,3 +333,18 @@ def test_sdft_teachers_see_the_demonstration_in_the_same_format_as_the_student(s
                                                       42, 216, 37, 2, 198, 1, 520, 9531, 198]  # "...2+3? Hint: 5" as the user turn
     sdft.student_sampler = completion_sampler(smol, None, "raw")
     assert sdft.teacher_prefix(SimpleNamespace(tokenizer=smol), row, sample) == smol("What is 2+3? Hint: 5")["input_ids"]
+
+
+def test_renderer_raw_in_a_stage_with_chat_messages_is_a_config_error(smol, tmp_path):
+    from tempering.recipe import Recipe
+    from tempering.testing import FakeBackend
+
+    backend = FakeBackend()
+    backend.tokenizer = smol
+    stage = {"name": "grpo", "steps": 1, "prompts_per_step": 1, "group_size": 2, "renderer": "raw",
+             "dataset": [{"messages": USER, "answer": "5"}]}  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        Recipe(name="t", output_dir=str(tmp_path), loggers=[], stages=[stage]).run(backend=backend)
+    assert str(err.value) == ("stages[0].renderer: raw sends text prompts as they are, but this stage has chat messages to "
+                              "render (a 'messages' dataset or an environment); name the model's chat renderer, or auto")
+    assert backend.batches == []  # nothing trained
