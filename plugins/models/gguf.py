@@ -82,7 +82,13 @@ def converted_folder(path: str, cache_dir: str | None = None, name: str | None =
     _remove_stale_temporaries(root, os.path.basename(target))
     work = tempfile.mkdtemp(prefix=f"{os.path.basename(target)}.tmp-{os.getpid()}-", dir=root)
     try:
-        convert(path, work)
+        try:
+            convert(path, work)
+        except Exception as exc:  # a truncated or unsupported file fails deep in gguf/transformers
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise ConfigError(f"could not convert the GGUF file '{path}' ({type(exc).__name__}: {first}); the file may be "
+                              "truncated or corrupt (reinstall it), or of an architecture transformers cannot read "
+                              "from GGUF", "backend.model") from exc  # fmt: skip
         os.chmod(work, 0o755)  # mkdtemp's 0700 would hide the folder from other users of the cache
         with open(os.path.join(work, DONE_FILE), "w") as f:
             json.dump({"source": path, "format": "gguf"}, f)

@@ -1,12 +1,14 @@
 """Where the local backend's model comes from, checked before anything is built or downloaded.
 
-``model:`` is one of three things, tried in this order:
+``model:`` is one of four things, tried in this order:
 
-1. a model builder registered by a plugin (``tiny_llama``); ``model_kwargs`` are its arguments
-   and are checked against its signature, so ``hiden_size`` fails with a suggestion instead of
-   a ``TypeError`` from deep inside the build;
-2. an existing folder holding a saved model (``config.json``);
-3. a Hugging Face hub id, found in the local cache or -- unless the hub is off
+1. a model builder registered by a plugin (``tiny_llama``, ``smollm2``); ``model_kwargs`` are
+   its arguments and are checked against its signature, so ``hiden_size`` fails with a
+   suggestion instead of a ``TypeError`` from deep inside the build;
+2. a GGUF file (``*.gguf``), converted once into a cached Hugging Face folder
+   (:mod:`tempering.plugins.models.gguf`) and loaded from there;
+3. an existing folder holding a saved model (``config.json`` and a tokenizer);
+4. a Hugging Face hub id, found in the local cache or -- unless the hub is off
    (``HF_HUB_OFFLINE=1``) -- looked up once, with a short timeout.
 
 A name that is none of these used to reach ``from_pretrained``, which retries the hub for the
@@ -16,10 +18,11 @@ three the name is not. Only :func:`registered_builder` is needed at build time.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from tempering.errors import ConfigError, PluginError
@@ -27,6 +30,38 @@ from tempering.errors import ConfigError, PluginError
 #: Seconds for the one hub lookup of a name that is neither a builder nor a folder.
 HUB_TIMEOUT = 10.0
 _OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+#: Files any of which makes a folder's tokenizer loadable by ``AutoTokenizer``.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tml_tokenizer.json")
+
+
+def is_gguf(name: str) -> bool:
+    """Whether ``model:`` names a GGUF file (by its extension: the file itself is checked later)."""
+    return name.lower().endswith(".gguf")
+
+
+@contextlib.contextmanager
+def quiet_loading() -> Iterator[None]:
+    """transformers 5 draws a "Loading weights" progress bar on every ``from_pretrained``; a run
+    shows its own progress, so the bar (and nothing else) is turned off while a model loads."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def source_folder(name: str) -> str:
+    """The folder ``from_pretrained`` loads for ``model: name``: a GGUF file's cached conversion,
+    else ``name`` itself (a folder or a hub id)."""
+    if is_gguf(name):
+        from tempering.plugins.models.gguf import converted_folder
+
+        return converted_folder(os.path.expanduser(name))
+    return name
 
 
 def registered_builder(name: str) -> Callable[..., tuple[Any, Any]] | None:
@@ -59,10 +94,18 @@ def check_model(name: Any, model_kwargs: Any, path: str) -> None:
     if builder is not None:
         validate_params(builder, dict(model_kwargs or {}), f"{path}.model_kwargs")
         return
+    if is_gguf(name):
+        from tempering.plugins.models.gguf import check_gguf_file
+
+        check_gguf_file(os.path.expanduser(name), f"{path}.model")
+        return
     if os.path.isdir(name):
         if not os.path.isfile(os.path.join(name, "config.json")):
             raise ConfigError(f"the folder '{name}' holds no config.json, so it is not a saved model "
                               "(write one with save_pretrained or the backend's export_pretrained)", f"{path}.model")
+        if not any(os.path.isfile(os.path.join(name, f)) for f in TOKENIZER_FILES):
+            raise ConfigError(f"the folder '{name}' holds a model but no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                              "save one there with tokenizer.save_pretrained(folder)", f"{path}.model")  # fmt: skip
         return
     problem = _hub_problem(name, (model_kwargs or {}).get("revision"))
     if problem is None:
