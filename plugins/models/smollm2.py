@@ -91,8 +91,8 @@ def install(name: str, cache_dir: str | None = None, dry_run: bool = False) -> s
     for args in PIP_STEPS:
         command = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", *args]
         print("$ " + " ".join(a if " " not in a and ">" not in a else repr(a) for a in command[2:]), flush=True)
-        if not dry_run:
-            subprocess.run(command, check=True)
+        if not dry_run and subprocess.run(command).returncode != 0:
+            raise ConfigError(f"pip failed (its output is above); the same by hand: {INSTALL}", "install-model")
     if dry_run:
         return None
     importlib.invalidate_caches()
