@@ -102,8 +102,19 @@ class LossOutput:
 @runtime_checkable
 class Loss(Protocol):
     """A pure function of the model's per-token logprobs (``(B, T)``) and the padded batch
-    (:meth:`tempering.types.Batch.to_tensors`). Losses that need full logits set
-    ``needs_logits = True`` and read ``batch["logits"]``.
+    (:meth:`tempering.types.Batch.to_tensors`).
+
+    Positions: a backend may compute logprobs only at the target positions where some row has
+    a non-zero ``batch["weights"]`` (the local one does: the LM head never runs on prompts);
+    elsewhere ``logprobs`` holds 0 and has no gradient, so a loss reads only what its mask
+    keeps (every built-in masks with ``weights != 0``). A loss that needs every position sets
+    ``needs_all_positions = True`` (optional attribute; False when absent).
+
+    Losses that need logits set ``needs_logits = True`` and read ``batch["logits"]``: the
+    logits at every target position, ``(B, T, V)``, or -- when ``batch["logit_positions"]`` is
+    present -- at those ``K`` positions only, ``(B, K, V)`` (sorted, the same for every row).
+    :func:`at_positions` selects those columns of any ``(B, T, ...)`` batch tensor and
+    :func:`from_positions` places ``(B, K)`` results back at their positions.
 
     ``tinker_builtin`` names the Tinker loss that computes exactly this (or ``None``): the
     Tinker backend then sends the batch to it instead of paying for a custom-loss forward.
@@ -113,6 +124,21 @@ class Loss(Protocol):
     tinker_builtin: str | None
 
     def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput: ...
+
+
+def at_positions(tensor: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """The columns ``positions`` of a ``(B, T, ...)`` batch tensor (``batch.get("logit_positions")``
+    for the columns ``batch["logits"]`` covers); ``tensor`` itself for ``None``."""
+    return tensor if positions is None else tensor[:, positions]
+
+
+def from_positions(values: torch.Tensor, positions: torch.Tensor | None, width: int, fill: Any = 0) -> torch.Tensor:
+    """The inverse of :func:`at_positions`: ``(B, K, ...)`` values placed at ``positions`` of a
+    ``(B, width, ...)`` tensor holding ``fill`` elsewhere (differentiable in ``values``)."""
+    if positions is None:
+        return values
+    out = values.new_full((values.shape[0], width, *values.shape[2:]), fill)
+    return out.index_copy(1, positions, values)
 
 
 # --------------------------------------------------------------------------- samplers

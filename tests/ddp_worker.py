@@ -39,12 +39,15 @@ class SumLoss:
 
 
 def rank_rows(rank: int, tokenizer) -> list[Datum]:
-    """Different problems (and lengths) per rank."""
+    """Different problems (and lengths) per rank, trained on the answer only: the prompt's
+    positions have weight 0, so the backend runs the LM head on the answers' positions alone
+    (``logits_to_keep``, different per rank) -- under DDP and FSDP too."""
     texts = [f"{rank * 7 + i}+{i * 3}={rank * 7 + i + i * 3}" for i in range(3 + rank)]
     rows = []
     for text in texts:
         ids = tokenizer.encode(text) + [tokenizer.eos_token_id]
-        rows.append(Datum(ids[:-1], ids[1:], [1.0] * (len(ids) - 1)))
+        prompt = len(tokenizer.encode(text[: text.index("=") + 1]))
+        rows.append(Datum(ids[:-1], ids[1:], [0.0] * (prompt - 1) + [1.0] * (len(ids) - prompt)))
     return rows
 
 

@@ -67,7 +67,7 @@ from typing import Any, ClassVar
 import torch
 
 from tempering.algorithms.grpo.loss import log_importance_weights
-from tempering.interfaces import LossOutput
+from tempering.interfaces import LossOutput, at_positions, from_positions
 
 __all__ = [
     "LEVELS",
@@ -241,7 +241,10 @@ class OffPolicyObjective:
     def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
         filtered_frac = 0.0
         if self.matched:
-            logprobs, kept = sampling_logprobs(batch["logits"], batch["target_ids"], self.temperature, self.top_k, self.top_p)
+            positions, width = batch.get("logit_positions"), logprobs.shape[-1]
+            targets = at_positions(batch["target_ids"], positions)
+            logprobs, kept = sampling_logprobs(batch["logits"], targets, self.temperature, self.top_k, self.top_p)
+            logprobs, kept = from_positions(logprobs, positions, width), from_positions(kept, positions, width, True)
             mask = batch["weights"]
             active = _active(mask)
             filtered_frac = float((active & ~kept).sum()) / max(int(active.sum()), 1)

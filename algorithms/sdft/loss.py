@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tempering.interfaces import LossOutput
+from tempering.interfaces import LossOutput, at_positions, from_positions
 
 __all__ = [
     "AGGREGATIONS",
@@ -240,16 +240,24 @@ class SDFTLoss:
         return "full"
 
     def per_token(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The ``(B, T)`` per-token divergence of the logit modes, before masking."""
-        logits = batch["logits"].float()
+        """The ``(B, T)`` per-token divergence of the logit modes, before masking: computed at
+        the positions ``batch["logits"]`` covers (``logit_positions``), 0 elsewhere."""
+        positions = batch.get("logit_positions")
+        logits, alpha = batch["logits"].float(), float(self.alpha)
+
+        def teacher(key: str) -> torch.Tensor:
+            return at_positions(batch[key], positions)
+
         if self.mode == "full_logits":
-            return full_logits_loss(logits, batch["teacher_logits"].float(), float(self.alpha))
-        if self.topk_support == "student":
-            return topk_logits_loss(logits, float(self.alpha), self.topk, self.add_tail, teacher_logits=batch["teacher_logits"].float())
-        return topk_logits_loss(
-            logits, float(self.alpha), self.topk, self.add_tail,
-            teacher_topk_logprobs=batch["teacher_topk_logprobs"], teacher_topk_ids=batch["teacher_topk_ids"],
-        )  # fmt: skip
+            per_token = full_logits_loss(logits, teacher("teacher_logits").float(), alpha)
+        elif self.topk_support == "student":
+            per_token = topk_logits_loss(logits, alpha, self.topk, self.add_tail, teacher_logits=teacher("teacher_logits").float())
+        else:
+            per_token = topk_logits_loss(
+                logits, alpha, self.topk, self.add_tail,
+                teacher_topk_logprobs=teacher("teacher_topk_logprobs"), teacher_topk_ids=teacher("teacher_topk_ids"),
+            )  # fmt: skip
+        return from_positions(per_token, positions, logprobs.shape[-1])
 
     def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
         mask = batch["weights"]

@@ -44,8 +44,14 @@ from typing import Any, TypeVar
 
 import torch
 from tempering.errors import ConfigError
-from tempering.interfaces import Loss
+from tempering.interfaces import Loss, at_positions, from_positions
 from tempering.plugins.backends.local import distributed, sharding
+from tempering.plugins.backends.local.logprobs import (
+    model_logits,
+    next_token_distributions,
+    selected_token_logprobs,
+    trained_positions,
+)
 from tempering.plugins.backends.local.model_source import (
     check_model,
     registered_builder,
@@ -581,36 +587,39 @@ class LocalBackend:
 
     # ------------------------------------------------------------------ scoring and training
     def _logprobs(self, batch: Batch, reference: bool, weights: str | None = None) -> list[list[float]]:
+        """Every target position's logprob (Tinker's ``forward``), log-softmaxed chunk by chunk."""
         tensors = batch.to_tensors(self.pad_token_id, device=self.device)
         with torch.no_grad(), self._scoring_model(reference, weights) as model:
             model.eval()
-            logits = model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
-            lp = token_logprobs(logits, tensors["target_ids"])
+            logits = model_logits(model, tensors["input_ids"], tensors["attention_mask"])
+            lp = selected_token_logprobs(logits, tensors["target_ids"])
         return [lp[i, : len(d.target_tokens)].tolist() for i, d in enumerate(batch.data)]
 
     def _distributions(self, batch: Batch, reference: bool, weights: str | None, topk: int | None) -> list[Any]:
         tensors = batch.to_tensors(self.pad_token_id, device=self.device)
+        out: list[Any] = []
         with torch.no_grad(), self._scoring_model(reference, weights) as model:
             model.eval()
-            logits = model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
-            logp = torch.log_softmax(logits.float(), dim=-1)
-        out: list[Any] = []
-        for i, d in enumerate(batch.data):
-            row = logp[i, : len(d.target_tokens)]
-            if topk is None:
-                out.append(row.cpu())
-            else:
-                values, ids = torch.topk(row, k=min(topk, row.shape[-1]), dim=-1)
-                out.append((values.cpu(), ids.cpu()))
+            logits = model_logits(model, tensors["input_ids"], tensors["attention_mask"])
+            for i, d in enumerate(batch.data):
+                dist = next_token_distributions(logits[i, : len(d.target_tokens)], topk)
+                out.append(dist.cpu() if topk is None else (dist[0].cpu(), dist[1].cpu()))
         return out
 
     def _forward_backward(self, batch: Batch, loss: Loss) -> dict[str, float]:
+        """The LM head runs only at the positions some row trains on (unless the loss sets
+        ``needs_all_positions``); logprobs elsewhere are 0 (see :class:`~tempering.interfaces.Loss`)
+        and a ``needs_logits`` loss gets the logits there with ``batch["logit_positions"]``."""
         tensors = batch.to_tensors(self.pad_token_id, device=self.device)
+        positions = None if getattr(loss, "needs_all_positions", False) else trained_positions(tensors["weights"])
         self.model.train()
-        logits = self.model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
-        lp = token_logprobs(logits, tensors["target_ids"])
+        logits = model_logits(self.model, tensors["input_ids"], tensors["attention_mask"], positions)
+        lp = selected_token_logprobs(logits, at_positions(tensors["target_ids"], positions))
+        lp = from_positions(lp, positions, tensors["target_ids"].shape[1])
         if getattr(loss, "needs_logits", False):
             tensors["logits"] = logits
+            if positions is not None:
+                tensors["logit_positions"] = positions
         out = loss(lp, tensors)
         value = getattr(out, "loss", None)
         if not isinstance(value, torch.Tensor) or value.dim() != 0:
@@ -914,11 +923,6 @@ def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------- model helpers
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``log p(targets[b, t] | prefix)`` as a ``(B, T)`` float32 tensor."""
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
 def _special_ids(model: Any, tokenizer: Any) -> tuple[int, set[int]]:
     """Pad id (eos when the tokenizer has none) and every id that ends a completion."""
     eos: set[int] = set()

@@ -205,6 +205,8 @@ class BuiltinLoss:
     :func:`builtin_loss`, on the real (unpadded) positions of each row. Keeps each row's target
     logprobs (``rows``) for the response."""
 
+    needs_all_positions = True  # Tinker returns every position's logprob, trained or not
+
     def __init__(self, loss_fn: str, config: Mapping[str, Any] | None, keys: frozenset[str], two_d: bool) -> None:
         self.loss_fn, self.config, self.keys, self.two_d = loss_fn, dict(config or {}), keys, two_d
         self.needs_logits = two_d
