@@ -54,7 +54,9 @@ from tempering.plugins.backends.local.logprobs import (
 )
 from tempering.plugins.backends.local.model_source import (
     check_model,
+    quiet_loading,
     registered_builder,
+    source_folder,
 )
 from tempering.plugins.backends.local.vllm_engine import VllmEngine, check_engine
 from tempering.types import AdamParams, Batch, Completion, SamplingParams
@@ -355,7 +357,7 @@ class LocalBackend:
         Deterministic on purpose: data-parallel ranks and the full-FT reference model are
         rebuilt this way and must come out identical.
         """
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), quiet_loading():
             torch.manual_seed(self.seed)
             model, tokenizer = self._load_source()
         model = model.to(device=device or self.device, dtype=self.dtype)
@@ -375,8 +377,9 @@ class LocalBackend:
 
         kwargs = dict(self.model_kwargs)
         revision = kwargs.get("revision")
-        model = AutoModelForCausalLM.from_pretrained(self.model_name, dtype=self.dtype, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(self.model_name, revision=revision)
+        folder = source_folder(self.model_name)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(folder, revision=revision)
         return model, tokenizer
 
     def _neutral_generation_config(self) -> GenerationConfig:
