@@ -16,7 +16,7 @@ from tempering import cli
 from tempering.errors import ConfigError
 from tempering.plugins.models import gguf, smollm2
 
-SMOKE = ["stages.rl.steps=1", "stages.rl.prompts_per_step=2", "stages.rl.group_size=2", "stages.rl.max_tokens=8",
+SMOKE = ["stages.rl.steps=2", "stages.rl.prompts_per_step=2", "stages.rl.group_size=2", "stages.rl.max_tokens=8",
          "stages.rl.eval.dataset.size=4", "stages.rl.eval.max_tokens=8", "backend.lora.rank=4"]  # fmt: skip
 
 
@@ -29,9 +29,10 @@ def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
 
 def test_smollm2_math_runs_resumes_exports_and_evaluates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
-    assert cli.main(["run", "smollm2_math", *SMOKE, "--output-dir", str(out)]) == 0
+    # stopped after its first step (as if interrupted), then run again: it resumes
+    assert cli.main(["run", "smollm2_math", *SMOKE, "max_total_steps=1", "--output-dir", str(out)]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 1]  # base model first, then after RL
+    assert [r["step"] for r in rows if "eval/accuracy" in r][0] == 0  # the base model, before RL
     train = [r for r in rows if "reward/mean" in r]
     assert len(train) == 1 and 0.0 <= train[0]["reward/mean"] <= 1.0
     rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
@@ -40,9 +41,10 @@ def test_smollm2_math_runs_resumes_exports_and_evaluates(tmp_path: Path, capsys:
     assert all(r["tokens"] >= 1 for r in sampled)  # the chat format is used: the model answers, not an empty turn
     capsys.readouterr()
 
-    assert cli.main(["run", "smollm2_math", *SMOKE, "stages.rl.steps=2", "--output-dir", str(out)]) == 0
+    assert cli.main(["run", "smollm2_math", *SMOKE, "--output-dir", str(out)]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]  # resumed after step 1, not restarted
+    assert [r["step"] for r in rows if "eval/accuracy" in r][-1] == 2  # and evaluated at the end
 
     export = tmp_path / "export"
     assert cli.main(["export", str(out), "--to", str(export)]) == 0
