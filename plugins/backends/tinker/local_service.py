@@ -2,7 +2,7 @@
 and samplers, on :class:`~tempering.plugins.backends.local.backend.LocalBackend`.
 
 Each training run (``create_model`` / ``load_weights``) is a ``LocalBackend`` with a LoRA
-adapter of the run's rank on a tiny model built in code; its built-in losses are
+adapter of the run's rank on its own copy of the served model (built in code, or pretrained); its built-in losses are
 :mod:`~tempering.plugins.backends.tinker.builtin_losses` evaluated by the local backend's
 ``forward_backward``, so the server computes exactly what Tinker's documentation says, with our
 own training code. What Tinker guarantees and this service keeps:
@@ -30,6 +30,7 @@ failure.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import os
 import random
@@ -45,6 +46,7 @@ import torch
 
 from tempering.interfaces import LossOutput
 from tempering.plugins.backends.local.backend import LocalBackend, LocalSamplingClient
+from tempering.plugins.backends.local.model_source import registered_builder
 from tempering.plugins.backends.tinker.builtin_losses import builtin_loss, check_builtin
 from tempering.types import AdamParams, Batch, Datum, SamplingParams
 
@@ -68,9 +70,10 @@ class UserError(Exception):
 
 @dataclass
 class ServedModel:
-    """A base model the server serves: a local-backend model builder (a registered name such
-    as ``tiny_llama``, or a callable returning ``(model, tokenizer)``) and its keyword
-    arguments. ``lora=False`` trains every weight instead of an adapter."""
+    """A base model the server serves: a local-backend model source (a registered builder such
+    as ``tiny_llama`` or ``smollm2``, a Hugging Face folder, or a callable returning ``(model,
+    tokenizer)``) and its keyword arguments. ``lora=False`` trains every weight instead of an
+    adapter. ``seed`` reaches only builders that take one (models built in code)."""
 
     model: str | Callable[..., tuple[Any, Any]] = "tiny_llama"
     model_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -267,6 +270,17 @@ def _to_batch(data: list[Any], loss_fn: str, config: Mapping[str, Any] | None) -
     return Batch(rows), BuiltinLoss(loss_fn, config, keys or frozenset(), two_d)
 
 
+def _builder_kwargs(spec: ServedModel) -> dict[str, Any]:
+    """The served model's keyword arguments, with its ``seed`` for a builder that takes one: the
+    base weights of a model built in code come from that seed, not from a run's (which only
+    seeds its adapter). A pretrained model (``smollm2``, a folder) has no seed to give."""
+    builder = spec.model if callable(spec.model) else registered_builder(spec.model)
+    params = inspect.signature(builder).parameters.values() if builder is not None else ()
+    if not any(p.name == "seed" or p.kind is p.VAR_KEYWORD for p in params):
+        return dict(spec.model_kwargs)
+    return {**spec.model_kwargs, "seed": spec.seed}
+
+
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
 
@@ -301,7 +315,7 @@ class LocalService:
 
     def _backend(self, base_model: str, lora_rank: int | None, seed: int) -> LocalBackend:
         spec = self._spec(base_model)
-        kwargs: dict[str, Any] = {"model_kwargs": {**spec.model_kwargs, "seed": spec.seed}, "seed": seed}
+        kwargs: dict[str, Any] = {"model_kwargs": _builder_kwargs(spec), "seed": seed}
         if callable(spec.model):
             kwargs["model_builder"] = spec.model
         else:
