@@ -39,7 +39,8 @@ def measure(engine: str, args: argparse.Namespace) -> dict[str, Any]:
     smol = args.model == "smollm2"
     model_kwargs = {} if smol else {"hidden_size": args.hidden, "num_layers": args.layers, "num_heads": args.hidden // 32,
                                     "intermediate_size": 2 * args.hidden, "max_position_embeddings": 128}  # fmt: skip
-    extra = {"vllm": {"max_model_len": 512 if smol else 128, "kv_cache_space_gib": 1}} if engine == "vllm" else {}
+    options = {"max_model_len": 512 if smol else 128, "kv_cache_space_gib": 1, "enforce_eager": args.eager}
+    extra = {"vllm": options} if engine == "vllm" else {}
     backend = LocalBackend(model=args.model, model_kwargs=model_kwargs, num_threads=args.threads, seed=0,
                            engine=engine, device=args.device, dtype=args.dtype, **extra)  # fmt: skip
     prompts = [chat_prompt(backend.tokenizer, i) if smol else backend.tokenizer.encode(f"{i}+{3 * i + 1}=")
@@ -81,6 +82,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the generate engine")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--eager", action="store_true", help="vLLM without compilation: starts faster, samples slower")
     args = parser.parse_args()
 
     print(f"load average before: {os.getloadavg()}  cpus: {os.cpu_count()}  python {sys.version.split()[0]}")

