@@ -115,7 +115,7 @@ def test_an_unknown_model_name_fails_at_once_saying_what_it_is_not(fresh_registr
         "backend.model: 'tiny_lama' is not a registered model builder (did you mean 'tiny_llama'?), not an "
         "existing folder, and the Hugging Face hub could not be reached to look it up (ConnectionError: [Errno -2] "
         "Name or service not known); fix the name, or download the model and set HF_HUB_OFFLINE=1. "
-        "Model builders: tiny_llama, tiny_qwen, tiny_qwen3")
+        "Model builders: gguf, smollm2, tiny_llama, tiny_qwen, tiny_qwen3")
     # built directly: the same check, and the hub is asked once per name, not once per check
     with pytest.raises(ConfigError, match="^backend.model: 'tiny_lama' is not a registered model builder"):
         LocalBackend(model="tiny_lama")
