@@ -14,3 +14,5 @@ def register_datasets(register):
              description="multi-hop questions over a generated corpus: tasks, SFT trajectories or DPO pairs")
     register("math_questions", "tempering.plugins.datasets.math_questions:math_questions",
              description="arithmetic questions in natural language (chat messages) for instruct models")
+    register("math_preferences", "tempering.plugins.datasets.math_preferences:math_preferences",
+             description="DPO pairs on math_questions: the bare right number over a wrong or verbose answer")
