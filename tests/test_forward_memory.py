@@ -99,9 +99,9 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def assert_same_step(backend: LocalBackend, batch: Batch, loss: Any, tol: float = TOL) -> dict[str, float]:
     """Logprobs at trained positions equal the old path's to ``tol``, every gradient to ``tol``
     times the largest one; logprobs off the trained columns are 0. Returns the differences
-    (measured: logprobs bitwise equal; gradients within 1e-7 of the largest on the tiny model,
-    5e-7 on SmolLM2 -- the last bit of ``exp`` in the written-out softmax gradient, and the
-    head's weight gradient summed over fewer positions)."""
+    (measured: bitwise equal, logprobs and gradients, for every loss here on the tiny model and
+    SmolLM2; the head's weight gradient, summed over fewer positions, may differ in its last
+    bits on bigger batches -- the arithmetic recipe's SFT batch of 64 rows: 1.2e-7)."""
     old_lp, old_grads = reference_forward_backward(backend, batch, loss)
     seen, new_grads = new_forward_backward(backend, batch, loss)
     weights = batch.to_tensors(backend.pad_token_id)["weights"]
@@ -184,8 +184,7 @@ LOSSES = {
 # ---------------------------------------------------------------------------- the pure function
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("chunk", [1, 3, 1000])
-def test_selected_token_logprobs_equal_the_full_log_softmax(dtype: torch.dtype, chunk: int) -> None:
-    """Values bitwise; gradients to the last bit of ``exp`` (float32), or of the bf16 rounding."""
+def test_selected_token_logprobs_are_bitwise_the_full_log_softmax(dtype: torch.dtype, chunk: int) -> None:
     gen = torch.Generator().manual_seed(1)
     logits = (4 * torch.randn(3, 5, 301, generator=gen)).to(dtype).requires_grad_(True)
     targets = torch.randint(0, 301, (3, 5), generator=gen)
@@ -196,8 +195,7 @@ def test_selected_token_logprobs_equal_the_full_log_softmax(dtype: torch.dtype, 
     (new_grad,) = torch.autograd.grad(new, logits, upstream)
     assert new.dtype == torch.float32 and new.shape == targets.shape and new_grad.dtype == dtype
     torch.testing.assert_close(new, old, rtol=0, atol=0)
-    rtol = 1e-6 if dtype == torch.float32 else 2**-7  # bf16: one unit in the last place
-    torch.testing.assert_close(new_grad, old_grad, rtol=rtol, atol=1e-30)
+    torch.testing.assert_close(new_grad, old_grad, rtol=0, atol=0)
 
 
 def test_distributions_chunked_are_bitwise_the_full_log_softmax() -> None:

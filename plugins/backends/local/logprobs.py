@@ -15,11 +15,11 @@ memory long before its weights do. Three pieces avoid it:
   chunk of positions at a time.
 
 In forward each chunk runs exactly the ops the unchunked expression ran (``log_softmax`` of
-the float32 logits, then ``gather``), and both are row-wise, so the values are bitwise those of
-``torch.log_softmax(logits.float(), -1).gather(-1, targets)``; a log-sum-exp formula (``logit -
-logsumexp``) would be as cheap but sums in another order, up to 2e-5 away from torch's
-log-softmax over a 49k vocabulary. The gradient is written out (``grad * (onehot - softmax)``):
-equal to autograd's to 2e-7 relative, in half the passes (``tests/test_forward_memory.py``).
+the float32 logits, then ``gather``), and in backward the ops autograd runs for it; both are
+row-wise, so values and gradients are bitwise those of ``torch.log_softmax(logits.float(),
+-1).gather(-1, targets)`` (``tests/test_forward_memory.py``). A log-sum-exp formula (``logit -
+logsumexp``) would be as cheap but sums in another order: up to 2e-5 away from torch's
+log-softmax over a 49k vocabulary.
 """
 
 from __future__ import annotations
@@ -72,13 +72,16 @@ def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
 
 
 def _target_logprobs_grad(logits: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """The gradient of :func:`_target_logprobs` times ``grad``, in float32: ``grad * (onehot(targets)
-    - softmax(logits))``, the softmax taken as the exponential of the recomputed log-softmax (as
-    torch's log-softmax backward takes it). Written out rather than differentiated through a
-    one-hot ``grad_output``: half the passes over the ``(N, V)`` block, and equal to autograd's
-    result up to the last bit of ``exp`` (2e-7 relative)."""
-    out = torch.log_softmax(logits.float(), dim=-1).exp_().mul_(-grad.unsqueeze(-1))
-    return out.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1).to(out.dtype))
+    """The gradient of :func:`_target_logprobs` with respect to the float32 logits, times
+    ``grad``: autograd through the recomputed chunk, i.e. the very ops it runs for the
+    unchunked expression (a one-hot ``grad`` into torch's log-softmax backward), so bitwise the
+    same. Writing it out as ``grad * (onehot - exp(log_softmax))`` is about 2x faster on this
+    block but differs in the last bit of ``exp``, which added up to 2e-6 of the largest
+    gradient on SmolLM2; the block is a small part of a step either way."""
+    with torch.enable_grad():
+        block = logits.detach().float().requires_grad_(True)
+        (grad_block,) = torch.autograd.grad(_target_logprobs(block, targets), block, grad)
+    return grad_block
 
 
 class _SelectedLogprobs(torch.autograd.Function):
