@@ -152,6 +152,9 @@ def test_a_folder_is_a_model_only_with_a_config(fresh_registry, no_hub, tmp_path
     with pytest.raises(ConfigError, match=r"^backend\.model: the folder '.*' holds no config\.json"):
         fresh_registry.check("backend", {"name": "local", "model": str(tmp_path)}, "backend")
     (tmp_path / "config.json").write_text("{}", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"holds a model but no tokenizer"):
+        fresh_registry.check("backend", {"name": "local", "model": str(tmp_path)}, "backend")
+    (tmp_path / "tokenizer.json").write_text("{}", encoding="utf-8")
     fresh_registry.check("backend", {"name": "local", "model": str(tmp_path)}, "backend")
     assert no_hub == []
 
