@@ -46,8 +46,12 @@ loss maths, optimizer step, bookkeeping). Our sampler-logprob recorder runs insi
 Run: ``python benchmarks/grpo_step_vs_trl.py [--steps 10] [--warmup 3] [--prompts 16]
 [--group 8] [--max-tokens 8] [--lr 1e-5] [--threads 1] [--no-log-kl]
 [--trl-gradient-checkpointing] [--json out.json] [--model tiny_llama --model-kwargs JSON --device
-cpu|cuda --dtype float32|bfloat16]`` (the last four change the model and where both sides run it:
-``benchmarks/gpu_check.sh`` uses them for a 1.5B-parameter model on a lent GPU). The default run takes about 40-70 s on 2
+cpu|cuda --dtype float32|bfloat16] [--lora RANK [--lora-alpha A]]`` (``--model`` and the three
+after it change the model and where both sides run it: ``benchmarks/gpu_check.sh`` uses them for
+a 1.5B-parameter model on a lent GPU; ``--model smollm2`` is the real SmolLM2-135M-Instruct, which
+TRL loads from its cached converted folder; ``--lora`` trains the same peft ``LoraConfig`` --
+rank, alpha, dropout 0, all linear layers -- on both sides, asserted by the trainable parameter
+count). Ours renders the prompt text as it is (``renderer: raw``), as TRL gets it. The default run takes about 40-70 s on 2
 CPU cores (``import trl`` alone is ~11 s). The machine's load average is printed at the start
 and the end: on a shared machine other processes slow both sides, which makes the ratio noisier
 but not biased toward either side (they alternate step by step).
@@ -156,6 +160,29 @@ class StepRecord:
 
 
 # ---------------------------------------------------------------------------- the two sides
+def lora_params(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Our backend's ``lora:`` block for ``--lora RANK`` (``None``: full fine-tuning). The
+    backend turns it into ``peft.LoraConfig(r, lora_alpha, lora_dropout, target_modules,
+    task_type="CAUSAL_LM")``: :func:`trl_peft_config` is the same config for TRL."""
+    if not args.lora:
+        return None
+    return {"rank": args.lora, "alpha": args.lora_alpha or 2.0 * args.lora, "dropout": 0.0, "target_modules": "all-linear"}
+
+
+def trl_peft_config(args: argparse.Namespace) -> Any:
+    params = lora_params(args)
+    if params is None:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=params["rank"], lora_alpha=params["alpha"], lora_dropout=params["dropout"],
+                      target_modules=params["target_modules"], task_type="CAUSAL_LM")  # fmt: skip
+
+
+def trainable_count(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def exact_match(completion: str, answer: str) -> float:
     """The one reward both sides use (same as the ``exact_match`` component's defaults)."""
     return 1.0 if completion.strip() == str(answer).strip() else 0.0
@@ -174,14 +201,14 @@ class Ours:
 
         registry = get_registry()
         self.backend = LocalBackend(model=args.model, model_kwargs=args.model_kwargs, seed=0, num_threads=args.threads,
-                                    device=args.device, dtype=args.dtype)  # fmt: skip
+                                    device=args.device, dtype=args.dtype, lora=lora_params(args))  # fmt: skip
         self.ctx = RunContext(registry, self.backend, {}, out_dir, [], 0)  # no loggers, no checkpoints
         self.grpo = GRPO(
             dataset=examples, reward=lambda text, ex: exact_match(text, ex["answer"]), advantage="group_norm",
             loss={"name": "grpo", "loss_type": "dapo", "beta": 0.0, "epsilon_low": 0.2, "epsilon_high": 0.2},
             steps=args.warmup + args.steps, prompts_per_step=args.prompts, group_size=args.group,
             max_tokens=args.max_tokens, temperature=1.0, optimizer={"learning_rate": args.lr},
-            log_kl=log_kl, kl_every=kl_every,
+            log_kl=log_kl, kl_every=kl_every, renderer="raw",  # the prompt text as it is, as TRL gets it
         )  # fmt: skip
         self.grpo._optimizer = OptimizerConfig(learning_rate=args.lr, beta1=0.9, beta2=0.95, eps=1e-8,
                                                weight_decay=0.0, grad_clip_norm=1.0)  # fmt: skip
@@ -217,7 +244,8 @@ class Ours:
         return StepRecord(dt, t.generate, t.forward, t.backward, self._opt_seconds, tokens, t.decode_steps)
 
 
-def build_trl(args: argparse.Namespace, examples: list[dict[str, Any]], model_dir: str, on_step: Callable[[], None]):
+def build_trl(args: argparse.Namespace, examples: list[dict[str, Any]], model_dir: str, out_dir: str,
+              on_step: Callable[[], None]):  # fmt: skip
     """A TRL 1.16 GRPOTrainer whose one optimizer step is one generation batch of
     ``prompts x group`` completions, plus the callback that times its steps."""
     import trl
@@ -227,7 +255,7 @@ def build_trl(args: argparse.Namespace, examples: list[dict[str, Any]], model_di
     assert trl.__version__.startswith("1.16"), f"this benchmark targets TRL 1.16, found {trl.__version__}"
     rows = args.prompts * args.group
     config = trl.GRPOConfig(
-        output_dir=os.path.join(model_dir, "trl_out"), report_to="none", save_strategy="no", disable_tqdm=True,
+        output_dir=os.path.join(out_dir, "trl_out"), report_to="none", save_strategy="no", disable_tqdm=True,
         use_cpu=args.device == "cpu", bf16=args.dtype == "bfloat16", fp16=False, seed=0, dataloader_num_workers=0,
         model_init_kwargs={"dtype": args.dtype},
         per_device_train_batch_size=rows, gradient_accumulation_steps=1, num_generations=args.group,
@@ -255,7 +283,8 @@ def build_trl(args: argparse.Namespace, examples: list[dict[str, Any]], model_di
     dataset = Dataset.from_list([{"prompt": e["prompt"], "answer": e["answer"]} for e in examples])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     trainer = trl.GRPOTrainer(
-        model=model_dir, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer
+        model=model_dir, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer,
+        peft_config=trl_peft_config(args),
     )
     assert next(trainer.model.parameters()).dtype == getattr(torch, args.dtype)
 
@@ -334,6 +363,24 @@ def fmt(s: dict[str, float], scale: float = 1000.0, unit: str = "ms") -> str:
     return f"{s['median'] * scale:8.1f} {unit} [IQR {s['q1'] * scale:.1f}-{s['q3'] * scale:.1f}]"
 
 
+def model_folder(args: argparse.Namespace, tmp: str) -> str:
+    """A Hugging Face folder holding the weights ``LocalBackend(model=args.model, seed=0)``
+    builds, for TRL: SmolLM2's cached conversion, or a registered builder's model saved."""
+    if args.model == "smollm2":
+        if args.model_kwargs:
+            raise SystemExit("--model smollm2 takes no --model-kwargs")
+        from tempering.plugins.models.smollm2 import smollm2_folder
+
+        return smollm2_folder()
+    from tempering.plugins.backends.local.model_source import registered_builder
+
+    model, tokenizer = registered_builder(args.model)(**{**args.model_kwargs, "seed": 0})
+    folder = os.path.join(tmp, "model")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=10, help="measured steps per side (after warmup)")
@@ -353,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
                    help='its keys, e.g. \'{"hidden_size": 2048, "num_layers": 28}\' (a Qwen3-1.7B shape: benchmarks/gpu_check.sh)')
     p.add_argument("--device", default="cpu", help="cpu or cuda (both sides)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute (both sides)")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="train a LoRA adapter of this rank on both sides (all linear layers, dropout 0); 0: full FT")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
     args = p.parse_args(argv)
 
     import warnings
@@ -367,25 +417,20 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     patch_backward()
 
-    from tempering.plugins.backends.local.model_source import registered_builder
     from tempering.plugins.datasets.arithmetic import arithmetic
 
     examples = arithmetic("train")
-    with tempfile.TemporaryDirectory(prefix="grpo_bench_") as model_dir:
-        # the same weights LocalBackend(model=args.model, model_kwargs=..., seed=0) builds
-        model, tokenizer = registered_builder(args.model)(**{**args.model_kwargs, "seed": 0})
-        model.save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
-        n_params = sum(t.numel() for t in model.parameters())
-        del model
+    with tempfile.TemporaryDirectory(prefix="grpo_bench_") as tmp:
+        model_dir = model_folder(args, tmp)
 
         # "ours": beta 0 and no KL logging, i.e. exactly TRL's work at beta 0. "ours default": the
         # GRPO stage's defaults (log_kl with kl_every=10: one no-grad reference forward every 10
         # steps). "ours kl/step": the KL logged at every step (kl_every=1), the old default.
-        sides = {"ours": Ours(args, examples, os.path.join(model_dir, "ours"), log_kl=False)}
+        sides = {"ours": Ours(args, examples, os.path.join(tmp, "ours"), log_kl=False)}
         if args.with_log_kl:
-            sides["ours default"] = Ours(args, examples, os.path.join(model_dir, "ours_default"), log_kl=True)
-            sides["ours kl/step"] = Ours(args, examples, os.path.join(model_dir, "ours_kl"), log_kl=True, kl_every=1)
+            sides["ours default"] = Ours(args, examples, os.path.join(tmp, "ours_default"), log_kl=True)
+            sides["ours kl/step"] = Ours(args, examples, os.path.join(tmp, "ours_kl"), log_kl=True, kl_every=1)
+        n_params = sum(t.numel() for t in sides["ours"].backend.model.parameters())
         recs: dict[str, list[StepRecord]] = {name: [] for name in sides}
         order = list(sides)
 
@@ -395,9 +440,11 @@ def main(argv: list[str] | None = None) -> int:
             order.append(order.pop(0))  # rotate: no side always runs right after TRL's step
 
         t0 = time.perf_counter()
-        trainer, trl_records, between, config = build_trl(args, examples, model_dir, our_steps)
+        trainer, trl_records, between, config = build_trl(args, examples, model_dir, tmp, our_steps)
         trl_setup = time.perf_counter() - t0
+        n_trainable = trainable_count(trainer.model)
         for side in sides.values():
+            assert trainable_count(side.backend.model) == n_trainable, "both sides must train the same parameters"
             impls = {side.backend.model.config._attn_implementation, trainer.model.config._attn_implementation}
             assert len(impls) == 1, f"attention implementations differ: {impls}"
             assert side.backend._submit(torch.get_num_threads).result() == args.threads  # the worker thread too
@@ -429,7 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     versions = f"transformers {sys.modules['transformers'].__version__}, torch {torch.__version__}"
     print(f"GRPO step, ours vs TRL {sys.modules['trl'].__version__} ({versions}, {args.threads} thread(s), "
           f"{os.cpu_count()} CPUs)")  # fmt: skip
-    print(f"model {args.model} ({n_params / 1e6:.2f}M params, {args.dtype}, {args.device}); per step {args.prompts} prompts x "
+    tuning = f"LoRA r={args.lora} alpha={lora_params(args)['alpha']:g}" if args.lora else "full FT"
+    print(f"model {args.model} ({n_params / 1e6:.2f}M params, {tuning}: {n_trainable / 1e6:.2f}M trainable, "
+          f"{args.dtype}, {args.device}); per step {args.prompts} prompts x "
           f"{args.group} completions = {rows} rows, max {args.max_tokens} tokens, lr {args.lr}, dapo, beta 0; "
           f"TRL gradient_checkpointing={args.trl_gradient_checkpointing}")  # fmt: skip
     print(f"{args.warmup} warmup + {args.steps} measured steps per side, interleaved (TRL step, then ours); "
