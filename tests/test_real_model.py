@@ -15,6 +15,7 @@ import torch
 from tempering import cli
 from tempering.errors import ConfigError
 from tempering.plugins.models import gguf, smollm2
+from tempering.registry import get_registry
 
 SMOKE = ["stages.rl.steps=2", "stages.rl.prompts_per_step=2", "stages.rl.group_size=2", "stages.rl.max_tokens=8",
          "stages.rl.eval.dataset.size=4", "stages.rl.eval.max_tokens=8", "backend.lora.rank=4"]  # fmt: skip
@@ -163,3 +164,23 @@ def test_grpo_raises_smollm2s_held_out_accuracy(tmp_path: Path) -> None:
     assert len(evals) == 2 and len(rewards) == 10
     assert evals[-1] >= evals[0] + 0.1, evals
     assert sum(rewards[-3:]) / 3 >= sum(rewards[:3]) / 3 + 0.15, rewards
+
+
+REAL_MODEL_EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples" / "real_models").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", REAL_MODEL_EXAMPLES, ids=lambda p: p.stem)
+def test_the_real_model_example_recipes_are_valid_with_their_data(recipe: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every stage's config and data, as a run checks them before training (the data paths are
+    relative to the repository root, where the recipes say to run them)."""
+    from tempering.recipe import RunContext, find_recipe
+
+    monkeypatch.chdir(recipe.parents[2])
+    reg = get_registry()
+    cfg = find_recipe(str(recipe)).to_dict()
+    reg.check("backend", cfg["backend"], "backend")
+    ctx = RunContext(reg, None, cfg, cfg["output_dir"], [], cfg["seed"])
+    for i, spec in enumerate(cfg["stages"]):
+        stage = reg.build("algorithm", {k: v for k, v in spec.items() if k != "id"}, f"stages[{i}]")
+        ctx.stage_index, ctx.stage_id = i, spec["id"]
+        stage.validate(ctx)
