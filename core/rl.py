@@ -221,7 +221,7 @@ def build_group_batch(
     """
     import torch
 
-    from tempering.algorithms.grpo.advantages import zero_variance_groups
+    from tempering.rlmath.advantages import zero_variance_groups
 
     samples = [s for g in groups for s in g.samples]
     gids = torch.tensor([g.group_id for g in groups for _ in g.samples])

@@ -1,5 +1,12 @@
 """The GRPO clipped-surrogate loss, with the aggregation modes of TRL 1.16's ``GRPOTrainer``.
 
+:class:`GRPOLoss` (registered as ``grpo``) reads the batch and composes pure functions of
+:mod:`tempering.rlmath`: the ratio (:mod:`~tempering.rlmath.ratios`), the per-token loss
+(:func:`~tempering.rlmath.policy_loss.grpo_token_loss`), the aggregation
+(:func:`~tempering.rlmath.aggregation.aggregate`) and TRL's metrics
+(:func:`~tempering.rlmath.diagnostics.clip_metrics`). This docstring states the maths they
+implement for GRPO.
+
 Layout: ``logprobs`` and every per-position tensor of the batch are ``(B, T)`` over *target*
 positions, as :meth:`tempering.types.Batch.to_tensors` pads them: ``weights`` is 1 on
 completion tokens and 0 on prompt and padding positions, ``sampler_logprobs`` are the
@@ -62,7 +69,15 @@ from typing import ClassVar
 import torch
 
 from tempering.interfaces import LossOutput
+from tempering.rlmath.aggregation import LOSS_TYPES, aggregate
+from tempering.rlmath.diagnostics import clip_metrics
+from tempering.rlmath.kl import k3_kl
+from tempering.rlmath.masks import active
+from tempering.rlmath.policy_loss import clipped_surrogate, grpo_token_loss
+from tempering.rlmath.ratios import IS_LEVELS, log_importance_weights
 
+# Every name but GRPOLoss is a re-export from tempering.rlmath, kept so that existing imports
+# (tests, benchmarks, third-party plugins) keep working.
 __all__ = [
     "GRPOLoss",
     "LOSS_TYPES",
@@ -73,160 +88,6 @@ __all__ = [
     "k3_kl",
     "log_importance_weights",
 ]
-
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
-IS_LEVELS = ("token", "sequence")
-
-
-def _active(mask: torch.Tensor) -> torch.Tensor:
-    return mask != 0
-
-
-def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Schulman's k3 estimator of KL(pi || ref) per token: ``exp(d) - d - 1``, ``d = ref - lp``.
-
-    Non-negative, zero where the two agree. With ``mask``, masked positions get exactly 0 (and
-    no gradient), so padding with arbitrary values cannot overflow ``exp``.
-    """
-    d = ref_logprobs - logprobs
-    if mask is not None:
-        d = torch.where(_active(mask), d, torch.zeros_like(d))
-    return torch.exp(d) - d - 1
-
-
-def log_importance_weights(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, level: str = "token"
-) -> torch.Tensor:
-    """``log(pi / pi_old)``: per token ``(B, T)`` (0 on masked positions), or with
-    ``level="sequence"`` the masked mean per row, ``(B, 1)`` (GSPO)."""
-    log_ratio = torch.where(_active(mask), logprobs - old_logprobs, torch.zeros_like(logprobs))
-    if level == "token":
-        return log_ratio
-    if level == "sequence":
-        return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    raise ValueError(f"importance_sampling_level must be one of {IS_LEVELS}, got {level!r}")
-
-
-def clipped_surrogate(
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    epsilon_low: float,
-    epsilon_high: float,
-    delta: float | None = None,
-) -> torch.Tensor:
-    """PPO/GRPO per-token loss ``-min(r' A, clip(r, 1-eps_low, 1+eps_high) A)``, where ``r' =
-    min(r, delta)`` when ``delta`` is set (two-sided clipping). Shapes broadcast."""
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
-    return -torch.minimum(unclipped * advantages, clipped * advantages)
-
-
-def grpo_token_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    delta: float | None = None,
-    importance_sampling_level: str = "token",
-    beta: float = 0.0,
-    ref_logprobs: torch.Tensor | None = None,
-    use_bias_correction_kl: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Per-token GRPO loss before aggregation.
-
-    Returns ``(per_token_loss (B, T), ratio, kl_term)``: ``ratio`` is ``(B, T)`` or ``(B, 1)``
-    (sequence level), and ``kl_term`` is the ``(B, T)`` KL penalty per token before ``beta``
-    (``ratio * k3`` with bias correction, ``k3`` without), or ``None`` when ``beta == 0``.
-    Values on masked positions are meaningless; :func:`aggregate` masks them.
-    """
-    ratio = torch.exp(log_importance_weights(logprobs, old_logprobs, mask, importance_sampling_level))
-    per_token = clipped_surrogate(ratio, advantages, epsilon_low, epsilon_high, delta)
-    per_token = per_token.expand_as(logprobs)
-    kl_term = None
-    if beta != 0.0:
-        if ref_logprobs is None:
-            raise ValueError("GRPO loss with beta != 0 needs reference logprobs (batch['ref_logprobs'])")
-        kl_term = k3_kl(logprobs, ref_logprobs, mask)
-        if use_bias_correction_kl:
-            kl_term = kl_term * ratio
-        per_token = per_token + beta * kl_term
-    return per_token, ratio, kl_term
-
-
-def aggregate(
-    per_token_loss: torch.Tensor,
-    mask: torch.Tensor,
-    loss_type: str = "dapo",
-    max_completion_length: int | None = None,
-    num_items: float | torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Reduce a ``(B, T)`` per-token loss to a scalar; see the module docstring for each
-    ``loss_type``'s normaliser. ``max_completion_length`` (dr_grpo) defaults to ``T``;
-    ``num_items`` (dapo) defaults to ``mask.sum()``."""
-    # select, not multiply: 0 * NaN is NaN, so a NaN on a masked position would leak through
-    masked = torch.where(_active(mask), per_token_loss * mask, torch.zeros_like(per_token_loss))
-    if loss_type == "grpo":
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    if loss_type == "bnpo":
-        return masked.sum() / mask.sum().clamp(min=1.0)
-    if loss_type == "dapo":
-        n = mask.sum() if num_items is None else torch.as_tensor(num_items, dtype=masked.dtype, device=masked.device)
-        return masked.sum() / n.clamp(min=1.0)
-    if loss_type == "dr_grpo":
-        length = per_token_loss.size(-1) if max_completion_length is None else max_completion_length
-        return masked.sum() / (per_token_loss.size(0) * length)
-    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-
-
-@torch.no_grad()
-def clip_metrics(
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    epsilon_low: float,
-    epsilon_high: float,
-    delta: float | None = None,
-) -> dict[str, float]:
-    """The clip-fraction and ratio metrics TRL logs (see the module docstring). ``ratio`` is
-    ``(B, T)`` or ``(B, 1)``; in the latter case each row's advantage is its masked mean and
-    every statistic is over the rows that have completion tokens."""
-    active = _active(mask)
-    if ratio.size(-1) == 1 and mask.size(-1) != 1:  # sequence level: one value per row
-        rows = active.any(-1)
-        adv = (advantages * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
-        weight = rows.unsqueeze(-1).to(ratio.dtype)
-        seq_weight = weight
-    else:
-        adv = advantages
-        weight = mask.to(ratio.dtype)
-        seq_weight = mask.to(ratio.dtype)
-    high_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
-    low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(ratio.dtype)
-    high = ((high_ratio > 1 + epsilon_high) & (adv > 0)).to(ratio.dtype)
-    region = torch.maximum(low, high)
-    count = weight.sum().clamp(min=1.0)
-
-    def mean(x: torch.Tensor) -> float:
-        return float(((x * weight).sum() / count).item())
-
-    def per_seq(x: torch.Tensor) -> torch.Tensor:
-        n = seq_weight.sum(-1)
-        frac = (x * seq_weight).sum(-1) / n.clamp(min=1.0)
-        return frac[n > 0]
-
-    low_seq, high_seq = per_seq(low), per_seq(high)
-    ratio_active = ratio.expand_as(weight)[weight != 0]
-    return {
-        "clip_ratio/low_mean": mean(low),
-        "clip_ratio/high_mean": mean(high),
-        "clip_ratio/region_mean": mean(region),
-        "clip_ratio/low_min": float(low_seq.min().item()) if low_seq.numel() else 0.0,
-        "clip_ratio/high_max": float(high_seq.max().item()) if high_seq.numel() else 0.0,
-        "ratio/mean": float(ratio_active.mean().item()) if ratio_active.numel() else 1.0,
-        "ratio/max": float(ratio_active.max().item()) if ratio_active.numel() else 1.0,
-    }
 
 
 @dataclass
@@ -286,9 +147,9 @@ class GRPOLoss:
             advantages = advantages.unsqueeze(-1)
         # Masked positions may hold anything (a failed sample's NaN advantage): zero them before
         # any product, or the gradient of a masked product (0 * NaN) is NaN too.
-        active = _active(mask)
-        advantages = torch.where(active, advantages.expand_as(logprobs), torch.zeros_like(logprobs))
-        old = torch.where(active, old, torch.zeros_like(old))
+        is_active = active(mask)
+        advantages = torch.where(is_active, advantages.expand_as(logprobs), torch.zeros_like(logprobs))
+        old = torch.where(is_active, old, torch.zeros_like(old))
         ref = batch.get("ref_logprobs") if self.beta != 0.0 else None
         if self.beta != 0.0 and ref is None:
             raise KeyError(f"GRPOLoss with beta={self.beta} needs batch['ref_logprobs']; the batch has {sorted(batch)}")

@@ -2,7 +2,7 @@
 
 from tempering.hookspecs import hookimpl
 
-_ADV = "tempering.algorithms.grpo.advantages"
+_ADV = "tempering.rlmath.advantages"  # shared by every RL stage; registered here
 
 
 @hookimpl
