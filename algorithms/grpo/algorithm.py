@@ -16,10 +16,9 @@ from typing import Any
 
 from tempering.errors import ConfigError
 from tempering.rl import RLStage
+from tempering.rlmath.kl import k3_kl
 from tempering.rollout import recompute_sampler_logprobs, should_recompute
 from tempering.types import Batch
-
-from tempering.algorithms.grpo.loss import k3_kl
 
 
 @dataclass

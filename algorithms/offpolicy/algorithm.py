@@ -24,11 +24,12 @@ from typing import Any
 from tempering.async_rollout import AsyncRollouts, sampler_of
 from tempering.errors import ConfigError
 from tempering.rl import RLStage
+from tempering.rlmath.aggregation import FOLD_AGGREGATIONS, fold_normaliser
 from tempering.types import Batch
 
-from tempering.algorithms.offpolicy.loss import AdvantageCap, OffPolicyObjective, fold_normaliser
+from tempering.algorithms.offpolicy.loss import AdvantageCap, OffPolicyObjective
 
-AGGREGATIONS = ("auto", "token_mean", "seq_mean", "sum")
+AGGREGATIONS = ("auto", *FOLD_AGGREGATIONS)
 
 
 def sums_over_tokens(loss: Any) -> bool:

@@ -1,5 +1,10 @@
 """Off-policy policy-gradient losses with corrected (clipped / truncated) importance ratios.
 
+The registered losses here (``ppo``, ``cispo``, ``tis``, ``clipped_is``) read the batch and call
+the pure functions of :mod:`tempering.rlmath.policy_loss` (the formulas, written once, shared
+with the Tinker backend's built-ins); what stays here is off-policy's own: the sampler-matched
+objective, the stage's advantage cap and the losses' Tinker names.
+
 Layout as in :mod:`tempering.algorithms.grpo.loss`: ``logprobs`` and every per-position tensor
 are ``(B, T)`` over target positions; ``batch["weights"]`` is the loss mask (non-zero on the
 completion tokens that count), ``batch["sampler_logprobs"]`` the behaviour policy's logprobs
@@ -24,7 +29,7 @@ name            per-token loss (summed over mask)                               
 =============== ================================================================ ==================
 
 ``importance_sampling`` (``-rho*A``, unclipped) is registered by ``tempering.algorithms.sdft``
-(:func:`importance_sampling_loss` here is the same formula, for tests and comparisons).
+(:func:`~tempering.rlmath.policy_loss.importance_sampling_loss` is its formula).
 Tinker's definitions (docs ``tinker/losses``, pages importance-sampling, ppo, cispo):
 ``prob_ratio = exp(target_logprobs - sampling_logprobs)``; importance_sampling
 ``loss = -(prob_ratio * advantages).sum()``; ppo ``clipped_ratio = clamp(prob_ratio,
@@ -66,9 +71,16 @@ from typing import Any, ClassVar
 
 import torch
 
-from tempering.algorithms.grpo.loss import log_importance_weights
 from tempering.interfaces import LossOutput, at_positions, from_positions
+from tempering.rlmath.aggregation import fold_normaliser
+from tempering.rlmath.diagnostics import ratio_stats
+from tempering.rlmath.masks import active, masked
+from tempering.rlmath.policy_loss import cispo_loss, importance_sampling_loss, ppo_loss, tis_loss
+from tempering.rlmath.ratios import IS_LEVELS, log_importance_weights
 
+# cispo_loss, fold_normaliser, importance_sampling_loss, ppo_loss, ratio_stats and tis_loss are
+# re-exports from tempering.rlmath, kept so that existing imports (tests, third-party plugins)
+# keep working.
 __all__ = [
     "LEVELS",
     "AdvantageCap",
@@ -87,89 +99,7 @@ __all__ = [
     "tis_loss",
 ]
 
-LEVELS = ("token", "sequence")
-
-
-def _active(mask: torch.Tensor) -> torch.Tensor:
-    return mask != 0
-
-
-def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return torch.where(_active(mask), x, torch.zeros_like(x))
-
-
-# --------------------------------------------------------------------------- pure losses
-def importance_sampling_loss(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Tinker ``importance_sampling``: ``-sum(rho * A)`` over the mask (no clipping)."""
-    return -_masked(ratio * advantages, mask).sum()
-
-
-def ppo_loss(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, low: float = 0.8, high: float = 1.2) -> torch.Tensor:
-    """Tinker ``ppo``: ``-sum(min(rho * A, clamp(rho, low, high) * A))`` over the mask."""
-    clipped = torch.clamp(ratio, low, high)
-    return -_masked(torch.minimum(ratio * advantages, clipped * advantages), mask).sum()
-
-
-def cispo_loss(
-    logprobs: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-    low: float = 0.0, high: float = 4.0,
-) -> torch.Tensor:  # fmt: skip
-    """Tinker ``cispo``: ``-sum(sg(clamp(rho, low, high)) * lp * A)`` over the mask."""
-    coef = torch.clamp(ratio, low, high).detach()
-    return -_masked(coef * logprobs * advantages, mask).sum()
-
-
-def tis_loss(logprobs: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cap: float = 2.0) -> torch.Tensor:
-    """Truncated importance sampling: ``-sum(sg(min(rho, C)) * lp * A)`` (``cispo`` with
-    thresholds ``{0, C}``)."""
-    return cispo_loss(logprobs, ratio, advantages, mask, 0.0, cap)
-
-
-# --------------------------------------------------------------------------- diagnostics
-@torch.no_grad()
-def ratio_stats(log_ratio: torch.Tensor, mask: torch.Tensor, clipped: torch.Tensor | None = None) -> dict[str, float]:
-    """Importance-ratio diagnostics over the loss tokens (see the module docstring).
-
-    ``log_ratio`` is the per-token ``lp_theta - q`` (``(B, T)``); ``clipped`` an optional
-    ``(B, T)`` bool tensor of tokens whose ratio the loss clipped.
-    """
-    active = _active(mask)
-    lr = log_ratio.float()[active]
-    out: dict[str, float] = {}
-    if lr.numel() == 0:
-        return {"ratio/mean": 1.0, "ratio/max": 1.0, "ratio/min": 1.0, "ratio/clipped_frac": 0.0,
-                "is/ess": 1.0, "is/ess_seq": 1.0, "is/kl": 0.0}  # fmt: skip
-    n = lr.numel()
-    rho = torch.exp(lr)
-    out["ratio/mean"] = float(rho.mean())
-    out["ratio/max"] = float(rho.max())
-    out["ratio/min"] = float(rho.min())
-    out["ratio/clipped_frac"] = float(clipped[active].float().mean()) if clipped is not None else 0.0
-    # ESS in log space: exp(2 logsumexp(lw) - logsumexp(2 lw)) / n -- no overflow for huge ratios
-    out["is/ess"] = float(torch.exp(2 * torch.logsumexp(lr, 0) - torch.logsumexp(2 * lr, 0)) / n)
-    rows = active.any(-1)
-    seq = torch.where(active, log_ratio.float(), torch.zeros_like(log_ratio, dtype=torch.float32)).sum(-1)[rows]
-    m = seq.numel()
-    out["is/ess_seq"] = float(torch.exp(2 * torch.logsumexp(seq, 0) - torch.logsumexp(2 * seq, 0)) / m) if m else 1.0
-    out["is/kl"] = float((torch.expm1(lr) - lr).mean())
-    return out
-
-
-def fold_normaliser(weights: list[list[float]], aggregation: str) -> list[list[float]]:
-    """Per-token factors that turn a token *sum* into the ``aggregation`` mean: ``1 / N``
-    (``token_mean``, ``N`` loss tokens in the batch), ``1 / (B * n_b)`` (``seq_mean``: ``B``
-    rows, ``n_b`` loss tokens in row ``b``; a row without any counts as 0, as TRL's ``grpo``
-    loss type), or 1 (``sum``); 0 off the mask. Multiply advantages by them before a sum loss."""
-    counts = [sum(1 for w in row if w != 0) for row in weights]
-    if aggregation == "token_mean":
-        total = max(sum(counts), 1)
-        return [[1.0 / total if w != 0 else 0.0 for w in row] for row in weights]
-    if aggregation == "seq_mean":
-        b = max(len(weights), 1)
-        return [[1.0 / (b * n) if w != 0 else 0.0 for w in row] for row, n in zip(weights, counts)]
-    if aggregation == "sum":
-        return [[1.0 if w != 0 else 0.0 for w in row] for row in weights]
-    raise ValueError(f"aggregation must be token_mean, seq_mean or sum, got {aggregation!r}")
+LEVELS = IS_LEVELS
 
 
 # --------------------------------------------------------------------------- sampler-matched scoring
@@ -246,14 +176,14 @@ class OffPolicyObjective:
             logprobs, kept = sampling_logprobs(batch["logits"], targets, self.temperature, self.top_k, self.top_p)
             logprobs, kept = from_positions(logprobs, positions, width), from_positions(kept, positions, width, True)
             mask = batch["weights"]
-            active = _active(mask)
-            filtered_frac = float((active & ~kept).sum()) / max(int(active.sum()), 1)
+            is_active = active(mask)
+            filtered_frac = float((is_active & ~kept).sum()) / max(int(is_active.sum()), 1)
             batch = {**batch, "weights": torch.where(kept, mask, torch.zeros_like(mask))}
         out = self.inner(logprobs, batch)
         metrics = dict(out.metrics)
         if "sampler_logprobs" in batch:
             mask = batch["weights"]
-            lr = _masked(logprobs.detach() - batch["sampler_logprobs"].to(logprobs.dtype), mask)
+            lr = masked(logprobs.detach() - batch["sampler_logprobs"].to(logprobs.dtype), mask)
             for key, value in ratio_stats(lr, mask).items():
                 metrics.setdefault(key, value)
         if self.matched:

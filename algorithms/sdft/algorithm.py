@@ -37,11 +37,10 @@ import torch
 from tempering.data import ExampleStream, encode_prompt, load_examples, user_turn
 from tempering.errors import ConfigError
 from tempering.evaluate import build_sampler, completion_sampler
+from tempering.rlmath.aggregation import fold_normaliser
 from tempering.rollout import collect, recompute_sampler_logprobs, should_recompute
 from tempering.stage import SamplingKeys, Stage, check_stage
 from tempering.types import Batch, Datum, SamplingParams
-
-from tempering.algorithms.sdft.loss import fold_normaliser
 
 TEACHERS = ("base", "stage_start", "live", "ema")
 #: The paper's teacher prompt (arXiv 2601.19897). ``{prompt}`` / ``{question}`` is the student's

@@ -48,7 +48,14 @@ from dataclasses import dataclass
 import torch
 
 from tempering.interfaces import LossOutput, at_positions, from_positions
+from tempering.rlmath import policy_loss
+from tempering.rlmath.aggregation import MEAN_AGGREGATIONS, fold_normaliser
+from tempering.rlmath.aggregation import aggregate_mean as aggregate
+from tempering.rlmath.masks import active
+from tempering.rlmath.ratios import log_importance_weights
 
+# aggregate (tempering.rlmath.aggregation.aggregate_mean) and fold_normaliser are re-exports from
+# tempering.rlmath, kept so that existing imports (tests, third-party plugins) keep working.
 __all__ = [
     "AGGREGATIONS",
     "ImportanceSamplingLoss",
@@ -57,13 +64,14 @@ __all__ = [
     "add_tail_bucket",
     "aggregate",
     "divergence",
+    "fold_normaliser",
     "full_logits_loss",
     "importance_sampling_loss",
     "topk_logits_loss",
 ]
 
 MODES = ("sampled_token", "topk_logits", "full_logits")
-AGGREGATIONS = ("seq_mean", "token_mean")
+AGGREGATIONS = tuple(MEAN_AGGREGATIONS)
 SUPPORTS = ("student", "teacher")
 
 
@@ -131,33 +139,10 @@ def importance_sampling_loss(
     logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
     """Tinker's ``importance_sampling``: ``-sum(exp(lp - q) * A)`` over the positions where
-    ``mask`` is non-zero (elsewhere the ratio is never evaluated)."""
-    active = mask != 0
-    log_ratio = torch.where(active, logprobs - sampler_logprobs, torch.zeros_like(logprobs))
-    return -(torch.exp(log_ratio) * torch.where(active, advantages, torch.zeros_like(advantages))).sum()
-
-
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str = "seq_mean") -> torch.Tensor:
-    m = (mask != 0).to(per_token.dtype)
-    per_token = torch.where(m != 0, per_token, torch.zeros_like(per_token))
-    if aggregation == "seq_mean":
-        return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
-    if aggregation == "token_mean":
-        return (per_token * m).sum() / m.sum().clamp(min=1.0)
-    raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-
-
-def fold_normaliser(mask: list[list[float]], aggregation: str) -> list[list[float]]:
-    """The per-token factor that makes a token *sum* equal ``aggregate(..., aggregation)``:
-    ``1 / (B * n_b)`` (seq_mean) or ``1 / N`` (token_mean) on loss tokens, 0 elsewhere."""
-    counts = [sum(1 for w in row if w != 0) for row in mask]
-    if aggregation == "seq_mean":
-        b = len(mask)
-        return [[(1.0 / (b * n) if w != 0 else 0.0) for w in row] for row, n in zip(mask, counts)]
-    if aggregation == "token_mean":
-        total = max(sum(counts), 1)
-        return [[(1.0 / total if w != 0 else 0.0) for w in row] for row in mask]
-    raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    ``mask`` is non-zero (elsewhere the ratio is never evaluated). On logprobs, for this
+    module's callers; the formula is :func:`tempering.rlmath.policy_loss.importance_sampling_loss`."""
+    ratio = torch.exp(log_importance_weights(logprobs, sampler_logprobs, mask))
+    return policy_loss.importance_sampling_loss(ratio, advantages, mask)
 
 
 @dataclass
@@ -176,8 +161,7 @@ class ImportanceSamplingLoss:
         mask = batch["weights"]
         q = batch["sampler_logprobs"].to(logprobs.dtype)
         loss = importance_sampling_loss(logprobs, q, batch["advantages"].to(logprobs.dtype), mask)
-        active = mask != 0
-        ratio = torch.exp((logprobs - q)[active].detach())
+        ratio = torch.exp((logprobs - q)[active(mask)].detach())
         metrics = {"ratio/mean": float(ratio.mean()) if ratio.numel() else 1.0}
         return LossOutput(loss, metrics)
 
@@ -261,13 +245,13 @@ class SDFTLoss:
 
     def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
         mask = batch["weights"]
-        active = mask != 0
+        is_active = active(mask)
         if self.mode == "sampled_token":
             out = ImportanceSamplingLoss()(logprobs, batch)
             teacher = batch.get("teacher_token_logprobs")
-            if teacher is not None and active.any():
+            if teacher is not None and is_active.any():
                 q = batch["sampler_logprobs"]
-                out.metrics["sdft/distill_loss"] = float((q - teacher)[active].mean())
+                out.metrics["sdft/distill_loss"] = float((q - teacher)[is_active].mean())
             return out
         needed = ["logits", "teacher_topk_logprobs", "teacher_topk_ids"] if self.teacher_input == "topk" else ["logits", "teacher_logits"]
         for key in needed:
@@ -279,5 +263,5 @@ class SDFTLoss:
             per_token = per_token * torch.exp(log_ratio).clamp(max=self.is_clip)
         loss = aggregate(per_token, mask, self.aggregation)
         with torch.no_grad():
-            mean = per_token[active].mean() if active.any() else per_token.new_zeros(())
+            mean = per_token[is_active].mean() if is_active.any() else per_token.new_zeros(())
         return LossOutput(loss, {"sdft/distill_loss": float(mean)})
