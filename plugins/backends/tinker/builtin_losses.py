@@ -15,10 +15,13 @@ as tensors. With ``r = exp(lp - q)`` (``q`` the ``logprobs`` input, the sampler'
   logprob, ``s_t = sg(s) * exp(lp_t - sg(lp_t))``; ``-sum(min(s_t * A, clip(s_t, lo, hi) * A))``.
 
 ``lo``/``hi`` are ``loss_fn_config["clip_low_threshold" / "clip_high_threshold"]`` (ratios, e.g.
-0.8 / 1.28). Two users share this module, so the formula lives in one place: the local Tinker
-server (:mod:`~tempering.plugins.backends.tinker.local_service`) computes the losses with it,
-and the tests check with it that :mod:`~tempering.plugins.backends.tinker.mapping` sends rows on
-which the built-in equals our loss, value and gradient.
+0.8 / 1.28). The formulas themselves are the shared ones of :mod:`tempering.rlmath.policy_loss`
+(the same functions our ``ppo``/``cispo``/``tis``/``importance_sampling`` losses call), applied
+without a mask; this module holds what is Tinker's own: each built-in's inputs and config, and
+the dispatch. Two users share it: the local Tinker server
+(:mod:`~tempering.plugins.backends.tinker.local_service`) computes the losses with it, and the
+tests check with it that :mod:`~tempering.plugins.backends.tinker.mapping` sends rows on which
+the built-in equals our loss, value and gradient.
 
 A strict reading: a key a loss does not take, a missing input, or a missing threshold where the
 documentation gives no default is a :class:`ValueError` (the local server answers it with
@@ -80,8 +83,12 @@ def check_builtin(loss_fn: str, config: Mapping[str, Any] | None, keys: set[str]
 
 
 def builtin_loss(loss_fn: str, config: Mapping[str, Any] | None, lp: Any, inputs: Mapping[str, Any]) -> Any:
-    """Tinker's built-in ``loss_fn`` of one datum (a scalar tensor, differentiable in ``lp``)."""
+    """Tinker's built-in ``loss_fn`` of one datum (a scalar tensor, differentiable in ``lp``).
+    The formulas are :mod:`tempering.rlmath.policy_loss`'s, unmasked (``mask=None``)."""
     import torch
+
+    from tempering.rlmath import policy_loss
+    from tempering.rlmath.ratios import gspo_token_ratio
 
     cfg = check_builtin(loss_fn, config, frozenset(inputs))
     if loss_fn == "cross_entropy":
@@ -89,16 +96,14 @@ def builtin_loss(loss_fn: str, config: Mapping[str, Any] | None, lp: Any, inputs
         return -(lp * weights).sum() if weights is not None else lp.sum() * 0.0
     q, adv = inputs["logprobs"], inputs["advantages"]
     if loss_fn == "dro":
-        return -(lp * adv - 0.5 * cfg["beta"] * (lp - q) ** 2).sum()
+        return policy_loss.dro_loss(lp, q, adv, cfg["beta"])
     if loss_fn == "gspo":
-        in_ratio = inputs["sequence_ratio_mask"] != 0
-        log_ratio = (lp.detach() - q)[in_ratio].mean() if bool(in_ratio.any()) else lp.new_zeros(())
-        ratio = torch.exp(log_ratio + lp - lp.detach())
+        ratio = gspo_token_ratio(lp, q, inputs["sequence_ratio_mask"])
     else:
         ratio = torch.exp(lp - q)
     if loss_fn == "importance_sampling":
-        return -(ratio * adv).sum()
-    clipped = torch.clamp(ratio, cfg["clip_low_threshold"], cfg["clip_high_threshold"])
+        return policy_loss.importance_sampling_loss(ratio, adv, None)
+    low, high = cfg["clip_low_threshold"], cfg["clip_high_threshold"]
     if loss_fn == "cispo":
-        return -(clipped.detach() * lp * adv).sum()
-    return -torch.minimum(ratio * adv, clipped * adv).sum()  # ppo, gspo
+        return policy_loss.cispo_loss(lp, ratio, adv, None, low, high)
+    return policy_loss.ppo_loss(ratio, adv, None, low, high)  # ppo, gspo

@@ -21,9 +21,10 @@ None of them has a mask: every position of ``target_tokens`` counts. So :func:`p
 exactly 0 to the loss and its gradient, and ``r = exp(lp) <= 1`` cannot overflow), and folds any
 normaliser of ours into the advantages: our aggregations (token mean, per-sequence mean,
 constant) are linear in the per-token loss with non-negative coefficients ``c[b, t]``, and
-``c * min(r A, clip(r) A) = min(r (cA), clip(r) (cA))`` for ``c >= 0``. That makes the built-in
-compute *exactly* our loss as a function of the per-token logprobs (tests/test_tinker_backend.py
-checks loss and gradient against the documented formulas).
+``c * min(r A, clip(r) A) = min(r (cA), clip(r) (cA))`` for ``c >= 0``
+(:func:`tempering.rlmath.aggregation.aggregation_coefficients` reads them off the loss). That
+makes the built-in compute *exactly* our loss as a function of the per-token logprobs
+(tests/test_tinker_backend.py checks loss and gradient against the documented formulas).
 
 GRPO with sequence-level ratios (GSPO) is Tinker's ``gspo`` when each row's loss mask is 0/1 and
 its folded advantage is one value over the mask: our ratio ``exp(mean(lp - q))`` has gradient
@@ -112,8 +113,8 @@ def custom_plan(loss: Any, batch: Batch, note: str) -> LossPlan:
 
 # ---------------------------------------------------------------------- GRPO
 def _grpo_plan(loss: Any, batch: Batch) -> LossPlan | None:
-    try:
-        from tempering.algorithms.grpo.loss import GRPOLoss, aggregate
+    try:  # issue 22 (a loss contract) removes this upward import: GRPOLoss will declare its plan
+        from tempering.algorithms.grpo.loss import GRPOLoss
     except ImportError:  # pragma: no cover - the algorithm package is part of tempering
         return None
     if not isinstance(loss, GRPOLoss):
@@ -134,6 +135,8 @@ def _grpo_plan(loss: Any, batch: Batch) -> LossPlan | None:
         return custom_plan(loss, batch, "GRPOLoss: " + "; ".join(why))
     _require(batch, ("sampler_logprobs", "advantages"), "GRPOLoss")
     import torch
+
+    from tempering.rlmath.aggregation import aggregate, aggregation_coefficients
 
     t = batch.to_tensors()
     mask = t["weights"]
@@ -169,24 +172,6 @@ def _grpo_plan(loss: Any, batch: Batch) -> LossPlan | None:
         note=f"GRPOLoss(loss_type={loss.loss_type!r}) as Tinker's ppo with its normaliser folded into the advantages (exact)",
         details={"coefficients": coef},
     )
-
-
-def aggregation_coefficients(aggregate_fn: Any, mask: Any) -> Any:
-    """``c[b, t] = d aggregate(l) / d l[b, t]``: the per-token weight of a *linear* aggregation
-    (token mean, per-sequence mean, constant normaliser), read off by autograd so it is exactly
-    the one the loss uses. Checked to be linear (``aggregate(l) == sum(c * l)`` on a probe)."""
-    import torch
-
-    x = torch.zeros_like(mask, dtype=torch.float32, requires_grad=True)
-    (coef,) = torch.autograd.grad(aggregate_fn(x), x)
-    probe = torch.linspace(-1.0, 2.0, mask.numel(), dtype=torch.float32).reshape(mask.shape)
-    with torch.no_grad():
-        direct, folded = float(aggregate_fn(probe)), float((coef * probe).sum())
-    if not math.isclose(direct, folded, rel_tol=1e-5, abs_tol=1e-6):  # pragma: no cover - a non-linear aggregation
-        raise ValueError("the loss's aggregation is not linear in the per-token loss; it cannot be folded into advantages")
-    if bool((coef < 0).any()):  # pragma: no cover - defensive
-        raise ValueError("the loss's aggregation has negative coefficients; it cannot be folded into advantages")
-    return coef.detach()
 
 
 # ---------------------------------------------------------------------- losses that name a built-in
