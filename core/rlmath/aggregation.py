@@ -120,7 +120,9 @@ def aggregation_coefficients(aggregate_fn: Callable[[torch.Tensor], torch.Tensor
     with torch.no_grad():
         direct, folded = float(aggregate_fn(probe)), float((coef * probe).sum())
     if not math.isclose(direct, folded, rel_tol=1e-5, abs_tol=1e-6):  # pragma: no cover - a non-linear aggregation
-        raise ValueError("the loss's aggregation is not linear in the per-token loss; it cannot be folded into advantages")
+        raise ValueError(
+            "the loss's aggregation is not linear in the per-token loss; it cannot be folded into advantages"
+        )
     if bool((coef < 0).any()):  # pragma: no cover - defensive
         raise ValueError("the loss's aggregation has negative coefficients; it cannot be folded into advantages")
     return coef.detach()
