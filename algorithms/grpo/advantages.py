@@ -8,18 +8,7 @@ recipes' plugin code, third-party plugins) keeps working; new code imports from
 
 from __future__ import annotations
 
-from tempering.rlmath.advantages import (
-    GroupNormAdvantage,
-    MeanOnlyAdvantage,
-    RLOOAdvantage,
-    group_stats,
-    zero_variance_groups,
-)
+from tempering.rlmath import advantages as _shared
+from tempering.rlmath.advantages import *  # noqa: F403 - re-exporting the module is the point
 
-__all__ = [
-    "GroupNormAdvantage",
-    "MeanOnlyAdvantage",
-    "RLOOAdvantage",
-    "group_stats",
-    "zero_variance_groups",
-]
+__all__ = list(_shared.__all__)
