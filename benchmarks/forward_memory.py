@@ -39,7 +39,8 @@ Run: ``python benchmarks/forward_memory.py [--lengths 256 1024 4096] [--rows 1]
 [--qwen3-hidden 128] [--lora RANK] [--max-gb 6] [--device cpu|cuda] [--dtype float32|bfloat16]
 [--json FILE]``. The old path is skipped (and said so) where it would need more than ``--max-gb``:
 at 4,096 tokens and a 152k vocabulary it needs ~10 GiB for one row.
-The defaults take about 4 minutes on 2 busy cores (``docs/real-models-forward.md`` has the tables).
+The defaults take about 4 minutes on 2 busy cores. The tables are in ``docs/real-models.md``
+(section "The training forward: memory and speed").
 The load average is printed: on a shared machine times are noisy, memory is not.
 """
 
