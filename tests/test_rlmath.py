@@ -66,6 +66,8 @@ REEXPORTS = [
     (f"{_O}.loss", "fold_normaliser", "aggregation", "fold_normaliser"),
     (f"{_S}.loss", "fold_normaliser", "aggregation", "fold_normaliser"),
     (f"{_S}.loss", "aggregate", "aggregation", "aggregate_mean"),
+    (f"{_S}.loss", "divergence", "divergence", "divergence"),
+    (f"{_S}.loss", "topk_logits_loss", "divergence", "topk_logits_loss"),
 ]
 
 

@@ -5,14 +5,10 @@ them (the SDFT stage aligns the teacher's positions with the student's, see
 :mod:`tempering.algorithms.sdft.algorithm`). ``batch["weights"]`` is the loss mask (non-zero on
 completion tokens that count; the stage zeroes the first ``skip_first_tokens``).
 
-Divergence ``D_alpha(S, T)`` between the student's and the teacher's next-token distributions
-(log-probabilities ``s``, ``t`` over the same support), TRL 1.16's convention:
-
-* ``alpha = 0``: forward KL, ``KL(T || S) = sum p_t (t - s)``;
-* ``alpha = 1``: reverse KL, ``KL(S || T) = sum p_s (s - t)``;
-* otherwise the generalised Jensen-Shannon divergence with mixture
-  ``M = (1 - alpha) S + alpha T``: ``(1 - alpha) KL(S || M) + alpha KL(T || M)`` (it tends to 0,
-  not to the forward KL, as alpha -> 0: the end points are special-cased, as in TRL).
+Divergence ``D_alpha(S, T)`` between the student's and the teacher's next-token distributions:
+forward KL (``alpha = 0``), reverse KL (``alpha = 1``) or the generalised Jensen-Shannon
+divergence between, TRL 1.16's convention; the functions are :mod:`tempering.rlmath.divergence`'s
+(shared with the next distillation algorithms), re-exported here.
 
 Modes (``mode``):
 
@@ -41,7 +37,6 @@ Aggregation of the per-token loss ``l`` for the logit modes (``aggregation``): `
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -51,11 +46,13 @@ from tempering.interfaces import LossOutput, at_positions, from_positions
 from tempering.rlmath import policy_loss
 from tempering.rlmath.aggregation import MEAN_AGGREGATIONS, fold_normaliser
 from tempering.rlmath.aggregation import aggregate_mean as aggregate
+from tempering.rlmath.divergence import add_tail_bucket, divergence, full_logits_loss, topk_logits_loss
 from tempering.rlmath.masks import active
 from tempering.rlmath.ratios import log_importance_weights
 
-# aggregate (tempering.rlmath.aggregation.aggregate_mean) and fold_normaliser are re-exports from
-# tempering.rlmath, kept so that existing imports (tests, third-party plugins) keep working.
+# add_tail_bucket, aggregate (tempering.rlmath.aggregation.aggregate_mean), divergence,
+# fold_normaliser, full_logits_loss and topk_logits_loss are re-exports from tempering.rlmath,
+# kept so that existing imports (tests, third-party plugins) keep working.
 __all__ = [
     "AGGREGATIONS",
     "ImportanceSamplingLoss",
@@ -73,66 +70,6 @@ __all__ = [
 MODES = ("sampled_token", "topk_logits", "full_logits")
 AGGREGATIONS = tuple(MEAN_AGGREGATIONS)
 SUPPORTS = ("student", "teacher")
-
-
-def divergence(student_logp: torch.Tensor, teacher_logp: torch.Tensor, alpha: float) -> torch.Tensor:
-    """``D_alpha`` summed over the last dimension (see the module docstring)."""
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"divergence: alpha must be in [0, 1], got {alpha}")
-    p_s, p_t = student_logp.exp(), teacher_logp.exp()
-    if alpha == 0.0:
-        return (p_t * (teacher_logp - student_logp)).sum(-1)
-    if alpha == 1.0:
-        return (p_s * (student_logp - teacher_logp)).sum(-1)
-    mix = torch.logaddexp(student_logp + math.log(1.0 - alpha), teacher_logp + math.log(alpha))
-    return ((1.0 - alpha) * p_s * (student_logp - mix) + alpha * p_t * (teacher_logp - mix)).sum(-1)
-
-
-def add_tail_bucket(logp: torch.Tensor) -> torch.Tensor:
-    """Append ``log(1 - sum exp(logp))`` (the mass outside the support) as one more category.
-    The captured mass is capped just below 1 so the bucket stays finite."""
-    captured = torch.logsumexp(logp, dim=-1, keepdim=True).clamp(max=-1e-7)
-    return torch.cat([logp, torch.log1p(-captured.exp())], dim=-1)
-
-
-def _on_support(student_logp: torch.Tensor, teacher_logp: torch.Tensor, add_tail: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if add_tail:
-        return add_tail_bucket(student_logp), add_tail_bucket(teacher_logp)
-    return (
-        student_logp - torch.logsumexp(student_logp, -1, keepdim=True),
-        teacher_logp - torch.logsumexp(teacher_logp, -1, keepdim=True),
-    )
-
-
-def full_logits_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Per-position ``D_alpha`` over the full vocabulary, ``(..., V) -> (...)``."""
-    return divergence(torch.log_softmax(student_logits, -1), torch.log_softmax(teacher_logits, -1), alpha)
-
-
-def topk_logits_loss(
-    student_logits: torch.Tensor,
-    alpha: float,
-    k: int,
-    add_tail: bool = False,
-    teacher_logits: torch.Tensor | None = None,
-    teacher_topk_logprobs: torch.Tensor | None = None,
-    teacher_topk_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Per-position ``D_alpha`` on a top-k support: the student's top-k (when
-    ``teacher_logits`` is given) or the teacher's (``teacher_topk_logprobs`` + ``_ids``)."""
-    student_logp = torch.log_softmax(student_logits, -1)
-    if teacher_logits is not None:
-        ids = torch.topk(student_logp, k=min(k, student_logp.size(-1)), dim=-1).indices
-        s = student_logp.gather(-1, ids)
-        t = torch.log_softmax(teacher_logits, -1).gather(-1, ids)
-    else:
-        if teacher_topk_logprobs is None or teacher_topk_ids is None:
-            raise ValueError("topk_logits_loss: give teacher_logits, or teacher_topk_logprobs and teacher_topk_ids")
-        ids = teacher_topk_ids.long()[..., :k]
-        s = student_logp.gather(-1, ids)
-        t = teacher_topk_logprobs.to(student_logp.dtype)[..., :k]
-    s, t = _on_support(s, t, add_tail)
-    return divergence(s, t, alpha)
 
 
 def importance_sampling_loss(

@@ -13,7 +13,10 @@ Modules:
   batch-std, RLOO), group statistics and the zero-variance-group test.
 - :mod:`~tempering.rlmath.ratios`: log-importance weights (token / GSPO sequence level) and
   Tinker's GSPO-token ratio.
-- :mod:`~tempering.rlmath.kl`: KL estimators (Schulman's k3).
+- :mod:`~tempering.rlmath.kl`: KL estimators from sampled tokens (Schulman's k3).
+- :mod:`~tempering.rlmath.divergence`: divergences between whole next-token distributions
+  (forward / reverse KL, generalised JSD; full vocabulary or top-k with a tail bucket), for
+  distillation.
 - :mod:`~tempering.rlmath.policy_loss`: policy-gradient losses: the clipped surrogate (PPO /
   GRPO, with INTELLECT-2's two-sided cap), GRPO's per-token loss with its k3 term, and the
   sum-over-tokens losses Tinker builds in (importance sampling, PPO, CISPO, TIS, DRO).
