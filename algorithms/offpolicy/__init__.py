@@ -4,8 +4,9 @@
   sampled concurrently with training (:mod:`tempering.async_rollout`), up to
   ``max_steps_off_policy`` optimizer steps stale, corrected by importance ratios.
 - :mod:`tempering.algorithms.offpolicy.loss`: ``ppo``, ``cispo``, ``tis`` and ``clipped_is``
-  losses (sums over tokens, as Tinker's built-ins), ratio/ESS diagnostics, sampler-matched
-  (tempered) scoring and advantage capping.
+  losses (sums over tokens, as Tinker's built-ins; their formulas and the ratio/ESS
+  diagnostics are :mod:`tempering.rlmath`'s), sampler-matched (tempered) scoring and
+  advantage capping.
 
 This package's ``__init__`` imports nothing so that importing it stays cheap (no torch).
 """
