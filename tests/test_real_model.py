@@ -152,11 +152,12 @@ def test_install_model_dry_run_prints_the_pip_commands(capsys: pytest.CaptureFix
 
 @pytest.mark.slow
 def test_grpo_raises_smollm2s_held_out_accuracy(tmp_path: Path) -> None:
-    """The bundled demo, shortened: 10 GRPO steps. Measured on the full recipe (seed 0): held-out
-    accuracy 0.31 -> 0.69 after 20 steps, training reward 0.22 (steps 1-4) -> 0.68 (steps 9-12).
+    """The bundled demo (10 GRPO steps), evaluated on 50 held-out questions instead of 100.
+    Measured on the demo, seeds 0, 1, 2: held-out accuracy 0.31 -> 0.70, 0.65, 0.59; training
+    reward over steps 1-3 -> 8-10: 0.15 -> 0.65, 0.16 -> 0.67, 0.13 -> 0.50 (gains >= 0.37).
     With no learning the greedy evaluation is exactly the base model's (gain 0)."""
     out = tmp_path / "run"
-    steps = ["stages.rl.steps=10", "stages.rl.eval.dataset.size=50", "stages.rl.eval.every=0"]
+    steps = ["stages.rl.eval.dataset.size=50", "stages.rl.eval.every=0"]
     assert cli.main(["run", "smollm2_math", *steps, "--output-dir", str(out)]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
