@@ -28,7 +28,7 @@ def _recipe(out: Path, **over) -> Recipe:
         {"id": "warmup", "name": "sft", "steps": 3, "batch_size": 8, "optimizer": {"learning_rate": 1e-2}},
         {"id": "rl", "name": "grpo", "steps": 3, "prompts_per_step": 4, "group_size": 4, "max_tokens": 4,
          "optimizer": {"learning_rate": 1e-2}, "reward": over.pop("reward", partial_credit),
-         "kl_every": over.pop("kl_every", 10),
+         "kl_every": over.pop("kl_every", 10), **over.pop("rl", {}),
          "eval": {"dataset": {"name": "arithmetic", "split": "test", "size": 8}, "max_tokens": 4}},
     ]
     return Recipe.from_dict({"name": "t", "output_dir": str(out), "backend": TINY, "loggers": ["jsonl", "plot"],
@@ -65,6 +65,36 @@ def test_kl_is_logged_every_kl_every_steps_by_default(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r["stage"] == "rl" and "reward/mean" in r]
     assert ["kl_ref" in r for r in rl] == [True, False, True]
+
+
+def test_tempered_sampling_takes_old_logprobs_from_the_training_forward(tmp_path: Path, monkeypatch) -> None:
+    """At temperature 0.7 the sampler's logprobs are not the policy's, so the ratio's "old"
+    logprobs are the policy's. On the local backend ``auto`` takes them from the training forward
+    itself (detached) instead of a second forward pass: the same weights as ``always`` (which pays
+    that pass every step), and a logprobs call only on the step that logs the KL."""
+    from tempering.plugins.backends.local.backend import LocalBackend
+
+    calls: list[str] = []
+    real = LocalBackend.logprobs
+
+    def counted(self, batch, **kwargs):
+        calls.append("reference" if kwargs else "policy")
+        return real(self, batch, **kwargs)
+
+    monkeypatch.setattr(LocalBackend, "logprobs", counted)
+    weights, rows = {}, {}
+    for mode in ("always", "auto"):
+        calls.clear()
+        backend = get_registry().build("backend", TINY)
+        _recipe(tmp_path / mode, rl={"temperature": 0.7, "recompute_logprobs": mode}).run(backend=backend)
+        weights[mode] = _weights(backend)
+        lines = (tmp_path / mode / "metrics.jsonl").read_text().splitlines()
+        rows[mode] = [r for r in map(json.loads, lines) if r["stage"] == "rl" and "reward/mean" in r]
+        # 3 RL steps, the KL logged at the first (kl_every 10): always = 3 forwards + the reference
+        assert calls == (["policy", "reference", "policy", "policy"] if mode == "always" else ["policy", "reference"])
+    assert all(r["advantage/abs_mean"] > 0 for r in rows["auto"])  # the steps really trained
+    assert [r["loss"] for r in rows["auto"]] == pytest.approx([r["loss"] for r in rows["always"]], abs=1e-6)
+    assert torch.allclose(weights["auto"], weights["always"], atol=1e-6)
 
 
 def test_failing_reward_is_counted_and_masked_not_fatal(tmp_path: Path) -> None:

@@ -28,10 +28,14 @@ class GRPO(RLStage):
     Keys besides the RL engine's (:class:`~tempering.rl.RLStage`):
 
     - ``recompute_logprobs``: the ratio's "old" logprobs are the sampler's own when sampling
-      was plain (temperature 1, no top-k/top-p), and a forward pass of the same weights
-      otherwise (``auto``), because the sampler's logprobs are those of the tempered/filtered
+      was plain (temperature 1, no top-k/top-p), and the same weights' logprobs otherwise
+      (``auto``), because the sampler's logprobs are those of the tempered/filtered
       distribution while the trainer scores the untempered policy: using them would make an
-      on-policy step look off-policy. ``always`` / ``never`` force either.
+      on-policy step look off-policy. ``always`` / ``never`` force either. The same weights'
+      logprobs cost no extra forward pass on a backend whose loss runs on its own training
+      forward (``LOSS_SEES_TRAINING_FORWARD``, the local backend): one optimizer step per batch
+      means "old" is that forward, detached. Elsewhere (Tinker's built-in losses) and on steps
+      that log the KL (which reads them), a forward pass computes them.
     - ``log_kl`` / ``kl_every``: log the k3 KL to the reference every ``kl_every`` steps (one
       reference forward pass each time; a loss with ``beta > 0`` needs it, and so logs it, at
       every step).
@@ -69,9 +73,14 @@ class GRPO(RLStage):
             self.backend.snapshot(self.ref_name).result()  # saved in checkpoints: resume keeps it
 
     def prepare(self, ctx: Any, batch: Batch, step: int) -> dict[str, Any]:
-        if self.recompute:
+        kl_now = bool(getattr(self.loss_fn, "beta", 0.0)) or (self.log_kl and step % self.kl_every == 0)
+        from_forward = self.recompute_logprobs == "auto" and getattr(self.backend, "LOSS_SEES_TRAINING_FORWARD", False)
+        if self.recompute and from_forward and not kl_now:
+            for d in batch.data:  # the loss takes its own forward's logprobs, detached
+                d.sampler_logprobs = None
+        elif self.recompute:
             recompute_sampler_logprobs(self.backend, batch)
-        if not (getattr(self.loss_fn, "beta", 0.0) or (self.log_kl and step % self.kl_every == 0)):
+        if not kl_now:
             return {}
         kwargs = {"weights": self.ref_name} if self.reference == "stage_start" else {"reference": True}
         for d, lp in zip(batch.data, self.backend.logprobs(batch, **kwargs).result()):

@@ -102,7 +102,9 @@ class GRPOLoss:
     ``importance_sampling_level`` (``"token"`` or ``"sequence"`` = GSPO), and
     ``use_bias_correction_kl`` (multiply the KL term by the ratio; TRL 1.16's default).
 
-    Reads ``batch["weights"]``, ``batch["sampler_logprobs"]``, ``batch["advantages"]``,
+    Reads ``batch["weights"]``, ``batch["advantages"]``, ``batch["sampler_logprobs"]`` (the
+    ratio's "old" logprobs; without them, the forward's own logprobs, detached: only right for a
+    batch trained in one optimizer step on the weights that sampled it),
     ``batch["ref_logprobs"]`` (beta > 0) and optionally ``batch["num_items_in_batch"]`` (dapo's
     global token count when a step is split over several calls). See the module docstring
     for the maths and the normalisers.
@@ -137,11 +139,13 @@ class GRPOLoss:
             raise ValueError(f"GRPOLoss.max_completion_length must be > 0, got {self.max_completion_length}")
 
     def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
-        for key in ("weights", "sampler_logprobs", "advantages"):
+        for key in ("weights", "advantages"):
             if key not in batch:
                 raise KeyError(f"GRPOLoss needs batch[{key!r}]; the batch has {sorted(batch)}")
         mask = batch["weights"].to(logprobs.dtype)
-        old = batch["sampler_logprobs"].to(logprobs.dtype)
+        # No "old" logprobs: the batch is trained in one optimizer step on the weights that
+        # sampled it, so "old" is this very forward, detached (ratio 1; TRL's shortcut too).
+        old = batch["sampler_logprobs"].to(logprobs.dtype) if "sampler_logprobs" in batch else logprobs.detach()
         advantages = batch["advantages"].to(logprobs.dtype)
         if advantages.dim() == 1:  # one advantage per row
             advantages = advantages.unsqueeze(-1)

@@ -40,7 +40,7 @@ import shutil
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from tempering.errors import ConfigError
@@ -131,6 +131,11 @@ class LocalBackend:
         vllm: the vLLM engine's settings (:class:`~tempering.plugins.backends.local.vllm_engine.VllmParams`).
         model_builder: a runtime callable returning ``(model, tokenizer)``; not a config key.
     """
+
+    #: ``forward_backward`` calls the loss on this backend's own training forward, so an
+    #: on-policy stage can take the ratio's "old" logprobs from it, detached, instead of paying
+    #: a second forward pass (GRPO's ``recompute_logprobs: auto``).
+    LOSS_SEES_TRAINING_FORWARD: ClassVar[bool] = True
 
     def __init__(
         self,
