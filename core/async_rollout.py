@@ -153,6 +153,9 @@ class AsyncRollouts:
         self._error: BaseException | None = None
         self._closed = False
         self._counts = collections.Counter()  # resampled, sample_calls, ...
+        # oldest publication index of each chunk planned but not yet given its sampler: under
+        # fixed staleness that publication must outlive the planner running ahead of it
+        self._unpicked: collections.Counter[int] = collections.Counter()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -321,6 +324,8 @@ class AsyncRollouts:
                 (example,) = self.stream.take(1)
                 out.append(_Slot(slot, example, self.stream.position))
             self._next_slot = end
+            if self.fixed:
+                self._unpicked[max(0, batch - self.k)] += 1
             return out, max(0, batch - self.k)
 
     def _may_sample(self, batch: int) -> bool:
@@ -340,7 +345,13 @@ class AsyncRollouts:
             if not self.fixed:
                 del pubs[:-1]
             else:
-                need = max(0, self._next_slot // self.per_batch - self.k)
+                if min_index >= 0:
+                    self._unpicked[min_index] -= 1
+                    if self._unpicked[min_index] <= 0:
+                        del self._unpicked[min_index]
+                # the oldest index a chunk may still ask for: planned ones first (the planner can
+                # be a chunk or more ahead of the rollouts), then the next one to be planned
+                need = min([*self._unpicked, max(0, self._next_slot // self.per_batch - self.k)])
                 first = next((i for i, p in enumerate(pubs) if p.index >= need), len(pubs) - 1)
                 del pubs[:first]
             return chosen
