@@ -120,7 +120,8 @@ def _recipe_source(name_or_path: str) -> str | None:
 def cmd_view(args: argparse.Namespace) -> int:
     from tempering.view.server import ViewServer
 
-    server = ViewServer(args.run_dir, port=args.port, log=(lambda m: print(m, file=sys.stderr)) if args.verbose else None)
+    server = ViewServer(args.run_dir, port=args.port, log=(lambda m: print(m, file=sys.stderr)) if args.verbose else None,
+                        allowed_hosts=args.allow_host or ())
     print(f"tempering view: {args.run_dir} at {server.url} (Ctrl-C to stop)", flush=True)
     if args.open:
         import webbrowser
@@ -219,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8300, help="port on 127.0.0.1 (0 = any free port)")
     p.add_argument("--open", action="store_true", help="open the page in a web browser")
     p.add_argument("--verbose", action="store_true", help="print each request")
+    p.add_argument("--allow-host", action="append", metavar="NAME",
+                   help="also answer requests addressed to NAME (repeatable); by default only loopback names "
+                        "(127.0.0.1, localhost, [::1]) are answered, against DNS rebinding")
     p.set_defaults(func=cmd_view, parser=p)
 
     p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model folder",

@@ -1,7 +1,12 @@
 """The viewer's HTTP server: the page, and the run folder as JSON.
 
 Bound to 127.0.0.1 only: a run's transcripts and config are the user's data, and the page has
-no login. Files are re-read when they change (size and modification time), so reloading the
+no login. For the same reason it answers only requests addressed to a loopback host name
+(``Host: 127.0.0.1``, ``localhost``, ``[::1]``, ``*.localhost``, with any port) or one given
+with ``tempering view --allow-host NAME``; anything else is a 403. Binding loopback is not
+enough: with DNS rebinding a web page the user opens points its own name at 127.0.0.1 and
+could then read the run from the user's browser, but its requests carry its own name as Host.
+Files are re-read when they change (size and modification time), so reloading the
 page while a run trains shows its latest steps. Endpoints:
 
 ======================  =======================================================================
@@ -16,10 +21,11 @@ page while a run trains shows its latest steps. Endpoints:
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any
@@ -34,6 +40,29 @@ from tempering.view.query import RolloutQuery, run_query
 HOST = "127.0.0.1"
 STATIC = {"/": ("index.html", "text/html"), "/view.js": ("view.js", "text/javascript"),
           "/view.css": ("view.css", "text/css")}  # fmt: skip
+
+
+def host_allowed(host: str | None, allowed: Iterable[str] = ()) -> bool:
+    """Whether a request's ``Host`` header names this machine's loopback (an IP literal that is
+    loopback, ``localhost`` or a ``*.localhost`` name, which resolve to loopback by RFC 6761) or
+    one of ``allowed`` (compared without port and case). A missing header is refused: every
+    browser sends one."""
+    if not host:
+        return False
+    name = host.strip().lower()
+    if name.startswith("["):  # [v6]:port
+        name = name[1:name.find("]")] if "]" in name else name
+    elif name.count(":") == 1:
+        name = name.split(":", 1)[0]
+    name = name.rstrip(".")
+    if name in {a.strip().lower().rstrip(".") for a in allowed}:
+        return True
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 class CachedJsonl:
@@ -95,11 +124,19 @@ class RunViewer:
         return 404, {"error": f"no such endpoint {path}"}
 
 
-def make_handler(viewer: RunViewer, log: Callable[[str], None] | None = None) -> type[BaseHTTPRequestHandler]:
+def make_handler(viewer: RunViewer, log: Callable[[str], None] | None = None,
+                 allowed_hosts: Iterable[str] = ()) -> type[BaseHTTPRequestHandler]:
+    allowed = tuple(allowed_hosts)
+
     class Handler(BaseHTTPRequestHandler):
         server_version = "tempering-view"
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if not host_allowed(self.headers.get("Host"), allowed):
+                error = {"error": f"host {self.headers.get('Host')!r} refused: this viewer answers loopback names "
+                                  "(127.0.0.1, localhost, [::1]) only, against DNS rebinding; to use another name "
+                                  "for this machine, start it with `tempering view --allow-host NAME`"}
+                return self._send(403, json.dumps(error).encode(), "application/json")
             parts = urlsplit(self.path)
             if parts.path == "/favicon.ico":
                 return self._send(204, b"", "image/x-icon")
@@ -127,12 +164,14 @@ def make_handler(viewer: RunViewer, log: Callable[[str], None] | None = None) ->
 
 class ViewServer:
     """A viewer of ``run_dir`` listening on 127.0.0.1 (``port`` 0: any free port), serving on
-    a background thread once :meth:`start` is called (or in the foreground: :meth:`serve`)."""
+    a background thread once :meth:`start` is called (or in the foreground: :meth:`serve`).
+    Requests must name a loopback host or one of ``allowed_hosts`` (see :func:`host_allowed`)."""
 
-    def __init__(self, run_dir: str, port: int = 0, log: Callable[[str], None] | None = None) -> None:
+    def __init__(self, run_dir: str, port: int = 0, log: Callable[[str], None] | None = None,
+                 allowed_hosts: Iterable[str] = ()) -> None:
         self.viewer = RunViewer(RunDir.open(run_dir))
         try:
-            self.httpd = ThreadingHTTPServer((HOST, port), make_handler(self.viewer, log))
+            self.httpd = ThreadingHTTPServer((HOST, port), make_handler(self.viewer, log, allowed_hosts))
         except OSError as exc:
             raise ConfigError(f"cannot listen on {HOST}:{port}: {exc.strerror}; pick another --port (0 = any free one)",
                               "--port") from None  # fmt: skip
