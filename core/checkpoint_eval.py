@@ -25,13 +25,16 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tempering import rollout_log
 from tempering.errors import ConfigError
 from tempering.failures import failure_metrics
 from tempering.rollout import collect, rollout_metrics
 from tempering.types import Group, SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tempering.interfaces import Backend
 
 
 @dataclass
@@ -118,7 +121,7 @@ class EvalContext:
 
     path = "eval"
 
-    def __init__(self, registry: Any, backend: Any) -> None:
+    def __init__(self, registry: Any, backend: Backend) -> None:
         self.registry, self.backend = registry, backend
 
     def build(self, kind: str, spec: Any, key: str, **context: Any) -> Any:
@@ -142,7 +145,7 @@ class EvalReport:
     files: dict[str, str] = field(default_factory=dict)
 
 
-def evaluate_policy(backend: Any, spec: EvalSpec, registry: Any = None) -> EvalReport:
+def evaluate_policy(backend: Backend, spec: EvalSpec, registry: Any = None) -> EvalReport:
     """Sample ``spec.samples`` rollouts per example of ``spec.dataset`` with ``backend`` through
     the spec's sampler, score them, and compute the metrics (see the module docs)."""
     from tempering.data import load_examples

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tempering.interfaces import BuildContext
 
 
 class ExampleStream:
@@ -67,7 +70,7 @@ def encode_completion(tokenizer: Any, text: str, add_eos: bool = True) -> list[i
     return ids
 
 
-def load_examples(ctx: Any, spec: Any, key: str) -> list[dict[str, Any]]:
+def load_examples(ctx: BuildContext, spec: Any, key: str) -> list[dict[str, Any]]:
     """A dataset spec (name, mapping, or an already-built list of dicts) -> list of examples."""
     if isinstance(spec, list):
         return [dict(x) for x in spec]

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tempering.errors import ConfigError, TemperingError
 from tempering.registry import split_spec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tempering.interfaces import BuildContext
 
 #: What a stage's dataset rows must hold: ``{format column: {other column: config key naming
 #: it}}``. A row must have one of the format columns (``prompt`` or ``messages``; ``""``
@@ -40,7 +43,7 @@ def prompt_columns(sampler: Any, needed: Mapping[str, str]) -> Columns:
     return {"prompt": dict(needed), "messages": dict(needed)}
 
 
-def reward_columns(ctx: Any, spec: Any, key: str = "reward") -> dict[str, str]:
+def reward_columns(ctx: BuildContext, spec: Any, key: str = "reward") -> dict[str, str]:
     """The dataset columns a reward reads, from its config without building it: a reward
     class lists the config keys that name columns in ``column_keys`` (``ExactMatch``:
     ``("answer_key",)``). Unknown for a reward given as a Python object."""
@@ -61,7 +64,7 @@ def reward_columns(ctx: Any, spec: Any, key: str = "reward") -> dict[str, str]:
     return out
 
 
-def preview_rows(ctx: Any, spec: Any, key: str) -> list[dict[str, Any]] | None:
+def preview_rows(ctx: BuildContext, spec: Any, key: str) -> list[dict[str, Any]] | None:
     """The rows :func:`check_dataset` looks at, without training anything.
 
     A list is used as it is. A registered dataset is loaded -- cheap for the built-in ones --
@@ -84,7 +87,7 @@ def preview_rows(ctx: Any, spec: Any, key: str) -> list[dict[str, Any]] | None:
         raise ConfigError(f"the dataset does not load: {type(exc).__name__}: {exc}", f"{ctx.path}.{key}") from None
 
 
-def check_dataset(ctx: Any, spec: Any, key: str, columns: Columns | None = None) -> None:
+def check_dataset(ctx: BuildContext, spec: Any, key: str, columns: Columns | None = None) -> None:
     """The dataset at ``key`` loads, is not empty and every row has the ``columns`` (see
     :data:`Columns`) -- checked before any stage trains, so a later stage's missing column
     does not surface after the earlier stages trained."""

@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from tempering.chat import Message, ParsedResponse, tool_message
 from tempering.tools import Tool, ToolResult, tools_of
@@ -58,16 +58,6 @@ class StepResult:
     done: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
-
-
-@runtime_checkable
-class EnvironmentProtocol(Protocol):
-    """What the ``environment`` sampler calls. :class:`Environment` implements all of it."""
-
-    async def reset(self, example: dict[str, Any]) -> list[Message]: ...
-    def tools(self) -> list[Tool]: ...
-    async def step(self, response: ParsedResponse) -> StepResult: ...
-    async def cleanup(self) -> None: ...
 
 
 class Environment:

@@ -8,7 +8,7 @@ stage reports is the number of the task it trains on.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tempering.failures import failure_metrics
 from tempering.rollout import SamplerContext, collect, rollout_metrics
@@ -16,9 +16,12 @@ from tempering.rollout_log import DEFAULT_GROUPS, log_groups
 from tempering.scoring import RewardRunner
 from tempering.types import Group, Sample, SamplingParams
 
+if TYPE_CHECKING:  # pragma: no cover
+    from tempering.interfaces import Backend, BuildContext, RunContext
+
 
 def evaluate(
-    backend: Any,
+    backend: Backend,
     examples: Sequence[Mapping[str, Any]],
     reward: Callable[..., Any] | None,
     max_tokens: int,
@@ -97,7 +100,7 @@ class StageEvaluator:
     evaluated on whole episodes), with the stage's renderer.
     """
 
-    def __init__(self, ctx: Any, cfg: Any, stage: Any = None) -> None:
+    def __init__(self, ctx: RunContext, cfg: Any, stage: Any = None) -> None:
         from tempering.data import load_examples
 
         self.ctx, self.cfg, self.stage = ctx, cfg, stage
@@ -120,7 +123,7 @@ class StageEvaluator:
         return metrics
 
 
-def build_sampler(ctx: Any, spec: Any, key: str, reward: RewardRunner | None, renderer: Any = "auto") -> Any:
+def build_sampler(ctx: BuildContext, spec: Any, key: str, reward: RewardRunner | None, renderer: Any = "auto") -> Any:
     """Build a stage's sampler (``key`` is its config path under the stage), with the context
     it needs: the backend's tokenizer, the stage's renderer (built on first use), whether text
     prompts are rendered as user turns, and the reward."""

@@ -28,10 +28,14 @@ import os
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tempering.errors import ConfigError
+from tempering.interfaces import DownloadableWeights, Exportable, supports
 from tempering.rundata import RunDir, run_backend
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tempering.interfaces import Backend
 
 #: Written beside the model: where it came from, and the renderer it was trained with.
 NOTE = "tempering.json"
@@ -57,17 +61,16 @@ def export_run(run_dir: str, to: str, step: int | None = None, adapter: bool = F
     if os.path.exists(to) and os.listdir(to):
         raise ConfigError(f"'{to}' exists and is not empty; export into a new folder", "--to")
     with run_backend(run, step, registry) as (backend, checkpoint):
-        export = getattr(backend, "export_pretrained", None)
-        if hasattr(backend, "download_weights"):
+        if supports(backend, DownloadableWeights):
             export_downloaded(backend, run.recipe.get("backend") or {}, to, adapter, base_model)
-        elif export is None:
+        elif not supports(backend, Exportable):
             raise ConfigError(f"the {type(backend).__name__} backend cannot export a model (no export_pretrained)", "backend")
         elif base_model is not None:
             raise ConfigError(f"the {type(backend).__name__} backend exports its own model; --base-model is for runs "
                               "trained on a service (Tinker)", "--base-model")  # fmt: skip
         else:
             try:
-                export(to, adapter=adapter)
+                backend.export_pretrained(to, adapter=adapter)
             except ValueError as exc:  # the backend's own refusal, e.g. --adapter without LoRA
                 raise ConfigError(str(exc), "--adapter") from None
         renderer = trained_renderer(run.recipe) or getattr(getattr(backend, "tokenizer", None), "tempering_renderer", None)
@@ -89,18 +92,18 @@ def write_pretrained(model: Any, tokenizer: Any, path: str, merge: bool, keep: b
     return path
 
 
-def export_downloaded(backend: Any, spec: Mapping[str, Any], to: str, adapter: bool, base_model: str | None) -> None:
+def export_downloaded(backend: Backend, spec: Mapping[str, Any], to: str, adapter: bool, base_model: str | None) -> None:
     """The adapter ``backend.download_weights`` fetches, written to ``to`` with the backend's
     tokenizer: as downloaded (``adapter``), or merged into the base model (:func:`adapter_base`)."""
     if adapter:
-        backend.download_weights(to)
+        cast("DownloadableWeights", backend).download_weights(to)
         backend.tokenizer.save_pretrained(to)
         return
     base = adapter_base(getattr(backend, "base_model", None) or spec.get("model"), spec.get("model_kwargs"), base_model)
     from peft import PeftModel
 
     with tempfile.TemporaryDirectory(prefix="tempering-export-") as folder:
-        backend.download_weights(folder)
+        cast("DownloadableWeights", backend).download_weights(folder)
         if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
             raise ConfigError(f"the weights {type(backend).__name__} downloaded are not a LoRA adapter (no "
                               "adapter_config.json); export them with --adapter", "--adapter")  # fmt: skip

@@ -17,20 +17,25 @@ from tempering.types import AdamParams, Batch, Completion, SamplingParams
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from tempering.registry import Registry
+
 
 # --------------------------------------------------------------------------- backend
 @runtime_checkable
 class Backend(Protocol):
-    """Tinker-like training primitives. Every call returns a future so that a loop can submit
-    ``forward_backward`` and ``optim_step`` back to back, and sample while it trains.
+    """Tinker-like training primitives, the part every backend has. Every call returns a future
+    so that a loop can submit ``forward_backward`` and ``optim_step`` back to back, and sample
+    while it trains.
 
     ``step`` is the number of optimizer steps taken: samplers stamp it on completions as
     ``policy_version`` so staleness can be measured.
 
-    Optional capabilities, used when present: ``snapshot(name)`` keeps the current weights
-    under a name that ``logprobs(batch, weights=name)`` scores with (GRPO's stage-start KL
-    reference, SDFT's teacher), ``distributions(batch, topk=K)`` (logit distillation) and
-    ``close()`` (called by ``run_recipe`` for a backend it built).
+    What only some backends can do is a *capability*, a protocol of its own below
+    (:class:`WeightSnapshots`, :class:`EmaWeights`, :class:`SamplingClients`,
+    :class:`Distributions`, :class:`FullDistributions`, :class:`LossOnTrainingForward`,
+    :class:`Exportable`, :class:`DownloadableWeights`, :class:`Closeable`). A stage declares the
+    ones it needs (:attr:`tempering.stage.Stage.requires`) and they are checked, with
+    :func:`supports`, once at validation, before anything trains.
     """
 
     tokenizer: Any
@@ -62,6 +67,121 @@ class Backend(Protocol):
     def load(self, path: str) -> dict[str, Any]:
         """Restore what :meth:`save` wrote; returns its ``extra``."""
         ...
+
+
+# Capabilities: each holds methods only (Python 3.11 checks such a protocol against the class,
+# without touching the instance), and is checked with :func:`supports`.
+@runtime_checkable
+class WeightSnapshots(Protocol):
+    """Named frozen copies of the weights: ``snapshot(name)`` keeps the current weights,
+    ``logprobs(batch, weights=name)`` scores with them (GRPO's and DPO's stage-start
+    reference, SDFT's teacher). Snapshots are saved in checkpoints, so a resumed stage finds
+    its own (``snapshot_names``); ``drop_snapshot`` forgets one (no error if absent)."""
+
+    def snapshot(self, name: str) -> Future[None]: ...
+    def drop_snapshot(self, name: str) -> Future[None]: ...
+    def snapshot_names(self) -> list[str]: ...
+    def logprobs(
+        self, batch: Batch, reference: bool = False, weights: str | None = None
+    ) -> Future[list[list[float]]]: ...
+
+
+@runtime_checkable
+class EmaWeights(WeightSnapshots, Protocol):
+    """A snapshot that moves towards the policy: ``snapshot[name] = (1 - rate) snapshot[name] +
+    rate policy`` (SDFT's EMA teacher)."""
+
+    def ema_update(self, name: str, rate: float) -> Future[None]: ...
+
+
+@runtime_checkable
+class SamplingClients(Protocol):
+    """``sampling_client()``: a future of a sampler of the current weights, frozen, that samples
+    while the trainer trains (asynchronous RL). Without it a stage samples the live weights."""
+
+    def sampling_client(self) -> Future[Any]: ...
+
+
+@runtime_checkable
+class Distributions(Protocol):
+    """Next-token distributions at every target position (logit distillation): with ``topk=K``
+    one ``(values, ids)`` pair of ``(T_i, K)`` tensors per row."""
+
+    def distributions(
+        self, batch: Batch, reference: bool = False, weights: str | None = None, topk: int | None = None
+    ) -> Future[list[Any]]: ...
+
+
+@runtime_checkable
+class FullDistributions(Distributions, Protocol):
+    """:class:`Distributions` also without ``topk``: one ``(T_i, V)`` tensor of log-probabilities
+    over the whole vocabulary per row."""
+
+
+@runtime_checkable
+class LossOnTrainingForward(Protocol):
+    """``forward_backward`` calls the loss on the backend's own training forward, so an
+    on-policy stage can take the ratio's "old" logprobs from it, detached, instead of paying a
+    second forward pass (GRPO's ``recompute_logprobs: auto``). A backend declares it with the
+    class attribute ``LOSS_SEES_TRAINING_FORWARD = True``."""
+
+    LOSS_SEES_TRAINING_FORWARD: bool
+
+
+@runtime_checkable
+class Exportable(Protocol):
+    """``export_pretrained(path, adapter)``: the policy in Hugging Face format, in this process."""
+
+    def export_pretrained(self, path: str, adapter: bool = False) -> str: ...
+
+
+@runtime_checkable
+class DownloadableWeights(Protocol):
+    """``download_weights(dest, state)``: the trained weights fetched from a service into ``dest``."""
+
+    def download_weights(self, dest: str, state: str | None = None) -> str: ...
+
+
+@runtime_checkable
+class Closeable(Protocol):
+    """``close()``: finish queued calls and release threads or remote sessions."""
+
+    def close(self) -> None: ...
+
+
+#: Every capability protocol, by the name a backend's ``capabilities`` mapping uses.
+CAPABILITIES: dict[str, type] = {
+    "weight_snapshots": WeightSnapshots,
+    "ema_update": EmaWeights,
+    "sampling_clients": SamplingClients,
+    "distributions": Distributions,
+    "full_distributions": FullDistributions,
+    "loss_on_training_forward": LossOnTrainingForward,
+    "export": Exportable,
+    "download_weights": DownloadableWeights,
+    "close": Closeable,
+}
+
+
+def capability_name(capability: type) -> str:
+    """The name of a capability protocol in :data:`CAPABILITIES` (its class name otherwise)."""
+    return next((name for name, cls in CAPABILITIES.items() if cls is capability), capability.__name__)
+
+
+def supports(backend: object, capability: type) -> bool:
+    """Whether ``backend`` has ``capability`` (a protocol of this module).
+
+    It has it when it fits the protocol -- and, since methods alone cannot tell a top-k from a
+    full distribution, nor a method that is there only to raise a clear error from a working
+    one, when its optional ``capabilities`` mapping does not set the capability's name to
+    False (Tinker's ``{"ema_update": False, "full_distributions": False}``), and, for
+    :class:`LossOnTrainingForward`, when its flag is true."""
+    if not isinstance(backend, capability):
+        return False
+    if capability is LossOnTrainingForward and not getattr(backend, "LOSS_SEES_TRAINING_FORWARD", False):
+        return False
+    declared = getattr(backend, "capabilities", None)
+    return not (isinstance(declared, Mapping) and declared.get(capability_name(capability), True) is False)
 
 
 # --------------------------------------------------------------------------- rewards
@@ -159,14 +279,6 @@ class Sampler(Protocol):
 
 # --------------------------------------------------------------------------- the rest
 @runtime_checkable
-class Dataset(Protocol):
-    """Examples as dicts. ``prompt`` is the text to sample from; other keys are for rewards."""
-
-    def __iter__(self) -> Any: ...
-    def __len__(self) -> int: ...
-
-
-@runtime_checkable
 class Logger(Protocol):
     """Receives metrics per step; ``close`` writes what needs the whole run (a plot)."""
 
@@ -174,22 +286,61 @@ class Logger(Protocol):
     def close(self) -> None: ...
 
 
+# --------------------------------------------------------------------------- the run context
 @runtime_checkable
-class Algorithm(Protocol):
-    """A training stage: a bundle of components and the loop that drives them.
+class BuildContext(Protocol):
+    """What building a stage's components needs (datasets, samplers, renderers, rewards): the
+    registry, the backend (its tokenizer), and the registry's builders with the stage's key
+    path (``path``, e.g. ``stages[1]``) put in front of ``key`` for error messages. A
+    :class:`RunContext` is one; so is the ``tempering eval`` command's context."""
 
-    ``run`` receives the shared :class:`tempering.recipe.RunContext` (backend, loggers,
-    checkpoint dir, registry) and returns the stage's final metrics.
-    """
+    registry: Registry
+    backend: Backend
 
-    def run(self, ctx: Any) -> dict[str, Any]: ...
+    @property
+    def path(self) -> str:
+        """The config path keys are under (``stages[1]``), for error messages."""
+        ...
+
+    def build(self, kind: str, spec: Any, key: str, **context: Any) -> Any:
+        """Build a component of ``kind`` from ``spec``, the stage's ``key``."""
+        ...
+
+    def factory(self, kind: str, spec: Any, key: str, **context: Any) -> Any:
+        """A callable building a new component per call."""
+        ...
+
+    def check(self, kind: str, spec: Any, key: str, context: Iterable[str] = ()) -> None:
+        """Check a component spec (name, keys) without building it."""
+        ...
 
 
 @runtime_checkable
-class ModelBuilder(Protocol):
-    """Builds ``(model, tokenizer)`` for the local backend (e.g. a tiny Llama built in code)."""
+class RunContext(BuildContext, Protocol):
+    """What a stage's ``validate``, ``setup``, ``train_step`` and ``teardown`` receive as ``ctx``
+    (:class:`tempering.recipe.RunContext` implements it): a :class:`BuildContext` plus the
+    recipe's config, seed and output folder, where the run is (``stage_index``, ``stage_id``,
+    ``global_step``), what a resumed stage restores (``resume_state``, empty on a fresh start)
+    and the loop's calls (``log``, ``budget_left``, ``end_step``), which :meth:`Stage.run
+    <tempering.stage.Stage.run>` makes. ``backend`` is ``None`` only while a recipe's config is
+    checked before its backend is built."""
 
-    def __call__(self) -> tuple[Any, Any]: ...
+    config: dict[str, Any]
+    output_dir: str
+    seed: int
+    stage_index: int
+    stage_id: str
+    global_step: int
+    resume_state: dict[str, Any] | None
 
+    def log(self, metrics: Mapping[str, Any]) -> None:
+        """Log one row of the current stage."""
+        ...
 
-Examples = Iterable[Mapping[str, Any]]
+    def budget_left(self) -> bool:
+        """False once the run's step budget is spent."""
+        ...
+
+    def end_step(self, state: Mapping[str, Any]) -> None:
+        """Count an optimizer step; ``state`` is what a checkpoint of it must hold."""
+        ...

@@ -21,11 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from tempering.chat import Message, ParsedResponse
 from tempering.errors import ConfigError
 from tempering.trajectory import TrainingRow
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tempering.interfaces import BuildContext
 
 
 @dataclass
@@ -111,14 +114,14 @@ def renderer_spec(spec: Any, tokenizer: Any, path: str = "renderer") -> Any:
     return default_renderer_name(tokenizer) if spec is None or spec == AUTO else spec
 
 
-def build_renderer(ctx: Any, spec: Any, key: str = "renderer") -> Renderer:
+def build_renderer(ctx: BuildContext, spec: Any, key: str = "renderer") -> Renderer:
     """Build a stage's renderer for the backend's tokenizer (``auto`` resolved first)."""
     tokenizer = ctx.backend.tokenizer
     path = f"{getattr(ctx, 'path', '')}.{key}".lstrip(".")
     return ctx.build("renderer", renderer_spec(spec, tokenizer, path), key, tokenizer=tokenizer)
 
 
-def check_renderer(ctx: Any, spec: Any, key: str = "renderer") -> None:
+def check_renderer(ctx: BuildContext, spec: Any, key: str = "renderer") -> None:
     """Validate a renderer spec before training (``auto`` needs the backend: checked at build)."""
     if spec is not None and spec not in (AUTO, RAW):
         ctx.check("renderer", spec, key, context=("tokenizer",))

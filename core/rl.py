@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tempering.data import ExampleStream, load_examples
 from tempering.dataset_checks import Columns, check_rows, prompt_columns, reward_columns
@@ -32,11 +32,14 @@ from tempering.scoring import RewardRunner
 from tempering.stage import SamplingKeys, Stage, build_checked, check_stage, require
 from tempering.types import Batch, Group, SamplingParams
 
+if TYPE_CHECKING:  # pragma: no cover
+    from tempering.interfaces import Backend, RunContext
+
 
 class SyncRollouts:
     """On-policy rollouts: each step samples its batch now, with the live weights."""
 
-    def __init__(self, backend: Any, stream: ExampleStream, sampler: Any, group_size: int, groups_per_batch: int,
+    def __init__(self, backend: Backend, stream: ExampleStream, sampler: Any, group_size: int, groups_per_batch: int,
                  params: SamplingParams) -> None:  # fmt: skip
         self.backend, self.stream, self.sampler = backend, stream, sampler
         self.group_size, self.per_batch, self.params = group_size, groups_per_batch, params
@@ -98,7 +101,7 @@ class RLStage(SamplingKeys, Stage):
     postfix = {"reward": "reward/mean", "acc": "accuracy"}
 
     # ------------------------------------------------------------------ validation and setup
-    def validate(self, ctx: Any) -> None:
+    def validate(self, ctx: RunContext) -> None:
         path = ctx.path
         for key in ("prompts_per_step", "group_size", "reward_concurrency", "failure_window"):
             require(getattr(self, key) >= 1, f"{path}.{key}", f"must be >= 1, got {getattr(self, key)}")
@@ -112,7 +115,7 @@ class RLStage(SamplingKeys, Stage):
         name = split_spec(self.advantage, "advantage")[0] if isinstance(self.advantage, (str, Mapping)) else ""
         check_group_size(ctx, built["advantage"], self.group_size, name)
 
-    def setup(self, ctx: Any, state: Mapping[str, Any]) -> None:
+    def setup(self, ctx: RunContext, state: Mapping[str, Any]) -> None:
         self.backend = ctx.backend
         reward = build_checked(ctx, "reward", self.reward, "reward")
         self.reward_runner = RewardRunner(reward, timeout=self.reward_timeout, concurrency=self.reward_concurrency)
@@ -127,12 +130,12 @@ class RLStage(SamplingKeys, Stage):
         self.params = self.sampling_params()
         self.rollouts = self.make_rollouts(ctx, state)
 
-    def dataset_columns(self, ctx: Any) -> Columns:
+    def dataset_columns(self, ctx: RunContext) -> Columns:
         """What the rows must hold: a prompt (for the ``completion`` sampler) and the columns
         the reward reads (see :mod:`tempering.dataset_checks`)."""
         return prompt_columns(self.sampler, reward_columns(ctx, self.reward))
 
-    def make_rollouts(self, ctx: Any, state: Mapping[str, Any]) -> Any:
+    def make_rollouts(self, ctx: RunContext, state: Mapping[str, Any]) -> Any:
         """The rollout source: synchronous, on-policy by default."""
         return SyncRollouts(self.backend, self.stream, self.rollout_sampler, self.group_size, self.prompts_per_step,
                             self.params)  # fmt: skip
@@ -140,13 +143,13 @@ class RLStage(SamplingKeys, Stage):
     def loop_state(self) -> dict[str, Any]:
         return {"position": self.rollouts.position}
 
-    def teardown(self, ctx: Any, finished: bool) -> None:
+    def teardown(self, ctx: RunContext, finished: bool) -> None:
         rollouts = getattr(self, "rollouts", None)
         if rollouts is not None:
             rollouts.close()
 
     # ------------------------------------------------------------------ one step
-    def train_step(self, ctx: Any, step: int) -> dict[str, Any]:
+    def train_step(self, ctx: RunContext, step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         rb = self.rollouts.next_batch(step)
         batch, info = build_group_batch(rb.groups, self.estimator, self.drop_zero_variance, self.success_threshold)
@@ -172,7 +175,7 @@ class RLStage(SamplingKeys, Stage):
         return metrics
 
     # ------------------------------------------------------------------ what algorithms change
-    def prepare(self, ctx: Any, batch: Batch, step: int) -> dict[str, Any]:
+    def prepare(self, ctx: RunContext, batch: Batch, step: int) -> dict[str, Any]:
         """Complete the batch before training (in place); returns metrics."""
         return {}
 
@@ -180,11 +183,11 @@ class RLStage(SamplingKeys, Stage):
         """The loss ``forward_backward`` trains."""
         return self.loss_fn
 
-    def after_optim(self, ctx: Any, step: int) -> None:
+    def after_optim(self, ctx: RunContext, step: int) -> None:
         """Called once the step's training calls are submitted (or the step was skipped)."""
 
 
-def check_group_size(ctx: Any, estimator: Any, group_size: int, name: str = "") -> None:
+def check_group_size(ctx: RunContext, estimator: Any, group_size: int, name: str = "") -> None:
     """``group_size`` must give the advantage estimator something to compare: a probe batch
     of two groups with distinct rewards must get some non-zero, finite advantage. A
     group-relative estimator (``group_norm``, ``rloo``, ...) gives a group of 1 advantage 0

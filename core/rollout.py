@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tempering.failures import SAMPLES_KEY, failure_metrics
 from tempering.scoring import RewardRunner, ScoreStats, run_coroutine
 from tempering.types import Group, SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tempering.interfaces import Backend
 
 
 @dataclass
@@ -125,7 +128,7 @@ def should_recompute(mode: str, params: SamplingParams) -> bool:
     return mode == "always" or (mode == "auto" and not plain)
 
 
-def recompute_sampler_logprobs(backend: Any, batch: Any) -> None:
+def recompute_sampler_logprobs(backend: Backend, batch: Any) -> None:
     """Replace each row's ``sampler_logprobs`` by the backend's forward-pass logprobs (0 where
     the row has weight 0, as :meth:`tempering.types.Segment.to_datum` lays them out)."""
     for d, lp in zip(batch.data, backend.logprobs(batch).result()):

@@ -50,10 +50,13 @@ import json
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tempering.failures import failure_cause
 from tempering.types import Group, Sample
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tempering.interfaces import RunContext
 
 FILENAME = "rollouts.jsonl"
 #: Every record's keys, in order (the table above; tests hold the two together).
@@ -108,7 +111,7 @@ def sample_record(sample: Sample, group: Group, index: int, *, advantage: float 
     }
 
 
-def log_groups(ctx: Any, groups: Sequence[Group], kind: str, step: int, count: int = DEFAULT_GROUPS,
+def log_groups(ctx: RunContext, groups: Sequence[Group], kind: str, step: int, count: int = DEFAULT_GROUPS,
                advantages: Sequence[float] | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """Write the step's selected groups (:func:`select_groups`) to the run's
     ``rollouts.jsonl`` and hand them to every logger with ``log_rollouts``; returns the records.

@@ -26,11 +26,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from tempering.dataset_checks import Columns, check_dataset, prompt_columns, reward_columns
 from tempering.errors import ConfigError, TemperingError
 from tempering.failures import FailureWatch
+from tempering.interfaces import RunContext, capability_name, supports
 from tempering.progress import progress
 from tempering.registry import split_spec, validate_params
 from tempering.schedule import lr_at
@@ -118,7 +119,7 @@ class EvalConfig:
     stop_at_accuracy: Any = None
 
 
-def check_eval(ctx: Any, value: Any) -> EvalConfig:
+def check_eval(ctx: RunContext, value: Any) -> EvalConfig:
     """Validate an ``eval:`` block and the components it names (its dataset's rows:
     :func:`check_stage`, after every config check)."""
     ev = sub_config(EvalConfig, value, f"{ctx.path}.eval")
@@ -135,7 +136,7 @@ def check_eval(ctx: Any, value: Any) -> EvalConfig:
     return ev
 
 
-def check_sampler(ctx: Any, spec: Any, key: str) -> None:
+def check_sampler(ctx: RunContext, spec: Any, key: str) -> None:
     """Validate a sampler spec and the environment it names, if any, before anything trains."""
     ctx.check("sampler", spec, key, context=("context",))
     params = spec if isinstance(spec, Mapping) else {}
@@ -144,7 +145,7 @@ def check_sampler(ctx: Any, spec: Any, key: str) -> None:
 
 
 def check_stage(
-    ctx: Any, stage: Any, components: tuple[str, ...] = ("loss",), columns: Columns | None = None
+    ctx: RunContext, stage: Any, components: tuple[str, ...] = ("loss",), columns: Columns | None = None
 ) -> dict[str, Any]:
     """Validate the blocks every training stage has -- ``steps``, ``optimizer``, ``eval``,
     ``dataset`` -- its named components (attribute name = component kind), its sampler and
@@ -172,6 +173,8 @@ def check_stage(
         check_sampler(ctx, stage.sampler, "sampler")
     if hasattr(stage, "renderer"):
         check_renderer(ctx, stage.renderer)
+    if isinstance(stage, Stage):
+        check_capabilities(ctx, stage)
     if CHECK_DATA.get():  # the data last: a typo in the config is reported before a missing file
         check_dataset(ctx, stage.dataset, "dataset", columns)
         if ev.dataset is not None:
@@ -179,6 +182,31 @@ def check_stage(
             needed = reward_columns(ctx, ev.reward, "eval.reward")
             check_dataset(ctx, ev.dataset, "eval.dataset", prompt_columns(sampler, needed))
     return built
+
+
+class Requirement(NamedTuple):
+    """A backend capability a stage's config needs: ``capability`` (a protocol of
+    :mod:`tempering.interfaces`), the stage's ``key`` that needs it (``""``: the stage itself)
+    and, optionally, the ``message`` to report when the backend lacks it."""
+
+    capability: type
+    key: str = ""
+    message: str = ""
+
+
+def check_capabilities(ctx: RunContext, stage: Stage) -> None:
+    """Raise a one-line :class:`ConfigError` at the stage's key path for the first capability
+    of :meth:`Stage.required_capabilities` the backend lacks (:func:`tempering.interfaces.supports`).
+    Nothing to check while the backend is not built yet (``ctx.backend`` is None)."""
+    backend = ctx.backend
+    if backend is None:
+        return
+    for need in stage.required_capabilities():
+        if not supports(backend, need.capability):
+            name = capability_name(need.capability)
+            message = need.message or (f"needs a backend with the capability '{name}' "
+                                       f"({need.capability.__name__}); {type(backend).__name__} has not")  # fmt: skip
+            raise ConfigError(message, f"{ctx.path}.{need.key}" if need.key else ctx.path)
 
 
 #: Whether :func:`check_stage` loads datasets (see :func:`config_only`).
@@ -196,7 +224,7 @@ def config_only() -> Iterator[None]:
         CHECK_DATA.reset(token)
 
 
-def build_checked(ctx: Any, kind: str, spec: Any, key: str, **context: Any) -> Any:
+def build_checked(ctx: RunContext, kind: str, spec: Any, key: str, **context: Any) -> Any:
     """Build a component; a ``ValueError`` / ``TypeError`` its own checks raise becomes a
     one-line :class:`ConfigError` at the key it names (:func:`config_error`). Used before
     anything trains for the cheap components (losses, estimators: their enums), and at stage
@@ -209,7 +237,7 @@ def build_checked(ctx: Any, kind: str, spec: Any, key: str, **context: Any) -> A
         raise config_error(ctx, exc, spec, key) from None
 
 
-def config_error(ctx: Any, exc: BaseException, spec: Any, key: str) -> ConfigError:
+def config_error(ctx: RunContext, exc: BaseException, spec: Any, key: str) -> ConfigError:
     """``exc`` (raised by a component's own checks) as a :class:`ConfigError` at the config
     key its message names (``stages[1].loss.loss_type``), with the closest of the values it
     lists in quotes when the key's value is a string (``Did you mean 'dapo'?``)."""
@@ -232,6 +260,10 @@ class Stage:
     ``eval`` (an :class:`EvalConfig` block) and ``seed`` (added to the recipe's seed for the
     stage's data order). Subclasses are dataclasses adding their own keys, and set:
 
+    * ``requires``: the backend capabilities (protocols of :mod:`tempering.interfaces`) the
+      stage needs whatever its config; one that depends on the config is added by
+      :meth:`required_capabilities`. :func:`check_stage` checks them once the backend is built,
+      before any stage trains;
     * ``label``: the name shown on the progress bar;
     * ``summary_keys`` / ``summary_prefixes``: the metrics :meth:`run` returns;
     * ``postfix``: progress-bar label -> metric key.
@@ -242,20 +274,26 @@ class Stage:
     eval: Any = field(default_factory=dict)
     seed: int = 0
 
+    requires: ClassVar[tuple[type, ...]] = ()
     label: ClassVar[str] = "stage"
     summary_keys: ClassVar[tuple[str, ...]] = ("loss",)
     summary_prefixes: ClassVar[tuple[str, ...]] = ("eval/",)
     postfix: ClassVar[dict[str, str]] = {"loss": "loss"}
 
     # ------------------------------------------------------------------ what a stage writes
-    def validate(self, ctx: Any) -> None:
+    def validate(self, ctx: RunContext) -> None:
         """Check every nested block before any stage trains."""
         check_stage(ctx, self)
 
-    def setup(self, ctx: Any, state: Mapping[str, Any]) -> None:
+    def required_capabilities(self) -> list[Requirement]:
+        """The backend capabilities this stage's config needs: :attr:`requires`, plus (in a
+        subclass) those its keys ask for, e.g. SDFT's ``teacher: ema``."""
+        return [Requirement(cap) for cap in self.requires]
+
+    def setup(self, ctx: RunContext, state: Mapping[str, Any]) -> None:
         """Build components and restore the loop position from ``state`` (empty on a fresh start)."""
 
-    def train_step(self, ctx: Any, step: int) -> dict[str, Any]:
+    def train_step(self, ctx: RunContext, step: int) -> dict[str, Any]:
         """One optimizer step; returns its metrics."""
         raise NotImplementedError
 
@@ -263,7 +301,7 @@ class Stage:
         """What a checkpoint must hold to resume (besides the step), e.g. the data position."""
         return {}
 
-    def teardown(self, ctx: Any, finished: bool) -> None:
+    def teardown(self, ctx: RunContext, finished: bool) -> None:
         """Release what setup built; ``finished``: the stage will not resume."""
 
     def eval_sampler(self) -> Any:
@@ -275,7 +313,7 @@ class Stage:
         return self._optimizer.adam(step, self.steps)
 
     # ------------------------------------------------------------------ the skeleton
-    def run(self, ctx: Any) -> dict[str, Any]:
+    def run(self, ctx: RunContext) -> dict[str, Any]:
         from tempering.evaluate import StageEvaluator
 
         with config_only():  # run_recipe checked the data before stage 1; setup loads it now

@@ -109,7 +109,8 @@ def _done(value: Any) -> Future[Any]:
 
 
 class FakeBackend:
-    """A :class:`~tempering.interfaces.Backend` without a model, for testing components.
+    """A :class:`~tempering.interfaces.Backend` without a model, for testing components; it
+    also has :class:`~tempering.interfaces.WeightSnapshots` (named snapshots score like the policy).
 
     ``complete(prompt_text, i)`` gives the text of the ``i``-th sample for a prompt (default:
     ``str(i)``); every token gets sampler logprob ``logprob``. ``forward_backward`` calls the
@@ -152,6 +153,14 @@ class FakeBackend:
         """Remember that a named snapshot exists (its logprobs are the same constant)."""
         self.snapshots.append(name)
         return _done(None)
+
+    def drop_snapshot(self, name: str) -> Future[None]:
+        """Forget a named snapshot (no error if there is none)."""
+        self.snapshots = [s for s in self.snapshots if s != name]
+        return _done(None)
+
+    def snapshot_names(self) -> list[str]:
+        return sorted(set(self.snapshots))
 
     def forward_backward(self, batch: Batch, loss: Any) -> Future[dict[str, float]]:
         import torch

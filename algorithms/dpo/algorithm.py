@@ -40,13 +40,14 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from tempering.chat import Message, check_messages
 from tempering.data import ExampleStream, encode_completion, encode_prompt, load_examples, user_turn
 from tempering.errors import ConfigError
+from tempering.interfaces import RunContext, WeightSnapshots
 from tempering.renderer import build_renderer, chat_text_prompts
-from tempering.stage import Stage, check_stage
+from tempering.stage import Requirement, Stage, check_stage
 from tempering.trajectory import as_context
 from tempering.types import Batch, Datum
 
@@ -109,7 +110,7 @@ class DPO(Stage):
     summary_prefixes = ("eval/", "rewards/")
     postfix = {"loss": "loss", "margin": "rewards/margins"}
 
-    def validate(self, ctx: Any) -> None:
+    def validate(self, ctx: RunContext) -> None:
         path = ctx.path
         if self.reference not in REFERENCES:
             raise ConfigError(f"use one of {', '.join(REFERENCES)} (got '{self.reference}')", f"{path}.reference")
@@ -127,7 +128,16 @@ class DPO(Stage):
             columns = {"messages": pair, **columns}
         check_stage(ctx, self, columns=columns)
 
-    def setup(self, ctx: Any, state: Mapping[str, Any]) -> None:
+    def required_capabilities(self) -> list[Requirement]:
+        """A live stage-start reference is a weight snapshot."""
+        needs = super().required_capabilities()
+        if self.reference == "live" and self.reference_model == "stage_start":
+            needs.append(Requirement(WeightSnapshots, "reference_model",
+                                     "'stage_start' with reference 'live' needs a backend with weight snapshots (e.g. "
+                                     "local); use reference: precomputed, or reference_model: base"))  # fmt: skip
+        return needs
+
+    def setup(self, ctx: RunContext, state: Mapping[str, Any]) -> None:
         path = ctx.path
         self.loss_fn = ctx.build("loss", self.loss, "loss")
         examples = load_examples(ctx, self.dataset, "dataset")
@@ -142,13 +152,8 @@ class DPO(Stage):
         self._renderer = build_renderer(ctx, self.renderer) if multi or self._chat_text else None
         self.snap = f"{ctx.stage_id}/dpo_reference"
         self.live_snapshot = self.reference == "live" and self.reference_model == "stage_start"
-        if self.live_snapshot:
-            if not hasattr(backend, "snapshot"):
-                raise ConfigError(
-                    "'stage_start' with reference 'live' needs a backend with weight snapshots (e.g. local); "
-                    "use reference: precomputed, or reference_model: base",
-                    f"{path}.reference_model",
-                )
+        if self.live_snapshot:  # WeightSnapshots: required_capabilities, checked by validate
+            assert isinstance(backend, WeightSnapshots)
             if start == 0:
                 backend.snapshot(self.snap).result()
             elif self.snap not in backend.snapshot_names():
@@ -160,7 +165,7 @@ class DPO(Stage):
     def loop_state(self) -> dict[str, Any]:
         return {"position": self.stream.position}
 
-    def train_step(self, ctx: Any, step: int) -> dict[str, Any]:
+    def train_step(self, ctx: RunContext, step: int) -> dict[str, Any]:
         batch = self.build_batch(self.backend.tokenizer, self.stream.take(self.batch_size))
         if self.reference == "live":
             kwargs = {"weights": self.snap} if self.live_snapshot else {"reference": True}
@@ -170,9 +175,9 @@ class DPO(Stage):
         op = self.backend.optim_step(self.adam(step))
         return {**fb.result(), **op.result()}
 
-    def teardown(self, ctx: Any, finished: bool) -> None:
+    def teardown(self, ctx: RunContext, finished: bool) -> None:
         if getattr(self, "live_snapshot", False) and finished:  # kept while the stage may still resume
-            self.backend.drop_snapshot(self.snap).result()
+            cast(WeightSnapshots, self.backend).drop_snapshot(self.snap).result()
 
     def eval_sampler(self) -> Any:
         return None
@@ -239,10 +244,10 @@ class DPO(Stage):
         return Batch(data, meta={"num_pairs": len(rows), "slots": slots})
 
     # ------------------------------------------------------------------ precomputed reference
-    def _cache_path(self, ctx: Any) -> str:
+    def _cache_path(self, ctx: RunContext) -> str:
         return os.path.join(ctx.output_dir, "dpo", f"{ctx.stage_id.replace('/', '_')}_reference.json")
 
-    def _precompute(self, ctx: Any, examples: list[dict[str, Any]], resuming: bool) -> None:
+    def _precompute(self, ctx: RunContext, examples: list[dict[str, Any]], resuming: bool) -> None:
         """Reference logprobs of every example's chosen and rejected rows, stored on the rows.
 
         A resumed stage reads them back from the cache written at its start: with

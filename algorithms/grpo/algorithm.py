@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tempering.errors import ConfigError
+from tempering.interfaces import LossOnTrainingForward, RunContext, WeightSnapshots, supports
 from tempering.rl import RLStage
 from tempering.rlmath.kl import k3_kl
 from tempering.rollout import recompute_sampler_logprobs, should_recompute
@@ -33,7 +34,7 @@ class GRPO(RLStage):
       distribution while the trainer scores the untempered policy: using them would make an
       on-policy step look off-policy. ``always`` / ``never`` force either. The same weights'
       logprobs cost no extra forward pass on a backend whose loss runs on its own training
-      forward (``LOSS_SEES_TRAINING_FORWARD``, the local backend): one optimizer step per batch
+      forward (:class:`~tempering.interfaces.LossOnTrainingForward`, the local backend): one optimizer step per batch
       means "old" is that forward, detached. Elsewhere (Tinker's built-in losses) and on steps
       that log the KL (which reads them), a forward pass computes them.
     - ``log_kl`` / ``kl_every``: log the k3 KL to the reference every ``kl_every`` steps (one
@@ -41,6 +42,8 @@ class GRPO(RLStage):
       every step).
     - ``reference``: ``stage_start`` (the policy as this stage began: after an SFT/DPO warmup,
       what TRL's ``ref_model`` would be) or ``base`` (LoRA adapter off / initial weights).
+      ``stage_start`` uses a weight snapshot (:class:`~tempering.interfaces.WeightSnapshots`);
+      on a backend without them GRPO warns and uses ``base`` (it requires no capability).
     """
 
     recompute_logprobs: str = "auto"  # auto | always | never
@@ -51,7 +54,7 @@ class GRPO(RLStage):
     label = "grpo"
     summary_keys = ("reward/mean", "accuracy", "loss", "kl", "kl_ref")
 
-    def validate(self, ctx: Any) -> None:
+    def validate(self, ctx: RunContext) -> None:
         if self.recompute_logprobs not in ("auto", "always", "never"):
             raise ConfigError(f"use auto, always or never (got '{self.recompute_logprobs}')", f"{ctx.path}.recompute_logprobs")
         if self.reference not in ("stage_start", "base"):
@@ -60,10 +63,11 @@ class GRPO(RLStage):
             raise ConfigError(f"must be >= 1, got {self.kl_every}", f"{ctx.path}.kl_every")
         super().validate(ctx)
 
-    def setup(self, ctx: Any, state: Mapping[str, Any]) -> None:
+    def setup(self, ctx: RunContext, state: Mapping[str, Any]) -> None:
         super().setup(ctx, state)
         self.recompute = should_recompute(self.recompute_logprobs, self.params)
-        if self.reference == "stage_start" and not hasattr(self.backend, "snapshot"):
+        self.loss_on_forward = supports(self.backend, LossOnTrainingForward)
+        if self.reference == "stage_start" and not supports(self.backend, WeightSnapshots):
             warnings.warn(f"{ctx.path}.reference: this backend cannot snapshot weights; using its base as the "
                           "KL reference", RuntimeWarning, stacklevel=2)  # fmt: skip
             self.reference = "base"
@@ -72,9 +76,9 @@ class GRPO(RLStage):
         if int(state.get("step", 0)) == 0 and self.reference == "stage_start" and uses_ref:
             self.backend.snapshot(self.ref_name).result()  # saved in checkpoints: resume keeps it
 
-    def prepare(self, ctx: Any, batch: Batch, step: int) -> dict[str, Any]:
+    def prepare(self, ctx: RunContext, batch: Batch, step: int) -> dict[str, Any]:
         kl_now = bool(getattr(self.loss_fn, "beta", 0.0)) or (self.log_kl and step % self.kl_every == 0)
-        from_forward = self.recompute_logprobs == "auto" and getattr(self.backend, "LOSS_SEES_TRAINING_FORWARD", False)
+        from_forward = self.recompute_logprobs == "auto" and self.loss_on_forward
         if self.recompute and from_forward and not kl_now:
             for d in batch.data:  # the loss takes its own forward's logprobs, detached
                 d.sampler_logprobs = None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tempering.async_rollout import AsyncRollouts, sampler_of
 from tempering.errors import ConfigError
@@ -28,6 +28,9 @@ from tempering.rlmath.aggregation import FOLD_AGGREGATIONS, fold_normaliser
 from tempering.types import Batch
 
 from tempering.algorithms.offpolicy.loss import AdvantageCap, OffPolicyObjective
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tempering.interfaces import RunContext
 
 AGGREGATIONS = ("auto", *FOLD_AGGREGATIONS)
 
@@ -80,7 +83,7 @@ class OffPolicyRL(RLStage):
     summary_keys = ("reward/mean", "accuracy", "loss", "is/ess", "ratio/max", "offpolicy/staleness_mean")
     postfix = {"reward": "reward/mean", "stale": "offpolicy/staleness_mean"}
 
-    def validate(self, ctx: Any) -> None:
+    def validate(self, ctx: RunContext) -> None:
         path = ctx.path
         k = self.max_steps_off_policy
         if k < 0:
@@ -97,7 +100,7 @@ class OffPolicyRL(RLStage):
             raise ConfigError(f"use one of {AGGREGATIONS} (got '{self.aggregation}')", f"{path}.aggregation")
         super().validate(ctx)
 
-    def setup(self, ctx: Any, state: Mapping[str, Any]) -> None:
+    def setup(self, ctx: RunContext, state: Mapping[str, Any]) -> None:
         super().setup(ctx, state)
         summed = sums_over_tokens(self.loss_fn)
         if not summed and self.aggregation not in ("auto", "sum"):
@@ -111,7 +114,7 @@ class OffPolicyRL(RLStage):
         self.capper = AdvantageCap(getattr(self.loss_fn, "advantage_cap", None),
                                    getattr(self.loss_fn, "advantage_cap_momentum", 0.9), state.get("advantage_abs_mean"))  # fmt: skip
 
-    def make_rollouts(self, ctx: Any, state: Mapping[str, Any]) -> AsyncRollouts:
+    def make_rollouts(self, ctx: RunContext, state: Mapping[str, Any]) -> AsyncRollouts:
         start = int(state.get("step", 0))
         rollouts = AsyncRollouts(
             self.backend, self.stream, self.rollout_sampler,
@@ -126,13 +129,13 @@ class OffPolicyRL(RLStage):
     def loop_state(self) -> dict[str, Any]:
         return {**super().loop_state(), "advantage_abs_mean": self.capper.mean}
 
-    def prepare(self, ctx: Any, batch: Batch, step: int) -> dict[str, Any]:
+    def prepare(self, ctx: RunContext, batch: Batch, step: int) -> dict[str, Any]:
         return self.prepare_advantages(batch, self.capper)
 
     def objective(self) -> Any:
         return self._objective
 
-    def after_optim(self, ctx: Any, step: int) -> None:
+    def after_optim(self, ctx: RunContext, step: int) -> None:
         if (step + 1) % self.sync_every == 0:  # queued after optim_step: a snapshot of the new weights
             self.rollouts.publish(sampler_of(self.backend), index=step + 1)
 

@@ -20,8 +20,10 @@ Teacher weights (``teacher``):
   the stage-start weights and moves by ``ema_rate`` after every optimizer step
   (``teacher = (1 - rate) teacher + rate policy``; the paper uses 0.01-0.05, TRL 0.05).
 
-``stage_start`` and ``ema`` need a backend with weight snapshots (the local one); they are
-saved in checkpoints, so a stage resumes with the same teacher.
+``stage_start`` and ``ema`` need a backend with weight snapshots
+(:class:`~tempering.interfaces.WeightSnapshots`), ``ema`` one that averages them too
+(:class:`~tempering.interfaces.EmaWeights`): the local one; checked before anything trains.
+Snapshots are saved in checkpoints, so a stage resumes with the same teacher.
 """
 
 from __future__ import annotations
@@ -30,16 +32,17 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from tempering.data import ExampleStream, encode_prompt, load_examples, user_turn
 from tempering.errors import ConfigError
 from tempering.evaluate import build_sampler, completion_sampler
+from tempering.interfaces import Backend, Distributions, EmaWeights, RunContext, WeightSnapshots
 from tempering.rlmath.aggregation import fold_normaliser
 from tempering.rollout import collect, recompute_sampler_logprobs, should_recompute
-from tempering.stage import SamplingKeys, Stage, check_stage
+from tempering.stage import Requirement, SamplingKeys, Stage, check_stage
 from tempering.types import Batch, Datum, SamplingParams
 
 TEACHERS = ("base", "stage_start", "live", "ema")
@@ -87,7 +90,7 @@ class SDFT(SamplingKeys, Stage):
     summary_keys = ("loss", "sdft/distill_loss", "sdft/reverse_kl_sampled")
     postfix = {"loss": "loss", "kl": "sdft/reverse_kl_sampled"}
 
-    def validate(self, ctx: Any) -> None:
+    def validate(self, ctx: RunContext) -> None:
         path = ctx.path
         if self.teacher not in TEACHERS:
             raise ConfigError(f"use one of {', '.join(TEACHERS)} (got '{self.teacher}')", f"{path}.teacher")
@@ -112,7 +115,18 @@ class SDFT(SamplingKeys, Stage):
             ) from None
         check_stage(ctx, self, columns={"": {self.prompt_key: "prompt_key", self.demonstration_key: "demonstration_key"}})
 
-    def setup(self, ctx: Any, state: Mapping[str, Any]) -> None:
+    def required_capabilities(self) -> list[Requirement]:
+        """A ``stage_start`` or ``ema`` teacher is a weight snapshot; ``ema`` moves it."""
+        needs = super().required_capabilities()
+        if self.teacher in ("stage_start", "ema"):
+            needs.append(Requirement(WeightSnapshots, "teacher",
+                                     f"'{self.teacher}' needs a backend with weight snapshots (e.g. local)"))  # fmt: skip
+        if self.teacher == "ema":
+            needs.append(Requirement(EmaWeights, "teacher", "'ema' needs a backend that averages weights (ema_update, "
+                                     "e.g. local); use teacher: stage_start, base or live"))  # fmt: skip
+        return needs
+
+    def setup(self, ctx: RunContext, state: Mapping[str, Any]) -> None:
         path = ctx.path
         self.loss_fn = ctx.build("loss", self.loss, "loss")
         self.kind = getattr(self.loss_fn, "teacher_input", "token")
@@ -123,9 +137,8 @@ class SDFT(SamplingKeys, Stage):
         start = int(state.get("step", 0))
         self.backend = backend = ctx.backend
         self.snap = f"{ctx.stage_id}/sdft_teacher"
-        if self.teacher in ("stage_start", "ema"):
-            if not hasattr(backend, "snapshot"):
-                raise ConfigError(f"'{self.teacher}' needs a backend with weight snapshots (e.g. local)", f"{path}.teacher")
+        if self.teacher in ("stage_start", "ema"):  # WeightSnapshots: required_capabilities, checked by validate
+            assert isinstance(backend, WeightSnapshots)
             if start == 0:
                 backend.snapshot(self.snap).result()
             elif self.snap not in backend.snapshot_names():
@@ -142,7 +155,7 @@ class SDFT(SamplingKeys, Stage):
     def loop_state(self) -> dict[str, Any]:
         return {"position": self.stream.position}
 
-    def train_step(self, ctx: Any, step: int) -> dict[str, Any]:
+    def train_step(self, ctx: RunContext, step: int) -> dict[str, Any]:
         backend = self.backend
         t0 = time.perf_counter()
         batch, teacher_batch, info = self.sample_batch(backend, self.stream.take(self.prompts_per_step), self.sampling)
@@ -160,21 +173,21 @@ class SDFT(SamplingKeys, Stage):
         fb = backend.forward_backward(batch, self.loss_fn)
         op = backend.optim_step(self.adam(step))
         # FIFO: the EMA moves after the step and before any checkpoint of it
-        ema = backend.ema_update(self.snap, self.ema_rate) if self.teacher == "ema" else None
+        ema = cast(EmaWeights, backend).ema_update(self.snap, self.ema_rate) if self.teacher == "ema" else None
         metrics = {**info, **fb.result(), **op.result(), "time/sample": t_sample, "time/teacher": t_teacher}
         if ema is not None:
             ema.result()
         return metrics
 
-    def teardown(self, ctx: Any, finished: bool) -> None:
-        if self.teacher in ("stage_start", "ema") and finished and hasattr(self, "backend"):
-            self.backend.drop_snapshot(self.snap).result()
+    def teardown(self, ctx: RunContext, finished: bool) -> None:
+        if self.teacher in ("stage_start", "ema") and finished and "backend" in vars(self):  # setup ran
+            cast(WeightSnapshots, self.backend).drop_snapshot(self.snap).result()
 
     def eval_sampler(self) -> Any:
         return None
 
     # ------------------------------------------------------------------ batches
-    def sample_batch(self, backend: Any, rows: list[dict[str, Any]], sampling: SamplingParams) -> tuple[Batch, Batch, dict[str, float]]:
+    def sample_batch(self, backend: Backend, rows: list[dict[str, Any]], sampling: SamplingParams) -> tuple[Batch, Batch, dict[str, float]]:
         """Roll the students out through the stage's sampler (single-turn completions or
         multi-turn episodes); return the student batch (weights = loss mask, sampler logprobs)
         and the teacher batch (the demonstration-conditioned prompt + the same continuation)."""
@@ -192,7 +205,7 @@ class SDFT(SamplingKeys, Stage):
             example["prompt"] = str(row[self.prompt_key])
         return example
 
-    def teacher_prefix(self, backend: Any, row: dict[str, Any], sample: Any) -> list[int]:
+    def teacher_prefix(self, backend: Backend, row: dict[str, Any], sample: Any) -> list[int]:
         """The teacher's prompt: the student's first prompt with the demonstration put in by
         ``teacher_template`` -- around the prompt text (raw, or a user turn where the student's
         was one), or around the last user message of a chat (the episode's first messages, for
@@ -262,7 +275,7 @@ class SDFT(SamplingKeys, Stage):
         return Batch(student), Batch(teacher), info
 
     def attach_teacher(
-        self, backend: Any, batch: Batch, teacher_batch: Batch, kind: str, topk: int, teacher_kwargs: dict[str, Any] | None = None
+        self, backend: Backend, batch: Batch, teacher_batch: Batch, kind: str, topk: int, teacher_kwargs: dict[str, Any] | None = None
     ) -> None:
         """Score the teacher rows and put the values, aligned to the student's positions, in
         each student row's ``extra``: ``teacher_token_logprobs`` always, plus
@@ -274,7 +287,7 @@ class SDFT(SamplingKeys, Stage):
                 n = d.extra["completion_len"]
                 d.extra["teacher_token_logprobs"] = [0.0] * (len(d.target_tokens) - n) + list(t[-n:])
             return
-        dists = backend.distributions(teacher_batch, topk=topk if kind == "topk" else None, **kw).result()
+        dists = cast(Distributions, backend).distributions(teacher_batch, topk=topk if kind == "topk" else None, **kw).result()
         for d, dist in zip(batch.data, dists):
             n = d.extra["completion_len"]
             pad = len(d.target_tokens) - n

