@@ -70,7 +70,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.fresh:
         overrides.append("resume=false")
     recipe = find_recipe(args.recipe, overrides)
-    result = recipe.run()
+    import os
+
+    from tempering.runfolder import RunAlreadyComplete
+
+    with warnings.catch_warnings():  # said below, on stdout, in place of "Done."
+        warnings.simplefilter("ignore", RunAlreadyComplete)
+        result = recipe.run()
+    if getattr(result, "already_complete", False):
+        print(f"\nNothing to run: this recipe is already complete in {result.output_dir} (every stage finished). "
+              f"To start over, run it again with --fresh (the earlier run's files are moved to "
+              f"{os.path.basename(os.path.abspath(result.output_dir))}.prev-<time> beside it).")
+        return 0
     print(f"\nDone. Metrics, plot and checkpoints are in {result.output_dir}")
     for sid, metrics in result.stages.items():
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())

@@ -19,6 +19,7 @@ import dataclasses
 import os
 import random
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -217,6 +218,8 @@ class RunResult:
     stages: dict[str, dict[str, Any]]
     history: list[dict[str, Any]]
     metadata: dict[str, Any]
+    #: Every stage had already finished in ``output_dir``: nothing ran (``stages`` is empty).
+    already_complete: bool = False
 
 
 def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Any = None) -> RunResult:
@@ -245,7 +248,7 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Any = 
         registry.check("backend", cfg["backend"], "backend")
     _check_stage_configs(registry, cfg, stages, backend)
 
-    os.makedirs(out_dir, exist_ok=True)
+    runfolder.make_output_dir(out_dir)
     primary = runfolder.is_primary_process()
     lock = runfolder.RunLock(out_dir)
     if primary:
@@ -267,6 +270,13 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Any = 
                          checkpoint_every=cfg["checkpoint_every"], checkpoint_minutes=cfg["checkpoint_minutes"],
                          keep_checkpoints=cfg["keep_checkpoints"])  # fmt: skip
         completed = _resume(ctx, progress, primary)
+        already_complete = bool(stages) and all(sid in completed for sid, _ in stages)
+        if already_complete and primary:  # said, not a bare "Done": a rerun of a finished recipe does nothing
+            warnings.warn(f"tempering: run '{cfg.get('name')}' in {out_dir} is already complete "
+                          f"(stages {', '.join(sid for sid, _ in stages)} finished); nothing was run. To start over, "
+                          "run it with --fresh (in Python: resume=False): the earlier run's files are moved to a "
+                          f"sibling folder {os.path.basename(os.path.abspath(out_dir))}.prev-<time>",
+                          runfolder.RunAlreadyComplete, stacklevel=3)  # fmt: skip
 
         for i, (sid, algorithm) in enumerate(stages):  # check every stage's nested config up front
             if sid not in completed and hasattr(algorithm, "validate"):
@@ -285,7 +295,7 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Any = 
         if owns_backend and hasattr(backend, "close"):
             backend.close()  # finish queued calls, end remote sessions
         lock.release()
-    return RunResult(out_dir, results, ctx.history, metadata)
+    return RunResult(out_dir, results, ctx.history, metadata, already_complete=already_complete)
 
 
 def _check_stage_configs(registry: Registry, cfg: Mapping[str, Any], stages: Sequence[tuple[str, Any]], backend: Any) -> None:

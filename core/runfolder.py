@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from tempering.errors import TemperingError
+from tempering.errors import ConfigError, TemperingError
 
 PROGRESS_FILE = "progress.json"
 LOCK_FILE = "run.lock"
@@ -33,6 +33,9 @@ CHECKPOINTS = "checkpoints"
 #: Files that mark a folder as holding a run (``--fresh`` moves such a folder's contents aside).
 RUN_MARKERS = (PROGRESS_FILE, "run.json", "metrics.jsonl", CHECKPOINTS)
 _CKPT_NAME = re.compile(r"^step\d{6}(-\d+)?$")
+#: A backend's atomic save fills ``<checkpoint>.tmp-PID`` and, when it replaces a folder, moves
+#: the old one to ``<checkpoint>.old-PID`` for the swap: a kill mid-save leaves them behind.
+_CKPT_LEFTOVER = re.compile(r"^(step\d{6}(?:-\d+)?)\.(tmp|old)-\d+$")
 
 
 class RunLockedError(TemperingError):
@@ -42,6 +45,24 @@ class RunLockedError(TemperingError):
 class RunFolderWarning(UserWarning):
     """Something was done to the run folder that the user should know about (files moved
     aside by a fresh start, a stale lock taken over)."""
+
+
+class RunAlreadyComplete(RunFolderWarning):
+    """The recipe's run folder already holds every stage finished: nothing was run."""
+
+
+def make_output_dir(output_dir: str) -> None:
+    """Create ``output_dir`` (and its parents) if missing; a path that is a file, or that
+    cannot be created, is a one-line :class:`ConfigError` rather than an ``OSError``'s
+    traceback."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ConfigError(f"'{output_dir}' is a file, not a folder; give a folder for the run's files "
+                          "(it is created if missing)", "output_dir")  # fmt: skip
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create '{output_dir}': {exc.strerror or exc}; give a folder you can write to",
+                          "output_dir") from None  # fmt: skip
 
 
 # --------------------------------------------------------------------------- progress.json
@@ -257,13 +278,26 @@ def remove_checkpoints(entries: Sequence[Mapping[str, Any]]) -> None:
 
 def remove_unlisted_checkpoints(output_dir: str, ledger: Sequence[Mapping[str, Any]]) -> list[str]:
     """Delete ``checkpoints/step*`` directories the ledger does not list: written by a run
-    killed before it recorded them (possibly half-saved) or after it pruned them. Returns
-    the names removed."""
+    killed before it recorded them (possibly half-saved) or after it pruned them; and the
+    leftovers of a save a kill interrupted (``stepNNNNNN.tmp-PID``, half-written; and
+    ``stepNNNNNN.old-PID``, unless the checkpoint it was moved aside from is listed and gone:
+    then it is that checkpoint's only copy). Called with the run lock held, so no live save
+    owns them. Returns the names removed."""
     root = os.path.join(output_dir, CHECKPOINTS)
     if not os.path.isdir(root):
         return []
     listed = {os.path.basename(str(e["path"])) for e in ledger}
-    gone = sorted(n for n in os.listdir(root) if _CKPT_NAME.match(n) and n not in listed)
+
+    def garbage(name: str) -> bool:
+        if _CKPT_NAME.match(name):
+            return name not in listed
+        leftover = _CKPT_LEFTOVER.match(name)
+        if leftover is None:
+            return False
+        base, kind = leftover.groups()
+        return kind == "tmp" or base not in listed or os.path.isdir(os.path.join(root, base))
+
+    gone = sorted(n for n in os.listdir(root) if garbage(n))
     for name in gone:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     return gone
