@@ -3,6 +3,10 @@
 They are :class:`typing.Protocol` classes, so a component needs no base class: any object with
 the right methods fits. Factories are called with the component's config keys as keyword
 arguments (see :mod:`tempering.registry`), which is why none of these define ``__init__``.
+
+Besides the kinds: the backend *capabilities* (what only some backends can do, checked with
+:func:`supports`; a stage declares those it needs, see :class:`tempering.stage.Stage`) and the
+typed ``ctx`` stages receive (:class:`BuildContext`, :class:`RunContext`).
 """
 
 from __future__ import annotations

@@ -200,8 +200,10 @@ class TinkerBackend:
         service_client: a runtime ``tinker.ServiceClient``; not a config key.
     """
 
-    #: What this backend cannot do, for stages that want to fail before training: no weight
-    #: averaging (``ema_update``), no full next-token distributions, no logits in losses.
+    #: What this backend cannot do although it has the method (which raises a clear error):
+    #: no weight averaging (``ema_update``), no full next-token distributions, no logits in
+    #: losses. :func:`tempering.interfaces.supports` reads it, so a stage that needs
+    #: ``EmaWeights`` or ``FullDistributions`` fails at validation, before anything trains.
     capabilities = {"ema_update": False, "full_distributions": False, "logits": False}
 
     def __init__(
