@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("tinker")
+import tinker  # noqa: F401 - a dev dependency: missing is a failure, not a skip
 
 from tempering.plugins.backends.tinker.backend import TinkerBackend  # noqa: E402
 from tempering.plugins.backends.tinker.local_server import LocalTinkerServer  # noqa: E402

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("tinker")
+import tinker  # noqa: F401 - a dev dependency: missing is a failure, not a skip
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fake_tinker import CHAT_KWARGS, sent, serve  # noqa: E402
