@@ -338,7 +338,7 @@ class Faulty(Environment):
         Args:
             x: anything
         """
-        time.sleep(0.8)
+        time.sleep(2.0)  # 10x the timeout: the bound below tells the two apart on a loaded machine
         return x
 
 
@@ -361,7 +361,9 @@ def test_a_failing_tool_call_is_an_error_message_the_model_reads_next_turn(rende
     script = {"go": [turn, say("ok")]}
     t0 = time.perf_counter()
     [group], metrics, model, _ = roll(renderer, Faulty, script, [{"prompt": "go"}], reward=lambda text, ex: 0.5)
-    assert model.calls[1]["t"] - t0 < 0.6  # a hung tool costs the episode its timeout, not its run time
+    # a hung tool costs the episode its timeout (0.2 s), not its run time (2 s, or 5 s): 1.5 s
+    # leaves 1.3 s for the rest of the episode on a loaded machine and still fails if it waited
+    assert model.calls[1]["t"] - t0 < 1.5
     [sample] = group.samples
     [observation] = sample.trajectory.turns[0].observation
     # the error text is the tool's answer, and the next prompt shows it (in tiny_chat's lower-case alphabet) ...
@@ -572,9 +574,14 @@ class SlowOrFast(Adder):
         return "done"
 
 
+SLOW_TOOL_S = 2.0
+
+
 @pytest.mark.parametrize("batch_wait", [None, 0.05])
 def test_batch_wait_lets_a_request_go_without_waiting_for_a_slow_tool(renderer, batch_wait):
-    script = {"slow": [call("wait", s=0.5), say("ok")], "fast": [call("add", a=1, b=1), call("add", a=2, b=2), say("4")]}
+    # the slow tool takes 2 s: the fast episode's two turns (each within batch_wait) come first
+    # even on a loaded machine, where a 0.5 s tool raced them
+    script = {"slow": [call("wait", s=SLOW_TOOL_S), say("ok")], "fast": [call("add", a=1, b=1), call("add", a=2, b=2), say("4")]}
     model = ScriptedModel(renderer, script)
 
     async def play():
@@ -590,10 +597,10 @@ def test_batch_wait_lets_a_request_go_without_waiting_for_a_slow_tool(renderer, 
     at = [c["t"] - t0 for c in model.calls]
     if batch_wait is None:  # lockstep: the fast episode's second turn waits for the slow tool
         assert who == [["slow", "fast"], ["slow", "fast"], ["fast"]]
-        assert at[1] >= 0.5
+        assert at[1] >= SLOW_TOOL_S
     else:  # the fast episode's turns go on their own while the slow tool runs
         assert who == [["slow", "fast"], ["fast"], ["fast"], ["slow"]]
-        assert at[3] >= 0.5  # the slow episode's turn went when its tool answered
+        assert at[3] >= SLOW_TOOL_S  # the slow episode's turn went when its tool answered
 
 
 # --------------------------------------------------------------------------- training through environments
