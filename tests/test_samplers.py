@@ -28,6 +28,7 @@ from tempering.rollout import Rollout
 from tempering.types import Group, Sample
 
 CALLS = []
+LENGTHS = []  # the completions' token counts, per call: the rewards the stage must report
 
 class Harness:
     def __init__(self, bonus: float = 0.0, context=None):
@@ -39,6 +40,7 @@ class Harness:
         comps = await asyncio.wrap_future(client.sample(prompts, group_size, params))
         groups = [Group(e, [Sample(e, c, reward=len(c.tokens) + self.bonus) for c in cs], first_id + i)
                   for i, (e, cs) in enumerate(zip(examples, comps))]
+        LENGTHS.append([len(c.tokens) for cs in comps for c in cs])
         return Rollout(groups)
 
 @hookimpl
@@ -54,10 +56,13 @@ def test_a_third_party_sampler_drives_an_rl_stage_by_name(fake_dist, tmp_path):
     result = Recipe(name="h", output_dir=str(tmp_path), loggers=[], backend=TINY, stages=[stage]).run()
     import importlib
 
-    calls = importlib.import_module(module).CALLS
-    assert [c[:2] for c in calls] == [(2, 3), (2, 3)]
+    harness = importlib.import_module(module)
+    assert [c[:2] for c in harness.CALLS] == [(2, 3), (2, 3)]
     rows = [h for h in result.history if "reward/mean" in h]
-    assert len(rows) == 2 and all(r["reward/mean"] >= 0.5 for r in rows)  # its rewards reached the stage
+    # its rewards (token count + the configured bonus) reached the stage, exactly
+    assert len(rows) == 2 and [len(lengths) for lengths in harness.LENGTHS] == [6, 6]
+    for row, lengths in zip(rows, harness.LENGTHS):
+        assert row["reward/mean"] == pytest.approx(sum(lengths) / len(lengths) + 0.5)
     run = json.loads((tmp_path / "run.json").read_text())
     assert run["components"]["sampler:harness"] == "fake-harness 1.0"
 
