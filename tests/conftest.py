@@ -20,6 +20,14 @@ from tempering.testing import empty_registry  # noqa: F401 - the plugin authors'
 REPO = Path(__file__).resolve().parents[1]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files with slow (learning) tests first, each file's own order kept: ``.ci/run`` runs the
+    suite on two workers a file at a time (``-n 2 --dist loadfile``), and a file that takes
+    minutes must start at once, not be dealt out last while the other worker idles."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
 @pytest.fixture
 def clean_plugin_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forget the caller's TEMPERING_LOAD_PLUGINS / TEMPERING_STRICT_PLUGINS and the cached
