@@ -325,12 +325,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
              line: str | None = None) -> None:  # fmt: skip
-        """tempering's own warnings are one line, like its errors (no file:line, no source)."""
-        text = str(message)
-        if text.startswith("tempering:"):
-            print(" ".join(text.split()), file=sys.stderr)
-        else:
-            default_show(message, category, filename, lineno, file, line)
+        """Every warning is one line, like the errors (no file:line, no source line): tempering's
+        own as they are written (``tempering: ...``), any other (a component's, a library's) as
+        ``tempering: warning: <message>``, with its category unless a plain UserWarning. The
+        default two-line form named our registry's file for a plugin's warning."""
+        text = " ".join(str(message).split())
+        if not text.startswith("tempering:"):
+            kind = "" if category is UserWarning else f"{category.__name__}: "
+            text = f"tempering: warning: {kind}{text or '(no message)'}"
+        print(text, file=sys.stderr)
 
     warnings.showwarning = show
     try:

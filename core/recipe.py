@@ -27,7 +27,7 @@ from typing import Any
 from tempering import rollout_log, runfolder
 from tempering.config import load_yaml, resolve_recipe, stage_id
 from tempering.errors import ConfigError, TemperingError
-from tempering.registry import Registry, get_registry
+from tempering.registry import PluginOverrideWarning, Registry, get_registry
 from tempering.runfolder import PROGRESS_FILE, read_progress  # noqa: F401 - re-exported: the recipe's API
 
 
@@ -253,6 +253,8 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Any = 
     lock = runfolder.RunLock(out_dir)
     if primary:
         lock.acquire()
+        for line in registry.overrides():  # one line each: an override must not change a run silently
+            warnings.warn(line, PluginOverrideWarning, stacklevel=3)
     owns_backend = backend is None
     loggers: list[Any] = []
     try:

@@ -64,6 +64,10 @@ class PluginInfo:
         return self.dist == BUILTIN_DIST
 
 
+class PluginOverrideWarning(UserWarning):
+    """A plugin replaces another package's component with ``override=True`` (said at run start)."""
+
+
 @dataclass
 class Component:
     """A registered component: a factory (or lazy ``"module:attr"``) plus where it came from."""
@@ -223,6 +227,24 @@ class Registry:
                 if len({c.plugin.dist for c in comps}) > 1 and not self._override(comps):
                     out.append(comps)
         return out
+
+    def overrides(self) -> list[str]:
+        """One line per name that an ``override=True`` registration takes from another package,
+        naming both and how to reach the replaced one. Said at run start (see
+        :func:`tempering.recipe.run_recipe`): an override otherwise replaces a built-in such
+        as ``exact_match`` silently, and a run's numbers change with what is installed."""
+        lines = []
+        for by_name in self._components.values():
+            for name, comps in sorted(by_name.items()):
+                chosen = self._override(comps) if len({c.plugin.dist for c in comps}) > 1 else None
+                if chosen is None:
+                    continue
+                others = [c for c in comps if c is not chosen]
+                replaced = " and ".join(f"{c.plugin.dist} {c.plugin.version}" for c in others)
+                pins = " or ".join(f"'{c.qualified}'" for c in others)
+                lines.append(f"tempering: plugin {chosen.plugin.dist} {chosen.plugin.version} overrides {chosen.kind} "
+                             f"'{name}' of {replaced} (override=True); name {pins} to use the replaced one")
+        return lines
 
     @staticmethod
     def _override(comps: list[Component]) -> Component | None:
