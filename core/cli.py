@@ -90,8 +90,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    """The bundled recipe's YAML as shipped (comments included); with overrides or
-    ``--resolved``, the recipe as a run would see it (overrides applied, ``${...}`` resolved)."""
+    """The bundled recipe's YAML as shipped (comments included); with overrides, the recipe as a
+    run would see it (overrides applied, ``${...}`` resolved), checked as ``tempering run``
+    checks it; ``--resolved`` adds every component's defaults (:mod:`tempering.resolved`)."""
     import yaml
 
     from tempering.recipe import find_recipe
@@ -101,7 +102,13 @@ def cmd_show(args: argparse.Namespace) -> int:
         if text is not None:
             print(text, end="" if text.endswith("\n") else "\n")
             return 0
+    from tempering.recipe import check_recipe
+    from tempering.resolved import with_defaults
+
     recipe = find_recipe(args.recipe, args.overrides).to_dict()
+    check_recipe(recipe)  # what `tempering run` checks before it starts: show no recipe run would reject
+    if args.resolved:
+        recipe = with_defaults(recipe)
     print(yaml.safe_dump(recipe, sort_keys=False, default_flow_style=None, width=110), end="")
     return 0
 
@@ -221,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(or --resolved) as a run would resolve it.")
     p.add_argument("recipe", help="bundled recipe name (see `tempering plugins --kind recipe`) or path to YAML")
     p.add_argument("overrides", nargs="*", help="key=value config overrides, as for `tempering run`")
-    p.add_argument("--resolved", action="store_true", help="print the resolved recipe rather than the file")
+    p.add_argument("--resolved", action="store_true",
+                   help="print the resolved recipe with every component's defaults filled in, rather than the file")
     p.set_defaults(func=cmd_show, parser=p)
 
     p = sub.add_parser("view", help="browse a run in a local web page: curves, rollouts, recipe",

@@ -233,20 +233,9 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Any = 
     """
     registry = registry or get_registry()
     cfg = recipe.to_dict()
-    _check_run_keys(cfg)
     out_dir = cfg["output_dir"]
     seed_everything(cfg["seed"])
-
-    # Build every stage first: a config error in stage 3 should fail before stage 1 trains.
-    stages = []
-    for i, spec in enumerate(cfg["stages"]):
-        sid = stage_id(spec, i)
-        if isinstance(spec, Mapping):
-            spec = {k: v for k, v in spec.items() if k != "id"}
-        stages.append((sid, registry.build("algorithm", spec, f"stages[{i}]")))
-    if backend is None:  # its name, keys, model and model kwargs: before the run folder is touched
-        registry.check("backend", cfg["backend"], "backend")
-    _check_stage_configs(registry, cfg, stages, backend)
+    stages = check_recipe(cfg, registry, backend)
 
     runfolder.make_output_dir(out_dir)
     primary = runfolder.is_primary_process()
@@ -298,6 +287,27 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Any = 
             backend.close()  # finish queued calls, end remote sessions
         lock.release()
     return RunResult(out_dir, results, ctx.history, metadata, already_complete=already_complete)
+
+
+def check_recipe(cfg: Mapping[str, Any], registry: Registry | None = None, backend: Any = None) -> list[tuple[str, Any]]:
+    """The checks a run makes before it touches its output folder, on ``cfg`` (a
+    :meth:`Recipe.to_dict`): the checkpoint keys, every stage built (its keys, components and
+    values), the backend's name and keys (unless a built ``backend`` is given). Raises a
+    :class:`ConfigError` naming the key; returns the built stages as ``(stage id, algorithm)``.
+    ``tempering show`` runs it too, so it never prints a recipe ``tempering run`` rejects."""
+    registry = registry or get_registry()
+    _check_run_keys(cfg)
+    # Build every stage first: a config error in stage 3 should fail before stage 1 trains.
+    stages = []
+    for i, spec in enumerate(cfg["stages"]):
+        sid = stage_id(spec, i)
+        if isinstance(spec, Mapping):
+            spec = {k: v for k, v in spec.items() if k != "id"}
+        stages.append((sid, registry.build("algorithm", spec, f"stages[{i}]")))
+    if backend is None:  # its name, keys, model and model kwargs: before the run folder is touched
+        registry.check("backend", cfg["backend"], "backend")
+    _check_stage_configs(registry, cfg, stages, backend)
+    return stages
 
 
 def _check_stage_configs(registry: Registry, cfg: Mapping[str, Any], stages: Sequence[tuple[str, Any]], backend: Any) -> None:

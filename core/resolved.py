@@ -1,0 +1,134 @@
+"""A recipe with every default written out: what ``tempering show --resolved`` prints.
+
+:meth:`Recipe.to_dict` holds what the recipe says; a run also uses the defaults of every
+component it names. :func:`with_defaults` fills them in, from the same schemas the validator
+checks keys against (:func:`tempering.registry.params_schema`) and the factories' own default
+values (as ``docs/reference.md`` lists them):
+
+- each stage: its algorithm's keys, then, inside it, ``optimizer:`` and ``eval:`` (the
+  :class:`~tempering.stage.OptimizerConfig` and :class:`~tempering.stage.EvalConfig` keys) and
+  every key that names a component of a registered kind (``reward``, ``dataset``, ``loss``,
+  ``sampler`` and its ``environment``, ...), written as ``{name: ..., <its keys>}``;
+- the backend (and the local backend's ``lora:`` block, when it has one) and each logger.
+
+A value the registry cannot expand (a path, ``renderer: auto``, a Python object) is left as it
+is; a default that is not plain data (a function) is left out, as the factory supplies it.
+Keys a component receives at run time (a logger's ``output_dir``) are not config and are not
+shown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from tempering.registry import Registry, get_registry, params_schema
+
+#: Arguments each kind's factory gets at run time, not from the recipe.
+RUNTIME: dict[str, tuple[str, ...]] = {"logger": ("output_dir",), "sampler": ("context",), "renderer": ("tokenizer",),
+                                       "backend": ("model_builder",)}  # fmt: skip
+#: Keys that name a component of their kind wherever they appear (when typed ``any``).
+NESTED_KINDS = ("dataset", "reward", "advantage", "loss", "sampler", "environment", "renderer")
+
+
+def with_defaults(cfg: Mapping[str, Any], registry: Registry | None = None) -> dict[str, Any]:
+    """``cfg`` (a :meth:`Recipe.to_dict`) with every component's defaults filled in."""
+    registry = registry or get_registry()
+    out = dict(cfg)
+    out["backend"] = _backend(registry, cfg.get("backend"))
+    loggers = cfg.get("loggers")
+    if isinstance(loggers, (list, tuple)):
+        out["loggers"] = [component(registry, "logger", spec) for spec in loggers]
+    elif loggers is not None:
+        out["loggers"] = component(registry, "logger", loggers)
+    out["stages"] = [_stage(registry, spec) for spec in cfg.get("stages") or []]
+    return out
+
+
+def component(registry: Registry, kind: str, spec: Any) -> Any:
+    """``spec`` as ``{name: ..., **defaults, **spec}``, its nested components expanded too
+    (``spec`` unchanged when it is not a registered component's name or mapping)."""
+    written = spec
+    if isinstance(spec, str):
+        spec = {"name": spec}
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
+        return written
+    try:
+        factory = registry.get(kind, spec["name"]).load()
+    except Exception:  # noqa: BLE001 - not a registered name (``auto``, a path): shown as written
+        return written
+    schema = params_schema(factory, RUNTIME.get(kind, ()))
+    given = {k: v for k, v in spec.items() if k != "name"}
+    out: dict[str, Any] = {"name": spec["name"]}
+    if schema is None:  # takes **kwargs: no defaults to show
+        return {**out, **given}
+    defaults = _defaults(factory)
+    for f in dataclasses.fields(schema):
+        if f.name in given:
+            value = given[f.name]
+        elif f.name in defaults and _plain(defaults[f.name]):
+            value = defaults[f.name]
+        else:
+            continue  # required and missing (the validator says so), or an object default
+        if f.name in NESTED_KINDS and f.type not in (str, "str") and typing.get_origin(f.type) is None:
+            value = component(registry, f.name, value)
+        elif kind == "sampler" and f.name == "environment":
+            value = component(registry, "environment", value)
+        out[f.name] = value
+    out.update({k: v for k, v in given.items() if k not in out})  # unknown keys: kept, for the validator to name
+    return out
+
+
+def _stage(registry: Registry, spec: Any) -> Any:
+    from tempering.stage import EvalConfig, OptimizerConfig
+
+    sid = spec.get("id") if isinstance(spec, Mapping) else None
+    body = {k: v for k, v in spec.items() if k != "id"} if isinstance(spec, Mapping) else spec
+    out = component(registry, "algorithm", body)
+    if not isinstance(out, dict):
+        return spec
+    if isinstance(out.get("optimizer"), Mapping):
+        out["optimizer"] = _block(OptimizerConfig, out["optimizer"])
+    if isinstance(out.get("eval"), Mapping):
+        ev = _block(EvalConfig, out["eval"])
+        for key in ("dataset", "reward", "sampler"):
+            if ev.get(key) is not None:
+                ev[key] = component(registry, key, ev[key])
+        out["eval"] = ev
+    return {"name": out["name"], **({"id": sid} if sid is not None else {}), **{k: v for k, v in out.items() if k != "name"}}
+
+
+def _backend(registry: Registry, spec: Any) -> Any:
+    out = component(registry, "backend", spec)
+    if isinstance(out, dict) and out.get("name") == "local" and isinstance(out.get("lora"), Mapping):
+        from tempering.plugins.backends.local.backend import LoraParams
+
+        out["lora"] = _block(LoraParams, out["lora"])
+    return out
+
+
+def _block(cls: type, given: Mapping[str, Any]) -> dict[str, Any]:
+    """A nested config block (a dataclass's fields) with its defaults filled in."""
+    defaults = _defaults(cls)
+    out = {f.name: given.get(f.name, defaults.get(f.name)) for f in dataclasses.fields(cls)
+           if f.name in given or (f.name in defaults and _plain(defaults[f.name]))}  # fmt: skip
+    out.update({k: v for k, v in given.items() if k not in out})
+    return out
+
+
+def _defaults(factory: Any) -> dict[str, Any]:
+    from tempering.reference_docs import _factory_defaults
+
+    return _factory_defaults(factory)
+
+
+def _plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, Mapping):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return False
