@@ -12,11 +12,22 @@ batched ``sample`` call (one ``generate`` on the local backend). By default it s
 once *every* live episode is waiting for the model (lockstep: reproducible, since the batch's
 make-up does not depend on timing); ``batch_wait`` seconds instead bound how long a request
 waits for the others, so one slow tool does not hold everyone up.
+
+:class:`EnvironmentCalls` runs an episode's environment code (``reset``, ``step``,
+``cleanup``, the group score) on an event loop of its own, in a daemon thread, each call bounded
+by ``env_timeout`` (the sampler's key). Why off the sampler's loop: an environment that blocks
+(a synchronous ``time.sleep``, a subprocess ``wait`` inside ``async def step``) would freeze
+the loop the model queue and every other episode run on -- no timeout could fire and the run
+would hang at 0% forever. On its own loop it blocks only its own episode, which fails as a
+counted ``env_timeout`` naming the key once the limit passes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,6 +47,8 @@ class EpisodeLimits:
     seconds per tool call unless the environment sets its own. ``on_max_turns`` /
     ``on_context_limit``: ``zero`` (the episode is trained with reward 0) or ``mask`` (it is
     kept out of the loss and the advantages, like a failure, but counted apart).
+    ``env_timeout``: seconds per environment call (reset, step, cleanup, group score; None = no
+    limit); ``env_timeout_key``: its config key, named in the failure's message.
     """
 
     max_turns: int = 8
@@ -43,6 +56,66 @@ class EpisodeLimits:
     tool_timeout: float | None = 30.0
     on_max_turns: str = "zero"
     on_context_limit: str = "zero"
+    env_timeout: float | None = 600.0
+    env_timeout_key: str = "sampler.env_timeout"
+
+
+class EnvironmentTimeout(Exception):
+    """An environment call did not return within ``env_timeout`` (the failure cause ``env_timeout``)."""
+
+
+class EnvironmentCalls:
+    """One episode's environment calls, on an event loop of its own in a daemon thread (see the
+    module docs). Calls are awaited from the sampler's loop with the timeout; a call that times
+    out is cancelled (an ``await`` that never finishes ends there; code that blocks its thread
+    cannot be stopped, so its thread is left behind, like a timed-out sync tool's).
+    """
+
+    def __init__(self, timeout: float | None, key: str) -> None:
+        self.timeout, self.key = timeout, key
+        self.stuck = False  # a timed-out call still holds the loop: later calls would only wait too
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._serve, name="tempering-environment", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+            tasks = asyncio.all_tasks(self.loop)
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        finally:
+            self.loop.close()  # also drops its default executor without waiting for its threads
+
+    async def call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``await fn(*args)`` (or its plain value) on the episode's loop, within the timeout;
+        :class:`EnvironmentTimeout` past it, naming ``what`` and the key."""
+        if self.stuck:
+            raise EnvironmentTimeout(f"environment.{what}() was not called: an earlier call still blocks "
+                                     f"the episode ({self.key}={self.timeout:g})")  # fmt: skip
+
+        async def run() -> Any:
+            value = fn(*args)
+            return await value if inspect.isawaitable(value) else value
+
+        done = asyncio.run_coroutine_threadsafe(run(), self.loop)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(done), self.timeout)
+        except TimeoutError:
+            done.cancel()
+            await asyncio.sleep(0.05)  # a cancelled await ends at once; a blocked thread does not
+            self.stuck = not done.done()
+            raise EnvironmentTimeout(
+                f"environment.{what}() did not return within {self.timeout:g} s ({self.key}; raise it for "
+                f"slower environments, or set it to null for no limit)"
+            ) from None
+
+    def close(self) -> None:
+        """Stop the loop (once the thread is free: a blocked one stops when its call returns)."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 class ModelQueue:
@@ -140,13 +213,14 @@ async def run_episode(env: Any, example: dict[str, Any], renderer: Any, queue: M
     traj = Trajectory()
     builder = TrajectoryBuilder()
     total: float | None = 0.0
+    calls = EnvironmentCalls(limits.env_timeout, limits.env_timeout_key)
     if getattr(env, "tool_timeout", None) is None:
         try:
             env.tool_timeout = limits.tool_timeout
         except AttributeError:  # a frozen or slotted environment keeps its own
             pass
     try:
-        messages = check_messages(await env.reset(dict(example)), "environment.reset() returned")
+        messages = check_messages(await calls.call("reset", env.reset, dict(example)), "environment.reset() returned")
         tools = [t.spec() for t in env.tools()]
         traj.messages, traj.tools = messages, tools
         traj.stop = "max_turns"
@@ -168,7 +242,7 @@ async def run_episode(env: Any, example: dict[str, Any], renderer: Any, queue: M
             response = _parse(prompt, completion)
             assign_call_ids(response.tool_calls, turn)
             messages.append(response.to_message())
-            result = await env.step(response)
+            result = await calls.call("step", env.step, response)
             traj.turns.append(Turn(len(prompt.tokens), completion, response, list(result.messages), result.reward,
                                    dict(result.metrics)))  # fmt: skip
             for k, v in result.metrics.items():
@@ -181,14 +255,16 @@ async def run_episode(env: Any, example: dict[str, Any], renderer: Any, queue: M
                 break
     except Exception as exc:  # noqa: BLE001 - an environment bug fails this episode, not the run
         traj.stop = "error"
+        traj.failure = "env_timeout" if isinstance(exc, EnvironmentTimeout) else "episode_error"
         traj.errors.insert(0, f"{type(exc).__name__}: {exc}")
     finally:
         queue.leave()
         try:
-            await env.cleanup()
+            await calls.call("cleanup", env.cleanup)
         except Exception as exc:  # noqa: BLE001 - counted and shown, never raised
             traj.count("cleanup_errors")
             traj.errors.append(f"cleanup: {type(exc).__name__}: {exc}")
+        calls.close()
     traj.segments = builder.segments
     traj.count("turns", float(len(traj.turns)))
     traj.count("row_splits", float(builder.splits))

@@ -72,7 +72,10 @@ class Trajectory:
     ``stop`` says why it ended: ``done`` (the environment said so), ``max_turns``,
     ``context`` (the token budget), ``error`` (the environment raised) or ``parse_error``.
     ``metrics`` are counts summed over turns (tool calls, tool errors, ...);
-    ``errors`` the first error texts seen.
+    ``errors`` the first error texts seen. On ``error``: ``failure`` is the cause
+    (``episode_error``, or ``env_timeout`` when an environment call did not return in time) and
+    ``traceback`` the exception's formatted traceback (the environment's frames), kept for the
+    rollout log.
     """
 
     messages: list[Message] = field(default_factory=list)
@@ -82,6 +85,8 @@ class Trajectory:
     stop: str = "done"
     metrics: dict[str, float] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    failure: str | None = None
+    traceback: str | None = None
 
     @property
     def num_generated(self) -> int:

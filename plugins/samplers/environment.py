@@ -12,7 +12,9 @@ What each way of ending does to the sample:
 * ``max_turns`` / ``context``: ``on_max_turns`` / ``on_context_limit`` -- ``zero`` (reward 0,
   trained) or ``mask`` (out of the loss and the advantages, counted as ``env/masked``);
 * ``error`` (the environment raised): failed -- masked, counted in ``reward/failed``, its text
-  in ``first_error``, exactly like a failing reward.
+  in ``first_error``, exactly like a failing reward; cause ``episode_error``, or
+  ``env_timeout`` when ``reset``/``step``/the group score did not return within ``env_timeout``
+  seconds (environment code runs on a loop of its own, so a call that blocks is caught too).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tempering.episode import LIMIT_ACTIONS, EpisodeLimits, ModelQueue, run_episode
+from tempering.episode import LIMIT_ACTIONS, EnvironmentCalls, EnvironmentTimeout, EpisodeLimits, ModelQueue, run_episode
 from tempering.errors import ConfigError
 from tempering.failures import mark_failed
 from tempering.rollout import Rollout, SamplerContext
@@ -38,7 +40,12 @@ class EnvironmentSampler:
     ``max_turns``, ``max_total_tokens`` (context budget, 0 = none), ``tool_timeout`` (seconds),
     ``on_max_turns`` / ``on_context_limit`` (``zero`` or ``mask``) and ``batch_wait`` (seconds
     a model request waits for other episodes' before its batch goes; null = until every live
-    episode waits, which is reproducible). The stage's ``max_tokens`` bounds each turn."""
+    episode waits, which is reproducible). The stage's ``max_tokens`` bounds each turn.
+
+    ``env_timeout`` (default 600 s, null = no limit): seconds per environment call -- ``reset``,
+    one ``step`` (its tool calls included), ``cleanup``, the group score. Generous, because an
+    agent's step may run a build or a test suite; its purpose is that an environment that never
+    answers fails its episodes (cause ``env_timeout``) instead of hanging the run."""
 
     environment: Any = None
     max_turns: int = 8
@@ -47,6 +54,7 @@ class EnvironmentSampler:
     on_max_turns: str = "zero"
     on_context_limit: str = "zero"
     batch_wait: float | None = None
+    env_timeout: float | None = 600.0
     context: SamplerContext | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -60,8 +68,10 @@ class EnvironmentSampler:
             raise ConfigError(f"must be >= 1, got {self.max_turns}", f"{path}.max_turns")
         if self.max_total_tokens < 0:
             raise ConfigError(f"must be >= 0 (0 = no budget), got {self.max_total_tokens}", f"{path}.max_total_tokens")
+        if self.env_timeout is not None and not self.env_timeout > 0:
+            raise ConfigError(f"must be > 0 (seconds) or null for no limit, got {self.env_timeout}", f"{path}.env_timeout")
         self.limits = EpisodeLimits(self.max_turns, self.max_total_tokens, self.tool_timeout, self.on_max_turns,
-                                    self.on_context_limit)  # fmt: skip
+                                    self.on_context_limit, self.env_timeout, f"{path}.env_timeout")  # fmt: skip
         self._factory = self.context.factory("environment", self.environment, "environment") if self.context else None
 
     @property
@@ -111,7 +121,7 @@ class EnvironmentSampler:
         sample.reward_info = {"stop": traj.stop, "turns": len(traj.turns)}
         action = {"max_turns": self.on_max_turns, "context": self.on_context_limit}.get(traj.stop)
         if traj.stop == "error":
-            mark_failed(sample, "episode_error", f"episode: {traj.errors[0]}")
+            mark_failed(sample, traj.failure or "episode_error", f"episode: {traj.errors[0]}")
         elif action == "mask":
             sample.masked = True
         elif action == "zero":
@@ -127,16 +137,19 @@ class EnvironmentSampler:
         fn = getattr(env, "group_reward", None)
         if fn is None:
             return
+        calls = EnvironmentCalls(self.limits.env_timeout, self.limits.env_timeout_key)
         try:
-            values = fn([s.trajectory for s in samples])
-            values = await values if asyncio.iscoroutine(values) else values
+            values = await calls.call("group_reward", fn, [s.trajectory for s in samples])
             values = [float(v) for v in values]
             if len(values) != len(samples):
                 raise ValueError(f"returned {len(values)} values for a group of {len(samples)}")
         except Exception as exc:  # noqa: BLE001 - a judge failure fails the group, never the run
+            cause = "env_timeout" if isinstance(exc, EnvironmentTimeout) else "group_reward"
             for s in samples:
                 if not s.failed:
-                    mark_failed(s, "group_reward", f"group_reward: {type(exc).__name__}: {exc}")
+                    mark_failed(s, cause, f"group_reward: {type(exc).__name__}: {exc}")
             return
+        finally:
+            calls.close()
         for s, v in zip(samples, values):
             s.reward += v
