@@ -96,10 +96,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     import yaml
 
     from tempering.recipe import find_recipe
+    from tempering.redact import redact, redact_yaml_text
 
     if not args.overrides and not args.resolved:
         text = _recipe_source(args.recipe)
         if text is not None:
+            text = redact_yaml_text(text)  # a literal api_key in the file is not shown (tempering.redact)
             print(text, end="" if text.endswith("\n") else "\n")
             return 0
     from tempering.recipe import check_recipe
@@ -109,7 +111,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     check_recipe(recipe)  # what `tempering run` checks before it starts: show no recipe run would reject
     if args.resolved:
         recipe = with_defaults(recipe)
-    print(yaml.safe_dump(recipe, sort_keys=False, default_flow_style=None, width=110), end="")
+    print(yaml.safe_dump(redact(recipe), sort_keys=False, default_flow_style=None, width=110), end="")
     return 0
 
 

@@ -434,7 +434,10 @@ def _metadata(registry: Registry, cfg: Mapping[str, Any]) -> dict[str, Any]:
         visit(spec, "algorithm")
     import tempering
 
-    return {"tempering": tempering.__version__, "recipe": _jsonable(cfg), "components": used}
+    from tempering.redact import redact
+
+    # redacted: run.json is read by the trackers and `tempering view`; the components got the real values
+    return {"tempering": tempering.__version__, "recipe": redact(_jsonable(cfg)), "components": used}
 
 
 def _jsonable(x: Any) -> Any:

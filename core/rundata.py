@@ -18,6 +18,7 @@ from typing import Any
 
 from tempering import rollout_log
 from tempering.errors import ConfigError
+from tempering.redact import REDACTED
 from tempering.runfolder import CHECKPOINTS, PROGRESS_FILE
 
 RUN_FILE = "run.json"
@@ -120,6 +121,8 @@ def run_backend(run: RunDir, step: int | None = None, registry: Any = None) -> I
     if not recipe.get("backend"):
         raise ConfigError(f"'{run.path}' has no run.json with a backend: it was not written by `tempering run`", "RUN_DIR")
     spec = backend_spec(registry, recipe)
+    if isinstance(spec, Mapping):  # a secret run.json redacted: the backend's own default (its env variable)
+        spec = {k: v for k, v in spec.items() if v != REDACTED}
     if isinstance(spec, str) and spec.startswith("<python object"):
         raise ConfigError(f"the run's backend was a Python object ({spec}), which run.json cannot rebuild; "
                           "export from Python with backend.export_pretrained(path)", "RUN_DIR")  # fmt: skip
