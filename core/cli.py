@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -223,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value config overrides (stage lists take an index or stage id)")
     p.add_argument("--output-dir", help="where metrics, plot and checkpoints go (default runs/<name>)")
     p.add_argument("--fresh", action="store_true", help="ignore an earlier run's progress in the output dir")
+    p.add_argument("--debug", action="store_true",
+                   help="re-raise the first failing reward, environment or group score with its traceback instead "
+                        "of counting it (same as TEMPERING_DEBUG=1)")  # fmt: skip
     p.set_defaults(func=cmd_run, parser=p)
 
     p = sub.add_parser("show", help="print a recipe (a bundled name or a YAML path)",
@@ -346,6 +350,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(text, file=sys.stderr)
 
     warnings.showwarning = show
+    if getattr(args, "debug", False):  # read where failures are caught (tempering.failures.debug)
+        os.environ["TEMPERING_DEBUG"] = "1"
     try:
         return int(args.func(args) or 0)
     except TemperingError as exc:  # one line, no traceback: the message says what to fix

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tempering.chat import ParsedResponse, assign_call_ids, check_messages
+from tempering.failures import debug, format_traceback
 from tempering.trajectory import Trajectory, TrajectoryBuilder, Turn
 from tempering.types import Completion, SamplingParams
 
@@ -254,8 +255,11 @@ async def run_episode(env: Any, example: dict[str, Any], renderer: Any, queue: M
                 traj.stop = "parse_error" if response.parse_error is not None else "done"
                 break
     except Exception as exc:  # noqa: BLE001 - an environment bug fails this episode, not the run
+        if debug():
+            raise  # TEMPERING_DEBUG: the first failure ends the run in its own traceback
         traj.stop = "error"
         traj.failure = "env_timeout" if isinstance(exc, EnvironmentTimeout) else "episode_error"
+        traj.traceback = None if isinstance(exc, EnvironmentTimeout) else format_traceback(exc)
         traj.errors.insert(0, f"{type(exc).__name__}: {exc}")
     finally:
         queue.leave()

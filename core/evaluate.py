@@ -30,6 +30,7 @@ def evaluate(
     success_threshold: float = 1.0,
     sampler: Any = None,
     on_groups: Callable[[list[Group]], Any] | None = None,
+    tracebacks: bool = False,
 ) -> dict[str, Any]:
     """Mean reward and accuracy (share of rewards >= ``success_threshold``) on ``examples``.
 
@@ -37,7 +38,9 @@ def evaluate(
     Failed samples count as wrong (reward 0) and are counted in ``eval/failed``, per cause in
     ``eval/failed/<cause>`` with the first error's text in ``eval/first_error/<cause>`` (see
     :mod:`tempering.failures`); masked episodes (a limit configured to mask) count as wrong too.
-    ``on_groups`` sees each chunk's scored groups (the rollout log keeps some).
+    ``on_groups`` sees each chunk's scored groups (the rollout log keeps some). ``tracebacks``:
+    also the first traceback per cause (``eval/first_traceback/<cause>``), for a stage's
+    :class:`~tempering.failures.FailureWatch` to print.
     """
     if sampler is None:
         sampler = completion_sampler(backend.tokenizer, RewardRunner(reward) if reward is not None else None)
@@ -63,7 +66,7 @@ def evaluate(
         "eval/failed": float(len(failures)),
         "eval/n": float(len(rewards)),
         **extra,
-        **failure_metrics(failures, prefix="eval/"),
+        **failure_metrics(failures, prefix="eval/", tracebacks=tracebacks),
     }
 
 
@@ -117,7 +120,7 @@ class StageEvaluator:
             return {}
         groups: list[Group] = []
         metrics = evaluate(self.ctx.backend, self.examples, None, self.cfg.max_tokens, self.cfg.temperature,
-                           sampler=self.sampler, on_groups=groups.extend)  # fmt: skip
+                           sampler=self.sampler, on_groups=groups.extend, tracebacks=True)  # fmt: skip
         count = getattr(self.stage, "log_rollouts", DEFAULT_GROUPS)
         log_groups(self.ctx, groups, "eval", getattr(self.ctx, "global_step", 0), count)
         return metrics

@@ -14,6 +14,7 @@ on nothing and finish "Done". So failures are made loud here:
                             None, a list, a tensor, ...)
   ``not_finite``            the reward returned NaN or an infinity
   ``episode_error``         the environment raised during an episode
+  ``env_timeout``           an environment call did not return within the sampler's ``env_timeout``
   ``group_reward``          the environment's ``group_reward`` raised or returned a wrong count
   ``no_reward``             the environment left the reward to the stage, which has none
   ``failed``                a sampler marked the sample failed without a cause
@@ -26,11 +27,23 @@ on nothing and finish "Done". So failures are made loud here:
   (:class:`tempering.recipe.StopRun`: the run checkpoints it as unfinished and ends with one
   line naming the cause) once more than ``max_failed_fraction`` of the samples of the last
   ``failure_window`` steps failed.
+
+A failure by exception (a reward, an environment, a group score that raised) keeps its
+formatted traceback in ``reward_info["traceback"]`` (so in ``rollouts.jsonl``), trimmed to the
+frames that are not tempering's harness or asyncio's -- the user's code; the first one of a
+stage is printed with its cause's line. ``TEMPERING_DEBUG=1`` (``tempering run --debug``)
+re-raises the first such exception instead (:func:`debug`): the run ends in it, under a
+debugger if one is attached.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import os
 import sys
+import threading
+import traceback as tb_module
 from collections import deque
 from collections.abc import Iterable, MutableMapping
 from typing import Any
@@ -40,6 +53,9 @@ from tempering.types import Sample
 CAUSE_KEY = "failure"  # where a failed sample's cause is kept, in ``sample.reward_info``
 FAILED_PREFIX = "failed/"
 ERROR_PREFIX = "first_error/"
+TRACEBACK_PREFIX = "first_traceback/"  # passed to FailureWatch in a row, never logged
+TRACEBACK_KEY = "traceback"  # where a failure's formatted traceback is kept, in ``sample.reward_info``
+DEBUG_ENV = "TEMPERING_DEBUG"
 SAMPLES_KEY = "rollout/samples"
 
 
@@ -48,28 +64,63 @@ def raised(exc: BaseException) -> str:
     return f"raised:{type(exc).__name__}"
 
 
-def mark_failed(sample: Sample, cause: str, message: str) -> None:
-    """Fail ``sample``: reward 0 (never trained on), the error's text and its cause."""
+def debug() -> bool:
+    """Whether a failure re-raises instead of being counted (``TEMPERING_DEBUG`` set and not 0)."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _harness_files() -> tuple[str, ...]:
+    """Where the code that runs a user's environment or reward lives (prefixes of file names)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    dirs = [os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep for m in (asyncio, concurrent.futures)]
+    files = [os.path.join(here, name) for name in ("episode.py", "scoring.py")]
+    sampler = sys.modules.get("tempering.plugins.samplers.environment")
+    if sampler is not None and sampler.__file__:
+        files.append(os.path.abspath(sampler.__file__))
+    return (*dirs, *files, os.path.abspath(threading.__file__ or ""))
+
+
+def format_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback as Python prints it, without the frames of the harness that ran the
+    user's code (the episode loop, the reward runner, asyncio, the thread hand-over): what is
+    left points at the line of the environment or reward that raised."""
+    harness = _harness_files()
+    frames = [f for f in tb_module.extract_tb(exc.__traceback__) if not os.path.abspath(f.filename).startswith(harness)]
+    head = "Traceback (most recent call last):\n" if frames else ""
+    return head + "".join(tb_module.format_list(frames)) + "".join(tb_module.format_exception_only(type(exc), exc))
+
+
+def mark_failed(sample: Sample, cause: str, message: str, exc: BaseException | str | None = None) -> None:
+    """Fail ``sample``: reward 0 (never trained on), the error's text and its cause; ``exc``
+    (the exception, or its already formatted traceback) keeps the traceback."""
     sample.reward, sample.failed, sample.error = 0.0, True, message
     sample.reward_info = {**(sample.reward_info or {}), CAUSE_KEY: cause}
+    if exc is not None:
+        sample.reward_info[TRACEBACK_KEY] = exc if isinstance(exc, str) else format_traceback(exc)
 
 
 def failure_cause(sample: Sample) -> str:
     return str((sample.reward_info or {}).get(CAUSE_KEY) or "failed")
 
 
-def failure_metrics(samples: Iterable[Sample], prefix: str = "") -> dict[str, Any]:
+def failure_metrics(samples: Iterable[Sample], prefix: str = "", tracebacks: bool = False) -> dict[str, Any]:
     """``{prefix}failed/<cause>``: how many samples failed of each cause, and
-    ``{prefix}first_error/<cause>``: the first error's text of each."""
+    ``{prefix}first_error/<cause>``: the first error's text of each. ``tracebacks``: also
+    ``{prefix}first_traceback/<cause>``, for a stage's :class:`FailureWatch` to print (it takes
+    them out of the row: tracebacks belong in ``rollouts.jsonl``, not in the metrics)."""
     counts: dict[str, int] = {}
     first: dict[str, str] = {}
+    trace: dict[str, str] = {}
     for s in samples:
         if s.failed:
             cause = failure_cause(s)
             counts[cause] = counts.get(cause, 0) + 1
             first.setdefault(cause, s.error or "(no error text)")
+            if tracebacks and (s.reward_info or {}).get(TRACEBACK_KEY):
+                trace.setdefault(cause, str(s.reward_info[TRACEBACK_KEY]))
     out: dict[str, Any] = {f"{prefix}{FAILED_PREFIX}{c}": float(n) for c, n in sorted(counts.items())}
     out.update({f"{prefix}{ERROR_PREFIX}{c}": text for c, text in sorted(first.items())})
+    out.update({f"{prefix}{TRACEBACK_PREFIX}{c}": text for c, text in sorted(trace.items())})
     return out
 
 
@@ -94,10 +145,13 @@ class FailureWatch:
         self.window: deque[tuple[float, float, dict[str, float]]] = deque(maxlen=max(1, int(window)))
         self.seen: set[str] = set()
         self.first: dict[str, str] = {}
+        self.traceback_shown = False
 
     def observe(self, metrics: MutableMapping[str, Any], where: str = "") -> None:
         """Take one logged row (in place): announce each new cause's first error and drop the
-        texts of causes already announced; count the training samples for :meth:`check`."""
+        texts of causes already announced; count the training samples for :meth:`check`. The
+        first traceback (``first_traceback/<cause>``) is printed under its cause's line."""
+        traces = {k.replace(TRACEBACK_PREFIX, ERROR_PREFIX): metrics.pop(k) for k in [k for k in metrics if TRACEBACK_PREFIX in k]}
         for key in [k for k in metrics if ERROR_PREFIX in k]:
             text = metrics[key]
             if key in self.seen:
@@ -110,6 +164,10 @@ class FailureWatch:
             n = metrics.get(f"{prefix}{FAILED_PREFIX}{cause}")
             count = f"{int(n)} " if isinstance(n, float) else ""
             announce(f"tempering: {self.label}{where}: {count}{scope} failed [{cause}]: {text}")
+            if key in traces and not self.traceback_shown:
+                self.traceback_shown = True
+                announce(str(traces[key]).rstrip() + f"\n(every failure's traceback is in rollouts.jsonl, reward_info.traceback; "
+                         f"{DEBUG_ENV}=1 or tempering run --debug re-raises the first)")
         if SAMPLES_KEY in metrics:
             causes = {k[len(FAILED_PREFIX):]: float(v) for k, v in metrics.items() if k.startswith(FAILED_PREFIX)}
             self.window.append((sum(causes.values()), float(metrics[SAMPLES_KEY]), causes))

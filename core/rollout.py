@@ -98,7 +98,7 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, Any]:
     if errors:
         out["first_error"] = errors[0]
     out[SAMPLES_KEY] = float(len(samples))
-    out.update(failure_metrics(samples))
+    out.update(failure_metrics(samples, tracebacks=True))
     trajectories = [s.trajectory for s in samples if s.trajectory is not None]
     if trajectories:
         out["env/masked"] = float(sum(s.masked for s in samples))

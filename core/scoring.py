@@ -38,7 +38,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, I
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from tempering.failures import mark_failed, raised
+from tempering.failures import debug, mark_failed, raised
 from tempering.interfaces import RewardResult
 from tempering.types import Sample
 
@@ -122,7 +122,9 @@ class RewardRunner:
             except (asyncio.TimeoutError, TimeoutError) as exc:
                 self._timeout(s, exc, stats)
             except Exception as exc:  # noqa: BLE001 - a reward bug must not kill the run
-                self._fail(s, raised(exc), f"{type(exc).__name__}: {exc}", stats)
+                if debug():
+                    raise  # TEMPERING_DEBUG: the first failure ends the run in its own traceback
+                self._fail(s, raised(exc), f"{type(exc).__name__}: {exc}", stats, exc)
         stats.seconds = time.perf_counter() - t0
         return stats
 
@@ -255,7 +257,9 @@ class RewardRunner:
         except (asyncio.TimeoutError, TimeoutError) as exc:
             self._timeout(s, exc, stats)
         except Exception as exc:  # noqa: BLE001
-            self._fail(s, raised(exc), f"{type(exc).__name__}: {exc}", stats)
+            if debug():
+                raise  # TEMPERING_DEBUG: the first failure ends the run in its own traceback
+            self._fail(s, raised(exc), f"{type(exc).__name__}: {exc}", stats, exc)
 
     def _apply(self, s: Sample, value: Any, stats: ScoreStats) -> None:
         info: dict[str, Any] = {}
@@ -277,8 +281,8 @@ class RewardRunner:
         self._fail(s, "timeout", str(exc) or f"timed out after {self.timeout}s", stats)
         s.reward_info["timeout"] = True  # counted per sample, wherever the sample goes
 
-    def _fail(self, s: Sample, cause: str, message: str, stats: ScoreStats) -> None:
-        mark_failed(s, cause, message)
+    def _fail(self, s: Sample, cause: str, message: str, stats: ScoreStats, exc: BaseException | None = None) -> None:
+        mark_failed(s, cause, message, exc)
         stats.failed += 1
         if len(stats.errors) < self.max_logged_errors:
             stats.errors.append(message)

@@ -26,7 +26,7 @@ from typing import Any
 
 from tempering.episode import LIMIT_ACTIONS, EnvironmentCalls, EnvironmentTimeout, EpisodeLimits, ModelQueue, run_episode
 from tempering.errors import ConfigError
-from tempering.failures import mark_failed
+from tempering.failures import debug, format_traceback, mark_failed
 from tempering.rollout import Rollout, SamplerContext
 from tempering.scoring import ScoreStats
 from tempering.types import Completion, Group, Sample, SamplingParams
@@ -121,7 +121,7 @@ class EnvironmentSampler:
         sample.reward_info = {"stop": traj.stop, "turns": len(traj.turns)}
         action = {"max_turns": self.on_max_turns, "context": self.on_context_limit}.get(traj.stop)
         if traj.stop == "error":
-            mark_failed(sample, traj.failure or "episode_error", f"episode: {traj.errors[0]}")
+            mark_failed(sample, traj.failure or "episode_error", f"episode: {traj.errors[0]}", traj.traceback)
         elif action == "mask":
             sample.masked = True
         elif action == "zero":
@@ -144,10 +144,14 @@ class EnvironmentSampler:
             if len(values) != len(samples):
                 raise ValueError(f"returned {len(values)} values for a group of {len(samples)}")
         except Exception as exc:  # noqa: BLE001 - a judge failure fails the group, never the run
-            cause = "env_timeout" if isinstance(exc, EnvironmentTimeout) else "group_reward"
+            if debug():
+                raise
+            timed_out = isinstance(exc, EnvironmentTimeout)
+            cause = "env_timeout" if timed_out else "group_reward"
+            trace = None if timed_out else format_traceback(exc)
             for s in samples:
                 if not s.failed:
-                    mark_failed(s, cause, f"group_reward: {type(exc).__name__}: {exc}")
+                    mark_failed(s, cause, f"group_reward: {type(exc).__name__}: {exc}", trace)
             return
         finally:
             calls.close()
