@@ -29,7 +29,8 @@ from tempering.registry import ENV_LOAD, ENV_STRICT, Registry
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "examples" / "plugin_template"
 DIST = "tempering-plugin-template"
-TEMPLATE_COMPONENTS = {("reward", "length_penalty"), ("advantage", "rank"), ("environment", "unit_converter")}
+TEMPLATE_COMPONENTS = {("reward", "length_penalty"), ("advantage", "rank"), ("environment", "unit_converter"),
+                       ("dataset", "unit_questions")}
 
 
 # --------------------------------------------------------------------------- the template package

@@ -16,6 +16,7 @@ from tempering.errors import ConfigError
 from tempering.recipe import Recipe
 from tempering.testing import FakeBackend, check_plugin, make_registry
 from tempering_plugin_template.advantages import RankAdvantage
+from tempering_plugin_template.datasets import unit_questions
 from tempering_plugin_template.environments import UnitConverter
 from tempering_plugin_template.rewards import LengthPenalty
 
@@ -25,8 +26,13 @@ DIST = "tempering-plugin-template"
 def test_plugin_registers_its_components_and_their_targets_import():
     comps = check_plugin(plugin)
     assert sorted((c.kind, c.name) for c in comps) == [
-        ("advantage", "rank"), ("environment", "unit_converter"), ("reward", "length_penalty")]
-    assert {c.load() for c in comps} == {LengthPenalty, RankAdvantage, UnitConverter}
+        ("advantage", "rank"), ("dataset", "unit_questions"), ("environment", "unit_converter"),
+        ("reward", "length_penalty")]
+    assert {c.load() for c in comps} == {LengthPenalty, RankAdvantage, UnitConverter, unit_questions}
+    # the dataset's three shapes (docs/writing-a-plugin.md#datasets)
+    assert set(unit_questions("tasks", 2)[0]) == {"question", "answer"}
+    assert set(unit_questions("transcripts", 2)[0]) == {"messages", "tools"}
+    assert set(unit_questions("pairs", 2)[0]) == {"messages", "tools", "chosen", "rejected"}
 
 
 def test_length_penalty():

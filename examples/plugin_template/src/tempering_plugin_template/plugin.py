@@ -33,3 +33,12 @@ def register_environments(register):
         "tempering_plugin_template.environments:UnitConverter",
         description="convert lengths between units with a convert tool; 1 for the right number",
     )
+
+
+@hookimpl
+def register_datasets(register):
+    register(
+        "unit_questions",
+        "tempering_plugin_template.datasets:unit_questions",
+        description="length conversions as environment tasks, SFT tool-call transcripts or DPO pairs",
+    )
