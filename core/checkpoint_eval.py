@@ -82,8 +82,9 @@ def spec_from_recipe(recipe: Mapping[str, Any]) -> dict[str, Any]:
             for key in ("reward", "max_tokens"):
                 if ev.get(key) is not None:
                     out[key] = ev[key]
-            if "reward" not in out:
-                out["reward"] = "tempering:exact_match"  # the eval block's own default
+            if "reward" not in out:  # the eval block's default: the stage's reward (tempering.stage.eval_reward)
+                own = stage.get("reward")
+                out["reward"] = own if isinstance(own, (str, Mapping)) else "tempering:exact_match"
             return out
     return {}
 

@@ -110,7 +110,9 @@ class StageEvaluator:
         self.examples = load_examples(ctx, cfg.dataset, "eval.dataset") if cfg.dataset is not None else None
         self.sampler = None
         if self.examples:
-            reward = RewardRunner(ctx.build("reward", cfg.reward, "eval.reward"))
+            from tempering.stage import eval_reward
+
+            reward = RewardRunner(ctx.build("reward", eval_reward(cfg, stage), "eval.reward"))
             spec = cfg.sampler if cfg.sampler is not None else (stage.eval_sampler() if stage is not None else None)
             key = "eval.sampler" if cfg.sampler is not None else "sampler"
             self.sampler = build_sampler(ctx, spec or "completion", key, reward, getattr(stage, "renderer", "auto"))

@@ -93,6 +93,8 @@ def _stage(registry: Registry, spec: Any) -> Any:
         out["optimizer"] = _block(OptimizerConfig, out["optimizer"])
     if isinstance(out.get("eval"), Mapping):
         ev = _block(EvalConfig, out["eval"])
+        if ev.get("reward") is None:  # null means the stage's reward (tempering.stage.eval_reward): show which
+            ev["reward"] = out["reward"] if out.get("reward") is not None else "tempering:exact_match"
         for key in ("dataset", "reward", "sampler"):
             if ev.get(key) is not None:
                 ev[key] = component(registry, key, ev[key])

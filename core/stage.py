@@ -103,6 +103,11 @@ class EvalConfig:
     """Held-out evaluation: ``dataset`` (null = none), scored by ``reward`` every ``every``
     steps (0 = only at the start and end of the stage).
 
+    ``reward`` (null = the stage's own ``reward``; ``exact_match`` for a stage without one, such
+    as SFT): the held-out number then measures what training rewards -- a stage rewarding with
+    ``{name: exact_match, case_sensitive: false}`` is evaluated case-insensitively too, not by
+    the plain built-in (see :func:`eval_reward`).
+
     ``sampler``: how to roll out (null = the stage's own sampler, else ``completion``), e.g. an
     environment for a tool-use task; ``stop_at_accuracy``: end the stage (as finished) once a
     periodic evaluation reaches this accuracy -- a warmup that stops at a target rather than
@@ -110,7 +115,7 @@ class EvalConfig:
     """
 
     dataset: Any = None
-    reward: Any = "tempering:exact_match"  # a default means the built-in: never a conflict the user did not write
+    reward: Any = None  # the stage's reward (eval_reward)
     every: int = 0
     max_tokens: int = 8
     temperature: float = 0.0
@@ -119,7 +124,16 @@ class EvalConfig:
     stop_at_accuracy: Any = None
 
 
-def check_eval(ctx: RunContext, value: Any) -> EvalConfig:
+def eval_reward(ev: EvalConfig, stage: Any) -> Any:
+    """The reward an evaluation scores with: ``eval.reward``, else the stage's own ``reward``,
+    else the built-in ``exact_match``."""
+    if ev.reward is not None:
+        return ev.reward
+    own = getattr(stage, "reward", None)
+    return own if own is not None else "tempering:exact_match"
+
+
+def check_eval(ctx: RunContext, value: Any, stage: Any = None) -> EvalConfig:
     """Validate an ``eval:`` block and the components it names (its dataset's rows:
     :func:`check_stage`, after every config check)."""
     ev = sub_config(EvalConfig, value, f"{ctx.path}.eval")
@@ -129,7 +143,7 @@ def check_eval(ctx: RunContext, value: Any) -> EvalConfig:
     require(ev.temperature >= 0, f"{path}.temperature", f"must be >= 0 (0 = greedy), got {ev.temperature}")
     if ev.sampler is not None:
         check_sampler(ctx, ev.sampler, "eval.sampler")
-    if ev.dataset is not None:
+    if ev.dataset is not None and ev.reward is not None:  # the stage's own is checked as its "reward"
         ctx.check("reward", ev.reward, "eval.reward")
     if ev.stop_at_accuracy is not None and not (ev.every and 0 < float(ev.stop_at_accuracy) <= 1):
         raise ConfigError("needs eval.every > 0 and a value in (0, 1]", f"{ctx.path}.eval.stop_at_accuracy")
@@ -162,7 +176,7 @@ def check_stage(
     sub_config(OptimizerConfig, stage.optimizer, f"{ctx.path}.optimizer").check(f"{ctx.path}.optimizer")
     if isinstance(stage, SamplingKeys):
         stage.check_sampling(ctx.path)
-    ev = check_eval(ctx, stage.eval)
+    ev = check_eval(ctx, stage.eval, stage)
     built: dict[str, Any] = {}
     for kind in components:
         if kind in BUILT_TO_CHECK:
@@ -179,7 +193,7 @@ def check_stage(
         check_dataset(ctx, stage.dataset, "dataset", columns)
         if ev.dataset is not None:
             sampler = ev.sampler if ev.sampler is not None else stage.eval_sampler() or "completion"
-            needed = reward_columns(ctx, ev.reward, "eval.reward")
+            needed = reward_columns(ctx, eval_reward(ev, stage), "eval.reward")
             check_dataset(ctx, ev.dataset, "eval.dataset", prompt_columns(sampler, needed))
     return built
 
