@@ -1,0 +1,95 @@
+"""The docs' lists of built-in components match the registry, and the numbers quoted in two
+places agree (issue 24 item 23: docs/rewards.md lacked three rewards, docs/environments.md named
+one environment of two, the README's table lacked four datasets, arithmetic.yaml's header quoted
+an older recipe's numbers, the README and docs/tool_use.md gave different times)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tempering.registry import BUILTIN_DIST, Registry
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def builtins() -> dict[str, set[str]]:
+    reg = Registry(entry_points=False)
+    reg.load_entry_points(external=False)
+    kinds = ("algorithm", "backend", "model", "dataset", "reward", "advantage", "loss", "sampler", "environment",
+             "renderer", "logger")  # fmt: skip
+    return {k: {c.name for c in reg.components(k) if c.plugin.dist == BUILTIN_DIST} for k in kinds}
+
+
+def table_rows(text: str, after: str) -> list[list[str]]:
+    """The rows (cells) of the first Markdown table after the line ``after``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == after)
+    rows, seen = [], False
+    for line in lines[start + 1:]:
+        if line.startswith("|"):
+            seen = True
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+            if not set("".join(cells)) <= set("-: "):
+                rows.append(cells)
+        elif seen:
+            break
+    return rows[1:]  # without the header
+
+
+def names(cell: str) -> set[str]:
+    """The `name`s a cell lists, not those in parentheses (``(the `tool_use` demo)``)."""
+    while True:
+        inner = re.sub(r"\([^()]*\)", "", cell)
+        if inner == cell:
+            break
+        cell = inner
+    return set(re.findall(r"`([a-z][a-z0-9_]*)`", cell))
+
+
+def test_rewards_doc_lists_every_builtin_reward(builtins: dict[str, set[str]]) -> None:
+    rows = table_rows((ROOT / "docs" / "rewards.md").read_text(encoding="utf-8"), "## Built-in rewards")
+    assert {next(iter(names(r[0]))) for r in rows} == builtins["reward"]
+
+
+def test_environments_doc_lists_every_builtin_sampler_and_environment(builtins: dict[str, set[str]]) -> None:
+    rows = table_rows((ROOT / "docs" / "environments.md").read_text(encoding="utf-8"), "## The pieces")
+    by_kind = {next(iter(names(r[0]))): names(r[2]) for r in rows}
+    assert by_kind["sampler"] == builtins["sampler"]
+    assert by_kind["environment"] == builtins["environment"]
+    assert by_kind["renderer"] <= builtins["renderer"]  # a selection ("...")
+
+
+def test_readme_component_table_lists_the_builtins(builtins: dict[str, set[str]]) -> None:
+    rows = table_rows((ROOT / "README.md").read_text(encoding="utf-8"), "## What is in the box")
+    by_kind = {r[0]: names(r[1]) for r in rows}
+    complete = ("algorithm", "sampler", "environment", "backend", "reward", "advantage", "dataset", "model", "logger")
+    for kind in complete:
+        assert builtins[kind] <= by_kind[kind], (kind, builtins[kind] - by_kind[kind])
+    for kind in ("renderer", "loss"):  # selections: whatever they name exists
+        assert by_kind[kind] & builtins[kind] and by_kind[kind] - {"raw"} <= builtins[kind] | {"grpo", "dapo", "bnpo"}
+
+
+def test_arithmetic_recipe_header_quotes_the_readme() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    header = "".join(line for line in (ROOT / "core" / "recipes" / "arithmetic.yaml").read_text(encoding="utf-8")
+                     .splitlines() if line.startswith("#"))  # fmt: skip
+    quickstart = readme.split("## Quickstart", 1)[1].split("tempering run tool_use", 1)[0]
+    figures = set(re.findall(r"\d+(?:\.\d+)?%|\d+-\d+%|\b\d+ seconds", header))
+    assert figures >= {"40%", "45.3%", "62.7%", "61-68%", "80 seconds"}, figures
+    for figure in figures:
+        assert figure in " ".join(quickstart.split()), figure
+
+
+def test_readme_and_tool_use_doc_agree_on_its_time() -> None:
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    doc = (ROOT / "docs" / "tool_use.md").read_text(encoding="utf-8")
+    recipe = (ROOT / "core" / "recipes" / "tool_use.yaml").read_text(encoding="utf-8")
+    said = re.search(r"tempering run tool_use` is the multi-turn demo.*?(\d+-\d+ minutes)", readme).group(1)
+    assert said in doc and said in recipe, said
+    seconds = [int(s) for s in re.findall(r"(\d+) s\b", doc.split("| seed |", 1)[-1].split("\n\n", 1)[0])] or [0]
+    low, high = (int(x) for x in said.split()[0].split("-"))
+    assert all(60 * low * 0.9 <= s <= 60 * high * 1.1 for s in seconds), seconds
