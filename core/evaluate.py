@@ -128,10 +128,12 @@ class StageEvaluator:
         return metrics
 
 
-def build_sampler(ctx: BuildContext, spec: Any, key: str, reward: RewardRunner | None, renderer: Any = "auto") -> Any:
+def build_sampler(ctx: BuildContext, spec: Any, key: str, reward: RewardRunner | None, renderer: Any = "auto",
+                  reward_key: str | None = None) -> Any:  # fmt: skip
     """Build a stage's sampler (``key`` is its config path under the stage), with the context
     it needs: the backend's tokenizer, the stage's renderer (built on first use), whether text
-    prompts are rendered as user turns, and the reward."""
+    prompts are rendered as user turns, and the reward (``reward_key``: its key under the stage,
+    when the user wrote it)."""
     from tempering.renderer import build_renderer, chat_text_prompts
 
     built: list[Any] = []
@@ -146,5 +148,6 @@ def build_sampler(ctx: BuildContext, spec: Any, key: str, reward: RewardRunner |
         build=lambda kind, s, k: ctx.build(kind, s, f"{key}.{k}"),
         factory=lambda kind, s, k: ctx.factory(kind, s, f"{key}.{k}"),
         path=f"{ctx.path}.{key}", chat_prompts=chat_text_prompts(renderer, ctx.backend.tokenizer),
+        reward_key=f"{ctx.path}.{reward_key}" if reward_key else None,
     )  # fmt: skip
     return ctx.build("sampler", spec, key, context=context)

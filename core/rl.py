@@ -123,7 +123,9 @@ class RLStage(SamplingKeys, Stage):
         self.loss_fn = ctx.build("loss", self.loss, "loss")
         if getattr(self.loss_fn, "max_completion_length", 0) is None:
             self.loss_fn.max_completion_length = self.max_tokens  # Dr. GRPO's constant normaliser
-        self.rollout_sampler = build_sampler(ctx, self.sampler, "sampler", self.reward_runner, self.renderer)
+        written = self.reward != type(self).__dataclass_fields__["reward"].default  # the default: nothing to warn about
+        self.rollout_sampler = build_sampler(ctx, self.sampler, "sampler", self.reward_runner, self.renderer,
+                                             reward_key="reward" if written else None)  # fmt: skip
         examples = load_examples(ctx, self.dataset, "dataset")
         check_rows(examples, self.dataset_columns(ctx), ctx.path, "dataset")  # rows validate could not peek at
         self.stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))

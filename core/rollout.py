@@ -34,6 +34,9 @@ class SamplerContext:
     resolve nested components through the registry with the sampler's config path.
     ``chat_prompts``: a text ``prompt`` is rendered as a user turn through the renderer, not
     sent as raw text (the stage's rule: :func:`tempering.renderer.chat_text_prompts`).
+    ``reward_key``: the config path of ``reward`` when the user wrote it (None for the default),
+    so a sampler that does not use it for some samples can say so (an environment scoring its
+    own episodes).
     """
 
     tokenizer: Any
@@ -43,6 +46,7 @@ class SamplerContext:
     factory: Callable[[str, Any, str], Callable[[], Any]]
     path: str = "sampler"
     chat_prompts: bool = False
+    reward_key: str | None = None
 
 
 @dataclass

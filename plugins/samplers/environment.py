@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +73,7 @@ class EnvironmentSampler:
             raise ConfigError(f"must be > 0 (seconds) or null for no limit, got {self.env_timeout}", f"{path}.env_timeout")
         self.limits = EpisodeLimits(self.max_turns, self.max_total_tokens, self.tool_timeout, self.on_max_turns,
                                     self.on_context_limit, self.env_timeout, f"{path}.env_timeout")  # fmt: skip
+        self._warned_reward = False
         self._factory = self.context.factory("environment", self.environment, "environment") if self.context else None
 
     @property
@@ -130,7 +132,22 @@ class EnvironmentSampler:
             sample.reward_info["score_with_stage_reward"] = True
         else:
             sample.reward = float(total)
+            self._warn_reward_unused()
         return sample
+
+    def _warn_reward_unused(self) -> None:
+        """Once per sampler: the stage's ``reward``, which the user wrote, is not called for an
+        episode the environment scored itself (its precedence was silent before)."""
+        key = self.context.reward_key if self.context is not None else None
+        if key is None or self._warned_reward:
+            return
+        self._warned_reward = True
+        warnings.warn(
+            f"tempering: {key} is not used for the episodes the environment scores itself: the environment's score "
+            f"returned a number, which wins over the stage's reward. To score final answers with {key}, return None "
+            f"from its score (the Environment.score default); otherwise remove {key}",
+            UserWarning, stacklevel=2,
+        )  # fmt: skip
 
     async def _group_reward(self, env: Any, samples: list[Sample]) -> None:
         """Add the environment's group reward (if it defines one) to each trainable sample."""
