@@ -74,7 +74,7 @@ def test_debug_re_raises_the_first_failure(tmp_path, monkeypatch):
 def test_the_cli_debug_flag_sets_the_variable(monkeypatch):
     from tempering import cli
 
-    monkeypatch.delenv("TEMPERING_DEBUG", raising=False)
+    monkeypatch.setenv("TEMPERING_DEBUG", "0")  # recorded, so the variable main sets is removed after
     seen: list[Any] = []
     monkeypatch.setattr(cli, "cmd_run", lambda args: seen.append(__import__("os").environ.get("TEMPERING_DEBUG")) or 0)
     assert cli.main(["run", "arithmetic", "--debug"]) == 0
