@@ -26,7 +26,15 @@ on nothing and finish "Done". So failures are made loud here:
   bar, keeps that text in the step's logged row only the first time, and stops the stage
   (:class:`tempering.recipe.StopRun`: the run checkpoints it as unfinished and ends with one
   line naming the cause) once more than ``max_failed_fraction`` of the samples of the last
-  ``failure_window`` steps failed.
+  ``failure_window`` steps failed;
+* tool calls that fail (``env/tool_errors``, timeouts included) or time out
+  (``env/tool_timeouts``) are causes of their own, ``tool_error`` and ``tool_timeout``: printed
+  once each like a sample cause, and, past ``max_tool_error_fraction`` of the tool calls of the
+  window, they stop the stage the same way (a failing tool is the model's observation, not a
+  failed sample, so ``max_failed_fraction`` never saw it);
+* :meth:`FailureWatch.summary` sums every cause over the stage, for the stage's summary (what
+  ``tempering run`` prints after "Done."): a partial failure is in the final lines, not only
+  in the first step's.
 
 A failure by exception (a reward, an environment, a group score that raised) keeps its
 formatted traceback in ``reward_info["traceback"]`` (so in ``rollouts.jsonl``), trimmed to the
@@ -139,9 +147,15 @@ class FailureWatch:
     single bad step does not end a long run but a short run whose every reward fails does.
     """
 
-    def __init__(self, label: str, path: str, max_failed_fraction: float | None = None, window: int = 1) -> None:
+    TOOL_KEYS = ("env/tool_calls", "env/tool_errors", "env/tool_timeouts")
+
+    def __init__(self, label: str, path: str, max_failed_fraction: float | None = None, window: int = 1,
+                 max_tool_error_fraction: float | None = None) -> None:  # fmt: skip
         self.label, self.path = label, path
         self.limit = max_failed_fraction
+        self.tool_limit = max_tool_error_fraction
+        self.tools: deque[tuple[float, float]] = deque(maxlen=max(1, int(window)))  # (errors, calls) per step
+        self.totals: dict[str, float] = {}
         self.window: deque[tuple[float, float, dict[str, float]]] = deque(maxlen=max(1, int(window)))
         self.seen: set[str] = set()
         self.first: dict[str, str] = {}
@@ -171,9 +185,38 @@ class FailureWatch:
         if SAMPLES_KEY in metrics:
             causes = {k[len(FAILED_PREFIX):]: float(v) for k, v in metrics.items() if k.startswith(FAILED_PREFIX)}
             self.window.append((sum(causes.values()), float(metrics[SAMPLES_KEY]), causes))
+            for key in (SAMPLES_KEY, *(FAILED_PREFIX + c for c in causes), *self.TOOL_KEYS):
+                if isinstance(metrics.get(key), float):
+                    self.totals[key] = self.totals.get(key, 0.0) + float(metrics[key])
+            calls = float(metrics.get("env/tool_calls", 0.0) or 0.0)
+            if calls:
+                self.tools.append((float(metrics.get("env/tool_errors", 0.0) or 0.0), calls))
+        self._announce_tools(metrics, where)
+
+    def _announce_tools(self, metrics: MutableMapping[str, Any], where: str) -> None:
+        """Print the first failing and the first timed-out tool calls once each (training steps
+        log them as ``env/tool_*``, evaluations as ``eval/tool_*``)."""
+        for scope, keys in (("tool calls", "env/"), ("evaluation tool calls", "eval/")):
+            for cause, what in (("tool_error", "failed"), ("tool_timeout", "timed out")):
+                n = metrics.get(f"{keys}{cause}s")
+                if not isinstance(n, float) or n <= 0 or f"{keys}{cause}" in self.seen:
+                    continue
+                self.seen.add(f"{keys}{cause}")
+                text = metrics.get("env/first_error") if keys == "env/" else None
+                announce(f"tempering: {self.label}{where}: {int(n)} {scope} {what} [{cause}]: "
+                         f"{text or '(each error text is in rollouts.jsonl)'}")  # fmt: skip
+
+    def summary(self) -> dict[str, float]:
+        """Failed samples per cause (``failed/<cause>``) of every training step this stage ran,
+        with the step's samples (``rollout/samples``) and tool calls, errors and timeouts
+        (``env/tool_*``), when anything failed; empty otherwise."""
+        failed = any(k.startswith(FAILED_PREFIX) and v for k, v in self.totals.items())
+        tools = self.totals.get("env/tool_errors", 0.0) > 0
+        return dict(sorted(self.totals.items())) if failed or tools else {}
 
     def check(self, last: bool = False) -> None:
-        """Raise :class:`~tempering.recipe.StopRun` when too many samples failed lately."""
+        """Raise :class:`~tempering.recipe.StopRun` when too many samples (or tool calls) failed lately."""
+        self._check_tools(last)
         if self.limit is None or not self.window or (len(self.window) < (self.window.maxlen or 1) and not last):
             return
         failed = sum(f for f, _, _ in self.window)
@@ -193,4 +236,20 @@ class FailureWatch:
             f"{self.path}: {int(failed)} of {int(total)} samples failed in the last {steps} step{'s' * (steps > 1)} "
             f"(more than max_failed_fraction={self.limit:g}); cause {cause} ({int(n)}x): {text or '(no text)'}. "
             f"Fix the cause, or raise {self.path}.max_failed_fraction (1 never stops)"
+        )
+
+    def _check_tools(self, last: bool) -> None:
+        if self.tool_limit is None or not self.tools or (len(self.tools) < (self.tools.maxlen or 1) and not last):
+            return
+        errors = sum(e for e, _ in self.tools)
+        calls = sum(c for _, c in self.tools)
+        if not calls or errors / calls <= self.tool_limit:
+            return
+        from tempering.recipe import StopRun
+
+        steps = len(self.tools)
+        raise StopRun(
+            f"{self.path}: {int(errors)} of {int(calls)} tool calls failed in the last {steps} step{'s' * (steps > 1)} "
+            f"(more than max_tool_error_fraction={self.tool_limit:g}; errors and timeouts, see env/first_error in "
+            f"metrics.jsonl). Fix the tools, or raise {self.path}.max_tool_error_fraction (1 never stops)"
         )

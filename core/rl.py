@@ -68,7 +68,8 @@ class RLStage(SamplingKeys, Stage):
     model's format), ``steps``, ``prompts_per_step``, ``group_size``, ``max_tokens`` (per model
     turn), ``temperature``, ``top_p``, ``top_k``, ``stop``, ``optimizer``,
     ``drop_zero_variance``, ``reward_timeout``, ``reward_concurrency``, ``success_threshold``,
-    ``max_failed_fraction``, ``failure_window``, ``log_rollouts``, ``eval``, ``seed``.
+    ``max_failed_fraction``, ``max_tool_error_fraction``, ``failure_window``, ``log_rollouts``,
+    ``eval``, ``seed``.
 
     ``log_rollouts`` (default 4): groups per step (and per evaluation) written to
     ``rollouts.jsonl`` -- the first ones, plus every group with a failed sample; 0 = none,
@@ -79,6 +80,12 @@ class RLStage(SamplingKeys, Stage):
     ``failure_window`` (default 3) steps failed -- a reward that raises, times out or returns
     no number, an episode whose environment raised. 1 never stops. Each new cause's first
     error is printed once either way (see :mod:`tempering.failures`).
+
+    ``max_tool_error_fraction`` (default 1: never stops): the same for tool calls that fail or
+    time out (``env/tool_errors`` of ``env/tool_calls``). Not stopping by default because a
+    model learning to call tools makes bad calls (unknown tools, wrong arguments) that count as
+    tool errors; set it (say 0.5) when the tools themselves may break. Either way the first
+    ``tool_error`` and ``tool_timeout`` are printed once and the stage's summary sums them.
     """
 
     dataset: Any = field(default_factory=lambda: {"name": "arithmetic"})
@@ -94,6 +101,7 @@ class RLStage(SamplingKeys, Stage):
     reward_concurrency: int = 64
     success_threshold: float = 1.0
     max_failed_fraction: float = 0.5
+    max_tool_error_fraction: float = 1.0
     failure_window: int = 3
     log_rollouts: int = DEFAULT_GROUPS
 
@@ -109,8 +117,8 @@ class RLStage(SamplingKeys, Stage):
                 f"must be > 0 (seconds), got {self.reward_timeout}")  # fmt: skip
         require(self.log_rollouts >= -1, f"{path}.log_rollouts",
                 f"must be a number of groups >= 0, or -1 for all, got {self.log_rollouts}")  # fmt: skip
-        require(0 <= self.max_failed_fraction <= 1, f"{path}.max_failed_fraction",
-                f"must be in [0, 1] (1 = never stop), got {self.max_failed_fraction}")  # fmt: skip
+        for key in ("max_failed_fraction", "max_tool_error_fraction"):
+            require(0 <= getattr(self, key) <= 1, f"{path}.{key}", f"must be in [0, 1] (1 = never stop), got {getattr(self, key)}")
         built = check_stage(ctx, self, ("reward", "advantage", "loss"), self.dataset_columns(ctx))
         name = split_spec(self.advantage, "advantage")[0] if isinstance(self.advantage, (str, Mapping)) else ""
         check_group_size(ctx, built["advantage"], self.group_size, name)

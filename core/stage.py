@@ -342,7 +342,7 @@ class Stage:
         finished = False
         fresh_eval = False
         watch = FailureWatch(ctx.stage_id or self.label, ctx.path, getattr(self, "max_failed_fraction", None),
-                             getattr(self, "failure_window", 1))  # fmt: skip
+                             getattr(self, "failure_window", 1), getattr(self, "max_tool_error_fraction", None))  # fmt: skip
         bar = progress(self.steps, f"{ctx.stage_id} ({self.label})", initial=start)
         try:
             if start == 0 and (first := evaluator.run(at_start=True)):
@@ -379,7 +379,9 @@ class Stage:
             watch.observe(final, " (final evaluation)")
             ctx.log(final)
             last.update(final)
-        return {k: v for k, v in last.items() if k in self.summary_keys or k.startswith(self.summary_prefixes)}
+        summary = {k: v for k, v in last.items() if k in self.summary_keys or k.startswith(self.summary_prefixes)}
+        summary.update(watch.summary())  # failures by cause over the whole stage: "Done." must not hide them
+        return summary
 
 
 @dataclass
