@@ -58,6 +58,7 @@ backend is built, with a clear message if the ``tinker`` extra is missing.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import itertools
 import json
@@ -96,7 +97,7 @@ from tempering.plugins.backends.tinker.mapping import (
     to_tinker_data,
 )
 from tempering.plugins.backends.tinker.recovery import Call, TrainingCalls
-from tempering.plugins.backends.tinker.waits import Overdue, in_thread, probe, wait_for
+from tempering.plugins.backends.tinker.waits import Overdue, diagnose, in_thread, probe, wait_for
 from tempering.types import AdamParams, Batch, Completion, SamplingParams
 
 T = TypeVar("T")
@@ -107,6 +108,10 @@ POLICY_LOGPROBS = ("trainer", "sampler")
 SAMPLING_CLIENT_KINDS = ("snapshot", "inflight")
 #: The SDK documents checkpoint TTLs "between 1 hour (3600) and 10 years".
 MIN_TTL_SECONDS, MAX_TTL_SECONDS = 3600, 10 * 365 * 24 * 3600
+#: Seconds ``close`` waits for the session to finish (after a sixth of it, only if the service
+#: still answers its health check).
+CLOSE_TIMEOUT = 30.0
+
 #: End-of-text tokens a base model stops on that the tokenizer ``get_tokenizer`` returns may not
 #: name as EOS: for ``meta-llama/Llama-3*`` the SDK loads the *instruct* tokenizer (EOS
 #: ``<|eot_id|>``), while the base model ends text with ``<|end_of_text|>``.
@@ -894,9 +899,21 @@ class TinkerBackend:
             try:
                 closing = self.service.close(status)
                 if hasattr(closing, "result"):
-                    closing.result(timeout=30)
+                    try:  # a few seconds, then ask the service: a dead or frozen one is not waited on for long
+                        closing.result(timeout=CLOSE_TIMEOUT / 6)
+                    except (TimeoutError, concurrent.futures.TimeoutError):
+                        if self._diagnose() is not None:
+                            raise
+                        closing.result(timeout=CLOSE_TIMEOUT * 5 / 6)
             except Exception as err:  # noqa: BLE001 - closing must not mask the run's outcome
-                warnings.warn(f"TinkerBackend.close: {one_line(err)}", RuntimeWarning, stacklevel=2)
+                # a TimeoutError has no text: the warning said "TinkerBackend.close: " and nothing else
+                if isinstance(err, (TimeoutError, concurrent.futures.TimeoutError)):
+                    problem = self._diagnose()
+                    text = "no answer" + (f"; the service at {self.base_url}: {problem}" if problem else f" within {CLOSE_TIMEOUT:.0f} s")
+                else:
+                    text = one_line(err) or type(err).__name__
+                warnings.warn(f"TinkerBackend.close: the Tinker session was not finished ({status}): {text}", RuntimeWarning,
+                              stacklevel=2)  # fmt: skip
 
     # ------------------------------------------------------------------ execution and errors
     def _spawn(self, fn: Callable[..., T], *args: Any) -> Future[T]:
@@ -918,15 +935,27 @@ class TinkerBackend:
         ``wait_warning_seconds``), the service's errors translated (no retry). A training call
         past its time is a :class:`TinkerTrainingError` (recoverable: its client is abandoned)."""
         try:
-            return wait_for(fut, what, self.request_timeout, self.wait_warning)
+            return wait_for(fut, what, self.request_timeout, self.wait_warning, explain=self._diagnose)
         except Overdue as err:
-            message = (f"no result for {what} from Tinker after {err.seconds:.0f} s (backend.request_timeout_seconds; the "
-                       "service may be paused for capacity or rate limits, which the SDK waits out without a word)")  # fmt: skip
+            problem = self._diagnose()
+            why = (f"the service at {self.base_url}: {problem}" if problem else
+                   "the service answers its health check, so it may be queueing the call or paused for capacity or "
+                   "rate limits, which the SDK waits out without a word")  # fmt: skip
+            message = f"no result for {what} from Tinker after {err.seconds:.0f} s (backend.request_timeout_seconds; {why})"
             raise (TinkerTrainingError if training else TinkerServiceError)(message) from err
         except TemperingError:
             raise
         except Exception as err:  # noqa: BLE001
             raise self._translate(err, what, training=training) from err
+
+    def _diagnose(self) -> str | None:
+        """What is wrong with the service, asked when a wait runs out: a dead server (connection
+        refused), one that answers HTTP 5xx, or a frozen one (no answer) -- the SDK retries all
+        three silently, so without asking they looked like a queue paused for capacity. None
+        when the service is not ours to ask (a client given by the caller) or answers."""
+        if not self._owns_service:
+            return None
+        return diagnose(self.base_url, timeout=min(5.0, max(1.0, self.request_timeout / 2)))
 
     def _try_submit(self, submit: Callable[[T], Any], arg: T) -> Any:
         """Submit now; a synchronous failure is kept (as a failed future) for the retry loop."""

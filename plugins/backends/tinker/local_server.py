@@ -30,7 +30,8 @@ and ``cancel_future``. State and compute: :mod:`~tempering.plugins.backends.tink
 Fault injection (:class:`Faults`, ``server.faults``) makes the next requests fail the ways the
 service can: an HTTP status at submission (401, 409, 429, 5xx, ...), a failed future (category
 ``server`` or ``user``; the operation is not applied), a future that never completes (its
-queue paused for capacity), an expired future (410), a ``retrieve_future`` that answers 408.
+queue paused for capacity), an expired future (410), a ``retrieve_future`` that answers 408, every request answering an
+HTTP 5xx (``faults.broken()``) until ``faults.clear()``.
 Every request is recorded (``server.received``) with its decoded ``tinker.types`` body, and every
 sequence sampled as ``(prompt, completion)`` tokens (``server.sampled``).
 """
@@ -119,6 +120,7 @@ class Faults:
 
     def __init__(self) -> None:
         self._planned: dict[str, list[_Fault]] = defaultdict(list)
+        self._broken: _Fault | None = None
         self._lock = threading.Lock()
         self.hit: list[tuple[str, str]] = []  # (key, fault kind) of every fault served
 
@@ -144,9 +146,20 @@ class Faults:
         """The next ``times`` ``retrieve_future`` polls answer ``status`` (408: try again)."""
         self._add("retrieve", _Fault("retrieve", status), times)
 
+    def broken(self, status: int = 500, message: str = "injected: the service is broken") -> None:
+        """Every request, health check included, answers ``status`` until :meth:`clear`: a
+        service that fails persistently (the SDK retries 5xx answers without a word)."""
+        with self._lock:
+            self._broken = _Fault("http", status, message)
+
+    def take_broken(self) -> _Fault | None:
+        with self._lock:
+            return self._broken
+
     def clear(self) -> None:
         with self._lock:
             self._planned.clear()
+            self._broken = None
 
     def _add(self, key: str, fault: _Fault, times: int) -> None:
         with self._lock:
@@ -332,6 +345,9 @@ class LocalTinkerServer:
     def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> tuple[int, str, bytes]:
         """One HTTP request -> ``(status, content type, body)``."""
         route = path.split("?", 1)[0].removeprefix("/api/v1/").strip("/")
+        broken = self.faults.take_broken()
+        if broken is not None:
+            return broken.status, *_json({"detail": broken.message})
         if route != "healthz" and not route.startswith("external/"):  # a signed URL carries its own token
             key = headers.get("x-api-key") or ""
             accepted = key in self.api_keys if self.api_keys is not None else key.startswith("tml-")
@@ -354,7 +370,9 @@ class LocalTinkerServer:
             return 200, *_json({"status": "ok"})
         if route == "client/config":
             return 200, *_json(CLIENT_CONFIG)
-        if route in ("telemetry", "cancel_future"):
+        if route == "telemetry":  # the SDK validates the reply as types.TelemetryResponse: {} was a 47-line traceback
+            return 200, *_json(types.TelemetryResponse(status="accepted").model_dump(mode="json"))
+        if route == "cancel_future":  # the SDK reads no body (cast_to=NoneType)
             return 200, *_json({})
         if route == "get_server_capabilities":
             return 200, *_json({"supported_models": [{"model_name": m, "trainable": True, "sampleable": True} for m in svc.models]})

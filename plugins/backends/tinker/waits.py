@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["Overdue", "wait_for", "in_thread", "probe"]
+__all__ = ["Overdue", "wait_for", "in_thread", "probe", "diagnose"]
 
 _TIMEOUTS = (TimeoutError, concurrent.futures.TimeoutError)
 
@@ -40,9 +40,12 @@ def _done(fut: Any) -> bool:
     return bool(inner.done())
 
 
-def wait_for(fut: Any, what: str, timeout: float, warn_after: float, setting: str = "backend.request_timeout_seconds") -> Any:
+def wait_for(fut: Any, what: str, timeout: float, warn_after: float, setting: str = "backend.request_timeout_seconds",
+             explain: Callable[[], str | None] | None = None) -> Any:
     """``fut.result()`` within ``timeout`` seconds (an SDK future or a concurrent one), warning
-    after ``warn_after`` seconds and then at doubling intervals; :class:`Overdue` past it."""
+    after ``warn_after`` seconds and then at doubling intervals; :class:`Overdue` past it.
+    ``explain`` (e.g. :func:`diagnose` of the service) says what is wrong when a warning is due:
+    its answer replaces the guess that the service is queueing the call."""
     start = time.monotonic()
     warn_at = max(float(warn_after), 0.0) or float("inf")
     while True:
@@ -56,9 +59,12 @@ def wait_for(fut: Any, what: str, timeout: float, warn_after: float, setting: st
         if elapsed >= timeout:
             raise Overdue(what, elapsed)
         if elapsed >= warn_at:
+            problem = explain() if explain is not None else None
+            why = (f"the service: {problem}, which the SDK retries without a word" if problem else
+                   "the service may be queueing it, or paused for capacity or rate limits, which the SDK waits out "
+                   "without a word")  # fmt: skip
             warnings.warn(
-                f"Tinker: still waiting for {what} after {elapsed:.0f} s (the service may be queueing it, or paused for "
-                f"capacity or rate limits, which the SDK waits out without a word); giving up after {timeout:.0f} s ({setting})",
+                f"Tinker: still waiting for {what} after {elapsed:.0f} s ({why}); giving up after {timeout:.0f} s ({setting})",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -94,4 +100,33 @@ def probe(base_url: str, timeout: float = 5.0) -> str | None:
         return f"no connection within {timeout:.0f} s"
     except httpx.HTTPError:  # it connected: whatever else went wrong, the SDK will say
         return None
+    return None
+
+
+def diagnose(base_url: str | None, timeout: float = 5.0) -> str | None:
+    """What is wrong with the service at ``base_url``, asked after a wait ran out (the SDK
+    retries a refused connection, an HTTP 5xx and a silent server without a word, so the wait
+    alone cannot tell them apart from a queue paused for capacity): ``connection refused``, ``no
+    connection within N s``, ``HTTP <status>: <body>``, ``no answer within N s`` (it accepts
+    connections but does not answer: frozen or overloaded), or None when it answers its health
+    check (then the wait is the service's: queued, paused, rate-limited)."""
+    import httpx
+
+    if not base_url:
+        return None
+    url = f"{base_url.rstrip('/')}/api/v1/healthz"
+    try:
+        reply = httpx.get(url, timeout=httpx.Timeout(timeout, connect=timeout))
+    except httpx.ConnectError as err:
+        text = str(err)
+        return "connection refused" if not text or "refused" in text.lower() else f"cannot connect: {text}"
+    except httpx.ConnectTimeout:
+        return f"no connection within {timeout:.0f} s"
+    except httpx.TimeoutException:
+        return f"no answer within {timeout:.0f} s (the server accepts connections but does not answer: frozen or overloaded)"
+    except httpx.HTTPError as err:
+        return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    if reply.status_code >= 500:
+        body = " ".join(reply.text.split())[:300]
+        return f"HTTP {reply.status_code}" + (f": {body}" if body else "")
     return None

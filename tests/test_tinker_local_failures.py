@@ -1,0 +1,154 @@
+"""The local Tinker server answers the SDK's telemetry, and a dead, failing or frozen service is
+named as such (issue 24 item 6).
+
+* The documented local-server command printed a 47-line ``APIResponseValidationError ...
+  TelemetryResponse`` traceback unless ``TINKER_TELEMETRY=0``: the server answered ``{}`` where
+  SDK 0.38 validates ``{"status": "accepted"}``.
+* A dead server (connection refused), persistent HTTP 500s and a frozen server (it accepts
+  connections, answers nothing) all ended with "the service may be paused for capacity or rate
+  limits" (the SDK retries all three without a word); the message now says which.
+* ``TinkerBackend.close`` on such a service waited 30 s and warned ``"TinkerBackend.close: "``
+  with nothing after it (a ``TimeoutError`` has no text).
+
+Dead and frozen servers are real processes (``python -m ...local_server``), killed or stopped
+with SIGSTOP: an in-process server keeps answering on connections the SDK holds open.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fake_tinker import MODEL_KWARGS, make_backend, serve, set_env  # noqa: E402
+
+from tempering.plugins.backends.tinker import local_server  # noqa: E402
+from tempering.plugins.backends.tinker.backend import TinkerBackend  # noqa: E402
+from tempering.plugins.backends.tinker.errors import TinkerServiceError  # noqa: E402
+from tempering.types import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPT = [1, 4, 5, 13, 6, 7, 14]  # "12+34="
+GUESS = "paused for capacity"
+
+
+@pytest.fixture
+def server(monkeypatch, tmp_path):
+    yield from serve(monkeypatch, tmp_path)
+
+
+def sample(backend: TinkerBackend) -> None:
+    backend.sample([PROMPT], 1, SamplingParams(max_tokens=1)).result()
+
+
+def test_telemetry_is_answered_as_the_sdk_expects(server, monkeypatch, capfd, caplog):
+    monkeypatch.delenv("TINKER_TELEMETRY")  # on, as for anyone following docs/tinker.md
+    asked = []
+    route = local_server.LocalTinkerServer._route
+
+    def counting(self, method, name, headers, body):
+        asked.append(name)
+        return route(self, method, name, headers, body)
+
+    monkeypatch.setattr(local_server.LocalTinkerServer, "_route", counting)
+    backend = make_backend(server)
+    sample(backend)
+    backend.close()  # the SDK flushes its telemetry when the session ends
+    err = capfd.readouterr().err + caplog.text  # the SDK logs the traceback
+    assert "telemetry" in asked
+    assert "APIResponseValidationError" not in err and "TelemetryResponse" not in err, err
+
+
+def test_persistent_http_500s_are_named_with_status_and_body(server):
+    backend = make_backend(server, request_timeout_seconds=3, wait_warning_seconds=60)
+    sample(backend)
+    server.faults.broken(500, "the database is on fire")
+    with pytest.raises(TinkerServiceError) as info:
+        sample(backend)
+    message = str(info.value)
+    assert "HTTP 500" in message and "the database is on fire" in message and GUESS not in message, message
+    assert "request_timeout_seconds" in message
+    server.faults.clear()
+
+
+class ServerProcess:
+    """``python -m tempering.plugins.backends.tinker.local_server`` on a free loopback port."""
+
+    def __init__(self) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tempering.plugins.backends.tinker.local_server", "--port", str(port),
+             "--model-kwargs", json.dumps(MODEL_KWARGS)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        line = self.proc.stdout.readline()  # "serving tiny_llama at ..." once it listens
+        assert self.url in line, line
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait()
+        self.proc.stdout.close()
+
+
+@pytest.fixture
+def process(monkeypatch, tmp_path):
+    set_env(monkeypatch, tmp_path)
+    proc = ServerProcess()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def closed_with_warning(backend: TinkerBackend) -> tuple[str, float]:
+    start = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backend.close()
+    took = time.monotonic() - start
+    [warning] = [w for w in caught if "TinkerBackend.close" in str(w.message)]
+    return str(warning.message), took
+
+
+def test_a_dead_server_is_connection_refused(process):
+    backend = TinkerBackend(base_model="tiny_llama", base_url=process.url, retry_backoff=0.0,
+                            request_timeout_seconds=3, wait_warning_seconds=60)  # fmt: skip
+    sample(backend)
+    process.proc.kill()
+    process.proc.wait()
+    with pytest.raises(TinkerServiceError) as info:
+        sample(backend)
+    message = str(info.value)
+    assert "connection refused" in message and process.url in message and GUESS not in message, message
+    text, took = closed_with_warning(backend)
+    assert "connection refused" in text and "session was not finished" in text, text
+    assert took < 15  # was 30 s
+
+
+def test_a_frozen_server_is_no_answer_within_n_seconds(process):
+    backend = TinkerBackend(base_model="tiny_llama", base_url=process.url, retry_backoff=0.0,
+                            request_timeout_seconds=3, wait_warning_seconds=60)  # fmt: skip
+    sample(backend)
+    os.kill(process.proc.pid, signal.SIGSTOP)  # it still accepts connections (the kernel does), answers nothing
+    with pytest.raises(TinkerServiceError) as info:
+        sample(backend)
+    message = str(info.value)
+    assert "no answer within" in message and process.url in message and GUESS not in message, message
+    text, took = closed_with_warning(backend)
+    assert "no answer within" in text, text
+    assert took < 20
