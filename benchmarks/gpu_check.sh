@@ -10,7 +10,7 @@
 # machine is warm (30 s after a call).
 #
 #   here, once (~110 MB):
-#     pip download --no-deps tml-renderers==0.2.1 pluggy bm25s "gguf>=0.17" -d wheels/
+#     pip download --no-deps tml-renderers==0.2.1 pluggy bm25s "gguf>=0.17" omegaconf antlr4-python3-runtime==4.9.3 -d wheels/
 #     bash benchmarks/gpu_check.sh --split-weights     # .gpu-weights/part-00, part-01
 #   on the lent machine, the second call at once after the first:
 #     run: true                            carry: [".gpu-weights/part-00"]
@@ -47,7 +47,7 @@ python -c "import torch, transformers, peft; print('torch', torch.__version__, '
 echo "== install tempering (offline)"
 if [ -d wheels ]; then python -m pip install -q --no-index --find-links wheels --no-deps wheels/*.whl; fi
 python -m pip install -q --no-deps --no-build-isolation -e . || { echo "gpu_check: could not install tempering"; exit 1; }
-python -c "import tempering, pluggy, tml_renderers" || { echo "gpu_check: a dependency is missing: carry wheels/ (see the header)"; exit 1; }
+python -c "import tempering, pluggy, tml_renderers, omegaconf" || { echo "gpu_check: a dependency is missing: carry wheels/ (see the header)"; exit 1; }
 
 echo "== SmolLM2's weights"
 smollm2=no
