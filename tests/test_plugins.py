@@ -118,7 +118,7 @@ def test_load_plugins_env_selects_external_plugins(template):
         print(json.dumps(out))
     """)
     out = json.loads(proc.stdout)
-    loaded = ["advantage:rank", "environment:unit_converter", "reward:length_penalty"]
+    loaded = ["advantage:rank", "dataset:unit_questions", "environment:unit_converter", "reward:length_penalty"]
     assert {k: v["ours"] for k, v in out.items()} == {
         "''": [], "'template'": loaded, "'tempering-plugin-template'": loaded,
         "'tempering_plugin_template'": loaded, "'someone-else'": [], "None": loaded,
