@@ -159,6 +159,10 @@ def test_the_page_draws_curves_and_transcripts_in_a_real_browser(tmp_path: Path)
             page.goto(server.url + "#rollouts?stage=rl&kind=train")
             page.wait_for_selector("article.rollout .msg[data-role='tool']")
             shown = [r for r in records if r["stage"] == "rl" and r["kind"] == "train"]
+            # the summary counts what the page has filtered so far: wait for the whole log (on a
+            # loaded machine the first paint showed "20 matching samples, steps 60-63" of 48)
+            page.wait_for_function(f"document.querySelector('#rollout-summary').textContent.startsWith('{len(shown)} ')",
+                                   timeout=20_000)  # fmt: skip
             assert page.inner_text("#rollout-summary").startswith(f"{len(shown)} matching samples")
             card = page.locator("article.rollout", has=page.locator(".msg[data-role='tool']")).first
             assert re.fullmatch(r"\d+\*\d+", card.locator(".msg[data-role='user'] pre").first.inner_text())
