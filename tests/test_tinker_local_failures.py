@@ -138,6 +138,12 @@ def test_a_dead_server_is_connection_refused(process):
     text, took = closed_with_warning(backend)
     assert "connection refused" in text and "session was not finished" in text, text
     assert took < 15  # was 30 s
+    # and the SDK's session heartbeat stops (it warned every 10 s for minutes after the run)
+    heartbeat = backend.service._session_holder._session_heartbeat_task
+    deadline = time.monotonic() + 10
+    while not heartbeat.done() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert heartbeat.done()
 
 
 def test_a_frozen_server_is_no_answer_within_n_seconds(process):

@@ -896,6 +896,7 @@ class TinkerBackend:
             status = _run_status(sys.exc_info()[1], self.calls.gave_up)
         self._pool.shutdown(wait=True)
         if self._owns_service and hasattr(self.service, "close"):
+            closing: Any = None
             try:
                 closing = self.service.close(status)
                 if hasattr(closing, "result"):
@@ -914,6 +915,12 @@ class TinkerBackend:
                     text = one_line(err) or type(err).__name__
                 warnings.warn(f"TinkerBackend.close: the Tinker session was not finished ({status}): {text}", RuntimeWarning,
                               stacklevel=2)  # fmt: skip
+                # The SDK would go on retrying the finish, and its session heartbeat would log a
+                # warning every 10 s, for minutes, after the run ended: cancelling the finish
+                # runs its cleanup, which stops the heartbeat and releases the connections.
+                future = getattr(closing, "future", None)
+                if callable(future):
+                    future().cancel()
 
     # ------------------------------------------------------------------ execution and errors
     def _spawn(self, fn: Callable[..., T], *args: Any) -> Future[T]:
