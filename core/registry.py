@@ -492,14 +492,20 @@ def validate_params(
     return {k: container[k] if k in plain else v for k, v in params.items()}
 
 
-def _is_plain(value: Any) -> bool:
+def is_plain_data(value: Any, leaf: Callable[[Any], bool] = lambda value: False) -> bool:
+    """Config-file data: None, bool, int, float, str, and str-keyed mappings and lists of them,
+    plus whatever ``leaf`` admits (the validator admits OmegaConf nodes)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return True
     if isinstance(value, Mapping):
-        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+        return all(isinstance(k, str) and is_plain_data(v, leaf) for k, v in value.items())
     if isinstance(value, (list, tuple)):
-        return all(_is_plain(v) for v in value)
-    return _is_omegaconf(value)
+        return all(is_plain_data(v, leaf) for v in value)
+    return leaf(value)
+
+
+def _is_plain(value: Any) -> bool:
+    return is_plain_data(value, _is_omegaconf)
 
 
 def _is_required(f: dataclasses.Field) -> bool:  # type: ignore[type-arg]

@@ -24,7 +24,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from tempering.registry import Registry, get_registry, params_schema
+from tempering.registry import Registry, get_registry, is_plain_data, params_schema
 
 #: Arguments each kind's factory gets at run time, not from the recipe.
 RUNTIME: dict[str, tuple[str, ...]] = {"logger": ("output_dir",), "sampler": ("context",), "renderer": ("tokenizer",),
@@ -68,7 +68,7 @@ def component(registry: Registry, kind: str, spec: Any) -> Any:
     for f in dataclasses.fields(schema):
         if f.name in given:
             value = given[f.name]
-        elif f.name in defaults and _plain(defaults[f.name]):
+        elif f.name in defaults and is_plain_data(defaults[f.name]):
             value = defaults[f.name]
         else:
             continue  # required and missing (the validator says so), or an object default
@@ -115,7 +115,7 @@ def _block(cls: type, given: Mapping[str, Any]) -> dict[str, Any]:
     """A nested config block (a dataclass's fields) with its defaults filled in."""
     defaults = _defaults(cls)
     out = {f.name: given.get(f.name, defaults.get(f.name)) for f in dataclasses.fields(cls)
-           if f.name in given or (f.name in defaults and _plain(defaults[f.name]))}  # fmt: skip
+           if f.name in given or (f.name in defaults and is_plain_data(defaults[f.name]))}  # fmt: skip
     out.update({k: v for k, v in given.items() if k not in out})
     return out
 
@@ -124,13 +124,3 @@ def _defaults(factory: Any) -> dict[str, Any]:
     from tempering.reference_docs import _factory_defaults
 
     return _factory_defaults(factory)
-
-
-def _plain(value: Any) -> bool:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return True
-    if isinstance(value, Mapping):
-        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return all(_plain(v) for v in value)
-    return False
