@@ -51,6 +51,8 @@ class StepResult:
     ``reward`` is this turn's reward (an episode's reward is the sum over its turns, plus any
     group reward); ``None`` on the final turn asks the stage's ``reward`` component to score
     the final assistant text. ``errors`` are texts worth showing (a tool's exception).
+    ``feedback``: what went wrong or right in words, for the learner rather than the model's
+    next turn (the episode's ``Sample.feedback`` joins every turn's).
     """
 
     messages: list[Message] = field(default_factory=list)
@@ -58,6 +60,7 @@ class StepResult:
     done: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    feedback: str | None = None
 
 
 class Environment:

@@ -191,10 +191,12 @@ def supports(backend: object, capability: type) -> bool:
 # --------------------------------------------------------------------------- rewards
 @dataclass
 class RewardResult:
-    """What a reward returns when a bare float is not enough."""
+    """What a reward returns when a bare float is not enough: ``info`` (diagnostics, logged
+    with the sample) and ``feedback`` (words about the attempt, see ``Sample.feedback``)."""
 
     reward: float
     info: dict[str, Any] = field(default_factory=dict)
+    feedback: str | None = None
 
 
 @runtime_checkable

@@ -111,6 +111,11 @@ class Sample:
     and ``completion`` is its last turn. ``failed`` marks a reward or episode that raised, timed
     out or returned NaN; ``masked`` one that hit a limit configured to mask. Either keeps the
     sample in its group (so counts stay honest) but out of the loss and the advantages.
+
+    ``feedback``: what the environment or the reward said about this attempt in words (a tool's
+    error, a failing test, "expected 42, got 41", a judge's critique), or ``None``. A scalar
+    reward tells a model little when almost every attempt fails; feedback is the text a
+    self-distillation teacher (SDPO) is re-prompted with.
     """
 
     example: dict[str, Any]
@@ -121,6 +126,7 @@ class Sample:
     error: str | None = None
     trajectory: Any = None
     masked: bool = False
+    feedback: str | None = None
 
     def segments(self) -> list[Segment]:
         """The training rows: the trajectory's, or the single prompt + completion row."""
