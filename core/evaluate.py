@@ -127,6 +127,16 @@ class StageEvaluator:
         log_groups(self.ctx, groups, "eval", getattr(self.ctx, "global_step", 0), count)
         return metrics
 
+    def accuracy(self, size: int | None = None) -> float:
+        """Held-out accuracy on the first ``size`` examples (all when None), nothing logged: the
+        cheap, frequent check behind ``eval.stop_at_accuracy`` (``eval.stop_every``/``stop_size``)."""
+        examples = (self.examples or [])[:size]
+        if not examples:
+            return 0.0
+        metrics = evaluate(self.ctx.backend, examples, None, self.cfg.max_tokens, self.cfg.temperature,
+                           sampler=self.sampler)  # fmt: skip
+        return float(metrics["eval/accuracy"])
+
 
 def build_sampler(ctx: BuildContext, spec: Any, key: str, reward: RewardRunner | None, renderer: Any = "auto",
                   reward_key: str | None = None) -> Any:  # fmt: skip
