@@ -32,20 +32,20 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-import torch
-
-from tempering.data import ExampleStream, encode_prompt, load_examples, user_turn
+from tempering import teacher as shared
+from tempering.data import ExampleStream, load_examples
 from tempering.errors import ConfigError
 from tempering.evaluate import build_sampler, completion_sampler
-from tempering.interfaces import Backend, Distributions, EmaWeights, RunContext, WeightSnapshots
+from tempering.interfaces import Backend, RunContext
 from tempering.rlmath.aggregation import fold_normaliser
 from tempering.rollout import collect, recompute_sampler_logprobs, should_recompute
 from tempering.stage import Requirement, SamplingKeys, Stage, check_stage
-from tempering.types import Batch, Datum, SamplingParams
+from tempering.teacher import TEACHERS, TeacherWeights
+from tempering.types import Batch, SamplingParams
 
-TEACHERS = ("base", "stage_start", "live", "ema")
+__all__ = ["DEFAULT_TEACHER_TEMPLATE", "SDFT", "TEACHERS", "teacher_prompt", "traj_ok"]
 #: The paper's teacher prompt (arXiv 2601.19897). ``{prompt}`` / ``{question}`` is the student's
 #: prompt, ``{demonstration}`` / ``{demo}`` / ``{privileged_context}`` the demonstration.
 DEFAULT_TEACHER_TEMPLATE = (
@@ -90,12 +90,13 @@ class SDFT(SamplingKeys, Stage):
     summary_keys = ("loss", "sdft/distill_loss", "sdft/reverse_kl_sampled")
     postfix = {"loss": "loss", "kl": "sdft/reverse_kl_sampled"}
 
+    def teacher_weights(self, stage_id: str = "") -> TeacherWeights:
+        """The teacher's weights and snapshot lifecycle (:class:`tempering.teacher.TeacherWeights`)."""
+        return TeacherWeights(self.teacher, self.ema_rate, f"{stage_id}/sdft_teacher")
+
     def validate(self, ctx: RunContext) -> None:
         path = ctx.path
-        if self.teacher not in TEACHERS:
-            raise ConfigError(f"use one of {', '.join(TEACHERS)} (got '{self.teacher}')", f"{path}.teacher")
-        if not 0.0 < self.ema_rate <= 1.0:
-            raise ConfigError(f"must be in (0, 1], got {self.ema_rate}", f"{path}.ema_rate")
+        self.teacher_weights().check(path)
         if self.recompute_logprobs not in ("auto", "always", "never"):
             raise ConfigError(f"use auto, always or never (got '{self.recompute_logprobs}')", f"{path}.recompute_logprobs")
         for key in ("prompts_per_step", "samples_per_prompt"):
@@ -117,14 +118,7 @@ class SDFT(SamplingKeys, Stage):
 
     def required_capabilities(self) -> list[Requirement]:
         """A ``stage_start`` or ``ema`` teacher is a weight snapshot; ``ema`` moves it."""
-        needs = super().required_capabilities()
-        if self.teacher in ("stage_start", "ema"):
-            needs.append(Requirement(WeightSnapshots, "teacher",
-                                     f"'{self.teacher}' needs a backend with weight snapshots (e.g. local)"))  # fmt: skip
-        if self.teacher == "ema":
-            needs.append(Requirement(EmaWeights, "teacher", "'ema' needs a backend that averages weights (ema_update, "
-                                     "e.g. local); use teacher: stage_start, base or live"))  # fmt: skip
-        return needs
+        return [*super().required_capabilities(), *self.teacher_weights().requirements("teacher")]
 
     def setup(self, ctx: RunContext, state: Mapping[str, Any]) -> None:
         path = ctx.path
@@ -136,14 +130,10 @@ class SDFT(SamplingKeys, Stage):
                 raise ConfigError(f"rows have no '{key}' (keys: {sorted(examples[0])})", path)
         start = int(state.get("step", 0))
         self.backend = backend = ctx.backend
-        self.snap = f"{ctx.stage_id}/sdft_teacher"
-        if self.teacher in ("stage_start", "ema"):  # WeightSnapshots: required_capabilities, checked by validate
-            assert isinstance(backend, WeightSnapshots)
-            if start == 0:
-                backend.snapshot(self.snap).result()
-            elif self.snap not in backend.snapshot_names():
-                raise RuntimeError(f"{path}: resuming, but the checkpoint has no '{self.snap}' teacher snapshot")
-        self.teacher_kwargs = {"base": {"reference": True}, "live": {}}.get(self.teacher, {"weights": self.snap})
+        self.weights = self.teacher_weights(ctx.stage_id)
+        self.snap = self.weights.name
+        self.weights.start(backend, resuming=start > 0, path=path)  # capabilities: checked by validate
+        self.teacher_kwargs = self.weights.kwargs
         self.stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
         self.sampling = self.sampling_params()
         self.recompute = should_recompute(self.recompute_logprobs, self.sampling)
@@ -173,15 +163,15 @@ class SDFT(SamplingKeys, Stage):
         fb = backend.forward_backward(batch, self.loss_fn)
         op = backend.optim_step(self.adam(step))
         # FIFO: the EMA moves after the step and before any checkpoint of it
-        ema = cast(EmaWeights, backend).ema_update(self.snap, self.ema_rate) if self.teacher == "ema" else None
+        ema = self.weights.after_step(backend, step)
         metrics = {**info, **fb.result(), **op.result(), "time/sample": t_sample, "time/teacher": t_teacher}
         if ema is not None:
             ema.result()
         return metrics
 
     def teardown(self, ctx: RunContext, finished: bool) -> None:
-        if self.teacher in ("stage_start", "ema") and finished and "backend" in vars(self):  # setup ran
-            cast(WeightSnapshots, self.backend).drop_snapshot(self.snap).result()
+        if finished and "backend" in vars(self):  # setup ran
+            self.weights.finish(self.backend)
 
     def eval_sampler(self) -> Any:
         return None
@@ -205,28 +195,15 @@ class SDFT(SamplingKeys, Stage):
             example["prompt"] = str(row[self.prompt_key])
         return example
 
-    def teacher_prefix(self, backend: Backend, row: dict[str, Any], sample: Any) -> list[int]:
+    def teacher_prefix(self, backend: Backend | None, row: dict[str, Any], sample: Any) -> list[int]:
         """The teacher's prompt: the student's first prompt with the demonstration put in by
         ``teacher_template`` -- around the prompt text (raw, or a user turn where the student's
         was one), or around the last user message of a chat (the episode's first messages, for
-        a trajectory), rendered by the same renderer."""
+        a trajectory), rendered by the same renderer (:func:`tempering.teacher.reprompted_prefix`)."""
         demo = str(row[self.demonstration_key])
-        traj = sample.trajectory
-        context = self.student_sampler.context
-        if traj is None and "messages" not in sample.example:
-            if not context.chat_prompts:  # the student saw the raw text, so does the teacher
-                text = teacher_prompt(self.teacher_template, str(row[self.prompt_key]), demo)
-                return encode_prompt(backend.tokenizer, {"prompt": text})
-            messages, tools = user_turn(sample.example), sample.example.get("tools")
-        elif traj is not None:
-            first = next((i for i, m in enumerate(traj.messages) if m.get("role") == "assistant"), len(traj.messages))
-            messages, tools = traj.messages[:first], traj.tools
-        else:
-            messages, tools = list(sample.example["messages"]), sample.example.get("tools")
-        last = max(i for i, m in enumerate(messages) if m.get("role") == "user")
-        messages = [dict(m) for m in messages]
-        messages[last]["content"] = teacher_prompt(self.teacher_template, str(messages[last].get("content", "")), demo)
-        return context.renderer().render_prompt(messages, tools or None).tokens
+        tokenizer = backend.tokenizer if backend is not None else None
+        return shared.reprompted_prefix(self.student_sampler.context, tokenizer, sample,
+                                        lambda text: teacher_prompt(self.teacher_template, text, demo))  # fmt: skip
 
     def build_batches(self, teacher_prompts: list[list[int]], groups: list[list[Any]]) -> tuple[Batch, Batch, dict[str, float]]:
         """:meth:`build_pairs` for single-turn completions: ``groups[i]`` are the completions
@@ -250,19 +227,16 @@ class SDFT(SamplingKeys, Stage):
         for t_prefix, sample in pairs:
             segments = sample.segments()
             skipped += len(segments) - 1
-            traj = sample.trajectory
-            start = len(sample.completion.prompt_tokens) if traj is None else (traj.turns[0].prompt_len if traj.turns else 0)
+            start = shared.prompt_start(sample)
             seg = segments[0]
-            tail = len(seg.tokens) - start
-            if not traj_ok(seg, start) or tail <= 0 or not seg.num_sampled:
+            if not shared.distillable(seg, start):
                 continue
-            d = seg.to_datum(weight=1.0, completion_len=tail)
+            d = seg.to_datum(weight=1.0, completion_len=len(seg.tokens) - start)
             first_sampled = [i for i, w in enumerate(d.weights) if w][: self.skip_first_tokens]
             for i in first_sampled:
                 d.weights[i] = 0.0
             student.append(d)
-            tokens = t_prefix + seg.tokens[start:]
-            teacher.append(Datum(tokens[:-1], tokens[1:], [0.0] * (len(t_prefix) - 1) + list(seg.weights[start:])))
+            teacher.append(shared.teacher_row(t_prefix, seg, start))
             lengths.append(sample.num_generated)
             stops.append(sample.completion.stop_reason == "stop")
         if not student:
@@ -278,34 +252,8 @@ class SDFT(SamplingKeys, Stage):
         self, backend: Backend, batch: Batch, teacher_batch: Batch, kind: str, topk: int, teacher_kwargs: dict[str, Any] | None = None
     ) -> None:
         """Score the teacher rows and put the values, aligned to the student's positions, in
-        each student row's ``extra``: ``teacher_token_logprobs`` always, plus
-        ``teacher_logits`` (``full``) or ``teacher_topk_logprobs``/``_ids`` (``topk``)."""
-        kw = dict(teacher_kwargs or {})  # {} = the live policy; {"reference": True}; {"weights": snapshot}
-        if kind == "token":
-            values = backend.logprobs(teacher_batch, **kw).result()
-            for d, t in zip(batch.data, values):
-                n = d.extra["completion_len"]
-                d.extra["teacher_token_logprobs"] = [0.0] * (len(d.target_tokens) - n) + list(t[-n:])
-            return
-        dists = cast(Distributions, backend).distributions(teacher_batch, topk=topk if kind == "topk" else None, **kw).result()
-        for d, dist in zip(batch.data, dists):
-            n = d.extra["completion_len"]
-            pad = len(d.target_tokens) - n
-            targets = torch.tensor(d.target_tokens[pad:], dtype=torch.long)
-            if kind == "full":
-                full = dist[-n:]
-                vocab = full.shape[-1]
-                filler = torch.full((pad, vocab), -math.log(vocab), dtype=full.dtype)
-                d.extra["teacher_logits"] = torch.cat([filler, full], dim=0)
-                token_lp = full.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-            else:
-                values, ids = dist[0][-n:], dist[1][-n:]
-                k = values.shape[-1]
-                d.extra["teacher_topk_logprobs"] = torch.cat([torch.full((pad, k), -math.log(k)), values], dim=0)
-                d.extra["teacher_topk_ids"] = torch.cat([torch.zeros((pad, k), dtype=ids.dtype), ids], dim=0)
-                hit = ids == targets.unsqueeze(-1)  # a token outside the teacher's top-k: no value
-                token_lp = torch.where(hit.any(-1), (values * hit).sum(-1), torch.full_like(values[:, 0], float("nan")))
-            d.extra["teacher_token_logprobs"] = [0.0] * pad + token_lp.tolist()
+        each student row's ``extra`` (:func:`tempering.teacher.attach_teacher`)."""
+        shared.attach_teacher(backend, batch, teacher_batch, kind, topk, teacher_kwargs)
 
     @staticmethod
     def _sampled_kl(batch: Batch) -> dict[str, float]:
@@ -322,5 +270,5 @@ class SDFT(SamplingKeys, Stage):
 
 def traj_ok(segment: Any, start: int) -> bool:
     """A row can be distilled when its first ``start`` tokens are the student's prompt (no
-    sampled token among them)."""
-    return start > 0 and not any(segment.weights[:start])
+    sampled token among them) and something was sampled after (:func:`tempering.teacher.distillable`)."""
+    return shared.distillable(segment, start)

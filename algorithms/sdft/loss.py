@@ -42,13 +42,14 @@ from dataclasses import dataclass
 
 import torch
 
-from tempering.interfaces import LossOutput, at_positions, from_positions
+from tempering.interfaces import LossOutput
 from tempering.rlmath import policy_loss
 from tempering.rlmath.aggregation import MEAN_AGGREGATIONS, fold_normaliser
 from tempering.rlmath.aggregation import aggregate_mean as aggregate
 from tempering.rlmath.divergence import add_tail_bucket, divergence, full_logits_loss, topk_logits_loss
 from tempering.rlmath.masks import active
-from tempering.rlmath.ratios import log_importance_weights
+from tempering.rlmath.ratios import capped_is_weight, log_importance_weights
+from tempering.teacher import teacher_divergence
 
 # add_tail_bucket, aggregate (tempering.rlmath.aggregation.aggregate_mean), divergence,
 # fold_normaliser, full_logits_loss and topk_logits_loss are re-exports from tempering.rlmath,
@@ -162,23 +163,9 @@ class SDFTLoss:
 
     def per_token(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The ``(B, T)`` per-token divergence of the logit modes, before masking: computed at
-        the positions ``batch["logits"]`` covers (``logit_positions``), 0 elsewhere."""
-        positions = batch.get("logit_positions")
-        logits, alpha = batch["logits"].float(), float(self.alpha)
-
-        def teacher(key: str) -> torch.Tensor:
-            return at_positions(batch[key], positions)
-
-        if self.mode == "full_logits":
-            per_token = full_logits_loss(logits, teacher("teacher_logits").float(), alpha)
-        elif self.topk_support == "student":
-            per_token = topk_logits_loss(logits, alpha, self.topk, self.add_tail, teacher_logits=teacher("teacher_logits").float())
-        else:
-            per_token = topk_logits_loss(
-                logits, alpha, self.topk, self.add_tail,
-                teacher_topk_logprobs=teacher("teacher_topk_logprobs"), teacher_topk_ids=teacher("teacher_topk_ids"),
-            )  # fmt: skip
-        return from_positions(per_token, positions, logprobs.shape[-1])
+        the positions ``batch["logits"]`` covers (``logit_positions``), 0 elsewhere
+        (:func:`tempering.teacher.teacher_divergence`, shared with SDPO)."""
+        return teacher_divergence(logprobs, batch, self.mode, float(self.alpha), self.topk, self.add_tail, self.topk_support)
 
     def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
         mask = batch["weights"]
@@ -196,8 +183,7 @@ class SDFTLoss:
                 raise KeyError(f"SDFTLoss (mode {self.mode}) needs batch[{key!r}]; the batch has {sorted(batch)}")
         per_token = self.per_token(logprobs, batch)
         if self.is_clip is not None and "sampler_logprobs" in batch:
-            log_ratio = (logprobs - batch["sampler_logprobs"].to(logprobs.dtype)).detach().clamp(-20.0, 20.0)
-            per_token = per_token * torch.exp(log_ratio).clamp(max=self.is_clip)
+            per_token = per_token * capped_is_weight(logprobs, batch["sampler_logprobs"].to(logprobs.dtype), self.is_clip)
         loss = aggregate(per_token, mask, self.aggregation)
         with torch.no_grad():
             mean = per_token[is_active].mean() if is_active.any() else per_token.new_zeros(())

@@ -1,5 +1,5 @@
-"""Divergences between two next-token distributions, for distillation (SDFT today; SDPO and
-on-policy distillation next).
+"""Divergences between two next-token distributions, for distillation (SDFT, SDPO; on-policy
+distillation next).
 
 Where the KL estimators of :mod:`tempering.rlmath.kl` see only the sampled token, these compare
 whole distributions (or a top-k support of them) at each position, which is a lower-variance
@@ -26,7 +26,7 @@ import math
 
 import torch
 
-__all__ = ["add_tail_bucket", "divergence", "full_logits_loss", "topk_logits_loss"]
+__all__ = ["add_tail_bucket", "divergence", "full_logits_loss", "sampled_token_loss", "topk_logits_loss"]
 
 
 def divergence(student_logp: torch.Tensor, teacher_logp: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -93,3 +93,13 @@ def topk_logits_loss(
         t = teacher_topk_logprobs.to(student_logp.dtype)[..., :k]
     s, t = _on_support(s, t, add_tail)
     return divergence(s, t, alpha)
+
+
+def sampled_token_loss(logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+    """The per-token reverse KL seen through the sampled token only: ``sg(lp - lp_t) * lp``.
+
+    Its value is a surrogate; its gradient ``(lp - lp_t) grad lp`` is the policy gradient of
+    ``KL(student || teacher)`` estimated from the student's own sample (a REINFORCE step with
+    advantage ``lp_t - lp``), which is why it needs no logits and only alpha = 1 makes sense.
+    TRL 1.16's ``compute_sampled_token_self_distillation_loss`` (SDPO's default mode)."""
+    return (logprobs - teacher_logprobs).detach() * logprobs

@@ -15,7 +15,7 @@ import torch
 
 from tempering.rlmath.masks import active
 
-__all__ = ["IS_LEVELS", "gspo_token_ratio", "log_importance_weights"]
+__all__ = ["IS_LEVELS", "capped_is_weight", "gspo_token_ratio", "log_importance_weights"]
 
 #: ``token``: one ratio per token; ``sequence``: one per row (GSPO).
 IS_LEVELS = ("token", "sequence")
@@ -50,3 +50,13 @@ def gspo_token_ratio(
         (logprobs.detach() - sampler_logprobs)[in_ratio].mean() if bool(in_ratio.any()) else logprobs.new_zeros(())
     )
     return torch.exp(log_ratio + logprobs - logprobs.detach())
+
+
+def capped_is_weight(logprobs: torch.Tensor, old_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """``min(exp(lp - lp_old), cap)``, detached: a per-token weight that corrects a loss for
+    samples drawn by older weights without ever up-weighting a token more than ``cap`` times
+    (TRL's ``distillation_is_clip`` for SDFT/SDPO). The log-ratio is clamped to [-20, 20] first,
+    so a stray padding value cannot overflow; it is a coefficient, so no gradient flows through it.
+    On-policy its value is 1."""
+    log_ratio = (logprobs - old_logprobs).detach().clamp(-20.0, 20.0)
+    return torch.exp(log_ratio).clamp(max=cap)
