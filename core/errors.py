@@ -24,3 +24,18 @@ class UnknownComponentError(TemperingError, KeyError):
 
 class PluginError(TemperingError):
     """A plugin is broken: duplicate component names, a failing import in strict mode, ..."""
+
+
+class StopRun(Exception):
+    """Raised inside a stage to stop the whole run cleanly: :func:`tempering.recipe.run_recipe`
+    checkpoints the stage as unfinished, closes everything and raises :class:`RunStopped` with
+    this exception's message. Not a :class:`TemperingError`: it is control flow, never shown.
+
+    It lives here, beside the errors, rather than in :mod:`tempering.recipe`, so that the
+    modules that stop a run (:mod:`tempering.failures`) need not import the recipe runner
+    (that import closed a cycle through the stage loop)."""
+
+
+class RunStopped(TemperingError):
+    """A stage stopped the run on purpose (:class:`StopRun`); the run is checkpointed and
+    resumes when started again. The CLI prints it as one line and exits non-zero."""

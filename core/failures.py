@@ -24,7 +24,7 @@ on nothing and finish "Done". So failures are made loud here:
   (``first_error/<cause>``); evaluation logs the same under ``eval/``;
 * :class:`FailureWatch` prints the first error of each *new* cause once, above the progress
   bar, keeps that text in the step's logged row only the first time, and stops the stage
-  (:class:`tempering.recipe.StopRun`: the run checkpoints it as unfinished and ends with one
+  (:class:`tempering.errors.StopRun`: the run checkpoints it as unfinished and ends with one
   line naming the cause) once more than ``max_failed_fraction`` of the samples of the last
   ``failure_window`` steps failed;
 * tool calls that fail (``env/tool_errors``, timeouts included) or time out
@@ -56,6 +56,7 @@ from collections import deque
 from collections.abc import Iterable, MutableMapping
 from typing import Any
 
+from tempering.errors import StopRun
 from tempering.types import Sample
 
 CAUSE_KEY = "failure"  # where a failed sample's cause is kept, in ``sample.reward_info``
@@ -215,7 +216,7 @@ class FailureWatch:
         return dict(sorted(self.totals.items())) if failed or tools else {}
 
     def check(self, last: bool = False) -> None:
-        """Raise :class:`~tempering.recipe.StopRun` when too many samples (or tool calls) failed lately."""
+        """Raise :class:`~tempering.errors.StopRun` when too many samples (or tool calls) failed lately."""
         self._check_tools(last)
         if self.limit is None or not self.window or (len(self.window) < (self.window.maxlen or 1) and not last):
             return
@@ -230,8 +231,6 @@ class FailureWatch:
         cause, n = max(causes.items(), key=lambda kv: kv[1]) if causes else ("failed", failed)
         text = self.first.get(f"{ERROR_PREFIX}{cause}", "")
         steps = len(self.window)
-        from tempering.recipe import StopRun
-
         raise StopRun(
             f"{self.path}: {int(failed)} of {int(total)} samples failed in the last {steps} step{'s' * (steps > 1)} "
             f"(more than max_failed_fraction={self.limit:g}); cause {cause} ({int(n)}x): {text or '(no text)'}. "
@@ -245,8 +244,6 @@ class FailureWatch:
         calls = sum(c for _, c in self.tools)
         if not calls or errors / calls <= self.tool_limit:
             return
-        from tempering.recipe import StopRun
-
         steps = len(self.tools)
         raise StopRun(
             f"{self.path}: {int(errors)} of {int(calls)} tool calls failed in the last {steps} step{'s' * (steps > 1)} "

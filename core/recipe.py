@@ -27,19 +27,9 @@ from typing import Any
 from tempering import rollout_log, runfolder
 from tempering.config import load_yaml, resolve_recipe, stage_id
 from tempering.errors import ConfigError, TemperingError
+from tempering.errors import RunStopped, StopRun  # noqa: F401 - re-exported: the recipe's API (defined beside the errors)
 from tempering.registry import PluginOverrideWarning, Registry, get_registry
 from tempering.runfolder import PROGRESS_FILE, read_progress  # noqa: F401 - re-exported: the recipe's API
-
-
-class StopRun(Exception):
-    """Raised inside a stage to stop the whole run cleanly: :func:`run_recipe` checkpoints
-    the stage as unfinished, closes everything and raises :class:`RunStopped` with this
-    exception's message."""
-
-
-class RunStopped(TemperingError):
-    """A stage stopped the run on purpose (:class:`StopRun`); the run is checkpointed and
-    resumes when started again. The CLI prints it as one line and exits non-zero."""
 
 
 @dataclass
