@@ -10,7 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tempering.data import load_examples
 from tempering.failures import failure_metrics
+from tempering.registry import get_registry
+from tempering.renderer import build_renderer, chat_text_prompts, renderer_spec
 from tempering.rollout import SamplerContext, collect, rollout_metrics
 from tempering.rollout_log import DEFAULT_GROUPS, log_groups
 from tempering.scoring import RewardRunner
@@ -74,10 +77,6 @@ def completion_sampler(tokenizer: Any, reward: RewardRunner | None, renderer: An
     """A ``completion`` sampler outside a recipe (tests, notebooks): renderer ``auto`` is
     resolved through the process-wide registry when a chat example needs it; text prompts
     follow the stages' rule (:func:`tempering.renderer.chat_text_prompts`)."""
-    from tempering.plugins.samplers.completion import CompletionSampler
-    from tempering.registry import get_registry
-    from tempering.renderer import chat_text_prompts, renderer_spec
-
     built: list[Any] = []
 
     def make_renderer() -> Any:
@@ -93,7 +92,16 @@ def completion_sampler(tokenizer: Any, reward: RewardRunner | None, renderer: An
         factory=lambda kind, spec, key: reg.factory(kind, spec, key),
         chat_prompts=chat_text_prompts(renderer, tokenizer),
     )  # fmt: skip
-    return CompletionSampler(context=context)
+    return reg.build("sampler", "tempering:completion", "sampler", context=context)  # the built-in, through the registry
+
+
+def eval_reward(ev: Any, stage: Any) -> Any:
+    """The reward an evaluation (``ev``: an :class:`~tempering.stage.EvalConfig`) scores with:
+    ``eval.reward``, else the stage's own ``reward``, else the built-in ``exact_match``."""
+    if ev.reward is not None:
+        return ev.reward
+    own = getattr(stage, "reward", None)
+    return own if own is not None else "tempering:exact_match"
 
 
 class StageEvaluator:
@@ -104,14 +112,10 @@ class StageEvaluator:
     """
 
     def __init__(self, ctx: RunContext, cfg: Any, stage: Any = None) -> None:
-        from tempering.data import load_examples
-
         self.ctx, self.cfg, self.stage = ctx, cfg, stage
         self.examples = load_examples(ctx, cfg.dataset, "eval.dataset") if cfg.dataset is not None else None
         self.sampler = None
         if self.examples:
-            from tempering.stage import eval_reward
-
             reward = RewardRunner(ctx.build("reward", eval_reward(cfg, stage), "eval.reward"))
             spec = cfg.sampler if cfg.sampler is not None else (stage.eval_sampler() if stage is not None else None)
             key = "eval.sampler" if cfg.sampler is not None else "sampler"
@@ -144,8 +148,6 @@ def build_sampler(ctx: BuildContext, spec: Any, key: str, reward: RewardRunner |
     it needs: the backend's tokenizer, the stage's renderer (built on first use), whether text
     prompts are rendered as user turns, and the reward (``reward_key``: its key under the stage,
     when the user wrote it)."""
-    from tempering.renderer import build_renderer, chat_text_prompts
-
     built: list[Any] = []
 
     def make_renderer() -> Any:

@@ -30,6 +30,7 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from tempering.dataset_checks import Columns, check_dataset, prompt_columns, reward_columns
 from tempering.errors import ConfigError, TemperingError
+from tempering.evaluate import StageEvaluator, eval_reward
 from tempering.failures import FailureWatch
 from tempering.interfaces import RunContext, capability_name, supports
 from tempering.progress import progress
@@ -131,15 +132,6 @@ class EvalConfig:
     stop_at_accuracy: Any = None
     stop_every: int = 0  # 0: with each periodic evaluation (``every``)
     stop_size: Any = None  # null: the whole held-out set
-
-
-def eval_reward(ev: EvalConfig, stage: Any) -> Any:
-    """The reward an evaluation scores with: ``eval.reward``, else the stage's own ``reward``,
-    else the built-in ``exact_match``."""
-    if ev.reward is not None:
-        return ev.reward
-    own = getattr(stage, "reward", None)
-    return own if own is not None else "tempering:exact_match"
 
 
 def check_eval(ctx: RunContext, value: Any, stage: Any = None) -> EvalConfig:
@@ -351,8 +343,6 @@ class Stage:
 
     # ------------------------------------------------------------------ the skeleton
     def run(self, ctx: RunContext) -> dict[str, Any]:
-        from tempering.evaluate import StageEvaluator
-
         with config_only():  # run_recipe checked the data before stage 1; setup loads it now
             self.validate(ctx)
         self._optimizer = sub_config(OptimizerConfig, self.optimizer, f"{ctx.path}.optimizer")
