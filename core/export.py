@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from tempering.errors import ConfigError
 from tempering.interfaces import DownloadableWeights, Exportable, supports
+from tempering.registry import registered_builder
 from tempering.rundata import RunDir, run_backend
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -115,8 +116,7 @@ def adapter_base(name: Any, model_kwargs: Any, folder: str | None) -> Any:
     """The base model an adapter trained on a service merges into: ``folder`` (``--base-model``),
     else the model builder ``name`` with ``model_kwargs`` at its own default seed (the local Tinker
     server's base), else the Hugging Face folder or cached hub model ``name`` -- never downloaded."""
-    from tempering.plugins.backends.local.model_source import registered_builder
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: torch and transformers load only when exporting
 
     if folder is not None:
         if not os.path.isfile(os.path.join(folder, "config.json")):

@@ -29,7 +29,8 @@ from typing import Any
 
 import yaml
 
-from tempering.registry import BUILTIN_DIST, Registry, params_schema
+from tempering.registry import BUILTIN_DIST, Registry, config_blocks, factory_defaults, params_schema
+from tempering.stage import EvalConfig, OptimizerConfig
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reference.md"
 #: Arguments each kind's factory gets at run time (the ``context`` of ``Registry.build``).
@@ -53,26 +54,13 @@ def keys_of(factory: Callable[..., Any], exclude: Iterable[str] = ()) -> list[Ke
     schema = params_schema(factory, exclude)
     if schema is None:
         return None
-    defaults = _factory_defaults(factory)
+    defaults = factory_defaults(factory)
     out = []
     for f in dataclasses.fields(schema):
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
         value = defaults.get(f.name, dataclasses.MISSING if required else f.default)
         out.append(Key(f.name, type_name(f.type), "" if value is dataclasses.MISSING else show(value)))
     return out
-
-
-def _factory_defaults(factory: Callable[..., Any]) -> dict[str, Any]:
-    target = getattr(factory, "Params", None) if not dataclasses.is_dataclass(factory) else factory
-    if target is not None and dataclasses.is_dataclass(target):
-        out = {}
-        for f in dataclasses.fields(target):
-            if f.default is not dataclasses.MISSING:
-                out[f.name] = f.default
-            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-                out[f.name] = f.default_factory()  # type: ignore[misc]
-        return out
-    return {p.name: p.default for p in inspect.signature(factory).parameters.values() if p.default is not p.empty}
 
 
 def type_name(t: Any) -> str:
@@ -118,8 +106,6 @@ def table(keys: list[Key] | None, skip: Iterable[str] = ()) -> list[str]:
 
 def render(registry: Registry | None = None) -> str:
     """The whole page, for the built-in components of ``registry`` (default: tempering's own)."""
-    from tempering.plugins.backends.local.backend import LoraParams
-    from tempering.stage import EvalConfig, OptimizerConfig
 
     if registry is None:
         registry = Registry(entry_points=False)
@@ -154,7 +140,10 @@ def render(registry: Registry | None = None) -> str:
             out.append("")
     out += ["", "## stage blocks", "",
             "Every training stage has these nested blocks (checked key by key like a component):", ""]  # fmt: skip
-    for title, cls in (("`optimizer:`", OptimizerConfig), ("`eval:`", EvalConfig), ("`backend.lora:` (local)", LoraParams)):
+    blocks = [(f"`{kind}.{key}:` ({comp.name})", cls) for kind in ORDER
+              for comp in registry.components(kind) if comp.plugin.dist == BUILTIN_DIST and kind != "recipe"
+              for key, cls in config_blocks(comp.load()).items()]  # fmt: skip
+    for title, cls in (("`optimizer:`", OptimizerConfig), ("`eval:`", EvalConfig), *blocks):
         out += [f"### {title}", ""]
         if summary(cls):
             out += [summary(cls), ""]

@@ -43,6 +43,11 @@ BUILTIN_DIST = "tempering"
 #: resolves its model name and validates ``model_kwargs`` against the model builder there, so
 #: a typo fails in a second instead of after a download. It raises ``ConfigError`` under ``path``.
 CHECK_HOOK = "check_params"
+#: A factory may define ``config_blocks``, a mapping of its config keys that hold a nested block
+#: to the dataclass of that block (the local backend's ``{"lora": LoraParams}``): ``tempering
+#: show --resolved`` fills in the block's defaults and ``docs/reference.md`` lists its keys,
+#: both without importing the plugin that defines it.
+BLOCKS_HOOK = "config_blocks"
 
 
 @dataclass(frozen=True)
@@ -399,6 +404,38 @@ def params_schema(factory: Callable[..., Any], exclude: Iterable[str] = ()) -> t
         default = dataclasses.MISSING if p.default is p.empty else p.default
         entries.append((p.name, _hint(factory, p.name, p.annotation), default))
     return _make_schema(getattr(factory, "__name__", "Params"), entries)
+
+
+def factory_defaults(factory: Callable[..., Any]) -> dict[str, Any]:
+    """The default value of each of a factory's config keys that has one: a dataclass's (or its
+    ``Params`` dataclass's) field defaults, default factories called, else the signature's.
+    What ``docs/reference.md`` lists and ``tempering show --resolved`` fills in."""
+    target = getattr(factory, "Params", None) if not dataclasses.is_dataclass(factory) else factory
+    if target is not None and dataclasses.is_dataclass(target):
+        out = {}
+        for f in dataclasses.fields(target):
+            if f.default is not dataclasses.MISSING:
+                out[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                out[f.name] = f.default_factory()  # type: ignore[misc]
+        return out
+    return {p.name: p.default for p in inspect.signature(factory).parameters.values() if p.default is not p.empty}
+
+
+def config_blocks(factory: Callable[..., Any]) -> dict[str, type]:
+    """The nested config blocks a factory declares (:data:`BLOCKS_HOOK`): key -> dataclass."""
+    return dict(getattr(factory, BLOCKS_HOOK, None) or {})
+
+
+def registered_builder(name: str, registry: Registry | None = None) -> Callable[..., tuple[Any, Any]] | None:
+    """The model builder a plugin registered under ``name`` (or ``dist:name``), or ``None``:
+    then the name is a folder or a hub id (``registry``: the process-wide one by default). Used
+    by every backend that builds a model locally, and by ``tempering export`` to rebuild the
+    base of a LoRA adapter trained on a service."""
+    registry = registry or get_registry()
+    if name.rpartition(":")[2] not in registry.names("model"):
+        return None
+    return registry.get("model", name).load()
 
 
 _SIMPLE = (int, float, bool, str)

@@ -9,7 +9,8 @@ values (as ``docs/reference.md`` lists them):
   :class:`~tempering.stage.OptimizerConfig` and :class:`~tempering.stage.EvalConfig` keys) and
   every key that names a component of a registered kind (``reward``, ``dataset``, ``loss``,
   ``sampler`` and its ``environment``, ...), written as ``{name: ..., <its keys>}``;
-- the backend (and the local backend's ``lora:`` block, when it has one) and each logger.
+- the backend (and the nested blocks its factory declares, such as the local backend's
+  ``lora:``: :data:`tempering.registry.BLOCKS_HOOK`) and each logger.
 
 A value the registry cannot expand (a path, ``renderer: auto``, a Python object) is left as it
 is; a default that is not plain data (a function) is left out, as the factory supplies it.
@@ -24,7 +25,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from tempering.registry import Registry, get_registry, is_plain_data, params_schema
+from tempering.registry import Registry, config_blocks, factory_defaults, get_registry, is_plain_data, params_schema
 
 #: Arguments each kind's factory gets at run time, not from the recipe.
 RUNTIME: dict[str, tuple[str, ...]] = {"logger": ("output_dir",), "sampler": ("context",), "renderer": ("tokenizer",),
@@ -37,7 +38,7 @@ def with_defaults(cfg: Mapping[str, Any], registry: Registry | None = None) -> d
     """``cfg`` (a :meth:`Recipe.to_dict`) with every component's defaults filled in."""
     registry = registry or get_registry()
     out = dict(cfg)
-    out["backend"] = _backend(registry, cfg.get("backend"))
+    out["backend"] = component(registry, "backend", cfg.get("backend"))
     loggers = cfg.get("loggers")
     if isinstance(loggers, (list, tuple)):
         out["loggers"] = [component(registry, "logger", spec) for spec in loggers]
@@ -64,7 +65,7 @@ def component(registry: Registry, kind: str, spec: Any) -> Any:
     out: dict[str, Any] = {"name": spec["name"]}
     if schema is None:  # takes **kwargs: no defaults to show
         return {**out, **given}
-    defaults = _defaults(factory)
+    defaults = factory_defaults(factory)
     for f in dataclasses.fields(schema):
         if f.name in given:
             value = given[f.name]
@@ -77,6 +78,9 @@ def component(registry: Registry, kind: str, spec: Any) -> Any:
         elif kind == "sampler" and f.name == "environment":
             value = component(registry, "environment", value)
         out[f.name] = value
+    for key, block in config_blocks(factory).items():  # e.g. the local backend's lora: block
+        if isinstance(out.get(key), Mapping):
+            out[key] = _block(block, out[key])
     out.update({k: v for k, v in given.items() if k not in out})  # unknown keys: kept, for the validator to name
     return out
 
@@ -102,25 +106,10 @@ def _stage(registry: Registry, spec: Any) -> Any:
     return {"name": out["name"], **({"id": sid} if sid is not None else {}), **{k: v for k, v in out.items() if k != "name"}}
 
 
-def _backend(registry: Registry, spec: Any) -> Any:
-    out = component(registry, "backend", spec)
-    if isinstance(out, dict) and out.get("name") == "local" and isinstance(out.get("lora"), Mapping):
-        from tempering.plugins.backends.local.backend import LoraParams
-
-        out["lora"] = _block(LoraParams, out["lora"])
-    return out
-
-
 def _block(cls: type, given: Mapping[str, Any]) -> dict[str, Any]:
     """A nested config block (a dataclass's fields) with its defaults filled in."""
-    defaults = _defaults(cls)
+    defaults = factory_defaults(cls)
     out = {f.name: given.get(f.name, defaults.get(f.name)) for f in dataclasses.fields(cls)
            if f.name in given or (f.name in defaults and is_plain_data(defaults[f.name]))}  # fmt: skip
     out.update({k: v for k, v in given.items() if k not in out})
     return out
-
-
-def _defaults(factory: Any) -> dict[str, Any]:
-    from tempering.reference_docs import _factory_defaults
-
-    return _factory_defaults(factory)

@@ -136,6 +136,9 @@ class LocalBackend:
     #: on-policy stage can take the ratio's "old" logprobs from it, detached, instead of paying
     #: a second forward pass (GRPO's ``recompute_logprobs: auto``).
     LOSS_SEES_TRAINING_FORWARD: ClassVar[bool] = True
+    #: The nested ``lora:`` block's schema (``tempering.registry.BLOCKS_HOOK``): its defaults in
+    #: ``tempering show --resolved`` and its keys in docs/reference.md.
+    config_blocks: ClassVar[dict[str, type]] = {"lora": LoraParams}
 
     def __init__(
         self,

@@ -22,10 +22,11 @@ import contextlib
 import difflib
 import functools
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from tempering.errors import ConfigError, PluginError
+from tempering.registry import get_registry, registered_builder, validate_params  # registered_builder: re-exported
 
 #: Seconds for the one hub lookup of a name that is neither a builder nor a folder.
 HUB_TIMEOUT = 10.0
@@ -64,23 +65,10 @@ def source_folder(name: str) -> str:
     return name
 
 
-def registered_builder(name: str) -> Callable[..., tuple[Any, Any]] | None:
-    """The model builder a plugin registered under ``name`` (or ``dist:name``), or ``None``:
-    then the name is a folder or a hub id."""
-    from tempering.registry import get_registry
-
-    registry = get_registry()
-    if name.rpartition(":")[2] not in registry.names("model"):
-        return None
-    return registry.get("model", name).load()
-
-
 def check_model(name: Any, model_kwargs: Any, path: str) -> None:
     """Raise a one-line :class:`ConfigError` under ``path`` (the backend's config path) unless
     ``name`` is a builder whose arguments ``model_kwargs`` fit, a saved-model folder, or a hub id
     that exists."""
-    from tempering.registry import validate_params
-
     if not isinstance(name, str) or not name:
         raise ConfigError(f"expected a model builder name, a folder or a Hugging Face hub id, got {name!r}",
                           f"{path}.model")  # fmt: skip
@@ -110,8 +98,6 @@ def check_model(name: Any, model_kwargs: Any, path: str) -> None:
     problem = _hub_problem(name, (model_kwargs or {}).get("revision"))
     if problem is None:
         return
-    from tempering.registry import get_registry
-
     builders = get_registry().names("model")
     close = difflib.get_close_matches(name, builders, n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
