@@ -24,13 +24,23 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from tempering import rollout_log
+from tempering.config import parse_value
+from tempering.data import load_examples
 from tempering.errors import ConfigError
+from tempering.evaluate import build_sampler
+from tempering.export import exported_renderer
 from tempering.failures import failure_metrics
+from tempering.registry import get_registry
+from tempering.renderer import check_renderer
 from tempering.rollout import collect, rollout_metrics
+from tempering.rundata import RunDir, run_backend
+from tempering.scoring import RewardRunner
+from tempering.stage import check_sampler
 from tempering.types import Group, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -91,8 +101,6 @@ def spec_from_recipe(recipe: Mapping[str, Any]) -> dict[str, Any]:
 
 def dataset_spec(text: str) -> Any:
     """``--dataset``: a ``.jsonl`` path, a registered name, or a YAML mapping."""
-    from tempering.config import parse_value
-
     if text.endswith(".jsonl") and not text.lstrip().startswith("{"):
         return {"name": "jsonl", "path": text}
     return parse_value(text)
@@ -149,10 +157,6 @@ class EvalReport:
 def evaluate_policy(backend: Backend, spec: EvalSpec, registry: Any = None) -> EvalReport:
     """Sample ``spec.samples`` rollouts per example of ``spec.dataset`` with ``backend`` through
     the spec's sampler, score them, and compute the metrics (see the module docs)."""
-    from tempering.data import load_examples
-    from tempering.evaluate import build_sampler
-    from tempering.registry import get_registry
-    from tempering.scoring import RewardRunner
 
     spec.check()
     registry = registry or get_registry()
@@ -170,7 +174,7 @@ def evaluate_policy(backend: Backend, spec: EvalSpec, registry: Any = None) -> E
         chunk = examples[start : start + spec.batch_size]
         groups += collect(sampler, backend, chunk, int(spec.samples), params, first_id=start).groups
     metrics = score_groups(groups, spec.success_threshold)
-    forecasts = forecasts_of(groups, spec.outcome_key)
+    forecasts = forecasts_of(groups, spec.outcome_key, registry)
     cal = None
     if forecasts:
         from tempering.calibration import calibration
@@ -208,30 +212,39 @@ def score_groups(groups: Sequence[Group], success_threshold: float = 1.0) -> dic
     return out
 
 
-def forecasts_of(groups: Sequence[Group], outcome_key: str | None = None) -> list[tuple[float, float]]:
+def forecasts_of(groups: Sequence[Group], outcome_key: str | None = None, registry: Any = None) -> list[tuple[float, float]]:
     """(forecast, outcome) pairs: from the reward's parts (``p``, ``y``: the ``brier`` rewards),
     else -- with ``outcome_key`` -- the probability read from the completion and the example's
-    outcome column. Samples with neither (failed, unreadable) are left out."""
-    from tempering.plugins.rewards.forecast import ForecastParseError, parse_outcome, parse_probability
-
+    outcome column, as the built-in ``brier`` reward reads them (built through ``registry``, the
+    process-wide one by default). Samples with neither (failed, unreadable) are left out."""
+    reader = None
+    if outcome_key is not None:
+        reader = (registry or get_registry()).build("reward", {"name": "tempering:brier", "outcome_key": outcome_key},
+                                                   "outcome_key")  # fmt: skip
     pairs = []
     for g in groups:
         for s in g.samples:
-            info = s.reward_info or {}
-            if not s.failed and isinstance(info.get("p"), (int, float)) and isinstance(info.get("y"), (int, float)):
-                pairs.append((float(info["p"]), float(info["y"])))
-            elif outcome_key is not None and outcome_key in s.example:
-                try:
-                    pairs.append((parse_probability(s.completion.text), parse_outcome(s.example[outcome_key], outcome_key)))
-                except (ForecastParseError, ValueError):
+            given = _forecast(s.reward_info or {})
+            if not s.failed and given is not None:
+                pairs.append(given)
+            elif reader is not None and outcome_key in s.example:
+                try:  # an unreadable probability or outcome is a ValueError (ForecastParseError is one)
+                    read = _forecast(reader(s.completion.text, s.example).info)
+                except ValueError:
                     continue
+                if read is not None:
+                    pairs.append(read)
     return pairs
+
+
+def _forecast(info: Mapping[str, Any]) -> tuple[float, float] | None:
+    """The ``(p, y)`` a forecast reward reports in its info, if it reports both."""
+    p, y = info.get("p"), info.get("y")
+    return (float(p), float(y)) if isinstance(p, (int, float)) and isinstance(y, (int, float)) else None
 
 
 def check_spec(registry: Any, spec: EvalSpec) -> None:
     """The spec's values and the names and keys of its components, without building them."""
-    from tempering.renderer import check_renderer
-    from tempering.stage import check_sampler
 
     spec.check()
     ctx = EvalContext(registry, None)
@@ -248,12 +261,6 @@ def run_eval(target: str, spec: Mapping[str, Any], out: str | None = None, step:
     Hugging Face model folder; ``spec`` holds the given :class:`EvalSpec` fields (a run's recipe
     fills the rest). Writes ``eval.json``, ``rollouts.jsonl`` and, for forecasts,
     ``reliability.png`` into ``out``."""
-    from contextlib import ExitStack
-
-    from tempering.export import exported_renderer
-    from tempering.registry import get_registry
-    from tempering.rundata import RunDir, run_backend
-
     registry = registry or get_registry()
     given = {k: v for k, v in spec.items() if v is not None}
     unknown = set(given) - {f.name for f in fields(EvalSpec)}
