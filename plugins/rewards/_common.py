@@ -244,6 +244,11 @@ class LoopLocal(Generic[T]):
 RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
 
 
+#: The environment variable holding the reward server's shared secret: read by the server
+#: (:mod:`~tempering.plugins.rewards.server`) and the client (:mod:`~tempering.plugins.rewards.remote`).
+TOKEN_ENV = "TEMPERING_REWARD_TOKEN"
+
+
 class HTTPRewardError(RewardError):
     """An HTTP call behind a reward failed for good (after retries, or a non-retryable status)."""
 

@@ -25,11 +25,14 @@ from typing import Any
 
 from tempering.errors import ConfigError
 from tempering.interfaces import RewardResult
-from tempering.plugins.rewards._common import HTTPRewardError, LoopLocal, MicroBatcher, RewardError, post_json
-
-
-#: The environment variable holding the reward server's shared secret (server and client).
-TOKEN_ENV = "TEMPERING_REWARD_TOKEN"
+from tempering.plugins.rewards._common import (  # TOKEN_ENV: re-exported (defined beside the server's helpers)
+    TOKEN_ENV,
+    HTTPRewardError,
+    LoopLocal,
+    MicroBatcher,
+    RewardError,
+    post_json,
+)
 
 
 class RemoteRewardError(RewardError):
@@ -71,6 +74,15 @@ class RemoteReward:
     batch_wait: float = 0.01
     headers: dict = field(default_factory=dict)  # type: ignore[type-arg]
     token_env: str = TOKEN_ENV
+
+    @staticmethod
+    def serve(target: str, **options: Any) -> None:
+        """The other end: serve ``target`` (``MODULE:FUNC`` or a registered reward name) for
+        remote rewards to call, until interrupted -- ``tempering serve-reward``, which finds it
+        here through the registry (``options``: :func:`tempering.plugins.rewards.server.serve`'s)."""
+        from tempering.plugins.rewards.server import serve  # lazy: a client never loads the server
+
+        serve(target, **options)
 
     @staticmethod
     def check_params(params: Mapping[str, Any], path: str = "remote") -> None:

@@ -61,8 +61,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
 from tempering.errors import ConfigError
-from tempering.plugins.rewards._common import json_safe, reward_name
-from tempering.plugins.rewards.remote import TOKEN_ENV
+from tempering.plugins.rewards._common import TOKEN_ENV, json_safe, reward_name
 from tempering.scoring import RewardRunner
 from tempering.types import Completion, Sample
 
