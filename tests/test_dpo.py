@@ -12,7 +12,7 @@ import torch
 
 from tempering.algorithms.dpo.algorithm import DPO
 from tempering.algorithms.dpo.loss import DPOLoss, pair_sequence_logprobs
-from tempering.algorithms.dpo.synthetic import synthetic_preferences
+from tempering.plugins.datasets.synthetic_preferences import synthetic_preferences
 from tempering.errors import ConfigError
 from tempering.interfaces import Loss
 from tempering.plugins.backends.local.backend import LocalBackend

@@ -1,4 +1,4 @@
-"""Registers DPO, its loss and the synthetic preference dataset."""
+"""Registers DPO and its loss (its toy dataset, ``synthetic_preferences``, is a built-in dataset)."""
 
 from tempering.hookspecs import hookimpl
 
@@ -12,11 +12,3 @@ def register_algorithms(register):
 def register_losses(register):
     register("dpo", "tempering.algorithms.dpo.loss:DPOLoss", description="DPO sigmoid / IPO / robust / sigmoid+SFT (RPO) on interleaved pairs")
 
-
-@hookimpl
-def register_datasets(register):
-    register(
-        "synthetic_preferences",
-        "tempering.algorithms.dpo.synthetic:synthetic_preferences",
-        description="addition prompts, chosen = right sum, rejected = near miss or malformed",
-    )

@@ -22,8 +22,8 @@ import random
 import re
 from typing import Any
 
-from tempering.algorithms.dpo.synthetic import _wrong
 from tempering.plugins.datasets.math_questions import TEMPLATES, math_questions
+from tempering.plugins.datasets.synthetic_preferences import near_miss
 
 REJECTED_KINDS = ("wrong", "verbose", "restated_wrong", "mixed")
 _MIXED = ("wrong", "verbose", "restated_wrong")
@@ -59,9 +59,9 @@ def math_preferences(
 def _rejected(row: dict[str, Any], kind: str, rng: random.Random) -> str:
     answer = int(row["answer"])
     if kind == "wrong":
-        return _wrong(answer, rng)
+        return near_miss(answer, rng)
     a, b = re.findall(r"\d+", row["question"])[:2]  # every template names a before b
     sum_ = f"{a} {TEMPLATES[row['kind']][1]} {b}"
     if kind == "verbose":
         return f"{sum_} = {answer}. So the answer is {answer}."
-    return f"{sum_} = {_wrong(answer, rng)}"
+    return f"{sum_} = {near_miss(answer, rng)}"

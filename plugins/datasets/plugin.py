@@ -14,5 +14,7 @@ def register_datasets(register):
              description="multi-hop questions over a generated corpus: tasks, SFT trajectories or DPO pairs")
     register("math_questions", "tempering.plugins.datasets.math_questions:math_questions",
              description="arithmetic questions in natural language (chat messages) for instruct models")
+    register("synthetic_preferences", "tempering.plugins.datasets.synthetic_preferences:synthetic_preferences",
+             description="addition prompts, chosen = right sum, rejected = near miss or malformed")
     register("math_preferences", "tempering.plugins.datasets.math_preferences:math_preferences",
              description="DPO pairs on math_questions: the bare right number over a wrong or verbose answer")

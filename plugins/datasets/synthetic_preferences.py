@@ -1,4 +1,4 @@
-"""A synthetic preference dataset for tests and the toy DPO -> RL example.
+"""``synthetic_preferences``: a synthetic preference dataset for tests and the toy DPO -> RL example.
 
 Pairs are 2-digit additions split into train and test exactly like the ``arithmetic`` dataset
 (same ``low``/``high``/``test_size``/``seed`` give the same split), so a recipe can warm up with
@@ -24,7 +24,9 @@ from tempering.plugins.datasets.arithmetic import arithmetic
 REJECTED_KINDS = ("wrong", "malformed", "mixed")
 
 
-def _wrong(answer: int, rng: random.Random) -> str:
+def near_miss(answer: int, rng: random.Random) -> str:
+    """A wrong answer close to ``answer``: it plus or minus 1..10, never negative, never itself
+    (also ``math_preferences``' ``wrong`` kind)."""
     while True:
         cand = answer + rng.choice([-1, 1]) * rng.randint(1, 10)
         if cand >= 0 and cand != answer:
@@ -58,6 +60,6 @@ def synthetic_preferences(
     for i, row in enumerate(rows):
         kind = rejected if rejected != "mixed" else ("wrong" if i % 2 == 0 else "malformed")
         answer = row["answer"]
-        bad = _wrong(int(answer), rng) if kind == "wrong" else _malformed(answer, rng)
+        bad = near_miss(int(answer), rng) if kind == "wrong" else _malformed(answer, rng)
         out.append({"prompt": row["prompt"], "chosen": answer, "rejected": bad, "answer": answer})
     return out
