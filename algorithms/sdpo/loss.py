@@ -1,0 +1,187 @@
+"""The SDPO objective: self-distillation from a feedback-conditioned teacher, blended with the
+GRPO policy loss.
+
+Per step (TRL 1.16's ``SDPOTrainer.compute_loss``; ``w`` = ``distillation_weight``)::
+
+    loss = (1 - w) * policy_loss + w * distillation_loss
+
+``w = 1`` computes the distillation part only and ``w = 0`` the policy part only (as TRL, so
+neither pays for the other). ``policy_loss`` is the stage's policy loss (``grpo`` by default:
+PPO-clip with TRL's ``loss_type`` aggregations, :class:`~tempering.algorithms.grpo.loss.GRPOLoss`)
+on every trainable token.
+
+``distillation_loss`` runs over the *distillation mask* ``m`` (``batch["distill_weights"]``):
+the sampled tokens of the samples whose teacher had something to say (a sibling's solution,
+feedback); 0 elsewhere. Per token ``l_t`` (``mode``):
+
+* ``sampled_token`` (default; alpha must be 1): ``sg(lp_t - lp_teacher_t) * lp_t`` -- the
+  reverse KL's policy gradient through the sampled token
+  (:func:`tempering.rlmath.divergence.sampled_token_loss`); needs only the teacher's logprob of
+  each sampled token (``batch["teacher_token_logprobs"]``);
+* ``full_logits``: ``D_alpha(student || teacher)`` over the vocabulary;
+* ``topk_logits``: ``D_alpha`` on a top-``topk`` support -- the student's top-k with the
+  teacher's full distribution gathered there (``topk_support: student``, TRL's local path) or
+  the teacher's own top-k (``teacher``, TRL's server path; all a service returns) -- either
+  renormalised on the support or with one tail bucket for the rest (``add_tail``).
+
+``D_alpha`` is forward KL at alpha 0, reverse KL at 1 and the generalised JSD between
+(:mod:`tempering.rlmath.divergence`, the same functions SDFT uses). With ``is_clip`` (TRL's
+``distillation_is_clip``, default 2) each ``l_t`` is multiplied by ``min(exp(lp_t - old_t),
+is_clip)``, detached, where ``old`` are the batch's ``sampler_logprobs``: a correction for
+tokens sampled by older weights (1 on-policy; skipped when the batch has no old logprobs).
+The aggregation is TRL's: each row's mean over its masked tokens, then the mean over *all*
+``B`` rows -- a row without a teacher counts as 0, so a batch where few samples have a teacher
+takes a proportionally smaller distillation step. A batch where none has one gives a zero
+distillation loss (and zero gradient), never NaN.
+
+Metrics: ``sdpo/distill_loss`` (token mean of ``l_t`` over the mask, TRL's logged value),
+``sdpo/policy_loss``, ``sdpo/teacher_kl`` (token mean of ``lp - lp_teacher`` on the sampled
+tokens under the mask: a one-sample estimate of KL(student || teacher)), ``sdpo/is_clip_frac``
+(share of masked tokens whose ratio exceeded ``is_clip``), plus the policy loss's own metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from tempering.interfaces import LossOutput
+from tempering.rlmath.aggregation import aggregate_mean
+from tempering.rlmath.divergence import sampled_token_loss
+from tempering.rlmath.masks import active, masked
+from tempering.rlmath.ratios import capped_is_weight
+from tempering.teacher import teacher_divergence
+
+__all__ = ["MODES", "SUPPORTS", "SDPOLoss", "distillation_problem"]
+
+MODES = ("sampled_token", "full_logits", "topk_logits")
+SUPPORTS = ("student", "teacher")
+
+
+def distillation_problem(mode: str, alpha: float, topk: int | None, support: str, is_clip: float | None,
+                         weight: float) -> tuple[str, str] | None:  # fmt: skip
+    """The first bad distillation setting as ``(stage key, one-line message)``, or None.
+
+    One rule set for the stage's validation (a :class:`~tempering.errors.ConfigError` at the
+    key's path) and for :class:`SDPOLoss` built by hand (a ``ValueError``)."""
+    if mode not in MODES:
+        return "distillation_mode", f"unknown mode '{mode}'; use one of {', '.join(MODES)}"
+    if not 0.0 <= alpha <= 1.0:
+        return "distillation_alpha", f"must be in [0, 1] (0 forward KL, 1 reverse KL, JSD between), got {alpha}"
+    if mode == "sampled_token" and alpha != 1.0:
+        return "distillation_alpha", (f"must be 1 with distillation_mode 'sampled_token' (a sampled token estimates "
+                                      f"the reverse KL only), got {alpha}; use full_logits or topk_logits for other alphas")  # fmt: skip
+    if mode == "topk_logits" and topk is None:
+        return "distillation_topk", "distillation_mode 'topk_logits' needs distillation_topk (the support size, e.g. 100)"
+    if topk is not None and mode != "topk_logits":
+        return "distillation_topk", f"is only read by distillation_mode 'topk_logits' (the mode is '{mode}'); remove it"
+    if topk is not None and topk < 1:
+        return "distillation_topk", f"must be >= 1, got {topk}"
+    if support not in SUPPORTS:
+        return "distillation_topk_support", f"use one of {', '.join(SUPPORTS)} (got '{support}')"
+    if is_clip is not None and is_clip <= 0:
+        return "distillation_is_clip", f"must be > 0 (or null: off), got {is_clip}"
+    if not 0.0 <= weight <= 1.0:
+        return "distillation_weight", f"must be in [0, 1] (1 distillation only, 0 policy gradient only), got {weight}"
+    return None
+
+
+@dataclass
+class SDPOLoss:
+    """``(1 - weight) * policy + weight * distillation`` (see the module docstring).
+
+    ``policy`` is the policy-gradient loss (a :class:`~tempering.interfaces.Loss`, e.g.
+    ``GRPOLoss()``; may be None when ``weight`` is 1). The other fields are the stage's
+    ``distillation_*`` keys without the prefix.
+
+    Reads ``weights``, ``advantages`` and ``sampler_logprobs`` (policy part; the latter also
+    for ``is_clip``), ``distill_weights`` (the distillation mask), ``teacher_token_logprobs``
+    (``sampled_token``; every mode for ``sdpo/teacher_kl``), ``logits`` and ``teacher_logits``
+    or ``teacher_topk_logprobs`` / ``teacher_topk_ids`` (logit modes)."""
+
+    policy: Any = None
+    mode: str = "sampled_token"
+    alpha: float = 1.0
+    topk: int | None = None
+    topk_support: str = "student"
+    add_tail: bool = False
+    is_clip: float | None = 2.0
+    weight: float = 1.0
+
+    tinker_builtin: ClassVar[str | None] = None
+
+    def __post_init__(self) -> None:
+        problem = distillation_problem(self.mode, self.alpha, self.topk, self.topk_support, self.is_clip, self.weight)
+        if problem is not None:
+            raise ValueError(f"SDPOLoss {problem[0]}: {problem[1]}")
+        if self.policy is None and self.weight < 1.0:
+            raise ValueError(f"SDPOLoss: weight {self.weight} < 1 blends in a policy loss; pass policy=")
+
+    @property
+    def needs_logits(self) -> bool:
+        """The logit modes need the student's logits (and the policy loss, if it does)."""
+        distill = self.weight > 0 and self.mode != "sampled_token"
+        return distill or (self.weight < 1 and bool(getattr(self.policy, "needs_logits", False)))
+
+    @property
+    def teacher_input(self) -> str | None:
+        """What the teacher must provide: ``token`` logprobs, ``topk`` (its own top-k) or
+        ``full`` distributions; None when nothing is distilled (``weight`` 0)."""
+        if self.weight == 0:
+            return None
+        if self.mode == "sampled_token":
+            return "token"
+        return "topk" if self.mode == "topk_logits" and self.topk_support == "teacher" else "full"
+
+    def distillation(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        """The distillation loss (seq-mean over all rows) and its metrics."""
+        mask = batch["distill_weights"] if "distill_weights" in batch else torch.zeros_like(logprobs)
+        on = active(mask)
+        if not bool(on.any()):  # no teacher anywhere: a zero that keeps the graph (zero gradients)
+            return masked(logprobs, batch["weights"]).sum() * 0.0, {"sdpo/distill_loss": 0.0}
+        if self.mode == "sampled_token":
+            teacher = batch["teacher_token_logprobs"].to(logprobs.dtype)
+            per_token = sampled_token_loss(logprobs, torch.where(on, teacher, logprobs.detach()))
+        else:
+            per_token = teacher_divergence(logprobs, batch, self.mode, float(self.alpha), int(self.topk or 0),
+                                           self.add_tail, self.topk_support)  # fmt: skip
+        metrics: dict[str, float] = {}
+        if self.is_clip is not None and "sampler_logprobs" in batch:
+            old = batch["sampler_logprobs"].to(logprobs.dtype)
+            per_token = per_token * capped_is_weight(logprobs, old, self.is_clip)
+            with torch.no_grad():
+                clipped = (logprobs - old).clamp(-20.0, 20.0).exp() > self.is_clip
+                metrics["sdpo/is_clip_frac"] = float(clipped[on].float().mean())
+        loss = aggregate_mean(per_token, mask, "seq_mean")
+        with torch.no_grad():
+            metrics["sdpo/distill_loss"] = float(per_token[on].mean())
+            teacher = batch.get("teacher_token_logprobs")
+            if teacher is not None:
+                diff = (logprobs - teacher.to(logprobs.dtype))[on]
+                diff = diff[torch.isfinite(diff)]  # a token outside the teacher's top-k has no value
+                if diff.numel():
+                    metrics["sdpo/teacher_kl"] = float(diff.mean())
+        return loss, metrics
+
+    def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
+        metrics: dict[str, float] = {}
+        policy_loss = distill_loss = None
+        if self.weight < 1.0:
+            policy = self.policy(logprobs, batch)
+            policy_loss = policy.loss
+            metrics.update(policy.metrics)
+            metrics["sdpo/policy_loss"] = float(policy_loss.detach())
+        if self.weight > 0.0:
+            distill_loss, distill_metrics = self.distillation(logprobs, batch)
+            metrics.update(distill_metrics)
+        if distill_loss is None:
+            loss = policy_loss
+        elif policy_loss is None:
+            loss = distill_loss
+        else:
+            loss = (1.0 - self.weight) * policy_loss + self.weight * distill_loss
+        assert loss is not None
+        return LossOutput(loss, metrics)

@@ -1,0 +1,310 @@
+"""SDPO against TRL 1.16's ``trl.experimental.sdpo``: the loss (every mode, IS clip on/off, the
+blend with the policy loss, ragged and fully masked batches) against ``SDPOTrainer``'s own
+``compute_loss`` / ``_compute_self_distillation_loss`` / ``_compute_policy_loss``; the teacher
+context (solution choice, self-success rule, templates, truncation) against its
+``SuccessfulRolloutTeacherContextBuilder`` and on token ids with the tiny and Qwen3 renderers;
+the stage end to end on the local backend (YAML and Python recipes, multi-turn, feedback); and
+the config errors, one line each, before anything trains."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import string
+from collections import defaultdict
+from contextlib import nullcontext
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+from tempering.algorithms.grpo.loss import GRPOLoss  # noqa: E402
+from tempering.algorithms.sdpo.algorithm import SDPO  # noqa: E402
+from tempering.algorithms.sdpo.context import (  # noqa: E402
+    DEFAULT_FEEDBACK_TEMPLATE,
+    DEFAULT_REPROMPT_TEMPLATE,
+    DEFAULT_SOLUTION_TEMPLATE,
+    RepromptRules,
+    TeacherSignal,
+    choose_signals,
+    demonstration_text,
+    reprompt_text,
+    template_problem,
+    truncate_prompt,
+)
+from tempering.algorithms.sdpo.loss import SDPOLoss  # noqa: E402
+from tempering.recipe import Recipe  # noqa: E402
+from tempering.rl import build_group_batch  # noqa: E402
+from tempering.rlmath.advantages import GroupNormAdvantage  # noqa: E402
+from tempering.types import Completion, Group, Sample  # noqa: E402
+
+#: A tiny Llama whose character vocabulary covers TRL's default templates.
+CHARS = string.digits + string.ascii_letters + " +=:,.\n"
+SMALL = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64, "chars": CHARS}
+
+
+@pytest.fixture(scope="module")
+def trl_sdpo():
+    import trl
+    from trl.experimental.sdpo import SDPOConfig, SDPOTrainer, sdpo_trainer
+
+    assert trl.__version__.startswith("1.16"), trl.__version__
+    return SimpleNamespace(Config=SDPOConfig, Trainer=SDPOTrainer, module=sdpo_trainer)
+
+
+def trl_stub(trl_sdpo, tmp_path, logits: dict[str, torch.Tensor] | None = None, served: Any = None, **cfg: Any) -> Any:
+    """The real ``SDPOTrainer`` loss methods bound to a minimal object (a whole trainer would
+    load a model and generate). ``logits`` stands in for the forward passes: the student's and
+    the teacher's logits over the completion positions."""
+    args = trl_sdpo.Config(output_dir=str(tmp_path / "trl"), bf16=False, use_cpu=True, report_to="none",
+                           per_device_train_batch_size=4, num_generations=2, **cfg)  # fmt: skip
+    stub = SimpleNamespace(
+        args=args, epsilon_low=args.epsilon, epsilon_high=args.epsilon_high, loss_type=args.loss_type,
+        importance_sampling_level=args.importance_sampling_level, max_completion_length=args.max_completion_length,
+        temperature=1.0, model=SimpleNamespace(training=True), teacher_model=None, current_gradient_accumulation_steps=1,
+        accelerator=SimpleNamespace(gather=lambda x: x), _metrics=defaultdict(lambda: defaultdict(list)), _name="SDPO",
+        use_teacher_server=served is not None, state=SimpleNamespace(global_step=0), _last_loaded_step=0,
+    )  # fmt: skip
+    for name in ("compute_loss", "_compute_policy_loss", "_compute_self_distillation_loss",
+                 "_compute_server_distillation_loss", "_log_self_distillation_metric"):  # fmt: skip
+        setattr(stub, name, getattr(trl_sdpo.Trainer, name).__get__(stub))
+    if logits is not None:
+        stub._forward_logits = lambda model, input_ids, attention_mask, logits_to_keep: logits["student"]
+        stub._compute_teacher_student_logits = lambda model, teacher, inputs: trl_sdpo.module.DistillationLogits(
+            inputs["completion_ids"], inputs["completion_mask"],
+            inputs["completion_mask"] * inputs["self_distillation_mask"].unsqueeze(1), logits["student"], logits["teacher"],
+        )  # fmt: skip
+    if served is not None:
+        stub._get_teacher_token_logprobs_from_server = lambda inputs, n: served
+    return stub
+
+
+# --------------------------------------------------------------------------- the loss vs TRL
+B, T, V = 4, 5, 11
+LENGTHS = [5, 3, 1, 4]  # ragged completions
+SD_MASK = [1.0, 0.0, 1.0, 1.0]  # the second sample has no teacher signal
+
+
+DTYPE = torch.float64  # the logit modes compute in float32 (as the backend does): the 1e-6 tolerance is theirs
+
+
+def loss_inputs(seed: int, sd_mask: list[float], off_policy: float) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    student = (torch.randn(B, T, V, generator=g, dtype=DTYPE) * 2.0).requires_grad_(True)
+    teacher = torch.randn(B, T, V, generator=g, dtype=DTYPE) * 2.0
+    ids = torch.randint(0, V, (B, T), generator=g)
+    cmask = torch.tensor([[1.0] * n + [0.0] * (T - n) for n in LENGTHS], dtype=DTYPE)
+    adv = torch.randn(B, generator=g, dtype=DTYPE)
+    with torch.no_grad():  # behaviour logprobs: the student's, shifted by +-off_policy
+        lp = torch.log_softmax(student, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        old = lp + off_policy * torch.tensor([(-1.0) ** (i + j) for i in range(B) for j in range(T)]).view(B, T)
+    return {"student": student, "teacher": teacher, "ids": ids, "cmask": cmask, "adv": adv, "old": old,
+            "sd": torch.tensor(sd_mask, dtype=DTYPE)}  # fmt: skip
+
+
+def ours(x: dict[str, torch.Tensor], with_old: bool, topk_teacher: int = 0, **loss: Any) -> Any:
+    """Our SDPOLoss on the batch tensors a backend would hand it."""
+    lp = torch.log_softmax(x["student"], -1).gather(-1, x["ids"].unsqueeze(-1)).squeeze(-1)
+    t_lp = torch.log_softmax(x["teacher"], -1)
+    batch = {
+        "weights": x["cmask"], "advantages": x["adv"].unsqueeze(-1).expand(B, T).contiguous(),
+        "distill_weights": x["cmask"] * x["sd"].unsqueeze(-1), "logits": x["student"], "teacher_logits": t_lp,
+        "teacher_token_logprobs": t_lp.gather(-1, x["ids"].unsqueeze(-1)).squeeze(-1),
+    }  # fmt: skip
+    if topk_teacher:
+        batch["teacher_topk_logprobs"], batch["teacher_topk_ids"] = t_lp.topk(topk_teacher, -1)
+    if with_old:
+        batch["sampler_logprobs"] = x["old"]
+    return SDPOLoss(policy=GRPOLoss(), **loss)(lp, batch)
+
+
+def trl_inputs(x: dict[str, torch.Tensor], with_old: bool) -> dict[str, torch.Tensor]:
+    inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+              "completion_ids": x["ids"], "completion_mask": x["cmask"], "advantages": x["adv"],
+              "self_distillation_mask": x["sd"]}  # fmt: skip
+    if with_old:
+        inputs["old_per_token_logps"] = x["old"]
+    return inputs
+
+
+LOSS_MODES = {
+    "sampled_token": ({"distillation_mode": "sampled_token", "distillation_alpha": 1.0}, {"mode": "sampled_token"}),
+    **{f"full_a{a}": ({"distillation_mode": "full_logits", "distillation_alpha": a}, {"mode": "full_logits", "alpha": a})
+       for a in (0.0, 0.5, 1.0)},
+    **{f"topk{'_tail' if tail else ''}_a{a}": (
+        {"distillation_mode": "topk_logits", "distillation_topk": 4, "distillation_alpha": a, "distillation_add_tail": tail},
+        {"mode": "topk_logits", "topk": 4, "alpha": a, "add_tail": tail})
+       for a in (0.0, 0.5, 1.0) for tail in (False, True)},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("weight", [1.0, 0.5])
+@pytest.mark.parametrize("is_clip", [2.0, None], ids=["clip", "noclip"])
+@pytest.mark.parametrize("case", sorted(LOSS_MODES))
+def test_loss_and_gradient_equal_trl(trl_sdpo, tmp_path, case, is_clip, weight):
+    """Our loss and its gradient w.r.t. the student's logits equal TRL's ``compute_loss`` (which
+    blends ``_compute_policy_loss`` and ``_compute_self_distillation_loss``) on a ragged batch
+    with a sample without a teacher, off-policy by +-1 nat so the IS clip at 2 engages."""
+    trl_cfg, our_cfg = LOSS_MODES[case]
+    x = loss_inputs(0, SD_MASK, 1.0)
+    out = ours(x, True, **our_cfg, is_clip=is_clip, weight=weight)
+    out.loss.backward()
+    our_grad = x["student"].grad.clone()
+    x["student"].grad = None
+    stub = trl_stub(trl_sdpo, tmp_path, {"student": x["student"], "teacher": x["teacher"]}, **trl_cfg,
+                    distillation_is_clip=is_clip, distillation_weight=weight)  # fmt: skip
+    theirs = stub.compute_loss(stub.model, trl_inputs(x, True))
+    theirs.backward()
+    assert out.loss.item() == pytest.approx(theirs.item(), abs=1e-6)
+    torch.testing.assert_close(our_grad, x["student"].grad, atol=1e-6, rtol=0)
+    assert our_grad.abs().max() > 1e-3  # a real signal
+    assert our_grad[1, : LENGTHS[1]].abs().max() > 0 if weight < 1 else our_grad[1].abs().max() == 0  # no teacher: PG only
+    assert our_grad[:, :, :][x["cmask"] == 0].abs().max() == 0  # padding never moves
+    logged = stub._metrics["train"]
+    assert out.metrics["sdpo/distill_loss"] == pytest.approx(logged["self_distillation/distillation_loss"][-1], abs=1e-6)
+    if weight < 1:
+        assert out.metrics["sdpo/policy_loss"] == pytest.approx(logged["self_distillation/policy_loss"][-1], abs=1e-6)
+    if is_clip is not None:  # +-1 nat: every other masked token's ratio e > 2 is clipped
+        on = (x["cmask"] * x["sd"].unsqueeze(-1)) > 0
+        ratio = (torch.log_softmax(x["student"], -1).gather(-1, x["ids"].unsqueeze(-1)).squeeze(-1) - x["old"]).exp()
+        assert out.metrics["sdpo/is_clip_frac"] == pytest.approx(float((ratio[on] > 2.0).float().mean()), abs=1e-9)
+        assert 0 < out.metrics["sdpo/is_clip_frac"] < 1
+
+
+@pytest.mark.parametrize("case", ["sampled_token", "full_a0.5", "topk_tail_a0.0"])
+def test_policy_only_and_on_policy_batches_equal_trl(trl_sdpo, tmp_path, case):
+    """distillation_weight 0 is the policy loss alone (TRL's weight-0 branch); on-policy
+    (old = current) without old logprobs the IS clip is 1 and both agree too."""
+    trl_cfg, our_cfg = LOSS_MODES[case]
+    for weight, with_old, off in ((0.0, True, 1.0), (1.0, False, 0.0), (0.5, False, 0.0)):
+        x = loss_inputs(1, SD_MASK, off)
+        out = ours(x, with_old, **our_cfg, weight=weight)
+        out.loss.backward()
+        our_grad = x["student"].grad.clone()
+        x["student"].grad = None
+        stub = trl_stub(trl_sdpo, tmp_path, {"student": x["student"], "teacher": x["teacher"]}, **trl_cfg,
+                        distillation_weight=weight)  # fmt: skip
+        theirs = stub.compute_loss(stub.model, trl_inputs(x, with_old))
+        theirs.backward()
+        assert out.loss.item() == pytest.approx(theirs.item(), abs=1e-6), (weight, with_old)
+        torch.testing.assert_close(our_grad, x["student"].grad, atol=1e-6, rtol=0)
+        assert ("sdpo/distill_loss" in out.metrics) == (weight > 0)
+
+
+@pytest.mark.parametrize("case", sorted(LOSS_MODES))
+def test_fully_masked_batch_is_a_zero_distillation_loss(trl_sdpo, tmp_path, case):
+    """No sample has a teacher: TRL returns ``0 * logits.sum()``; so do we (no NaN), and a
+    blended loss is then (1 - w) x the policy loss exactly."""
+    trl_cfg, our_cfg = LOSS_MODES[case]
+    x = loss_inputs(2, [0.0] * B, 1.0)
+    out = ours(x, True, **our_cfg)
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and x["student"].grad.abs().max() == 0
+    x["student"].grad = None
+    stub = trl_stub(trl_sdpo, tmp_path, {"student": x["student"], "teacher": x["teacher"]}, **trl_cfg)
+    assert stub.compute_loss(stub.model, trl_inputs(x, True)).item() == 0.0
+    blended = ours(x, True, **our_cfg, weight=0.25)
+    policy = GRPOLoss()(torch.log_softmax(x["student"], -1).gather(-1, x["ids"].unsqueeze(-1)).squeeze(-1),
+                        {"weights": x["cmask"], "advantages": x["adv"].unsqueeze(-1).expand(B, T), "sampler_logprobs": x["old"]})  # fmt: skip
+    assert blended.loss.item() == pytest.approx(0.75 * policy.loss.item(), abs=1e-7)
+
+
+@pytest.mark.parametrize("tail", [False, True])
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+def test_topk_on_the_teachers_support_equals_trls_server_path(trl_sdpo, tmp_path, alpha, tail):
+    """``distillation_topk_support: teacher`` (what a service such as Tinker can return) is TRL's
+    teacher-server path: the student projected onto the teacher's own top-k."""
+    x = loss_inputs(3, SD_MASK, 1.0)
+    out = ours(x, True, topk_teacher=4, mode="topk_logits", topk=4, topk_support="teacher", alpha=alpha, add_tail=tail)
+    out.loss.backward()
+    our_grad = x["student"].grad.clone()
+    x["student"].grad = None
+    t_lp = torch.log_softmax(x["teacher"], -1)
+    values, ids = t_lp.topk(4, -1)
+    live = x["cmask"].bool()
+    served = {"actual_logprobs": torch.where(live, t_lp.gather(-1, x["ids"].unsqueeze(-1)).squeeze(-1), float("-inf")),
+              "topk_logprobs": torch.where(live.unsqueeze(-1), values, float("-inf")),
+              "topk_token_ids": torch.where(live.unsqueeze(-1), ids, 0)}  # fmt: skip
+    stub = trl_stub(trl_sdpo, tmp_path, {"student": x["student"], "teacher": x["teacher"]}, served,
+                    distillation_mode="topk_logits", distillation_topk=4, distillation_alpha=alpha, distillation_add_tail=tail)  # fmt: skip
+    theirs = stub.compute_loss(stub.model, trl_inputs(x, True))
+    theirs.backward()
+    assert out.loss.item() == pytest.approx(theirs.item(), abs=1e-6)
+    torch.testing.assert_close(our_grad, x["student"].grad, atol=1e-6, rtol=0)
+
+
+def test_loss_config_is_checked():
+    for bad, match in (({"mode": "kl"}, "unknown mode 'kl'"), ({"mode": "full_logits", "alpha": 1.5}, r"\[0, 1\]"),
+                       ({"alpha": 0.5}, "must be 1 with distillation_mode 'sampled_token'"),
+                       ({"mode": "topk_logits"}, "needs distillation_topk"), ({"topk": 4}, "only read by"),
+                       ({"is_clip": 0.0}, "> 0"), ({"weight": 1.5}, r"\[0, 1\]"), ({"weight": 0.5}, "policy=")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            SDPOLoss(**bad)
+    assert SDPOLoss().teacher_input == "token" and not SDPOLoss().needs_logits
+    assert SDPOLoss(mode="topk_logits", topk=3, topk_support="teacher").teacher_input == "topk"
+    assert SDPOLoss(mode="full_logits", alpha=0.0).needs_logits and SDPOLoss(mode="full_logits").teacher_input == "full"
+    assert SDPOLoss(policy=GRPOLoss(), weight=0.0).teacher_input is None
+
+
+# --------------------------------------------------------------------------- the teacher context
+RULES = RepromptRules()
+
+
+def test_solution_choice_and_the_self_success_rule():
+    """The first successful sibling is the solution; a sample is never its own (a lone success
+    gets none); below the threshold or ineligible (failed) samples are nobody's solution."""
+    rewards = [0.0, 1.0, 0.5, 1.0]
+    assert [s.solution for s in choose_signals(rewards, [None] * 4, RULES)] == [1, 3, 1, 1]
+    assert [s.solution for s in choose_signals([0.0, 1.0, 0.0], [None] * 3, RULES)] == [1, None, 1]
+    own = RepromptRules(dont_reprompt_on_self_success=False)
+    assert [s.solution for s in choose_signals([0.0, 1.0, 0.0], [None] * 3, own)] == [1, 1, 1]
+    low = RepromptRules(success_reward_threshold=0.5)
+    assert [s.solution for s in choose_signals(rewards, [None] * 4, low)] == [1, 2, 1, 1]
+    assert [s.solution for s in choose_signals(rewards, [None] * 4, RULES, [True, False, True, True])] == [3, 3, 3, None]
+    assert [s.solution for s in choose_signals([0.0, float("nan")], [None] * 2, RULES)] == [None, None]
+    off = RepromptRules(use_successful_as_teacher=False)
+    assert not any(s.active for s in choose_signals(rewards, [None] * 4, off))
+
+
+def test_feedback_rules():
+    fb = ["expected 5, got 6", "  ", None, "wrong"]
+    rewards = [0.0, 0.0, 1.0, 0.0]
+    assert choose_signals(rewards, fb, RULES) == [TeacherSignal(2, "expected 5, got 6"), TeacherSignal(2, None),
+                                                  TeacherSignal(None, None), TeacherSignal(2, "wrong")]  # fmt: skip
+    only = RepromptRules(environment_feedback_only_without_solution=True)
+    assert [s.feedback for s in choose_signals([0.0, 0.0], ["a", "b"], only)] == ["a", "b"]
+    assert [s.feedback for s in choose_signals([1.0, 0.0, 1.0], ["a", "b", "c"], only)] == [None, None, None]
+    assert [s.feedback for s in choose_signals([1.0, 0.0], ["a", "b"], only)] == ["a", None]  # a lone success: no solution
+    none = RepromptRules(include_environment_feedback=False)
+    assert [s.feedback for s in choose_signals([0.0, 0.0], ["a", "b"], none)] == [None, None]
+
+
+def test_templates_text_and_truncation():
+    text = reprompt_text(DEFAULT_REPROMPT_TEMPLATE, DEFAULT_SOLUTION_TEMPLATE, DEFAULT_FEEDBACK_TEMPLATE, "2+3=", "5", "got 6")
+    assert text == ("2+3=\nCorrect solution:\n\n5\n\n\nThe following is feedback from your unsuccessful earlier "
+                    "attempt:\n\ngot 6\n\n\n\nCorrectly solve the original question.\n")  # fmt: skip
+    assert reprompt_text("{prompt}|{solution}|{feedback}", "S{successful_previous_attempt}", "F{feedback_raw}", "p", None, "{x}") == "p||F{x}"
+    assert template_problem("{solution}{feedback}", ["prompt", "solution"], ["prompt", "solution", "feedback"]) == (
+        "has no {prompt} placeholder, so the teacher would never see it")
+    assert "unknown placeholder {answer}" in template_problem("{prompt}{answer}", ["prompt"], ["prompt"])
+    assert "not a format template" in template_problem("{prompt", ["prompt"], ["prompt"])
+    assert template_problem("{{literal}} {prompt}", ["prompt"], ["prompt"]) is None
+    assert truncate_prompt([1, 2, 3, 4, 5], 3) == ([3, 4, 5], True) and truncate_prompt([1, 2], 3) == ([1, 2], False)
+
+
+def test_demonstration_text_single_and_multi_turn():
+    from tempering.plugins.models.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer("0123456789abcdefghijklmnopqrstuvwxyz<>/ ")
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    single = Sample({}, Completion([], enc("<think>hm</think> 12") + [tok.eos_token_id], [0.0] * 21))
+    assert demonstration_text(tok, single) == "<think>hm</think> 12"
+    assert demonstration_text(tok, single, remove_thinking=True) == "12"
+    turns = [SimpleNamespace(completion=Completion([], enc("call add"), []), observation=[{"role": "tool", "content": "5"}]),
+             SimpleNamespace(completion=Completion([], enc("it is 5"), []), observation=[])]  # fmt: skip
+    multi = Sample({}, turns[-1].completion, trajectory=SimpleNamespace(turns=turns))
+    assert demonstration_text(tok, multi) == "call add\n5\nit is 5"
