@@ -26,8 +26,7 @@ from typing import Any
 
 from tempering import rollout_log, runfolder
 from tempering.config import load_yaml, resolve_recipe, stage_id
-from tempering.errors import ConfigError, TemperingError
-from tempering.errors import RunStopped, StopRun  # noqa: F401 - re-exported: the recipe's API (defined beside the errors)
+from tempering.errors import ConfigError, RunStopped, StopRun  # StopRun, RunStopped: the recipe's API, kept importable here
 from tempering.registry import PluginOverrideWarning, Registry, get_registry
 from tempering.runfolder import PROGRESS_FILE, read_progress  # noqa: F401 - re-exported: the recipe's API
 

@@ -45,7 +45,8 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from tempering.errors import ConfigError
 from tempering.interfaces import Loss, at_positions, from_positions
-from tempering.plugins.backends.local import distributed, sharding
+import tempering.plugins.backends.local.distributed as distributed
+import tempering.plugins.backends.local.sharding as sharding
 from tempering.plugins.backends.local.logprobs import (
     model_logits,
     next_token_distributions,
@@ -58,6 +59,7 @@ from tempering.plugins.backends.local.model_source import (
     registered_builder,
     source_folder,
 )
+from tempering.plugins.backends.local.stops import before_first, split_stop
 from tempering.plugins.backends.local.vllm_engine import VllmEngine, check_engine
 from tempering.types import AdamParams, Batch, Completion, SamplingParams
 from transformers import (
@@ -532,7 +534,7 @@ class LocalBackend:
 
     def _generate(self, rows: list[list[int]], params: SamplingParams, model: Any, version: int) -> list[Completion]:
         """One left-padded ``generate`` call; logprobs recorded from the final sampling scores."""
-        stop_strings, stop_ids = _split_stop(params.stop)
+        stop_strings, stop_ids = split_stop(params.stop)
         eos = sorted(self.eos_token_ids | set(stop_ids))
         if params.max_tokens <= 0:
             return [self._completion(r, [], [], "length", "", params, version) for r in rows]
@@ -558,7 +560,7 @@ class LocalBackend:
                 toks, lps = toks[:end], lps[:end]
             text = self.tokenizer.decode(toks, skip_special_tokens=True)
             if by_string:
-                text = _before_first(text, stop_strings)
+                text = before_first(text, stop_strings)
             out.append(self._completion(row, toks, lps, "stop" if end is not None else "length", text, params, version))
         return out
 
@@ -888,28 +890,12 @@ def _warpers(params: SamplingParams) -> list[LogitsProcessor]:
     return out
 
 
-def _split_stop(stop: Any) -> tuple[list[str], list[int]]:
-    """``SamplingParams.stop`` holds strings or token ids (a bare string is one stop)."""
-    items = [stop] if isinstance(stop, (str, int)) else list(stop or [])
-    strings = [s for s in items if isinstance(s, str)]
-    ids = [int(s) for s in items if not isinstance(s, str)]
-    if any(s == "" for s in strings):
-        raise ValueError("SamplingParams.stop: empty stop string")
-    return strings, ids
-
-
 def _cut_point(tokens: list[int], eos: set[int], string_end: int | None) -> tuple[int | None, bool]:
     """Length to keep (eos / stop token included) and whether a stop *string* ended it."""
     eos_end = next((j + 1 for j, t in enumerate(tokens) if t in eos), None)
     if string_end is not None and (eos_end is None or string_end < eos_end):
         return string_end, True
     return eos_end, False
-
-
-def _before_first(text: str, stops: Sequence[str]) -> str:
-    """``text`` up to the earliest stop string (the OpenAI/vLLM convention for ``text``)."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return text[: min(hits)] if hits else text
 
 
 def _left_pad(rows: list[list[int]], pad_id: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:

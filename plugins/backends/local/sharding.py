@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from tempering.plugins.backends.local import distributed
+import tempering.plugins.backends.local.distributed as distributed
 
 PARALLEL_MODES = ("ddp", "fsdp")
 """``backend.parallel``: ``ddp`` replicates the model and all-reduces gradients (the default);

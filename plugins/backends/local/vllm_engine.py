@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from tempering.errors import ConfigError
+from tempering.plugins.backends.local.stops import before_first, split_stop
 from tempering.types import Completion, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -153,9 +154,7 @@ class VllmEngine:
     ) -> list[list[Completion]]:
         """``num_samples`` completions per prompt with ``weights`` (the backend's trainable
         tensors by name) at policy ``version``, pushed into the engine first if it holds others."""
-        from tempering.plugins.backends.local.backend import _split_stop
-
-        stop_strings, stop_ids = _split_stop(params.stop)
+        stop_strings, stop_ids = split_stop(params.stop)
         if params.max_tokens <= 0:
             empty = self.backend._completion
             return [[empty(p, [], [], "length", "", params, version) for _ in range(num_samples)] for p in prompts]
@@ -269,13 +268,11 @@ class VllmEngine:
         )
 
     def _convert(self, prompt: list[int], out: Any, params: SamplingParams, stop_strings: list[str], version: int) -> Completion:
-        from tempering.plugins.backends.local.backend import _before_first
-
         tokens = list(out.token_ids)
         logprobs = [float(step[tok].logprob) for step, tok in zip(out.logprobs or [], tokens)]
         text = self.backend.tokenizer.decode(tokens, skip_special_tokens=True)
         if isinstance(out.stop_reason, str):  # a stop string ended it: text stops before it
-            text = _before_first(text, stop_strings)
+            text = before_first(text, stop_strings)
         reason = "stop" if out.finish_reason == "stop" else "length"
         return self.backend._completion(prompt, tokens, logprobs, reason, text, params, version)
 
