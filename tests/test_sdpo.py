@@ -68,9 +68,10 @@ def trl_stub(trl_sdpo, tmp_path, logits: dict[str, torch.Tensor] | None = None, 
         temperature=1.0, model=SimpleNamespace(training=True), teacher_model=None, current_gradient_accumulation_steps=1,
         accelerator=SimpleNamespace(gather=lambda x: x), _metrics=defaultdict(lambda: defaultdict(list)), _name="SDPO",
         use_teacher_server=served is not None, state=SimpleNamespace(global_step=0), _last_loaded_step=0,
+        model_kwarg_keys=set(), _get_teacher_context_for_self_distillation=nullcontext,
     )  # fmt: skip
-    for name in ("compute_loss", "_compute_policy_loss", "_compute_self_distillation_loss",
-                 "_compute_server_distillation_loss", "_log_self_distillation_metric"):  # fmt: skip
+    for name in ("compute_loss", "_compute_policy_loss", "_compute_self_distillation_loss", "_forward_logits",
+                 "_compute_teacher_student_logits", "_compute_server_distillation_loss", "_log_self_distillation_metric"):  # fmt: skip
         setattr(stub, name, getattr(trl_sdpo.Trainer, name).__get__(stub))
     if logits is not None:
         stub._forward_logits = lambda model, input_ids, attention_mask, logits_to_keep: logits["student"]
@@ -308,3 +309,266 @@ def test_demonstration_text_single_and_multi_turn():
              SimpleNamespace(completion=Completion([], enc("it is 5"), []), observation=[])]  # fmt: skip
     multi = Sample({}, turns[-1].completion, trajectory=SimpleNamespace(turns=turns))
     assert demonstration_text(tok, multi) == "call add\n5\nit is 5"
+
+
+# --------------------------------------------------------------------------- teacher rows vs TRL's builder
+PROMPTS = ["12+34=", "5+7="]
+#: Completions (char ids of the tiny tokenizer + EOS), rewards and feedback, group by group.
+ANSWERS = [["4", "46", "40", "46 "], ["12", "13", "1", "21"]]
+REWARDS = [[0.0, 1.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]]
+FEEDBACK = [[None, None, "too short", None], [None, "expected 12, got 13", "expected 12, got 1", None]]
+
+
+def sdpo_groups(tok: Any, off_policy: float = 0.0) -> list[Group]:
+    groups = []
+    for gi, (prompt, answers) in enumerate(zip(PROMPTS, ANSWERS)):
+        p_ids = tok(prompt)["input_ids"]
+        samples = []
+        for i, a in enumerate(answers):
+            c = tok(a, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            samples.append(Sample({"prompt": prompt}, Completion(p_ids, c, [0.0] * len(c), "stop"), REWARDS[gi][i],
+                                  feedback=FEEDBACK[gi][i]))  # fmt: skip
+        groups.append(Group({"prompt": prompt}, samples, group_id=gi))
+    return groups
+
+
+def raw_context() -> Any:
+    return SimpleNamespace(chat_prompts=False, renderer=None)
+
+
+def trl_builder(trl_sdpo, tmp_path, tok: Any, tokenize: Any = None, **cfg: Any) -> Any:
+    """TRL's ``SuccessfulRolloutTeacherContextBuilder`` on a one-process stub trainer; text
+    prompts are tokenized by TRL's own ``_tokenize_prompts_untruncated``."""
+    args = trl_sdpo.Config(output_dir=str(tmp_path / "trl"), bf16=False, use_cpu=True, report_to="none",
+                           per_device_train_batch_size=8, num_generations=4, **cfg)  # fmt: skip
+    trainer = SimpleNamespace(
+        args=args, model=SimpleNamespace(training=True), num_generations=4, _tokenizer=tok, processing_class=tok,
+        accelerator=SimpleNamespace(device="cpu", process_index=0, gather=lambda x: x,
+                                    pad_across_processes=lambda t, dim, pad_index: t),
+    )  # fmt: skip
+    trainer._tokenize_prompts_untruncated = tokenize or trl_sdpo.Trainer._tokenize_prompts_untruncated.__get__(trainer)
+    return trl_sdpo.module.SuccessfulRolloutTeacherContextBuilder(trainer)
+
+
+def trl_teacher_prompts(builder: Any, groups: list[Group], prompts: list[Any], pad: int) -> tuple[list[list[int]], list[float]]:
+    """Each sample's teacher prompt ids (left padding removed) and TRL's distillation mask."""
+    comps = [s.completion.tokens for g in groups for s in g.samples]
+    width = max(map(len, comps))
+    ids = torch.tensor([c + [pad] * (width - len(c)) for c in comps])
+    mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in comps])
+    rewards = torch.tensor([s.reward for g in groups for s in g.samples])
+    out = builder.build({"completion_ids": ids, "completion_mask": mask}, prompts, rewards,
+                        [s.feedback for g in groups for s in g.samples])  # fmt: skip
+    pw = out["teacher_input_ids"].shape[1] - width
+    rows = [r[:pw][m[:pw] == 1].tolist() for r, m in zip(out["teacher_input_ids"], out["teacher_attention_mask"])]
+    return rows, out["self_distillation_mask"].tolist()
+
+
+def our_teacher_prompts(stage: SDPO, tok: Any, groups: list[Group], context: Any) -> tuple[list[list[int] | None], list[float], Any]:
+    batch, _ = build_group_batch(groups, GroupNormAdvantage())
+    rows = stage.build_teachers(tok, batch, groups, context)
+    prefixes: list[list[int] | None] = []
+    taught = iter(rows.teacher)
+    for d in batch.data:
+        if any(d.extra["distill_weights"]):
+            t = next(taught)
+            full = [*t.input_tokens, t.target_tokens[-1]]
+            prefixes.append(full[: len(full) - d.extra["completion_len"]])
+        else:
+            prefixes.append(None)
+    return prefixes, [float(any(d.extra["distill_weights"])) for d in batch.data], rows
+
+
+@pytest.mark.parametrize("cfg", [
+    {},
+    {"max_reprompt_len": 9},
+    {"dont_reprompt_on_self_success": False, "remove_thinking_from_demonstration": True},
+    {"environment_feedback_only_without_solution": True, "success_reward_threshold": 0.5},
+    {"include_environment_feedback": False},
+    {"use_successful_as_teacher": False},
+], ids=["defaults", "truncated", "own_success", "feedback_only_without_solution", "no_feedback", "feedback_only"])  # fmt: skip
+def test_teacher_prompts_equal_trls_context_builder(trl_sdpo, tmp_path, cfg):
+    """The same rollouts through TRL's builder and ours give the same teacher prompt token ids
+    and the same distillation mask (raw text prompts, TRL's default templates)."""
+    from tempering.plugins.models.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer(CHARS)
+    groups = sdpo_groups(tok)
+    trl_cfg = {"include_environment_feedback": True, **cfg}
+    ours_cfg = {k: v for k, v in cfg.items()}
+    stage = SDPO(dataset=[{}], reprompt_template=DEFAULT_REPROMPT_TEMPLATE if cfg.get("use_successful_as_teacher", True)
+                 else "{prompt}{feedback}", **ours_cfg)  # fmt: skip
+    builder = trl_builder(trl_sdpo, tmp_path, tok, **trl_cfg,
+                          **({"reprompt_template": stage.reprompt_template} if "use_successful_as_teacher" in cfg else {}))  # fmt: skip
+    theirs, their_mask = trl_teacher_prompts(builder, groups, [g.example["prompt"] for g in groups for _ in g.samples],
+                                             tok.pad_token_id)  # fmt: skip
+    prefixes, mask, rows = our_teacher_prompts(stage, tok, groups, raw_context())
+    assert mask == their_mask
+    assert [p for p, m in zip(prefixes, mask) if m] == [t for t, m in zip(theirs, their_mask) if m]
+    assert sum(mask) > 0
+    if cfg == {}:  # the rules, spelled out: group 0: solutions 1, 3, 1, 1; group 1: a lone success has nothing
+        assert mask == [1, 1, 1, 1, 0, 1, 1, 1]
+        assert tok.decode(prefixes[5], skip_special_tokens=True) == reprompt_text(
+            DEFAULT_REPROMPT_TEMPLATE, DEFAULT_SOLUTION_TEMPLATE, DEFAULT_FEEDBACK_TEMPLATE, "5+7=", "12", "expected 12, got 13")
+        assert prefixes[0] == tok(reprompt_text(DEFAULT_REPROMPT_TEMPLATE, DEFAULT_SOLUTION_TEMPLATE, DEFAULT_FEEDBACK_TEMPLATE,
+                                                "12+34=", "46", None))["input_ids"]  # fmt: skip
+        assert rows.metrics["sdpo/signal_frac"] == 7 / 8 and rows.metrics["sdpo/solution_frac"] == 7 / 8
+        assert rows.metrics["sdpo/feedback_frac"] == 3 / 8 and rows.metrics["sdpo/no_signal_samples"] == 1.0
+        assert rows.metrics["sdpo/success_group_frac"] == 1.0
+    if cfg.get("max_reprompt_len"):
+        assert all(len(p) == 9 for p in prefixes if p is not None) and rows.metrics["sdpo/reprompt_truncated_frac"] == 1.0
+
+
+#: Lower-case templates: the tiny chat model's characters have no capitals.
+TINY_TEMPLATES = {"reprompt_template": "{prompt}{solution}{feedback}\nsolve it again.",
+                  "solution_template": "\nright answer: {successful_previous_attempt}", "feedback_template": "\nfeedback: {feedback_raw}"}  # fmt: skip
+
+
+def chat_setup(name: str) -> tuple[Any, Any, dict[str, str]]:
+    from tempering.registry import get_registry
+
+    if name == "qwen3_instruct":
+        from tempering.plugins.models.qwen3 import qwen3_tokenizer
+
+        tok, templates = qwen3_tokenizer(), {}
+    else:
+        from tempering.plugins.models.tiny import CHAT_CHARS, CHAT_TOKENS, build_char_tokenizer
+
+        tok, templates = build_char_tokenizer(CHAT_CHARS, extra_special=CHAT_TOKENS), TINY_TEMPLATES
+    return tok, get_registry().build("renderer", {"name": name}, "renderer", tokenizer=tok), templates
+
+
+@pytest.mark.parametrize("system", [False, True], ids=["prompt", "messages_with_system"])
+@pytest.mark.parametrize("name", ["tiny_chat", "qwen3_instruct"])
+def test_teacher_prompts_in_chat_formats(trl_sdpo, tmp_path, name, system):
+    """A chat student's teacher sees the re-prompt as its last user turn, rendered by the same
+    renderer (system message kept): token ids equal to the renderer's rendering of TRL's
+    teacher messages, and, for Qwen3, the exact chat text."""
+    tok, renderer, templates = chat_setup(name)
+    user = "what is 12+34?"
+    head = [{"role": "system", "content": "be brief."}] if system else []
+    messages = [*head, {"role": "user", "content": user}]
+    example = {"messages": messages} if system else {"prompt": user}
+    p_ids = renderer.render_prompt(messages).tokens
+    answers, rewards, feedback = ["46", "45", "46", "4"], [1.0, 0.0, 1.0, 0.0], [None, "expected 46, got 45", None, None]
+    comps = [tok(a, add_special_tokens=False)["input_ids"] + renderer.stop() for a in answers]
+    samples = [Sample(dict(example), Completion(p_ids, c, [0.0] * len(c), "stop"), r, feedback=f)
+               for c, r, f in zip(comps, rewards, feedback)]  # fmt: skip
+    groups = [Group(dict(example), samples)]
+    stage = SDPO(dataset=[{}], **templates)
+    context = SimpleNamespace(chat_prompts=True, renderer=lambda: renderer)
+    prefixes, mask, _ = our_teacher_prompts(stage, tok, groups, context)
+    builder = trl_builder(trl_sdpo, tmp_path, tok, lambda prompts: [renderer.render_prompt(p).tokens for p in prompts],
+                          include_environment_feedback=True, **templates)  # fmt: skip
+    theirs, their_mask = trl_teacher_prompts(builder, groups, [messages] * 4, tok.pad_token_id or 0)
+    assert mask == their_mask == [1.0, 1.0, 1.0, 1.0]
+    assert prefixes == theirs
+    text = reprompt_text(stage.reprompt_template, stage.solution_template, stage.feedback_template, user, "46", "expected 46, got 45")
+    assert prefixes[1] == renderer.render_prompt([*head, {"role": "user", "content": text}]).tokens
+    if name == "qwen3_instruct":
+        sys_part = "<|im_start|>system\nbe brief.<|im_end|>\n" if system else ""
+        assert tok.decode(prefixes[1]) == (f"{sys_part}<|im_start|>user\nwhat is 12+34?\nCorrect solution:\n\n46\n\n\nThe "
+                                           "following is feedback from your unsuccessful earlier attempt:\n\nexpected 46, got 45"
+                                           "\n\n\n\nCorrectly solve the original question.\n<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+        assert prefixes[1][-3:] == [151644, 77091, 198] and prefixes[1].count(151644) == 2 + system
+    else:
+        assert renderer.decode(prefixes[0]).endswith("what is 12+34?\nright answer: 46\nsolve it again.<|assistant|>")
+
+
+
+# --------------------------------------------------------------------------- the stage's batch vs TRL's trainer
+@pytest.fixture(scope="module")
+def trained_backend():
+    """A tiny model with peaked distributions (a few SFT steps on sums and TRL's reprompt
+    text), so the teacher's context changes its predictions and divergences are not ~0."""
+    from tempering.algorithms.sft.loss import CrossEntropyLoss
+    from tempering.plugins.backends.local.backend import LocalBackend
+    from tempering.types import AdamParams, Batch, Datum
+
+    b = LocalBackend(model="tiny_llama", model_kwargs=SMALL, num_threads=1, threaded=False)
+    tok = b.tokenizer
+    texts = [reprompt_text(DEFAULT_REPROMPT_TEMPLATE, DEFAULT_SOLUTION_TEMPLATE, DEFAULT_FEEDBACK_TEMPLATE, p, a, None) + a
+             for p, a in (("12+34=", "46"), ("5+7=", "12"), ("9+9=", "18"))] + ["12+34=46", "5+7=12", "9+9=18"]  # fmt: skip
+    rows = []
+    for text in texts:
+        ids = tok(text)["input_ids"] + [tok.eos_token_id]
+        rows.append(Datum(ids[:-1], ids[1:], [1.0 / len(ids)] * (len(ids) - 1)))
+    for _ in range(12):
+        b.forward_backward(Batch(rows), CrossEntropyLoss()).result()
+        b.optim_step(AdamParams(learning_rate=2e-2)).result()
+    b.model.zero_grad(set_to_none=True)
+    return b
+
+
+STAGE_CASES = {
+    "sampled_token_clip": ({"distillation_mode": "sampled_token"}, {}),
+    "full_jsd_clip": ({"distillation_mode": "full_logits", "distillation_alpha": 0.5}, {}),
+    "topk_tail_fwd": ({"distillation_mode": "topk_logits", "distillation_topk": 5, "distillation_alpha": 0.0,
+                       "distillation_add_tail": True, "distillation_is_clip": None}, {}),
+    "topk_teacher_support": ({"distillation_mode": "topk_logits", "distillation_topk": 5, "distillation_alpha": 1.0},
+                             {"distillation_topk_support": "teacher"}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(STAGE_CASES))
+def test_stage_teachers_and_loss_equal_trls_trainer(trl_sdpo, tmp_path, trained_backend, case):
+    """The stage's teacher rows, scored on the local backend and trained through its
+    forward_backward, give TRL's ``SDPOTrainer`` loss and gradients on the same model: TRL's
+    builder makes the teacher prompts, its ``_compute_teacher_student_logits`` and
+    ``_compute_self_distillation_loss`` (or the teacher-server path) run per row -- unpadded,
+    as our rows are -- and the seq-mean over the batch is the mean of the rows' losses."""
+    cfg, extra = STAGE_CASES[case]
+    backend = trained_backend
+    tok = backend.tokenizer
+    groups = sdpo_groups(tok)
+    batch, _ = build_group_batch(groups, GroupNormAdvantage())
+    for d, lp in zip(batch.data, backend.logprobs(batch).result()):  # behaviour logprobs: +-1 nat off-policy
+        d.sampler_logprobs = [x + (-1.0) ** i if w else 0.0 for i, (x, w) in enumerate(zip(lp, d.weights))]
+    stage = SDPO(dataset=[{}], teacher="live", **cfg, **extra)
+    metrics = stage.attach_teachers(backend, batch, groups, raw_context())
+    loss = SDPOLoss(policy=GRPOLoss(), mode=stage.distillation_mode, alpha=stage.distillation_alpha,
+                    topk=stage.distillation_topk, topk_support=stage.distillation_topk_support,
+                    add_tail=stage.distillation_add_tail, is_clip=stage.distillation_is_clip)  # fmt: skip
+    backend.model.zero_grad(set_to_none=True)
+    ours = backend.forward_backward(batch, loss).result()
+    our_grads = {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.grad is not None}
+    backend.model.zero_grad(set_to_none=True)
+    assert metrics["sdpo/signal_frac"] == 7 / 8
+
+    trl_cfg = {"distillation_is_clip": 2.0, **cfg, "include_environment_feedback": True}
+    builder = trl_builder(trl_sdpo, tmp_path, tok, include_environment_feedback=True)
+    teacher_prompts, sd_mask = trl_teacher_prompts(builder, groups, [g.example["prompt"] for g in groups for _ in g.samples], 0)
+    model = copy.deepcopy(backend.model)
+    model.train()
+    server = extra.get("distillation_topk_support") == "teacher"
+    stub = trl_stub(trl_sdpo, tmp_path, served={} if server else None, **trl_cfg)
+    total = 0.0
+    samples = [s for g in groups for s in g.samples]
+    for s, d, t_prompt, sd in zip(samples, batch.data, teacher_prompts, sd_mask):
+        c = s.completion.tokens
+        one = lambda ids: torch.tensor([ids])  # noqa: E731
+        inputs = {"prompt_ids": one(s.completion.prompt_tokens), "prompt_mask": torch.ones(1, len(s.completion.prompt_tokens), dtype=torch.long),
+                  "completion_ids": one(c), "completion_mask": torch.ones(1, len(c), dtype=torch.long),
+                  "teacher_input_ids": one(t_prompt + c), "teacher_attention_mask": torch.ones(1, len(t_prompt) + len(c), dtype=torch.long),
+                  "self_distillation_mask": torch.tensor([sd]), "old_per_token_logps": torch.tensor([d.sampler_logprobs[-len(c):]])}  # fmt: skip
+        if server:
+            with torch.no_grad():
+                t_lp = torch.log_softmax(stub._forward_logits(model, inputs["teacher_input_ids"], inputs["teacher_attention_mask"], len(c)), -1)
+            values, ids = t_lp.topk(5, -1)
+            stub._get_teacher_token_logprobs_from_server = lambda inputs, n, t_lp=t_lp, values=values, ids=ids: {
+                "actual_logprobs": t_lp.gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1),
+                "topk_logprobs": values, "topk_token_ids": ids}  # fmt: skip
+            row_loss = stub._compute_server_distillation_loss(model, inputs)
+        else:
+            logits = stub._compute_teacher_student_logits(model, model, inputs)
+            row_loss = stub._compute_self_distillation_loss(model, inputs, logits)
+        (row_loss / len(samples)).backward()
+        total += row_loss.item() / len(samples)
+    trl_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    grad_diff = max((our_grads[n] - trl_grads[n]).abs().max().item() for n in trl_grads)
+    grad_scale = max(g.abs().max().item() for g in trl_grads.values())
+    print(f"{case}: loss {ours['loss']:.8f} vs TRL {total:.8f}, max |grad diff| {grad_diff:.1e} (max |grad| {grad_scale:.1e})")
+    assert set(our_grads) == set(trl_grads)
+    assert grad_scale > 1e-3  # a real signal
+    assert ours["loss"] == pytest.approx(total, abs=1e-6)
+    assert grad_diff < 1e-6 * max(1.0, grad_scale)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tempering import teacher as shared
@@ -65,7 +65,7 @@ from tempering.algorithms.sdpo.context import (
 )
 from tempering.algorithms.sdpo.loss import SDPOLoss, distillation_problem
 
-__all__ = ["SDPO", "KeepGroups"]
+__all__ = ["SDPO", "KeepGroups", "TeacherRows"]
 
 
 class KeepGroups:
@@ -264,15 +264,15 @@ class SDPO(GRPO):
             self.reprompt_template, self.solution_template, self.feedback_template, text, solution, signal.feedback))  # fmt: skip
         return truncate_prompt(tokens, self.max_reprompt_len)
 
-    def attach_teachers(self, backend: Any, batch: Batch, groups: list[Group], context: Any = None) -> dict[str, float]:
-        """Build and score the teacher row of every row that has a teacher, in place: its
-        values (:data:`tempering.teacher.TEACHER_KEYS`) and ``distill_weights`` (the loss
-        mask of the distillation part: the row's weights, or zeros without a teacher).
+    def build_teachers(self, tokenizer: Any, batch: Batch, groups: list[Group], context: Any = None) -> TeacherRows:
+        """Which rows of ``batch`` have a teacher, and the teacher's row for each, in place:
+        every row gets ``distill_weights`` (the distillation part's loss mask: the row's
+        weights where it has a teacher, zeros elsewhere) and a taught row ``completion_len``.
 
-        ``batch`` is :func:`tempering.rl.build_group_batch` of ``groups``: one row per
-        training segment of each sample, in order."""
+        ``batch`` is :func:`tempering.rl.build_group_batch` of ``groups``: one row per training
+        segment of each sample, in order. ``context`` is the sampler's
+        :class:`~tempering.rollout.SamplerContext` (the stage's own by default)."""
         context = context if context is not None else self.rollout_sampler.context
-        tokenizer = backend.tokenizer
         rows: list[tuple[int, int, Sample, int]] = [
             (gi, i, s, k) for gi, g in enumerate(groups) for i, s in enumerate(g.samples) for k in range(len(s.segments()))
         ]
@@ -280,8 +280,7 @@ class SDPO(GRPO):
             raise RuntimeError(f"SDPO: {len(batch.data)} training rows for {len(rows)} segments; the batch must be "
                                "build_group_batch of the step's groups")  # fmt: skip
         signals = self.signals(groups)
-        student: list[Datum] = []
-        teacher: list[Datum] = []
+        out = TeacherRows()
         taught: set[int] = set()
         truncated = without = 0
         for d, (gi, i, s, k) in zip(batch.data, rows):
@@ -298,21 +297,13 @@ class SDPO(GRPO):
             truncated += cut
             d.extra["completion_len"] = len(seg.tokens) - start
             d.extra["distill_weights"] = list(d.weights)
-            student.append(d)
-            teacher.append(shared.teacher_row(prefix, seg, start))
+            out.student.append(d)
+            out.teacher.append(shared.teacher_row(prefix, seg, start))
             taught.add(id(s))
-        kind = self._objective.teacher_input
-        if student and kind is not None:
-            shared.attach_teacher(backend, Batch(student), Batch(teacher), kind, int(self.distillation_topk or 0),
-                                  self.weights.kwargs)  # fmt: skip
-            width = _teacher_width(student[0], kind)
-            for d in batch.data:
-                if "teacher_token_logprobs" not in d.extra:
-                    shared.fill_without_teacher(d, kind, width)
         samples = [s for g in groups for s in g.samples]
         flat = [sig for group_signals in signals for sig in group_signals]
         n = max(len(samples), 1)
-        return {
+        out.metrics = {
             "sdpo/signal_frac": len(taught) / n,
             "sdpo/solution_frac": sum(sig.solution is not None for sig in flat) / n,
             "sdpo/feedback_frac": sum(sig.feedback is not None for sig in flat) / n,
@@ -322,8 +313,35 @@ class SDPO(GRPO):
             ) / max(len(groups), 1),
             "sdpo/no_signal_samples": float(sum(s.trainable and id(s) not in taught for s in samples)),
             "sdpo/rows_without_teacher": float(without),
-            "sdpo/reprompt_truncated_frac": truncated / max(len(student), 1),
+            "sdpo/reprompt_truncated_frac": truncated / max(len(out.student), 1),
         }
+        return out
+
+    def attach_teachers(self, backend: Any, batch: Batch, groups: list[Group], context: Any = None) -> dict[str, float]:
+        """:meth:`build_teachers`, then score the teacher rows and put their values in the
+        taught rows (:data:`tempering.teacher.TEACHER_KEYS`), placeholders in the others (a
+        batch's rows carry the same keys; their distillation mask is 0). Returns the metrics."""
+        rows = self.build_teachers(backend.tokenizer, batch, groups, context)
+        kind = self._teacher_input()
+        weights = vars(self).get("weights") or self.teacher_weights()  # set up, or used on its own (tests)
+        if rows.student and kind is not None:
+            shared.attach_teacher(backend, Batch(rows.student), Batch(rows.teacher), kind, int(self.distillation_topk or 0),
+                                  weights.kwargs)  # fmt: skip
+            width = _teacher_width(rows.student[0], kind)
+            for d in batch.data:
+                if "teacher_token_logprobs" not in d.extra:
+                    shared.fill_without_teacher(d, kind, width)
+        return rows.metrics
+
+
+@dataclass
+class TeacherRows:
+    """The rows that have a teacher (``student``, the batch's own Datums) and the teacher's row
+    for each (``teacher``), with the step's signal metrics."""
+
+    student: list[Datum] = field(default_factory=list)
+    teacher: list[Datum] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def _teacher_width(datum: Datum, kind: str) -> int:
