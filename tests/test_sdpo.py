@@ -572,3 +572,254 @@ def test_stage_teachers_and_loss_equal_trls_trainer(trl_sdpo, tmp_path, trained_
     assert grad_scale > 1e-3  # a real signal
     assert ours["loss"] == pytest.approx(total, abs=1e-6)
     assert grad_diff < 1e-6 * max(1.0, grad_scale)
+
+
+# --------------------------------------------------------------------------- the stage end to end
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "sdpo", "recipe.yaml")
+TINY_YAML = "{hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64}"
+
+
+def sdpo_rows(result: Any) -> list[dict[str, Any]]:
+    return [h for h in result.history if "sdpo/signal_frac" in h]
+
+
+def test_the_yaml_recipe_runs(tmp_path):
+    """examples/sdpo/recipe.yaml, shortened: the SFT warmup, then SDPO with its digit-only
+    templates. Every reward clears a threshold of 0, so every sample is shown a sibling."""
+    overrides = [f"output_dir={tmp_path}", "loggers=[]", f"backend.model_kwargs={TINY_YAML}", "stages.warmup.steps=2",
+                 "stages.warmup.eval.dataset=null", "stages.rl.eval.dataset=null", "stages.rl.steps=2",
+                 "stages.rl.prompts_per_step=2", "stages.rl.group_size=3", "stages.rl.success_reward_threshold=0.0"]  # fmt: skip
+    result = Recipe.from_yaml(EXAMPLE, overrides).run()
+    rows = sdpo_rows(result)
+    assert len(rows) == 2
+    for r in rows:
+        assert r["sdpo/signal_frac"] == 1.0 and r["sdpo/solution_frac"] == 1.0 and r["sdpo/no_signal_samples"] == 0.0
+        assert r["sdpo/distill_loss"] != 0.0 and math.isfinite(r["sdpo/teacher_kl"]) and r["grad_norm"] > 0
+        assert "sdpo/policy_loss" in r  # distillation_weight 0.5: both parts
+
+
+def digit_reward(completion: str, example: dict) -> float:
+    """1 for a completion that starts with a digit (an untrained tiny model does, now and then)."""
+    return 1.0 if completion[:1].isdigit() else 0.0
+
+
+def sdpo_recipe(tmp_path: Any, name: str, **stage: Any) -> Recipe:
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
+    spec = {"name": "sdpo", "dataset": rows, "reward": digit_reward, "steps": 2, "prompts_per_step": 4, "group_size": 4,
+            "max_tokens": 3, "optimizer": {"learning_rate": 1e-2}, **stage}  # fmt: skip
+    return Recipe(name=name, output_dir=str(tmp_path / name), loggers=[],
+                  backend={"name": "local", "model": "tiny_llama", "model_kwargs": SMALL, "num_threads": 1}, stages=[spec])  # fmt: skip
+
+
+@pytest.mark.parametrize("teacher, mode", [
+    ("ema", {"distillation_mode": "sampled_token"}),
+    ("base", {"distillation_mode": "full_logits", "distillation_alpha": 0.0, "distillation_weight": 0.5}),
+    ("stage_start", {"distillation_mode": "topk_logits", "distillation_topk": 4, "distillation_add_tail": True}),
+    ("live", {"distillation_mode": "topk_logits", "distillation_topk": 4, "distillation_topk_support": "teacher",
+              "distillation_alpha": 0.5}),
+])  # fmt: skip
+def test_python_recipe_runs_every_teacher_and_mode(tmp_path, teacher, mode):
+    result = sdpo_recipe(tmp_path, f"{teacher}_{mode['distillation_mode']}", teacher=teacher, temperature=0.9, **mode).run()
+    rows = sdpo_rows(result)
+    assert len(rows) == 2 and any(r["sdpo/signal_frac"] > 0 for r in rows)
+    for r in rows:
+        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
+        assert r["sdpo/no_signal_samples"] == round(16 * (1 - r["sdpo/signal_frac"]))
+        if r["sdpo/signal_frac"] > 0:
+            assert r["sdpo/distill_loss"] != 0.0
+            # on the teacher's own top-4 a sampled token may be outside it everywhere: no KL estimate
+            assert math.isfinite(r["sdpo/teacher_kl"]) if "distillation_topk_support" not in mode else True
+
+
+def test_ema_teacher_moves_after_each_step_and_is_dropped(tmp_path):
+    """The EMA teacher is a snapshot taken as the stage starts, moved by ema_rate every
+    ema_every optimizer steps and scored with; it is dropped when the stage finishes."""
+    from tempering.plugins.backends.local.backend import LocalBackend
+
+    backend = LocalBackend(model="tiny_llama", model_kwargs=SMALL, num_threads=1, threaded=False)
+    calls: list[tuple[str, float]] = []
+    scored: list[Any] = []
+    ema, logprobs = backend.ema_update, backend.logprobs
+    backend.ema_update = lambda name, rate: calls.append((name, rate)) or ema(name, rate)
+    backend.logprobs = lambda batch, **kw: scored.append(kw) or logprobs(batch, **kw)
+    sdpo_recipe(tmp_path, "ema", steps=4, ema_rate=0.1, ema_every=2, success_reward_threshold=0.0, log_kl=False).run(backend=backend)
+    assert calls == [("sdpo/sdpo_teacher", 0.1)] * 2
+    assert {"weights": "sdpo/sdpo_teacher"} in scored
+    assert backend.snapshot_names() == []
+
+
+def test_feedback_is_the_teacher_signal(tmp_path, monkeypatch):
+    """With no success anywhere, feedback alone makes teachers: every sample's teacher prompt
+    holds its own feedback through feedback_template."""
+    from tempering.plugins.samplers.completion import CompletionSampler
+
+    sample = CompletionSampler.sample
+
+    async def with_feedback(self, *args, **kwargs):
+        rollout = await sample(self, *args, **kwargs)
+        for g in rollout.groups:
+            for s in g.samples:
+                s.feedback = f"want {g.example['answer']}"
+        return rollout
+
+    monkeypatch.setattr(CompletionSampler, "sample", with_feedback)
+    from tempering.plugins.backends.local.backend import LocalBackend
+
+    backend = LocalBackend(model="tiny_llama", model_kwargs=SMALL, num_threads=1, threaded=False)
+    teacher_texts: list[str] = []
+    logprobs = backend.logprobs
+    backend.logprobs = lambda batch, **kw: (teacher_texts.extend(backend.tokenizer.decode(d.input_tokens) for d in batch.data)
+                                            if "weights" in kw else None) or logprobs(batch, **kw)  # fmt: skip
+    result = sdpo_recipe(tmp_path, "fb", reward=lambda c, e: 0.0, teacher="stage_start", log_kl=False,
+                         feedback_template="\nfeedback: {feedback_raw}\n").run(backend=backend)  # fmt: skip
+    for r in sdpo_rows(result):
+        assert r["sdpo/feedback_frac"] == r["sdpo/signal_frac"] == r["sdpo/feedback_available_frac"] == 1.0
+        assert r["sdpo/solution_frac"] == 0.0 and r["sdpo/distill_loss"] != 0.0
+    assert len(teacher_texts) == 32
+    assert all(t.split("feedback: want ")[1].split("\n")[0] == str(eval(t.split("\n")[0].removeprefix("<bos>").rstrip("=")))
+               for t in teacher_texts)  # fmt: skip
+
+
+class _TwoTurns:
+    """Answers every model turn with a tool message; the episode ends after two turns, and it
+    scored 1 when the first turn started with a digit."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+        self.first = ""
+
+    async def reset(self, example):
+        return [{"role": "user", "content": example["prompt"]}]
+
+    def tools(self):
+        return []
+
+    async def step(self, response):
+        from tempering.environment import StepResult
+
+        self.turns += 1
+        self.first = self.first or (getattr(response, "text", "") or " ")
+        done = self.turns >= 2
+        return StepResult([{"role": "tool", "content": "42"}], reward=float(self.first[:1].isdigit()) if done else 0.0, done=done)
+
+    async def cleanup(self):
+        pass
+
+
+def test_multi_turn_samples_are_distilled_on_their_first_row(tmp_path):
+    """An episode's teacher row is the re-prompted first messages followed by exactly the
+    student's row after its prompt (every turn, the tool results between at weight 0); rows
+    after a history rewrite get the policy gradient only, counted. The stage trains through
+    the environment sampler."""
+    from tempering.plugins.backends.local.backend import LocalBackend
+    from tempering.recipe import RunContext
+    from tempering.registry import get_registry
+    from tempering.rollout import collect
+
+    kwargs = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "chat": True,
+              "max_position_embeddings": 512}  # fmt: skip
+    backend = LocalBackend(model="tiny_llama", model_kwargs=kwargs, seed=0, num_threads=1, threaded=False)
+    rows = [{"prompt": f"what is {i}+{i}?"} for i in range(4)]
+    stage = {"name": "sdpo", "dataset": rows, "steps": 2, "prompts_per_step": 2, "group_size": 3, "max_tokens": 6,
+             "teacher": "live", "success_reward_threshold": 0.0, "sampler": {"name": "environment", "environment": _TwoTurns,
+             "max_turns": 2}, "optimizer": {"learning_rate": 1e-2}, **TINY_TEMPLATES}  # fmt: skip
+    result = Recipe(name="s", output_dir=str(tmp_path), loggers=[], stages=[stage]).run(backend=backend)
+    logged = sdpo_rows(result)
+    assert len(logged) == 2 and all(r["sdpo/signal_frac"] == 1.0 and math.isfinite(r["loss"]) for r in logged)
+
+    built = get_registry().build("algorithm", Recipe(name="s", output_dir=str(tmp_path / "b"), loggers=[], stages=[stage]).stages[0],
+                                 "stages[0]")  # fmt: skip
+    built.setup(RunContext(get_registry(), backend, {}, str(tmp_path / "b"), [], 0), {})
+    rollout = collect(built.rollout_sampler, backend, rows[:2], 3, built.sampling_params())
+    groups = rollout.groups
+    batch, _ = build_group_batch(groups, GroupNormAdvantage())
+    teachers = built.build_teachers(backend.tokenizer, batch, groups)
+    samples = [s for g in groups for s in g.samples]
+    assert all(len(s.trajectory.turns) == 2 for s in samples)
+    assert len(teachers.student) == len(samples)  # one distilled row per episode: its first
+    assert teachers.metrics["sdpo/rows_without_teacher"] == sum(len(s.segments()) - 1 for s in samples)
+    renderer = built.rollout_sampler.context.renderer()
+    for d, t in zip(teachers.student, teachers.teacher):
+        n = d.extra["completion_len"]
+        assert d.target_tokens[-n:] == t.target_tokens[-n:] and d.weights[-n:] == t.weights[-n:]  # the same continuation
+        assert "right answer: " in renderer.decode(t.input_tokens[: len(t.input_tokens) - n + 1])
+        assert renderer.role_ids["tool"] in d.target_tokens[-n:] or len(d.target_tokens) < 40
+
+
+# --------------------------------------------------------------------------- bad input: one line, before training
+BAD_RECIPE = """\
+name: bad
+output_dir: {out}
+backend: {{name: local, model: tiny_llama, model_kwargs: {{hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64}}, num_threads: 1}}
+loggers: []
+stages:
+  - {{id: rl, name: sdpo, dataset: {{name: arithmetic, split: train}}, steps: 1, prompts_per_step: 2, group_size: 2, max_tokens: 2}}
+"""
+
+BAD_INPUT = [
+    ("stages.rl.distillation_mode=kl", "stages[0].distillation_mode: unknown mode 'kl'; use one of sampled_token, full_logits, topk_logits"),
+    ("stages.rl.distillation_alpha=0.5", "stages[0].distillation_alpha: must be 1 with distillation_mode 'sampled_token'"),
+    ("stages.rl.distillation_alpha=1.5", "stages[0].distillation_alpha: must be in [0, 1]"),
+    ("stages.rl.distillation_mode=topk_logits", "stages[0].distillation_topk: distillation_mode 'topk_logits' needs distillation_topk"),
+    ("stages.rl.distillation_weight=2", "stages[0].distillation_weight: must be in [0, 1]"),
+    ("stages.rl.distillation_is_clip=0", "stages[0].distillation_is_clip: must be > 0 (or null: off)"),
+    ("stages.rl.teacher=frozen", "stages[0].teacher: use one of base, stage_start, live, ema (got 'frozen')"),
+    ("stages.rl.max_reprompt_len=0", "stages[0].max_reprompt_len: must be >= 1"),
+    ("stages.rl.reprompt_template='{solution}{feedback}'", "stages[0].reprompt_template: has no {prompt} placeholder"),
+    ("stages.rl.reprompt_template='{prompt}{feedback}'", "stages[0].reprompt_template: has no {solution} placeholder"),
+    ("stages.rl.reprompt_template='{prompt}{solution}'", "stages[0].reprompt_template: has no {feedback} placeholder"),
+    ("stages.rl.solution_template='solved: '", "stages[0].solution_template: has no {successful_previous_attempt} placeholder"),
+    ("stages.rl.feedback_template='{feedback}'", "stages[0].feedback_template: unknown placeholder {feedback}; use {feedback_raw}"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("override, message", BAD_INPUT, ids=[o.split("=")[0].split(".")[-1] + "=" + o.split("=", 1)[1][:12]
+                                                              for o, _ in BAD_INPUT])  # fmt: skip
+def test_bad_input_is_one_line_before_anything_trains(tmp_path, capsys, override, message):
+    from tempering import cli
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(BAD_RECIPE.format(out=tmp_path / "run"), encoding="utf-8")
+    try:
+        rc = cli.main(["run", str(path), override])
+    except SystemExit as exc:
+        rc = int(exc.code or 0)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err.count("\n") == 0 and err.startswith(f"tempering: error: {message}"), err
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("stage, message", [
+    ({"teacher": "ema"}, "stages[0].teacher: 'ema' needs a backend that averages weights (ema_update, e.g. local); "
+                         "use teacher: stage_start, base or live"),
+    ({"teacher": "stage_start", "distillation_mode": "full_logits"},
+     "stages[0].distillation_mode: 'full_logits' (support: student) needs the teacher's full next-token distributions"),
+    ({"teacher": "live", "distillation_mode": "topk_logits", "distillation_topk": 4, "distillation_topk_support": "teacher"},
+     "stages[0].distillation_mode: 'topk_logits' needs the teacher's top-k next-token distributions"),
+])  # fmt: skip
+def test_a_backend_without_the_needed_capability_is_refused(tmp_path, stage, message):
+    """Checked with the backend's capability protocols (tempering.interfaces.supports) before
+    any step: FakeBackend has weight snapshots but no averaging and no distributions."""
+    from tempering.errors import ConfigError
+    from tempering.testing import FakeBackend
+
+    backend = FakeBackend()
+    spec = {"name": "sdpo", "dataset": [{"prompt": "1+1=", "answer": "2"}], "steps": 1, "group_size": 2, **stage}
+    with pytest.raises(ConfigError) as err:
+        Recipe(name="cap", output_dir=str(tmp_path), loggers=[], stages=[spec]).run(backend=backend)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    assert backend.batches == []  # nothing trained
+
+
+def test_sampled_token_with_a_frozen_teacher_runs_on_a_snapshot_only_backend(tmp_path):
+    """What FakeBackend can do (token logprobs of a snapshot) is enough for sampled_token."""
+    from tempering.testing import FakeBackend
+
+    backend = FakeBackend(complete=lambda prompt, i: "2" if i == 0 else "3")
+    spec = {"name": "sdpo", "dataset": [{"prompt": "1+1=", "answer": "2"}], "steps": 2, "prompts_per_step": 1,
+            "group_size": 2, "teacher": "stage_start", "reward": "exact_match"}  # fmt: skip
+    result = Recipe(name="ok", output_dir=str(tmp_path), loggers=[], stages=[spec]).run(backend=backend)
+    rows = sdpo_rows(result)
+    assert len(rows) == 2 and rows[0]["sdpo/signal_frac"] == 0.5 and rows[0]["sdpo/solution_frac"] == 0.5
+    assert len(backend.batches) == 2 and all("distill_weights" in d.extra for d in backend.batches[0].data)
