@@ -25,6 +25,7 @@ from tempering.data import ExampleStream, load_examples
 from tempering.dataset_checks import Columns, check_rows, prompt_columns, reward_columns
 from tempering.errors import ConfigError
 from tempering.evaluate import build_sampler
+from tempering.loss_contract import ADVANTAGES, ROW_INPUTS, SAMPLER_LOGPROBS, LossSetup, for_stage
 from tempering.registry import split_spec
 from tempering.rollout import RolloutBatch, collect, rollout_metrics
 from tempering.rollout_log import DEFAULT_GROUPS, log_groups
@@ -128,9 +129,8 @@ class RLStage(SamplingKeys, Stage):
         reward = build_checked(ctx, "reward", self.reward, "reward")
         self.reward_runner = RewardRunner(reward, timeout=self.reward_timeout, concurrency=self.reward_concurrency)
         self.estimator = ctx.build("advantage", self.advantage, "advantage")
-        self.loss_fn = ctx.build("loss", self.loss, "loss")
-        if getattr(self.loss_fn, "max_completion_length", 0) is None:
-            self.loss_fn.max_completion_length = self.max_tokens  # Dr. GRPO's constant normaliser
+        # what the loss cannot see in a batch (Dr. GRPO's constant normaliser: max_tokens), passed once
+        self.loss_fn = for_stage(ctx.build("loss", self.loss, "loss"), LossSetup(max_tokens=self.max_tokens))
         written = self.reward != type(self).__dataclass_fields__["reward"].default  # the default: nothing to warn about
         self.rollout_sampler = build_sampler(ctx, self.sampler, "sampler", self.reward_runner, self.renderer,
                                              reward_key="reward" if written else None)  # fmt: skip
@@ -139,6 +139,11 @@ class RLStage(SamplingKeys, Stage):
         self.stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
         self.params = self.sampling_params()
         self.rollouts = self.make_rollouts(ctx, state)
+
+    def batch_inputs(self, loss: Any) -> frozenset[str]:
+        """Each row's tokens and weights, the sampler's logprobs and the group-relative advantages
+        (the loss contract's names, :mod:`tempering.loss_contract`)."""
+        return ROW_INPUTS | {SAMPLER_LOGPROBS, ADVANTAGES}
 
     def dataset_columns(self, ctx: RunContext) -> Columns:
         """What the rows must hold: a prompt (for the ``completion`` sampler) and the columns

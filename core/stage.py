@@ -33,6 +33,7 @@ from tempering.errors import ConfigError, TemperingError
 from tempering.evaluate import StageEvaluator, eval_reward
 from tempering.failures import FailureWatch
 from tempering.interfaces import RunContext, capability_name, supports
+from tempering.loss_contract import check_reads
 from tempering.progress import progress
 from tempering.registry import split_spec, validate_params
 from tempering.schedule import lr_at
@@ -179,7 +180,9 @@ def check_stage(
     """Validate the blocks every training stage has -- ``steps``, ``optimizer``, ``eval``,
     ``dataset`` -- its named components (attribute name = component kind), its sampler and
     renderer, before anything trains. Losses and advantage estimators are built (their own
-    checks run) and returned by kind, for further checks; the rest are checked by name, keys
+    checks run) and returned by kind, for further checks -- the loss's declared inputs against
+    what the stage's batches hold (:func:`tempering.loss_contract.check_reads`); the rest are
+    checked by name, keys
     and their factory's ``check_params`` (see :data:`tempering.registry.CHECK_HOOK`). Then,
     unless in :func:`config_only`, the datasets (the stage's and ``eval``'s): ``columns`` is
     what the stage's rows must hold (see :func:`check_dataset`)."""
@@ -198,6 +201,8 @@ def check_stage(
             built[kind] = build_checked(ctx, kind, getattr(stage, kind), kind)
         else:
             ctx.check(kind, getattr(stage, kind), kind)
+    if "loss" in built and isinstance(stage, Stage) and (provided := stage.batch_inputs(built["loss"])) is not None:
+        check_reads(built["loss"], provided, f"{ctx.path}.loss", stage.label)  # the loss contract
     if getattr(stage, "sampler", None) is not None:
         check_sampler(ctx, stage.sampler, "sampler")
     if hasattr(stage, "renderer"):
@@ -318,6 +323,12 @@ class Stage:
         """The backend capabilities this stage's config needs: :attr:`requires`, plus (in a
         subclass) those its keys ask for, e.g. SDFT's ``teacher: ema``."""
         return [Requirement(cap) for cap in self.requires]
+
+    def batch_inputs(self, loss: Any) -> frozenset[str] | None:
+        """What this stage's batches hold for ``loss``: the loss contract's input names
+        (:mod:`tempering.loss_contract`), checked against what the loss ``reads`` when the
+        recipe is validated. ``None`` (the default): not declared, not checked."""
+        return None
 
     def setup(self, ctx: RunContext, state: Mapping[str, Any]) -> None:
         """Build components and restore the loop position from ``state`` (empty on a fresh start)."""

@@ -46,6 +46,7 @@ from tempering.chat import Message, check_messages
 from tempering.data import ExampleStream, encode_completion, encode_prompt, load_examples, user_turn
 from tempering.errors import ConfigError
 from tempering.interfaces import RunContext, WeightSnapshots
+from tempering.loss_contract import DPO_SLOT, REF_LOGPROBS, ROW_INPUTS
 from tempering.renderer import build_renderer, chat_text_prompts
 from tempering.stage import Requirement, Stage, check_stage
 from tempering.trajectory import as_context
@@ -56,7 +57,7 @@ REFERENCE_MODELS = ("base", "stage_start")
 _REF_C, _REF_R = "_ref_chosen", "_ref_rejected"
 
 
-SLOT = "dpo_slot"  # Datum.extra: pair i's chosen rows hold 2i, its rejected rows 2i + 1 (multi-row sides)
+SLOT = DPO_SLOT  # Datum.extra: pair i's chosen rows hold 2i, its rejected rows 2i + 1 (multi-row sides)
 
 
 def completion_datum(prompt: list[int], completion: list[int], **extra: Any) -> Datum:
@@ -137,6 +138,11 @@ class DPO(Stage):
                                      "local); use reference: precomputed, or reference_model: base"))  # fmt: skip
         return needs
 
+    def batch_inputs(self, loss: Any) -> frozenset[str]:
+        """Interleaved pairs' rows, the reference policy's logprobs and, for sides of several
+        rows, each row's slot (the loss contract's names)."""
+        return ROW_INPUTS | {REF_LOGPROBS, DPO_SLOT}
+
     def setup(self, ctx: RunContext, state: Mapping[str, Any]) -> None:
         path = ctx.path
         self.loss_fn = ctx.build("loss", self.loss, "loss")
@@ -170,7 +176,7 @@ class DPO(Stage):
         if self.reference == "live":
             kwargs = {"weights": self.snap} if self.live_snapshot else {"reference": True}
             for d, lp in zip(batch.data, self.backend.logprobs(batch, **kwargs).result()):
-                d.extra["ref_logprobs"] = list(lp)
+                d.extra[REF_LOGPROBS] = list(lp)
         fb = self.backend.forward_backward(batch, self.loss_fn)
         op = self.backend.optim_step(self.adam(step))
         return {**fb.result(), **op.result()}
@@ -235,7 +241,7 @@ class DPO(Stage):
                     raise RuntimeError(f"pair {i}: {len(refs)} cached reference rows for {len(datums)} rows")
                 for j, d in enumerate(datums):
                     if refs is not None:
-                        d.extra["ref_logprobs"] = list(refs[j])
+                        d.extra[REF_LOGPROBS] = list(refs[j])
                     data.append(d)
                     slots.append(2 * i + side)
         if len(data) != 2 * len(rows):

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from tempering.interfaces import LossOutput
+from tempering.loss_contract import DPO_SLOT, REF_LOGPROBS, WEIGHTS
 
 __all__ = ["DPOLoss", "LOSS_TYPES", "pair_sequence_logprobs", "preference_loss"]
 
@@ -120,6 +121,7 @@ class DPOLoss:
 
     needs_logits: ClassVar[bool] = False
     tinker_builtin: ClassVar[str | None] = None  # custom loss (forward_backward_custom on Tinker)
+    reads: ClassVar[frozenset[str]] = frozenset({WEIGHTS, REF_LOGPROBS})  # the loss contract; DPO_SLOT when present
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -140,12 +142,12 @@ class DPOLoss:
         return 1.0 if self.loss_type == "sigmoid_sft" else 0.0
 
     def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
-        for key in ("weights", "ref_logprobs"):
+        for key in (WEIGHTS, REF_LOGPROBS):
             if key not in batch:
                 raise KeyError(f"DPOLoss needs batch[{key!r}]; the batch has {sorted(batch)}")
-        mask = batch["weights"]
-        ref = batch["ref_logprobs"].to(logprobs.dtype)
-        slots = batch.get("dpo_slot")
+        mask = batch[WEIGHTS]
+        ref = batch[REF_LOGPROBS].to(logprobs.dtype)
+        slots = batch.get(DPO_SLOT)
         s_c, s_r, n_c, n_r = pair_sequence_logprobs(logprobs, mask, slots)
         with torch.no_grad():
             ref_c, ref_r, _, _ = pair_sequence_logprobs(ref, mask, slots)

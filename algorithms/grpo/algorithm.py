@@ -16,6 +16,7 @@ from typing import Any
 
 from tempering.errors import ConfigError
 from tempering.interfaces import LossOnTrainingForward, RunContext, WeightSnapshots, supports
+from tempering.loss_contract import REF_LOGPROBS, SAMPLER_LOGPROBS, WEIGHTS, reads_input
 from tempering.rl import RLStage
 from tempering.rlmath.kl import k3_kl
 from tempering.rollout import recompute_sampler_logprobs, should_recompute
@@ -72,13 +73,20 @@ class GRPO(RLStage):
                           "KL reference", RuntimeWarning, stacklevel=2)  # fmt: skip
             self.reference = "base"
         self.ref_name = f"reference/{ctx.stage_id}"
-        uses_ref = bool(getattr(self.loss_fn, "beta", 0.0)) or self.log_kl
+        uses_ref = reads_input(self.loss_fn, REF_LOGPROBS) or self.log_kl
         if int(state.get("step", 0)) == 0 and self.reference == "stage_start" and uses_ref:
             self.backend.snapshot(self.ref_name).result()  # saved in checkpoints: resume keeps it
 
+    def batch_inputs(self, loss: Any) -> frozenset[str]:
+        """The RL engine's inputs, plus the reference policy's logprobs: scored at every step
+        for a loss that reads them (a KL term), else every ``kl_every`` steps for the log."""
+        return super().batch_inputs(loss) | {REF_LOGPROBS}
+
     def prepare(self, ctx: RunContext, batch: Batch, step: int) -> dict[str, Any]:
-        kl_now = bool(getattr(self.loss_fn, "beta", 0.0)) or (self.log_kl and step % self.kl_every == 0)
-        from_forward = self.recompute_logprobs == "auto" and self.loss_on_forward
+        kl_now = reads_input(self.loss_fn, REF_LOGPROBS) or (self.log_kl and step % self.kl_every == 0)
+        # "old" from the loss's own training forward, unless the loss requires the sampler's input
+        from_forward = (self.recompute_logprobs == "auto" and self.loss_on_forward
+                        and not reads_input(self.loss_fn, SAMPLER_LOGPROBS))  # fmt: skip
         if self.recompute and from_forward and not kl_now:
             for d in batch.data:  # the loss takes its own forward's logprobs, detached
                 d.sampler_logprobs = None
@@ -88,7 +96,7 @@ class GRPO(RLStage):
             return {}
         kwargs = {"weights": self.ref_name} if self.reference == "stage_start" else {"reference": True}
         for d, lp in zip(batch.data, self.backend.logprobs(batch, **kwargs).result()):
-            d.extra["ref_logprobs"] = list(lp)
+            d.extra[REF_LOGPROBS] = list(lp)
         return {"kl_ref": kl_to_reference(batch)}
 
 
@@ -96,7 +104,7 @@ def kl_to_reference(batch: Batch) -> float:
     """Token-mean k3 estimate of KL(policy || reference) on the sampled tokens, from the
     behaviour logprobs: logged even when the loss has no KL term (``beta = 0``)."""
     t = batch.to_tensors()
-    mask = t["weights"] > 0
+    mask = t[WEIGHTS] > 0
     if not mask.any():
         return 0.0
-    return float(k3_kl(t["sampler_logprobs"], t["ref_logprobs"], mask)[mask].mean())
+    return float(k3_kl(t[SAMPLER_LOGPROBS], t[REF_LOGPROBS], mask)[mask].mean())

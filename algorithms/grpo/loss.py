@@ -62,6 +62,7 @@ sequence-level ratios the clip and ratio metrics are over sequences (TRL does th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
@@ -69,12 +70,23 @@ from typing import ClassVar
 import torch
 
 from tempering.interfaces import LossOutput
-from tempering.rlmath.aggregation import LOSS_TYPES, aggregate
+from tempering.loss_contract import (
+    ADVANTAGES,
+    NUM_ITEMS_IN_BATCH,
+    REF_LOGPROBS,
+    SAMPLER_LOGPROBS,
+    WEIGHTS,
+    BuiltinLoss,
+    LossSetup,
+    NoBuiltin,
+)
+from tempering.rlmath.aggregation import LOSS_TYPES, aggregate, aggregation_coefficients
 from tempering.rlmath.diagnostics import clip_metrics
 from tempering.rlmath.kl import k3_kl
 from tempering.rlmath.masks import active
 from tempering.rlmath.policy_loss import clipped_surrogate, grpo_token_loss
 from tempering.rlmath.ratios import IS_LEVELS, log_importance_weights
+from tempering.types import Batch
 
 # Every name but GRPOLoss is a re-export from tempering.rlmath, kept so that existing imports
 # (tests, benchmarks, third-party plugins) keep working.
@@ -120,7 +132,57 @@ class GRPOLoss:
     use_bias_correction_kl: bool = True
 
     needs_logits: ClassVar[bool] = False
-    tinker_builtin: ClassVar[str | None] = None
+    tinker_builtin: ClassVar[str | None] = None  # the built-in depends on the config and batch: builtin()
+
+    @property
+    def reads(self) -> frozenset[str]:
+        """The batch inputs it requires (the loss contract): the reference policy's logprobs
+        only with a KL term (GRPO's stage scores the reference exactly then). The sampler's
+        logprobs are optional: without them the ratio's "old" is this forward, detached."""
+        return frozenset({WEIGHTS, ADVANTAGES} | ({REF_LOGPROBS} if self.beta != 0.0 else set()))
+
+    def for_stage(self, setup: LossSetup) -> GRPOLoss:
+        """Dr. GRPO's constant ``max_completion_length``, when not set, is the stage's
+        ``max_tokens`` (TRL's value; else the batch's padded width, which varies by step)."""
+        if self.max_completion_length is not None or setup.max_tokens is None:
+            return self
+        return dataclasses.replace(self, max_completion_length=setup.max_tokens)
+
+    def builtin(self, batch: Batch) -> BuiltinLoss | NoBuiltin:
+        """Tinker's ``ppo`` (token ratios) or ``gspo`` (sequence ratios) with this loss's
+        normaliser folded into the advantages, which is exact when no term but the clipped
+        surrogate is on and the weights allow the fold (see the loss contract,
+        :class:`~tempering.loss_contract.BuiltinLoss`); else why not."""
+        why = []
+        if self.beta != 0.0:
+            why.append(f"beta={self.beta} adds the k3 KL term, which no built-in has")
+        if self.delta is not None:
+            why.append(f"delta={self.delta} (two-sided clip) is not in the built-in ppo")
+        if self.importance_sampling_level not in ("token", "sequence"):
+            why.append(f"importance_sampling_level={self.importance_sampling_level!r} has no built-in")
+        if any(w < 0 for d in batch.data for w in d.weights):
+            why.append("negative weights cannot be folded into advantages")
+        sequence = self.importance_sampling_level == "sequence"
+        if sequence and any(w not in (0.0, 1.0) for d in batch.data for w in d.weights):
+            why.append("sequence ratios over fractional weights (a weighted mean) are not the built-in gspo (a mean over a 0/1 mask)")
+        if why:
+            return NoBuiltin("GRPOLoss: " + "; ".join(why))
+        t = batch.to_tensors()
+        mask = t[WEIGHTS]
+        num_items = t.get(NUM_ITEMS_IN_BATCH)
+        coef = aggregation_coefficients(lambda x: aggregate(x, mask, self.loss_type, self.max_completion_length, num_items=num_items), mask)
+        config = {"clip_low_threshold": 1.0 - float(self.epsilon_low), "clip_high_threshold": 1.0 + float(self.epsilon_high)}
+        if not sequence:
+            return BuiltinLoss("ppo", config, coef, f"GRPOLoss(loss_type={self.loss_type!r}) as the built-in ppo with its "
+                               "normaliser folded into the advantages (exact)")  # fmt: skip
+        if ADVANTAGES in t:
+            folded = t[ADVANTAGES] * coef
+            for i, d in enumerate(batch.data):
+                if len({round(float(a), 12) for a, w in zip(folded[i, : len(d.weights)].tolist(), d.weights) if w}) > 1:
+                    return NoBuiltin("GRPOLoss (sequence ratios): a row's folded advantage varies along it, where the built-in "
+                                     "gspo (GSPO-token) differs from the sequence ratio's gradient")  # fmt: skip
+        return BuiltinLoss("gspo", config, coef, f"GRPOLoss(loss_type={self.loss_type!r}, sequence ratios) as the built-in gspo "
+                           "with its normaliser folded into the advantages (exact: 0/1 mask, one advantage per row)")  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -139,14 +201,14 @@ class GRPOLoss:
             raise ValueError(f"GRPOLoss.max_completion_length must be > 0, got {self.max_completion_length}")
 
     def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
-        for key in ("weights", "advantages"):
+        for key in (WEIGHTS, ADVANTAGES):
             if key not in batch:
                 raise KeyError(f"GRPOLoss needs batch[{key!r}]; the batch has {sorted(batch)}")
-        mask = batch["weights"].to(logprobs.dtype)
+        mask = batch[WEIGHTS].to(logprobs.dtype)
         # No "old" logprobs: the batch is trained in one optimizer step on the weights that
         # sampled it, so "old" is this very forward, detached (ratio 1; TRL's shortcut too).
-        old = batch["sampler_logprobs"].to(logprobs.dtype) if "sampler_logprobs" in batch else logprobs.detach()
-        advantages = batch["advantages"].to(logprobs.dtype)
+        old = batch[SAMPLER_LOGPROBS].to(logprobs.dtype) if SAMPLER_LOGPROBS in batch else logprobs.detach()
+        advantages = batch[ADVANTAGES].to(logprobs.dtype)
         if advantages.dim() == 1:  # one advantage per row
             advantages = advantages.unsqueeze(-1)
         # Masked positions may hold anything (a failed sample's NaN advantage): zero them before
@@ -154,7 +216,7 @@ class GRPOLoss:
         is_active = active(mask)
         advantages = torch.where(is_active, advantages.expand_as(logprobs), torch.zeros_like(logprobs))
         old = torch.where(is_active, old, torch.zeros_like(old))
-        ref = batch.get("ref_logprobs") if self.beta != 0.0 else None
+        ref = batch.get(REF_LOGPROBS) if self.beta != 0.0 else None
         if self.beta != 0.0 and ref is None:
             raise KeyError(f"GRPOLoss with beta={self.beta} needs batch['ref_logprobs']; the batch has {sorted(batch)}")
         per_token, ratio, kl_term = grpo_token_loss(
@@ -171,7 +233,7 @@ class GRPOLoss:
             use_bias_correction_kl=self.use_bias_correction_kl,
         )
         loss = aggregate(
-            per_token, mask, self.loss_type, self.max_completion_length, num_items=batch.get("num_items_in_batch")
+            per_token, mask, self.loss_type, self.max_completion_length, num_items=batch.get(NUM_ITEMS_IN_BATCH)
         )
         metrics = clip_metrics(
             ratio.detach(), advantages.expand_as(logprobs), mask, self.epsilon_low, self.epsilon_high, self.delta

@@ -27,7 +27,7 @@ from tempering.rl import RLStage
 from tempering.rlmath.aggregation import FOLD_AGGREGATIONS, fold_normaliser
 from tempering.types import Batch
 
-from tempering.algorithms.offpolicy.loss import AdvantageCap, OffPolicyObjective
+from tempering.algorithms.offpolicy.loss import AdvantageCap, OffPolicyObjective, _RatioLoss
 
 if TYPE_CHECKING:  # pragma: no cover
     from tempering.interfaces import RunContext
@@ -39,8 +39,6 @@ def sums_over_tokens(loss: Any) -> bool:
     """True for a loss that is a plain sum over tokens (every loss naming a Tinker built-in,
     and this package's losses), which needs its normaliser folded into the advantages; False
     for one that normalises itself (``grpo``'s aggregations)."""
-    from tempering.algorithms.offpolicy.loss import _RatioLoss
-
     return isinstance(loss, _RatioLoss) or getattr(loss, "tinker_builtin", None) is not None
 
 
@@ -111,8 +109,7 @@ class OffPolicyRL(RLStage):
             )
         self._fold = ("token_mean" if summed else "sum") if self.aggregation == "auto" else self.aggregation
         self._objective = OffPolicyObjective(self.loss_fn, self.temperature, self.top_k, self.top_p)
-        self.capper = AdvantageCap(getattr(self.loss_fn, "advantage_cap", None),
-                                   getattr(self.loss_fn, "advantage_cap_momentum", 0.9), state.get("advantage_abs_mean"))  # fmt: skip
+        self.capper = AdvantageCap.for_loss(self.loss_fn, state.get("advantage_abs_mean"))
 
     def make_rollouts(self, ctx: RunContext, state: Mapping[str, Any]) -> AsyncRollouts:
         start = int(state.get("step", 0))

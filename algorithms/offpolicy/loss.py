@@ -67,11 +67,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
 from tempering.interfaces import LossOutput, at_positions, from_positions
+from tempering.loss_contract import ADVANTAGES, SAMPLER_LOGPROBS, TARGET_IDS, WEIGHTS, loss_reads
 from tempering.rlmath.aggregation import fold_normaliser
 from tempering.rlmath.diagnostics import ratio_stats
 from tempering.rlmath.masks import active, masked
@@ -161,6 +162,13 @@ class OffPolicyObjective:
         return self.matched or bool(getattr(self.inner, "needs_logits", False))
 
     @property
+    def reads(self) -> frozenset[str] | None:
+        """The inner loss's inputs (the loss contract), plus the target ids when it scores the
+        logits as the sampler drew."""
+        inner = loss_reads(self.inner)
+        return None if inner is None else inner | ({TARGET_IDS} if self.matched else set())
+
+    @property
     def tinker_builtin(self) -> str | None:
         return None if self.matched else getattr(self.inner, "tinker_builtin", None)
 
@@ -206,6 +214,7 @@ class _RatioLoss:
     advantage_cap_momentum: float = 0.9
 
     needs_logits: ClassVar[bool] = False
+    reads: ClassVar[frozenset[str]] = frozenset({WEIGHTS, SAMPLER_LOGPROBS, ADVANTAGES})  # the loss contract
     _builtin: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
@@ -237,7 +246,7 @@ class _RatioLoss:
         raise NotImplementedError
 
     def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
-        for key in ("weights", "sampler_logprobs", "advantages"):
+        for key in (WEIGHTS, SAMPLER_LOGPROBS, ADVANTAGES):
             if key not in batch:
                 raise KeyError(f"{type(self).__name__} needs batch[{key!r}]; the batch has {sorted(batch)}")
         mask = batch["weights"].to(logprobs.dtype)
@@ -347,6 +356,16 @@ def cap_advantages(rows: list[list[float]], weights: list[list[float]], cap: flo
     return out, n
 
 
+@runtime_checkable
+class CapsAdvantages(Protocol):
+    """A loss that asks the ``offpolicy`` stage to cap its advantages (every loss here): a cap
+    at ``advantage_cap`` times the running mean ``|A|`` (``None``: off), whose mean moves with
+    ``advantage_cap_momentum``. Read by the stage, typed, instead of probed."""
+
+    advantage_cap: float | None
+    advantage_cap_momentum: float
+
+
 class AdvantageCap:
     """Caps per-token ``|A|`` at ``multiple`` x its running mean (the stale-rollout recipe).
 
@@ -362,6 +381,13 @@ class AdvantageCap:
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"AdvantageCap: momentum must be in [0, 1), got {momentum}")
         self.multiple, self.momentum, self.mean = multiple, momentum, mean
+
+    @classmethod
+    def for_loss(cls, loss: Any, mean: float | None = None) -> AdvantageCap:
+        """The cap ``loss`` asks for (:class:`CapsAdvantages`); none for any other loss."""
+        if isinstance(loss, CapsAdvantages):
+            return cls(loss.advantage_cap, loss.advantage_cap_momentum, mean)
+        return cls(None, 0.9, mean)
 
     def __call__(self, rows: list[list[float]], weights: list[list[float]]) -> tuple[list[list[float]], dict[str, float]]:
         if self.multiple is None:

@@ -20,6 +20,7 @@ from tempering.chat import check_messages
 from tempering.data import ExampleStream, encode_completion, encode_prompt, load_examples, user_turn
 from tempering.errors import ConfigError
 from tempering.renderer import build_renderer, chat_text_prompts
+from tempering.loss_contract import ROW_INPUTS
 from tempering.stage import Stage, check_stage, require
 from tempering.types import Batch, Segment
 
@@ -48,6 +49,10 @@ class SFT(Stage):
     def validate(self, ctx: RunContext) -> None:
         require(self.batch_size >= 1, f"{ctx.path}.batch_size", f"must be >= 1, got {self.batch_size}")
         check_stage(ctx, self, columns={"prompt": {self.completion_key: "completion_key"}, "messages": {}})
+
+    def batch_inputs(self, loss: Any) -> frozenset[str]:
+        """Rows and their weights (the loss contract's names): nothing sampled, no reference."""
+        return ROW_INPUTS
 
     def setup(self, ctx: RunContext, state: Mapping[str, Any]) -> None:
         self.loss_fn = ctx.build("loss", self.loss, "loss")

@@ -9,6 +9,7 @@ from typing import ClassVar
 import torch
 
 from tempering.interfaces import LossOutput
+from tempering.loss_contract import WEIGHTS
 
 
 @dataclass
@@ -21,9 +22,10 @@ class CrossEntropyLoss:
 
     needs_logits: ClassVar[bool] = False
     tinker_builtin: ClassVar[str | None] = "cross_entropy"
+    reads: ClassVar[frozenset[str]] = frozenset({WEIGHTS})  # the loss contract
 
     def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
-        weights = batch["weights"]
+        weights = batch[WEIGHTS]
         loss = -(logprobs * weights).sum()
         mask = weights != 0
         nll = -(logprobs[mask]).mean() if mask.any() else logprobs.new_zeros(())

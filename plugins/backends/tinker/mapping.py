@@ -21,10 +21,12 @@ None of them has a mask: every position of ``target_tokens`` counts. So :func:`p
 exactly 0 to the loss and its gradient, and ``r = exp(lp) <= 1`` cannot overflow), and folds any
 normaliser of ours into the advantages: our aggregations (token mean, per-sequence mean,
 constant) are linear in the per-token loss with non-negative coefficients ``c[b, t]``, and
-``c * min(r A, clip(r) A) = min(r (cA), clip(r) (cA))`` for ``c >= 0``
-(:func:`tempering.rlmath.aggregation.aggregation_coefficients` reads them off the loss). That
-makes the built-in compute *exactly* our loss as a function of the per-token logprobs
-(tests/test_tinker_backend.py checks loss and gradient against the documented formulas).
+``c * min(r A, clip(r) A) = min(r (cA), clip(r) (cA))`` for ``c >= 0``. Which built-in, with
+which config and coefficients, is the loss's own declaration (the loss contract,
+:mod:`tempering.loss_contract`: ``tinker_builtin``, or ``builtin(batch)`` -- GRPO's loss reads its
+coefficients off its aggregation); this module only turns it into rows, and never imports an
+algorithm. That makes the built-in compute *exactly* our loss as a function of the per-token
+logprobs (tests/test_tinker_backend.py checks loss and gradient against the documented formulas).
 
 GRPO with sequence-level ratios (GSPO) is Tinker's ``gspo`` when each row's loss mask is 0/1 and
 its folded advantage is one value over the mask: our ratio ``exp(mean(lp - q))`` has gradient
@@ -45,17 +47,25 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tempering.loss_contract import (
+    BUILTIN_LOSSES,
+    POLICY_BUILTINS,
+    SOFT_TARGET_IDS,
+    SOFT_TARGET_WEIGHTS,
+    BuiltinLoss,
+    DeclaresBuiltin,
+    NoBuiltin,
+    builtin_of,
+)
 from tempering.types import Batch
 
 __all__ = ["BUILTINS", "LossPlan", "plan_loss", "to_tinker_data", "RL_BUILTINS"]
 
-BUILTINS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
-#: Built-ins that read ``target_tokens``, ``logprobs`` (the sampler's) and ``advantages``.
-RL_BUILTINS = ("importance_sampling", "ppo", "cispo", "dro", "gspo")
-#: Built-ins whose clip thresholds we must send explicitly (never rely on the service default).
-CLIPPED = ("ppo", "cispo", "gspo")
+#: Tinker's built-in losses (the loss contract's standard ones), and those that read
+#: ``target_tokens``, ``logprobs`` (the sampler's) and ``advantages``.
+BUILTINS, RL_BUILTINS = BUILTIN_LOSSES, POLICY_BUILTINS
 #: ``Datum.extra`` keys that turn ``cross_entropy`` rows into ``(N, K)`` soft targets.
-SOFT_IDS, SOFT_WEIGHTS = "soft_target_ids", "soft_target_weights"
+SOFT_IDS, SOFT_WEIGHTS = SOFT_TARGET_IDS, SOFT_TARGET_WEIGHTS
 
 
 @dataclass
@@ -84,104 +94,34 @@ class LossPlan:
 
 
 def plan_loss(loss: Any, batch: Batch) -> LossPlan:
-    """The Tinker rows for ``loss`` on ``batch``: a built-in when it computes exactly ``loss``,
-    else ``custom``. Raises :class:`NotImplementedError` for losses Tinker cannot run at all
-    (those that need full logits)."""
+    """The Tinker rows for ``loss`` on ``batch``: the built-in the loss declares (the loss
+    contract, :func:`tempering.loss_contract.builtin_of`) when there is one, else ``custom``.
+    Raises :class:`NotImplementedError` for losses Tinker cannot run at all (those that need
+    full logits)."""
     if not batch.data:
         raise ValueError("forward_backward: the batch is empty")
-    hook = getattr(loss, "tinker_plan", None)  # a third-party loss may map itself
+    hook = getattr(loss, "tinker_plan", None)  # a third-party loss may map itself to Tinker's rows
     if callable(hook):
         plan = hook(batch)
         if plan is not None:
             return plan
-    grpo = _grpo_plan(loss, batch)
-    if grpo is not None:
-        return grpo
-    builtin = getattr(loss, "tinker_builtin", None)
-    if builtin:
-        return _builtin_plan(loss, str(builtin), batch)
-    return custom_plan(loss, batch, f"{type(loss).__name__} names no Tinker built-in (tinker_builtin is None)")
+    found = builtin_of(loss, batch)
+    if isinstance(found, NoBuiltin):
+        return custom_plan(loss, batch, found.reason)
+    return _builtin_plan(loss, found, batch)
 
 
 def custom_plan(loss: Any, batch: Batch, note: str) -> LossPlan:
     """``forward_backward_custom``: only ``target_tokens`` and ``weights`` reach the service."""
     if getattr(loss, "needs_logits", False):
-        raise NotImplementedError(_logits_message(loss))
+        raise NotImplementedError(_logits_message(loss, note))
     inputs = [{"target_tokens": list(d.target_tokens), "weights": [float(w) for w in d.weights]} for d in batch.data]
     return LossPlan("custom", None, inputs, note=note + "; runs as forward_backward_custom (one extra forward pass)")
 
 
-# ---------------------------------------------------------------------- GRPO
-def _grpo_plan(loss: Any, batch: Batch) -> LossPlan | None:
-    try:  # issue 22 (a loss contract) removes this upward import: GRPOLoss will declare its plan
-        from tempering.algorithms.grpo.loss import GRPOLoss
-    except ImportError:  # pragma: no cover - the algorithm package is part of tempering
-        return None
-    if not isinstance(loss, GRPOLoss):
-        return None
-    why = []
-    if loss.beta != 0.0:
-        why.append(f"beta={loss.beta} adds the k3 KL term, which no built-in has")
-    if loss.delta is not None:
-        why.append(f"delta={loss.delta} (two-sided clip) is not in Tinker's ppo")
-    if loss.importance_sampling_level not in ("token", "sequence"):
-        why.append(f"importance_sampling_level={loss.importance_sampling_level!r} has no built-in")
-    if any(w < 0 for d in batch.data for w in d.weights):
-        why.append("negative weights cannot be folded into advantages")
-    sequence = loss.importance_sampling_level == "sequence"
-    if sequence and any(w not in (0.0, 1.0) for d in batch.data for w in d.weights):
-        why.append("sequence ratios over fractional weights (a weighted mean) are not Tinker's gspo (a mean over a 0/1 mask)")
-    if why:
-        return custom_plan(loss, batch, "GRPOLoss: " + "; ".join(why))
-    _require(batch, ("sampler_logprobs", "advantages"), "GRPOLoss")
-    import torch
-
-    from tempering.rlmath.aggregation import aggregate, aggregation_coefficients
-
-    t = batch.to_tensors()
-    mask = t["weights"]
-    coef = aggregation_coefficients(
-        lambda x: aggregate(x, mask, loss.loss_type, loss.max_completion_length, num_items=t.get("num_items_in_batch")),
-        mask,
-    )
-    adv = t["advantages"] * coef
-    old = torch.where(coef != 0, t["sampler_logprobs"], torch.zeros_like(coef))
-    inputs = [
-        {
-            "target_tokens": list(d.target_tokens),
-            "logprobs": old[i, : len(d.target_tokens)].tolist(),
-            "advantages": adv[i, : len(d.target_tokens)].tolist(),
-        }
-        for i, d in enumerate(batch.data)
-    ]
-    config = {"clip_low_threshold": 1.0 - float(loss.epsilon_low), "clip_high_threshold": 1.0 + float(loss.epsilon_high)}
-    if sequence:
-        for i, d in enumerate(batch.data):
-            values = {round(float(a), 12) for a, w in zip(inputs[i]["advantages"], d.weights) if w}
-            if len(values) > 1:
-                return custom_plan(loss, batch, "GRPOLoss (sequence ratios): a row's folded advantage varies along it, "
-                                   "where Tinker's gspo (GSPO-token) differs from the sequence ratio's gradient")  # fmt: skip
-            inputs[i]["sequence_ratio_mask"] = [1.0 if w else 0.0 for w in d.weights]
-        return LossPlan("gspo", config, inputs, details={"coefficients": coef},
-                        note=f"GRPOLoss(loss_type={loss.loss_type!r}, sequence ratios) as Tinker's gspo with its normaliser "
-                             "folded into the advantages (exact: 0/1 mask, one advantage per row)")  # fmt: skip
-    return LossPlan(
-        "ppo",
-        config,
-        inputs,
-        note=f"GRPOLoss(loss_type={loss.loss_type!r}) as Tinker's ppo with its normaliser folded into the advantages (exact)",
-        details={"coefficients": coef},
-    )
-
-
-# ---------------------------------------------------------------------- losses that name a built-in
-def _builtin_plan(loss: Any, name: str, batch: Batch) -> LossPlan:
-    if name not in BUILTINS:
-        raise ValueError(
-            f"{type(loss).__name__}.tinker_builtin is {name!r}, which is not a Tinker built-in loss ({', '.join(BUILTINS)})"
-        )
-    config = loss_fn_config(loss, name)
-    who = type(loss).__name__
+# ---------------------------------------------------------------------- losses a built-in computes
+def _builtin_plan(loss: Any, builtin: BuiltinLoss, batch: Batch) -> LossPlan:
+    name, config, who = builtin.name, dict(builtin.config) if builtin.config else None, type(loss).__name__
     if name == "cross_entropy":
         if config:
             raise ValueError(f"{who}: Tinker's cross_entropy takes no loss_fn_config (got {config})")
@@ -194,47 +134,28 @@ def _builtin_plan(loss: Any, name: str, batch: Batch) -> LossPlan:
         inputs = [{"target_tokens": list(d.target_tokens), "weights": [float(w) for w in d.weights]} for d in batch.data]
         return LossPlan(name, None, inputs, note=f"{who} as Tinker's cross_entropy (exact: a weighted sum)")
     _require(batch, ("sampler_logprobs", "advantages"), f"{who} (Tinker's {name})")
-    inputs = []
-    for d in batch.data:
-        active = [w != 0 for w in d.weights]
-        inputs.append(
-            {
-                "target_tokens": list(d.target_tokens),
-                "logprobs": [float(q) if a else 0.0 for q, a in zip(d.sampler_logprobs or [], active)],
-                "advantages": [float(x) if a else 0.0 for x, a in zip(d.advantages or [], active)],
-            }
-        )
+    import torch
+
+    t = batch.to_tensors()
+    coef = builtin.coefficients if builtin.coefficients is not None else (t["weights"] != 0).to(torch.float32)
+    zero = torch.zeros_like(coef)
+    # advantages scaled by the coefficients (the normaliser folded in) and sampler logprobs, both
+    # 0 where a coefficient is 0: such a position adds exactly 0 and r = exp(lp) <= 1 cannot overflow
+    adv = torch.where(coef != 0, t["advantages"] * coef, zero)
+    old = torch.where(coef != 0, t["sampler_logprobs"], zero)
+    inputs: list[dict[str, list[Any]]] = []
+    for i, d in enumerate(batch.data):
+        n = len(d.target_tokens)
+        row = {"target_tokens": list(d.target_tokens), "logprobs": old[i, :n].tolist(), "advantages": adv[i, :n].tolist()}
         if name == "gspo":
-            inputs[-1]["sequence_ratio_mask"] = [1.0 if a else 0.0 for a in active]
-    for row in inputs:
+            row["sequence_ratio_mask"] = [1.0 if w else 0.0 for w in d.weights]
         bad = [x for x in row["logprobs"] + row["advantages"] if not math.isfinite(x)]
         if bad:
             raise ValueError(f"{who}: non-finite sampler logprobs or advantages on loss positions ({bad[:3]})")
-    return LossPlan(name, config, inputs, note=f"{who} as Tinker's {name} (its tinker_builtin; weight-0 positions zeroed)")
-
-
-def loss_fn_config(loss: Any, name: str) -> dict[str, float] | None:
-    """The ``loss_fn_config`` for built-in ``name``: the loss's ``tinker_loss_fn_config`` if it has
-    one, else (``ppo``/``cispo``) clip thresholds from ``clip_low_threshold``/``clip_high_threshold``
-    or ``epsilon_low``/``epsilon_high`` attributes. Clip thresholds are always sent explicitly,
-    so a recipe never silently runs with the service's defaults."""
-    explicit = getattr(loss, "tinker_loss_fn_config", None)
-    if callable(explicit):
-        explicit = explicit()
-    if explicit is not None:
-        return {str(k): float(v) for k, v in dict(explicit).items()} or None
-    if name not in CLIPPED:
-        return None
-    for low, high, as_ratio in (("clip_low_threshold", "clip_high_threshold", True), ("epsilon_low", "epsilon_high", False)):
-        lo, hi = getattr(loss, low, None), getattr(loss, high, None)
-        if lo is not None and hi is not None:
-            lo, hi = (float(lo), float(hi)) if as_ratio else (1.0 - float(lo), 1.0 + float(hi))
-            return {"clip_low_threshold": lo, "clip_high_threshold": hi}
-    raise ValueError(
-        f"{type(loss).__name__} names Tinker's {name!r} but gives no clip thresholds: give it "
-        "epsilon_low/epsilon_high (or clip_low_threshold/clip_high_threshold) attributes, or "
-        "tinker_loss_fn_config = {'clip_low_threshold': ..., 'clip_high_threshold': ...}"
-    )
+        inputs.append(row)
+    details = {"coefficients": builtin.coefficients} if builtin.coefficients is not None else {}
+    note = builtin.note or f"{who} as Tinker's {name}"
+    return LossPlan(name, config, inputs, note=note + " (weight-0 positions zeroed)", details=details)
 
 
 def _soft_inputs(d: Any, who: str) -> dict[str, list[Any]]:
@@ -261,12 +182,17 @@ def _require(batch: Batch, fields: Sequence[str], who: str) -> None:
             raise KeyError(f"{who} needs Datum.{name} on every row; rows {missing[:5]} have none")
 
 
-def _logits_message(loss: Any) -> str:
+def _logits_message(loss: Any, reason: str) -> str:
+    """Why a loss that needs logits cannot run on Tinker, with what to do instead: the loss's
+    own word when its ``builtin(batch)`` declared none (:class:`~tempering.loss_contract.NoBuiltin`),
+    else the general way out."""
     mode = getattr(loss, "mode", None)
     what = f"{type(loss).__name__}" + (f" (mode {mode!r})" if mode else "")
     hint = (
-        " Use mode: sampled_token (Tinker's importance_sampling) for SDFT on Tinker."
-        if type(loss).__name__ == "SDFTLoss"
+        f" {reason}"
+        if isinstance(loss, DeclaresBuiltin)
+        else " Use mode: sampled_token (Tinker's importance_sampling) for SDFT on Tinker."
+        if type(loss).__name__ == "SDFTLoss"  # until SDFTLoss declares builtin(): see the loss contract
         else " Express it on per-token logprobs, or as Tinker's cross_entropy with (N, K) soft targets "
         f"(tinker_builtin='cross_entropy' and Datum.extra['{SOFT_IDS}'/'{SOFT_WEIGHTS}'])."
     )

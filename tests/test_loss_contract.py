@@ -1,0 +1,172 @@
+"""The loss contract (issue 22): a loss declares the batch inputs it reads, checked against what
+its stage's batches hold before anything trains; stages pass what a loss needs as a typed
+LossSetup instead of writing into it; the built-in a loss declares is backend-neutral; and the
+layering that keeps a backend from importing an algorithm holds (no upward import, no cycle)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tempering.algorithms.dpo.loss import DPOLoss
+from tempering.algorithms.grpo.loss import GRPOLoss
+from tempering.errors import ConfigError
+from tempering.loss_contract import (
+    ADVANTAGES,
+    REF_LOGPROBS,
+    WEIGHTS,
+    BuiltinLoss,
+    LossSetup,
+    NoBuiltin,
+    builtin_of,
+    check_reads,
+    for_stage,
+    reads_input,
+)
+from tempering.recipe import Recipe
+from tempering.testing import FakeBackend
+from tempering.types import Batch, Datum
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = [{"prompt": f"{i}+{i}=", "answer": str(2 * i), "chosen": "1", "rejected": "2"} for i in range(4)]
+
+
+def stage_error(tmp_path: Path, stage: dict) -> str:
+    backend = FakeBackend()
+    with pytest.raises(ConfigError) as err:
+        Recipe(name="c", output_dir=str(tmp_path), loggers=[], stages=[stage]).run(backend=backend)
+    assert backend.step == 0 and backend.batches == []  # refused before anything trained
+    return str(err.value)
+
+
+def test_a_loss_reading_what_its_stage_does_not_provide_fails_at_validation(tmp_path):
+    message = stage_error(tmp_path / "a", {"name": "offpolicy", "dataset": ROWS, "loss": "dpo"})
+    assert message.startswith("stages[0].loss: the DPOLoss loss reads ref_logprobs, which a 'offpolicy' stage's batches")
+    message = stage_error(tmp_path / "b", {"name": "sft", "dataset": ROWS, "completion_key": "answer", "loss": "grpo"})
+    assert message.startswith("stages[0].loss: the GRPOLoss loss reads advantages, which a 'sft' stage's batches")
+
+
+def test_reads_follow_the_config_and_drive_what_grpo_prepares():
+    assert GRPOLoss().reads == {WEIGHTS, ADVANTAGES}
+    assert reads_input(GRPOLoss(beta=0.04), REF_LOGPROBS) and not reads_input(GRPOLoss(), REF_LOGPROBS)
+    assert DPOLoss().reads == {WEIGHTS, REF_LOGPROBS}
+    check_reads(DPOLoss(), {WEIGHTS, REF_LOGPROBS}, "stages[0].loss", "dpo")  # passes
+    check_reads(object(), set(), "stages[0].loss", "dpo")  # a loss that declares nothing is not checked
+
+
+def test_the_stage_passes_max_tokens_without_writing_into_the_loss():
+    loss = GRPOLoss(loss_type="dr_grpo")
+    configured = for_stage(loss, LossSetup(max_tokens=8))
+    assert configured.max_completion_length == 8 and loss.max_completion_length is None  # a copy, not a write
+    fixed = GRPOLoss(loss_type="dr_grpo", max_completion_length=5)
+    assert for_stage(fixed, LossSetup(max_tokens=8)) is fixed  # the user's value wins
+    assert for_stage(DPOLoss(), LossSetup(max_tokens=8)) == DPOLoss()  # not stage-aware: unchanged
+
+
+def test_builtin_declarations_are_backend_neutral():
+    batch = Batch([Datum([1, 2, 3], [2, 3, 4], [0.0, 1.0, 1.0], [0.0, -0.5, -0.2], [0.0, 1.0, 1.0])])
+    found = builtin_of(GRPOLoss(loss_type="dapo"), batch)
+    assert isinstance(found, BuiltinLoss) and found.name == "ppo"
+    assert found.coefficients.tolist() == [[0.0, 0.5, 0.5]]  # the token mean folded into the advantages
+    assert isinstance(builtin_of(GRPOLoss(beta=0.1), batch), NoBuiltin)
+    assert builtin_of(DPOLoss(), batch) == NoBuiltin("DPOLoss names no built-in loss (tinker_builtin is None)")
+
+    class Unknown:
+        tinker_builtin = "nope"
+
+    with pytest.raises(ValueError, match="not a built-in loss"):
+        builtin_of(Unknown(), batch)
+
+
+# ---------------------------------------------------------------------- layering
+def _imports(path: Path, module: str) -> set[str]:
+    """Every module ``path`` imports, top-level or inside functions (TYPE_CHECKING blocks aside)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                out.update(a.name for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                    base = ".".join(package[: len(package) - child.level + 1] + ([base] if base else []))
+                out.update([base] + [f"{base}.{a.name}" for a in child.names])
+            visit(child)
+
+    visit(tree)
+    return out
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for top, prefix in (("core", "tempering"), ("algorithms", "tempering.algorithms"), ("plugins", "tempering.plugins")):
+        for path in (ROOT / top).rglob("*.py"):
+            parts = list(path.relative_to(ROOT / top).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([prefix, *parts])] = path
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        edges = set()
+        for target in _imports(path, name):
+            while target and target not in mods:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def _layer(module: str) -> str:
+    return "algorithms" if module.startswith("tempering.algorithms") else "plugins" if module.startswith("tempering.plugins") else "core"
+
+
+def test_no_upward_imports():
+    """core imports neither plugins nor algorithms; plugins and algorithms not each other."""
+    allowed = {"core": {"core"}, "algorithms": {"core", "algorithms"}, "plugins": {"core", "plugins"}}
+    wrong = sorted(f"{a} -> {b}" for a, targets in _graph().items() for b in targets if _layer(b) not in allowed[_layer(a)])
+    assert wrong == []
+
+
+def test_no_import_cycles():
+    """Counting function-level imports too: a cycle hidden behind a lazy import is one."""
+    graph, index, low, stack, on, cycles = _graph(), {}, {}, [], set(), []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            connect(v)
+    assert cycles == []
+
