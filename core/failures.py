@@ -13,6 +13,7 @@ on nothing and finish "Done". So failures are made loud here:
   ``not_a_number``          the reward returned something that is not a real number (a str,
                             None, a list, a tensor, ...)
   ``not_finite``            the reward returned NaN or an infinity
+  ``bad_feedback``          the reward returned feedback that is not text (see :mod:`tempering.feedback`)
   ``episode_error``         the environment raised during an episode
   ``env_timeout``           an environment call did not return within the sampler's ``env_timeout``
   ``group_reward``          the environment's ``group_reward`` raised or returned a wrong count

@@ -8,6 +8,10 @@ failure whose message names the type it got -- a reward that returns text has a 
 reading it as a number would hide it. Failures are counted in :class:`ScoreStats` and surface
 in the step's metrics.
 
+A reward's feedback in words (``RewardResult.feedback``, a mapping's ``"feedback"`` key, a
+:class:`~tempering.feedback.Scored` float's) is appended to ``Sample.feedback``, not put in
+``reward_info``; feedback that is not text fails the sample (cause ``bad_feedback``).
+
 Three ways to score:
 
 * :meth:`RewardRunner.score` -- a list in, blocks until every sample is scored;
@@ -39,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tempering.failures import debug, mark_failed, raised
+from tempering.feedback import FEEDBACK_KEY, feedback_of, join_feedback
 from tempering.interfaces import RewardResult
 from tempering.types import Sample
 
@@ -262,11 +267,18 @@ class RewardRunner:
             self._fail(s, raised(exc), f"{type(exc).__name__}: {exc}", stats, exc)
 
     def _apply(self, s: Sample, value: Any, stats: ScoreStats) -> None:
+        """Record a reward's return on ``s``: the number, its ``info`` (``reward_info``) and its
+        feedback, appended to what the sample already has (an episode's turns said theirs)."""
+        try:
+            feedback = feedback_of(value)
+        except TypeError as exc:
+            self._fail(s, "bad_feedback", str(exc), stats)
+            return
         info: dict[str, Any] = {}
         if isinstance(value, RewardResult):
             value, info = value.reward, value.info
         elif isinstance(value, dict):
-            info = {k: v for k, v in value.items() if k != "reward"}
+            info = {k: v for k, v in value.items() if k not in ("reward", FEEDBACK_KEY)}
             value = value.get("reward")
         try:
             number = reward_number(value)
@@ -274,6 +286,7 @@ class RewardRunner:
             self._fail(s, exc.cause, f"reward {exc}", stats)
             return
         s.reward, s.reward_info, s.failed, s.error = number, info, False, None
+        s.feedback = join_feedback([s.feedback, feedback])
         stats.scored += 1
 
     def _timeout(self, s: Sample, exc: BaseException, stats: ScoreStats) -> None:

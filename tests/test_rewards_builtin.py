@@ -11,7 +11,7 @@ import pytest
 
 from tempering.errors import ConfigError
 from tempering.interfaces import RewardResult
-from tempering.plugins.rewards._common import find_numbers, parse_number
+from tempering.plugins.rewards._common import RewardError, find_numbers, parse_number
 from tempering.plugins.rewards.combine import AsyncWeightedReward, WeightedReward, weighted
 from tempering.plugins.rewards.forecast import Brier, BrierSkill, ForecastParseError, parse_probability
 from tempering.plugins.rewards.math_answer import MathAnswer, extract_answer, extract_boxed
@@ -261,3 +261,46 @@ def test_weighted_bad_entries():
         weighted([{"weight": 1.0}])
     with pytest.raises(ValueError, match=r"rewards\[0\]\.weight"):
         weighted([{"name": "exact_match", "weight": "heavy"}])
+
+
+# --------------------------------------------------------------------------- feedback
+def test_exact_match_says_what_it_expected_and_stays_a_float():
+    em = get_registry().build("reward", "exact_match")
+    miss = em(" 41\n", {"answer": "42"})
+    assert miss == 0.0 and float(miss) + 1 == 1.0 and miss.feedback == "expected '42', got '41'"
+    assert em("   ", {"answer": "42"}).feedback == "expected '42', got nothing"
+    long = em("7" * 200, {"answer": "42"}).feedback
+    assert long == "expected '42', got '" + "7" * 77 + "...'"  # never the whole completion
+    hit = em("42", {"answer": "42"})
+    assert hit == 1.0 and getattr(hit, "feedback", None) is None
+
+
+def test_math_answer_feedback_names_the_extracted_answer():
+    ma = get_registry().build("reward", "math_answer")
+    assert ma("12 + 30 = 41, so the answer is 41.", {"answer": "42"}).feedback == "expected '42', got '41'"
+    assert ma("I do not know", {"answer": "42"}).feedback == "no final answer found; expected '42'"
+    boxed = get_registry().build("reward", {"name": "math_answer", "extract": "boxed"})
+    assert boxed("41", {"answer": "#### 42"}).feedback == "no final answer found in a \\boxed{}; expected '42'"
+    assert ma(r"\boxed{42}", {"answer": "42"}).feedback is None
+
+
+def test_answer_match_and_retrieval_recall_feedback():
+    am = get_registry().build("reward", "answer_match")
+    assert am("Kam [d3].", {"answer": "var"}).feedback == "expected 'var', got 'kam'"
+    assert am("Var [d3].", {"answer": "var"}).feedback is None
+    rr = get_registry().build("reward", {"name": "retrieval_recall", "pattern": r"\[(d\d+)\]"})
+    assert rr("var [d3]", {"gold_ids": ["d3", "d12", "d7"]}).feedback == "cited 1 of 3 supporting documents; missing d12, d7"
+    assert rr("var [d3]", {"gold_ids": ["d3"]}).feedback is None
+
+
+def test_weighted_joins_its_parts_feedback_with_their_names():
+    w = get_registry().build("reward", {"name": "weighted", "rewards": [
+        {"name": "exact_match", "weight": 0.5}, {"name": "math_answer", "weight": 0.5},
+        {"reward": lambda c, e: {"reward": 1.0, "feedback": "tidy"}, "weight": 0.0}]}, "reward")  # fmt: skip
+    res = w("41", {"answer": "42"})
+    assert res.reward == 0.0
+    assert res.feedback == "exact_match: expected '42', got '41'\nmath_answer: expected '42', got '41'\n<lambda>: tidy"
+    assert w("42", {"answer": "42"}).feedback == "<lambda>: tidy"
+    bad = weighted([(lambda c, e: {"reward": 1.0, "feedback": ["no"]}, 1.0)])
+    with pytest.raises(RewardError, match=r"^weighted: component '<lambda>' returned feedback \['no'\] of type list"):
+        bad("x", {})

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tempering.plugins.rewards.judge import JudgeParseError, LLMJudge, parse_binary, parse_graded
+from tempering.plugins.rewards.judge import JudgeParseError, LLMJudge, critique, parse_binary, parse_graded
 from tempering.registry import get_registry
 from tempering.scoring import RewardRunner
 from tempering.types import Completion, Sample, SamplingParams
@@ -130,6 +130,7 @@ def test_http_judge_graded(openai_url):
     assert (stats.scored, stats.failed) == (2, 1)
     assert [s.reward for s in ss[:2]] == pytest.approx([0.9, 0.4])
     assert ss[0].reward_info["judge_reply"] == "Looks right. Score: 9/10"
+    assert [s.feedback for s in ss[:2]] == ["Looks right.", "Partly."]  # the critique, without its score
     assert ss[2].failed and "JudgeParseError" in ss[2].error  # unparseable: a failure, not a 0
     req = _FakeOpenAI.requests[0]
     assert req["path"] == "/v1/chat/completions" and req["auth"] == "Bearer sk-test"
@@ -216,6 +217,8 @@ def test_sampler_judge_in_a_weighted_reward_and_binary():
     assert RewardRunner(w).score(ss).scored == 2
     assert [s.reward for s in ss] == [1.0, 0.0]  # 0.5*1 + 0.5*1 ; 0.5*0 + 0.5*0
     assert ss[0].reward_info["components"] == {"exact_match": 1.0, "LLMJudge": 1.0}
+    # the judge's words are feedback; a bare "No." says nothing beyond the verdict
+    assert [s.feedback for s in ss] == ["LLMJudge: Yes, this is right.", "exact_match: expected 'GOOD', got 'BAD'"]
     # a sampler whose sample() returns a plain list (no future) works too
     class Sync(FakeSampler):
         def sample(self, prompts, n, params):
@@ -223,3 +226,13 @@ def test_sampler_judge_in_a_weighted_reward_and_binary():
 
     ss = mk(["GOOD"], prompt="p")
     assert asyncio.run(LLMJudge(mode="binary", sampler=Sync({"GOOD": "yes"}))("GOOD", {"prompt": "p"})).reward == 1.0
+
+
+@pytest.mark.parametrize(
+    "reply, said",
+    [("The answer omits the units.\nScore: 6/10", "The answer omits the units."),
+     ("**Score:** 7/10", None), ("The sum is wrong: 3+4 is 7.\n\nVerdict: NO", "The sum is wrong: 3+4 is 7."),
+     ("No.", None), ("7", None), ("x" * 700 + "\nScore: 1/10", "x" * 497 + "...")],
+)
+def test_the_critique_is_the_reply_without_its_score(reply, said):
+    assert critique(reply) == said

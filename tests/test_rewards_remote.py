@@ -98,6 +98,18 @@ def test_server_accepts_a_registered_reward_name(server):
     assert out["infos"][0]["method"] == "boxed"
 
 
+def test_feedback_travels_over_the_protocol(server):
+    url, _ = server("exact_match")
+    body = {"samples": [{"completion": "41", "example": {"answer": "42"}}, {"completion": "42", "example": {"answer": "42"}},
+                        {"completion": "42", "example": {}}]}  # fmt: skip
+    out = httpx.post(f"{url}/score", json=body, trust_env=False).json()
+    assert out["rewards"] == [0.0, 1.0, None] and out["feedbacks"] == ["expected '42', got '41'", None, None]
+    reward = get_registry().build("reward", {"name": "remote", "url": url, "batch_size": 2, "batch_wait": 0.2}, "reward")
+    ss = mk([("41", {"answer": "42"}), ("42", {"answer": "42"})])
+    assert RewardRunner(reward).score(ss).scored == 2
+    assert [(s.reward, s.feedback, s.reward_info) for s in ss] == [(0.0, "expected '42', got '41'", {}), (1.0, None, {})]
+
+
 # --------------------------------------------------------------------------- the remote reward
 def test_remote_reward_scores_and_records_server_side_failures(server):
     url, _ = server(ASYNC_TARGET)

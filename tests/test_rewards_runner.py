@@ -170,3 +170,37 @@ def test_score_as_completed_blocks_and_calls_back():
     assert stats.scored == 3 and sorted(seen) == [1.0, 1.0, 1.0] and stats.seconds > 0
     stats = RewardRunner(reward).score_as_completed(mk(["nan", "x"]))
     assert (stats.scored, stats.failed) == (1, 1)
+
+
+# --------------------------------------------------------------------------- feedback
+def test_a_rewards_feedback_goes_to_sample_feedback_not_reward_info():
+    from tempering.feedback import Scored
+
+    def reward(c, e):
+        if c == "result":
+            return RewardResult(0.0, {"why": "x"}, feedback="expected '42', got '41'")
+        if c == "dict":
+            return {"reward": 0.5, "feedback": "  half right  ", "why": "partial"}
+        if c == "scored":
+            return Scored(0.0, "too long")
+        if c == "empty":
+            return RewardResult(1.0, feedback="")
+        if c == "bad":
+            return {"reward": 1.0, "feedback": 3}
+        return 1.0
+
+    ss = mk(["result", "dict", "scored", "empty", "plain", "bad"])
+    stats = RewardRunner(reward).score(ss)
+    assert [s.feedback for s in ss] == ["expected '42', got '41'", "half right", "too long", None, None, None]
+    assert [s.reward for s in ss] == [0.0, 0.5, 0.0, 1.0, 1.0, 0.0]
+    assert ss[0].reward_info == {"why": "x"} and ss[1].reward_info == {"why": "partial"}  # feedback is not info
+    assert (stats.scored, stats.failed) == (5, 1)
+    assert ss[5].failed and ss[5].reward_info["failure"] == "bad_feedback"
+    assert ss[5].error == "reward returned feedback 3 of type int, not text or None"
+
+
+def test_a_rewards_feedback_is_appended_to_what_the_sample_already_says_and_clipped():
+    [s] = mk(["41"])
+    s.feedback = "tool mul raised ValueError: no"  # an episode's turns said this first
+    RewardRunner(lambda c, e: RewardResult(0.0, feedback="x" * 600)).score([s])
+    assert s.feedback == "tool mul raised ValueError: no\n" + "x" * 497 + "..."

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from fractions import Fraction
 from typing import Any, Generic, TypeVar
 
+from tempering.feedback import FEEDBACK_KEY
 from tempering.interfaces import RewardResult
 
 T = TypeVar("T")
@@ -118,10 +119,12 @@ def as_finite(value: Any, what: str) -> float:
 
 
 def info_of(value: Any) -> dict[str, Any]:
+    """A reward return's diagnostics: a :class:`RewardResult`'s ``info``, or a mapping's keys
+    but ``reward`` and ``feedback`` (as the reward runner reads them)."""
     if isinstance(value, RewardResult):
         return dict(value.info)
     if isinstance(value, Mapping):
-        return {k: v for k, v in value.items() if k != "reward"}
+        return {k: v for k, v in value.items() if k not in ("reward", FEEDBACK_KEY)}
     return {}
 
 

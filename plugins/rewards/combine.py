@@ -9,7 +9,8 @@
         - {name: math_answer, weight: 0.2, abs_tol: 0.01}
 
 If any component fails (raises, returns NaN/inf) the combination fails: a partial sum would be
-a different reward, silently.
+a different reward, silently. The components' feedback is joined, one line per component that
+said something, each led by its label (``exact_match: expected '42', got '41'``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tempering.feedback import feedback_of, join_feedback
 from tempering.interfaces import RewardResult
 from tempering.plugins.rewards._common import RewardError, as_finite, info_of, is_async_callable, resolve_reward
 
@@ -44,19 +46,26 @@ class WeightedReward:
     def _combine(self, values: list[Any]) -> RewardResult:
         parts: dict[str, float] = {}
         infos: dict[str, Any] = {}
+        notes: list[str] = []
         total = 0.0
         for (name, _, weight), value in zip(self.components, values):
             if isinstance(value, BaseException):
                 raise RewardError(f"weighted: component '{name}' failed: {type(value).__name__}: {value}") from value
             x = as_finite(value, f"weighted: component '{name}'")
+            try:
+                note = feedback_of(value, f"weighted: component '{name}'")
+            except TypeError as exc:
+                raise RewardError(str(exc)) from None
             parts[name] = x
             if info := info_of(value):
                 infos[name] = info
+            if note is not None:
+                notes.append(f"{name}: {note}")
             total += weight * x
         info: dict[str, Any] = {"components": parts}
         if infos:
             info["infos"] = infos
-        return RewardResult(total * self._scale, info)
+        return RewardResult(total * self._scale, info, feedback=join_feedback(notes))
 
     def __call__(self, completion: str, example: Mapping[str, Any]) -> RewardResult:
         values: list[Any] = []

@@ -14,7 +14,8 @@ The judge is either
 of 10``; a bare number is divided by ``scale``) into [0, 1]; ``mode: binary`` reads a verdict
 (``Verdict: YES``, or a reply that starts or ends with yes/no, correct/incorrect, pass/fail,
 true/false) into 1 or 0. A reply that does not parse raises :class:`JudgeParseError`: the sample
-fails (masked out), it is never silently scored 0.
+fails (masked out), it is never silently scored 0. The reply's explanation -- the default
+templates ask for one before the score -- is the reward's feedback (:func:`critique`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tempering.feedback import clip
 from tempering.interfaces import RewardResult
 from tempering.plugins.rewards._common import LoopLocal, MicroBatcher, RewardError, post_json
 from tempering.types import SamplingParams
@@ -133,6 +135,17 @@ def parse_graded(reply: str, scale: float = 10.0) -> float:
     if not 0.0 <= value <= 1.0:
         raise JudgeParseError(f"judge score {m.group(0).strip()!r} is outside [0, 1] (scale {scale})")
     return value
+
+
+def critique(reply: str) -> str | None:
+    """The judge's explanation: its reply without the score or verdict (``Score: 7/10``,
+    ``Verdict: NO``) and the lines they leave empty, clipped; ``None`` when nothing else was
+    said (a bare ``7`` or ``No.``)."""
+    text = _LABELLED_RE.sub("", _SCORE_RE.sub("", reply))
+    text = "\n".join(ln.strip() for ln in text.splitlines() if any(c.isalnum() for c in ln)).strip()
+    if not text or _BARE_RE.fullmatch(text) or _FIRST_RE.fullmatch(text.strip(" .!")):
+        return None
+    return clip(text)
 
 
 # --------------------------------------------------------------------------- templates
@@ -260,7 +273,7 @@ class LLMJudge:
         text = self.render(completion, example)
         reply = await (self._ask_http(text) if self.base_url is not None else self._batcher.submit(text))
         score = self.parse(reply)
-        return RewardResult(score, {"judge_reply": reply[-1000:]})
+        return RewardResult(score, {"judge_reply": reply[-1000:]}, feedback=critique(reply))
 
     async def aclose(self) -> None:
         await self._batcher.drain()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, ClassVar
 
+from tempering.feedback import mismatch, quote
 from tempering.interfaces import RewardResult
 from tempering.plugins.rewards._common import NumberToken, find_numbers, parse_number
 
@@ -180,7 +181,8 @@ class MathAnswer:
     The reference is read as a number if it is one (``"3/4"``, ``"1,000"``, ``"\\frac{1}{2}"``,
     ``"x = 5"``, ``"12 cm"``), else from its own ``\\boxed{}`` or what follows its last
     ``####`` (a GSM8K solution), else it is compared as text. A completion without any answer scores ``wrong`` (the model did not answer; that is
-    not a reward failure); a missing ``answer_key`` raises. ``info`` carries what was extracted.
+    not a reward failure); a missing ``answer_key`` raises. ``info`` carries what was extracted;
+a wrong answer's feedback says what was expected and what was extracted (:meth:`feedback`).
 
     ``extract``: auto | boxed | last_number. ``percent``: strip | fraction | either.
     """
@@ -233,4 +235,12 @@ class MathAnswer:
         else:  # at least one side is not a number: compare normalised text
             ok = ref.text is not None and _norm_str(got.text) == _norm_str(ref.text)
             info["compared"] = "text"
-        return RewardResult(self.correct if ok else self.wrong, info)
+        return RewardResult(self.correct if ok else self.wrong, info, feedback=None if ok else self.feedback(got, ref))
+
+    def feedback(self, got: Extracted, ref: Extracted) -> str:
+        """What was wrong: ``expected '42', got '41'`` (the extracted answer, not the
+        completion), or that no answer was found."""
+        if got.text is None:
+            where = " in a \\boxed{}" if self.extract == "boxed" else ""
+            return f"no final answer found{where}; expected {quote(ref.text)}"
+        return mismatch(ref.text, got.text)

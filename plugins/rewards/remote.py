@@ -2,8 +2,10 @@
 
 Protocol (see :mod:`tempering.plugins.rewards.server`): ``POST {url}/score`` with
 ``{"samples": [{"completion": str, "example": {...}}, ...]}``; the reply is
-``{"rewards": [float | null, ...], "errors": [str | null, ...], "infos": [{...}, ...]}`` with
-one entry per sample, so one bad sample fails alone.
+``{"rewards": [float | null, ...], "errors": [str | null, ...], "infos": [{...}, ...],
+"feedbacks": [str | null, ...]}`` with one entry per sample, so one bad sample fails alone;
+``infos`` and ``feedbacks`` are optional. A sample's feedback comes back as the
+``RewardResult.feedback`` the server's reward gave it (:mod:`tempering.feedback`).
 
 Each call retries connection errors, timeouts and 429/5xx with exponential backoff; at most
 ``concurrency`` requests are in flight; with ``batch_size > 1`` calls that arrive within
@@ -158,24 +160,28 @@ def _parse_reply(reply: Any, n: int, url: str) -> list[Any]:
     rewards = reply["rewards"]
     errors = reply.get("errors") or [None] * len(rewards)
     infos = reply.get("infos") or [{}] * len(rewards)
+    feedbacks = reply.get("feedbacks") or [None] * len(rewards)
     if not (len(rewards) == len(errors) == n):
         raise HTTPRewardError(f"{url} returned {len(rewards)} rewards / {len(errors)} errors for {n} samples")
     out: list[Any] = []
-    for r, e, i in zip(rewards, errors, list(infos) + [{}] * (n - len(infos))):
+    for r, e, i, f in zip(rewards, errors, list(infos) + [{}] * (n - len(infos)),
+                          list(feedbacks) + [None] * (n - len(feedbacks))):  # fmt: skip
         if e is not None:
             out.append(RemoteRewardError(f"server: {e}"))
         elif r is None:
             out.append(RemoteRewardError("server returned no reward and no error for this sample"))
         else:
-            out.append((r, i or {}))
+            out.append((r, i or {}, f))
     return out
 
 
 def _unwrap(result: Any) -> Any:
+    """A server's ``(reward, info, feedback)`` as the reward's return: a float when that is all
+    there is, else a :class:`RewardResult` (feedback that is not text fails in the runner)."""
     if isinstance(result, BaseException):
         raise result
-    reward, info = result
-    return RewardResult(float(reward), dict(info)) if info else float(reward)
+    reward, info, feedback = result
+    return RewardResult(float(reward), dict(info), feedback) if info or feedback is not None else float(reward)
 
 
 def _try_unwrap(result: Any) -> Any:

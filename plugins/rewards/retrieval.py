@@ -37,6 +37,7 @@ class RetrievalRecall:
     ``pattern``: regex of a citation (default ``[doc3]`` -> ``doc3``). Gold ids: a list or a
     comma/space separated string; an example without gold ids raises (recall is undefined).
     ``cost_unit``: ``tokens`` (needs ``tokenizer``, a runtime object), ``words`` or ``chars``.
+    Feedback when a gold document is not cited: ``cited 1 of 2 supporting documents; missing d12``.
     """
 
     column_keys: ClassVar[tuple[str, ...]] = ("gold_key",)  # config keys naming dataset columns it reads
@@ -72,7 +73,9 @@ class RetrievalRecall:
         hits = sorted(gold & {fold(c) for c in cited})
         recall = len(hits) / len(gold)
         cost = self.cost(completion)
+        missing = sorted(gold - set(hits))
         return RewardResult(
             recall - self.cost_coef * cost,
             {"recall": recall, "cited": cited, "hits": hits, "cost": cost, "penalty": self.cost_coef * cost},
+            feedback=f"cited {len(hits)} of {len(gold)} supporting documents; missing {', '.join(missing)}" if missing else None,
         )

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from tempering.feedback import mismatch
 from tempering.interfaces import RewardResult
 
 EPISODE_KEY = "episode"
@@ -37,7 +38,8 @@ def answer_correct(text: str, answer: str, citation: str = r"\[([^\[\]]+)\]") ->
 @dataclass
 class AnswerMatch:
     """1 if the final answer, its citations removed, equals ``example[answer_key]`` (case,
-    spacing and a final period ignored). ``citation``: the regex of a citation."""
+    spacing and a final period ignored). ``citation``: the regex of a citation. A wrong answer's
+    feedback: ``expected 'var', got 'kam'`` (both folded, citations removed)."""
 
     column_keys: ClassVar[tuple[str, ...]] = ("answer_key",)
     answer_key: str = "answer"
@@ -49,8 +51,9 @@ class AnswerMatch:
     def __call__(self, completion: str, example: Mapping[str, Any]) -> RewardResult:
         if self.answer_key not in example:
             raise KeyError(f"answer_match: the example has no '{self.answer_key}' key (keys: {sorted(example)})")
-        correct = answer_correct(completion, str(example[self.answer_key]), self.citation)
-        return RewardResult(correct, {"correct": correct, "answer": answer_text(completion, self.citation)})
+        gold, answer = answer_text(str(example[self.answer_key]), self.citation), answer_text(completion, self.citation)
+        correct = float(answer == gold)
+        return RewardResult(correct, {"correct": correct, "answer": answer}, feedback=None if correct else mismatch(gold, answer))
 
 
 def episode(example: Mapping[str, Any], who: str) -> Mapping[str, Any]:

@@ -4,11 +4,13 @@ One endpoint does the work, ``POST /score``::
 
     request:  {"samples": [{"completion": "...", "example": {...}}, ...]}
     response: {"rewards": [0.5, null, ...], "errors": [null, "ValueError: ...", ...],
-               "infos": [{...}, {}, ...]}
+               "infos": [{...}, {}, ...], "feedbacks": ["expected '42', got '41'", null, ...]}
 
 with one entry per sample: a sample whose reward raised, timed out or returned NaN gets
 ``reward: null`` and its error, and the others are still scored (the request succeeds with
-200). A malformed request is a 400, a body over ``max_body`` bytes a 413.
+200). ``feedbacks`` holds each scored sample's feedback in words (the reward's
+``RewardResult.feedback``, see :mod:`tempering.feedback`) or null; a client that predates it
+ignores it, and a server that predates it sends none. A malformed request is a 400, a body over ``max_body`` bytes a 413.
 ``GET /health`` answers ``{"status": "ok", ...}``.
 
 Access: with a shared-secret ``token`` (``--token`` or ``$TEMPERING_REWARD_TOKEN``) every request
@@ -129,6 +131,7 @@ def score_payload(runner: RewardRunner, payload: Any) -> dict[str, Any]:
         "rewards": [None if s.failed else s.reward for s in samples],
         "errors": [s.error if s.failed else None for s in samples],
         "infos": [json_safe(s.reward_info) if not s.failed else {} for s in samples],
+        "feedbacks": [s.feedback if not s.failed else None for s in samples],
     }
 
 
