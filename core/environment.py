@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tempering.chat import Message, ParsedResponse, tool_message
+from tempering.feedback import feedback_of
 from tempering.tools import Tool, ToolResult, tools_of
 
 
@@ -52,7 +53,8 @@ class StepResult:
     group reward); ``None`` on the final turn asks the stage's ``reward`` component to score
     the final assistant text. ``errors`` are texts worth showing (a tool's exception).
     ``feedback``: what went wrong or right in words, for the learner rather than the model's
-    next turn (the episode's ``Sample.feedback`` joins every turn's).
+    next turn. The episode's ``Sample.feedback`` joins every turn's ``errors`` and
+    ``feedback``, in order (:mod:`tempering.feedback`).
     """
 
     messages: list[Message] = field(default_factory=list)
@@ -99,14 +101,18 @@ class Environment:
         return cached
 
     async def step(self, response: ParsedResponse) -> StepResult:
-        """Run the turn's tool calls, or end the episode on a final answer."""
+        """Run the turn's tool calls, or end the episode on a final answer. A turn that does not
+        parse says so in its feedback; the final answer's is :meth:`score`'s, when it returns a
+        :class:`~tempering.feedback.Scored` value."""
         if response.parse_error is not None:
+            said = f"the turn could not be parsed: {response.parse_error}"
             if self.parse_errors == "feedback":
                 text = f"Your last message could not be parsed ({response.parse_error}). Try again."
-                return StepResult([{"role": "user", "content": text}], metrics={"parse_errors": 1.0})
-            return StepResult(reward=0.0, done=True, metrics={"parse_errors": 1.0})
+                return StepResult([{"role": "user", "content": text}], metrics={"parse_errors": 1.0}, feedback=said)
+            return StepResult(reward=0.0, done=True, metrics={"parse_errors": 1.0}, feedback=said)
         if not response.tool_calls:
-            return StepResult(reward=await self.score(response), done=True)
+            score = await self.score(response)
+            return StepResult(reward=score, done=True, feedback=feedback_of(score, "environment.score()"))
         results = await self.call_tools(response)
         messages = [tool_message(call, r.content) for call, r in zip(response.tool_calls, results)]
         return StepResult(messages, reward=0.0, done=False, metrics=tool_metrics(results),
@@ -128,7 +134,8 @@ class Environment:
         return list(await asyncio.gather(*(one(c) for c in response.tool_calls)))
 
     async def score(self, response: ParsedResponse) -> float | None:
-        """Reward of the final answer; ``None`` (default) lets the stage's ``reward`` score it."""
+        """Reward of the final answer; ``None`` (default) lets the stage's ``reward`` score it.
+        A :class:`~tempering.feedback.Scored` value carries feedback too."""
         return None
 
     def view(self, messages: list[Message]) -> list[Message]:

@@ -33,6 +33,7 @@ from typing import Any
 
 from tempering.chat import ParsedResponse, assign_call_ids, check_messages
 from tempering.failures import debug, format_traceback
+from tempering.feedback import feedback_of
 from tempering.trajectory import Trajectory, TrajectoryBuilder, Turn
 from tempering.types import Completion, SamplingParams
 
@@ -210,6 +211,8 @@ async def run_episode(env: Any, example: dict[str, Any], renderer: Any, queue: M
 
     ``trajectory.stop`` is ``done``, ``max_turns``, ``context``, ``parse_error`` or ``error``;
     on ``error`` the first entry of ``trajectory.errors`` is the exception's text.
+    ``trajectory.feedback`` collects, in order, each turn's error texts (failed tool calls) and
+    ``StepResult.feedback``, then a line when the episode ran out of turns or context.
     """
     traj = Trajectory()
     builder = TrajectoryBuilder()
@@ -249,11 +252,17 @@ async def run_episode(env: Any, example: dict[str, Any], renderer: Any, queue: M
             for k, v in result.metrics.items():
                 traj.count(k, float(v))
             traj.errors += [e for e in result.errors if e][: max(0, 5 - len(traj.errors))]
+            said = feedback_of(result, "environment.step()")
+            traj.feedback += [e for e in result.errors if e] + ([said] if said and said not in result.errors else [])
             total = None if result.reward is None else (total or 0.0) + float(result.reward)
             messages += check_messages(result.messages, "environment.step() returned")
             if result.done:
                 traj.stop = "parse_error" if response.parse_error is not None else "done"
                 break
+        if traj.stop == "max_turns":
+            traj.feedback.append(f"no final answer within max_turns={limits.max_turns} turns")
+        elif traj.stop == "context":
+            traj.feedback.append(f"no final answer within the context budget (max_total_tokens={limits.max_total_tokens})")
     except Exception as exc:  # noqa: BLE001 - an environment bug fails this episode, not the run
         if debug():
             raise  # TEMPERING_DEBUG: the first failure ends the run in its own traceback

@@ -49,9 +49,11 @@ def is_tool(obj: Any) -> bool:
 @dataclass
 class ToolResult:
     """What one call returned: ``content`` for the model, ``error`` (None on success) for the
-    metrics, ``timed_out``, the wall time, and ``arguments``: the call's arguments as the tool
-    received them, defaults filled in (empty when they did not bind), so an environment that
-    acts on them (which documents a search showed) need not bind them again."""
+    metrics and the episode's feedback -- it names the tool (``tool mul raised ValueError: ...``,
+    ``tool mul timed out after 5s``, ``bad arguments for mul: ...``) --, ``timed_out``, the
+    wall time, and ``arguments``: the call's arguments as the tool received them, defaults
+    filled in (empty when they did not bind), so an environment that acts on them (which
+    documents a search showed) need not bind them again."""
 
     content: str
     error: str | None = None
@@ -112,7 +114,7 @@ class Tool:
         try:
             bound = inspect.signature(self.fn).bind(**dict(arguments))
         except TypeError as exc:
-            return ToolResult(f"Error: bad arguments for {self.name}: {exc}", f"TypeError: {exc}")
+            return ToolResult(f"Error: bad arguments for {self.name}: {exc}", f"bad arguments for {self.name}: {exc}")
         bound.apply_defaults()
         received = dict(bound.arguments)
         try:
@@ -128,7 +130,7 @@ class Tool:
             msg = f"tool {self.name} timed out after {limit:g}s"
             return ToolResult(f"Error: {msg}", msg, timed_out=True, seconds=seconds, arguments=received)
         except Exception as exc:  # noqa: BLE001 - a tool bug is the model's observation, not a crash
-            return ToolResult(f"Error: {type(exc).__name__}: {exc}", f"{type(exc).__name__}: {exc}",
+            return ToolResult(f"Error: {type(exc).__name__}: {exc}", f"tool {self.name} raised {type(exc).__name__}: {exc}",
                               seconds=time.perf_counter() - t0, arguments=received)  # fmt: skip
         return ToolResult(format_result(value), seconds=time.perf_counter() - t0, arguments=received)
 

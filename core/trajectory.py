@@ -75,7 +75,9 @@ class Trajectory:
     ``errors`` the first error texts seen. On ``error``: ``failure`` is the cause
     (``episode_error``, or ``env_timeout`` when an environment call did not return in time) and
     ``traceback`` the exception's formatted traceback (the environment's frames), kept for the
-    rollout log.
+    rollout log. ``feedback``: what the episode said about the attempt in words, in order --
+    each turn's failed tool calls and ``StepResult.feedback``, then running out of turns or
+    context -- which the sampler joins into ``Sample.feedback``.
     """
 
     messages: list[Message] = field(default_factory=list)
@@ -87,6 +89,7 @@ class Trajectory:
     errors: list[str] = field(default_factory=list)
     failure: str | None = None
     traceback: str | None = None
+    feedback: list[str] = field(default_factory=list)
 
     @property
     def num_generated(self) -> int:

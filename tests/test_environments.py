@@ -345,15 +345,15 @@ class Faulty(Environment):
 @pytest.mark.parametrize(
     "turn, seen, metric, first_error",
     [
-        (call("explode", x=7), "valueerror: cannot explode 7", "env/tool_errors", "ValueError: cannot explode 7"),
+        (call("explode", x=7), "valueerror: cannot explode 7", "env/tool_errors", "tool explode raised ValueError: cannot explode 7"),
         (call("hang", x=1), "tool hang timed out after 0.2s", "env/tool_timeouts", "tool hang timed out after 0.2s"),
         (call("sleepy", x=1), "tool sleepy timed out after 0.2s", "env/tool_timeouts", "tool sleepy timed out after 0.2s"),
         (call("nope", x=1), "unknown tool 'nope' (tools: explode, hang, sleepy)", "env/tool_errors",
          "unknown tool 'nope' (tools: explode, hang, sleepy)"),
         (call("explode", x=1, y=2), "bad arguments for explode: got an unexpected keyword argument 'y'", "env/tool_errors",
-         "TypeError: got an unexpected keyword argument 'y'"),
+         "bad arguments for explode: got an unexpected keyword argument 'y'"),
         (call("explode"), "bad arguments for explode: missing a required argument: 'x'", "env/tool_errors",
-         "TypeError: missing a required argument: 'x'"),
+         "bad arguments for explode: missing a required argument: 'x'"),
     ],
     ids=["raises", "async-timeout", "sync-timeout", "unknown", "bad-arg", "missing-arg"],
 )
@@ -375,6 +375,46 @@ def test_a_failing_tool_call_is_an_error_message_the_model_reads_next_turn(rende
     assert metrics[metric] == 1.0 and metrics["env/tool_errors"] == 1.0 and metrics["env/tool_calls"] == 1.0
     assert metrics["env/tool_timeouts"] == (1.0 if metric == "env/tool_timeouts" else 0.0)
     assert metrics["env/first_error"] == first_error
+    assert sample.feedback == first_error  # the failed call, naming the tool, is the episode's feedback
+
+
+# --------------------------------------------------------------------------- feedback
+class Coached(Faulty):
+    """Each turn's step says how many calls it saw, as feedback; the final answer is left to
+    the stage's reward."""
+
+    turns = 0
+
+    async def step(self, response: ParsedResponse) -> StepResult:
+        result = await super().step(response)
+        self.turns += 1
+        result.feedback = f"turn {self.turns}: {len(response.tool_calls)} call(s)"
+        return result
+
+
+def test_an_episodes_feedback_joins_its_turns_tool_errors_and_the_stage_rewards_in_order(renderer):
+    from tempering.plugins.rewards.basic import ExactMatch
+
+    script = {"go": [call("explode", x=7), call("explode", x=8), say("41")]}
+    [group], metrics, _, rollout = roll(renderer, Coached, script, [{"prompt": "go", "answer": "42"}], reward=ExactMatch())
+    [sample] = group.samples
+    assert (sample.reward, sample.failed, sample.trajectory.stop) == (0.0, False, "done")
+    assert sample.feedback == ("tool explode raised ValueError: cannot explode 7\nturn 1: 1 call(s)\n"
+                               "tool explode raised ValueError: cannot explode 8\nturn 2: 1 call(s)\n"
+                               "turn 3: 0 call(s)\nexpected '42', got '41'")  # fmt: skip
+    assert "feedback" not in sample.reward_info
+
+
+def test_running_out_of_turns_and_the_calculators_own_score_are_feedback(renderer):
+    [group], *_ = roll(renderer, Faulty, {"go": [call("hang", x=1)] * 2}, [{"prompt": "go"}], max_turns=1,
+                       reward=lambda text, ex: 1.0)  # fmt: skip
+    assert group.samples[0].feedback == "tool hang timed out after 0.2s\nno final answer within max_turns=1 turns"
+    script = {"6*7": [call("mul", a=6, b=7), say("24")], "6*8": [say("46")], "6*9": [call("mul", a=6, b=9), say("54")]}
+    examples = [{"question": q, "answer": a} for q, a in zip(script, ("42", "48", "54"))]
+    groups, *_ = roll(renderer, "calculator", script, examples)
+    assert [g.samples[0].feedback for g in groups] == [
+        "expected '42', got '24'; the last tool result was '42'", "expected '48', got '46'; mul was never called", None]
+    assert [g.samples[0].reward for g in groups] == [0.0, 0.0, 1.0]
 
 
 # --------------------------------------------------------------------------- malformed turns
@@ -415,10 +455,13 @@ def test_parse_errors_end_the_episode_or_are_fed_back(renderer):
     [s] = group.samples
     assert (s.trajectory.stop, len(s.trajectory.turns), s.reward, s.failed, s.masked) == ("parse_error", 1, 0.0, False, False)
     assert metrics["env/parse_errors"] == 1.0 and metrics["env/stop/parse_error"] == 1.0
+    said = "the turn could not be parsed: malformed tool call 'add(1,2)': arguments must be named (key=value)"
+    assert s.feedback == said
 
     [group], metrics, model, _ = roll(renderer, Lenient, script, example)
     [s] = group.samples
     assert (s.trajectory.stop, len(s.trajectory.turns), s.reward) == ("done", 3, 1.0)
+    assert s.feedback == said  # fed back to the model, and feedback for the learner too
     feedback = ("Your last message could not be parsed (malformed tool call 'add(1,2)': arguments must be named "
                 "(key=value)). Try again.")  # fmt: skip
     assert s.trajectory.turns[0].observation == [{"role": "user", "content": feedback}]

@@ -236,13 +236,21 @@ def test_the_gold_path_scores_recall_answer_and_costs_with_its_metrics(tiny_chat
     assert sample.reward == pytest.approx(1.0 + 1.0 - 0.02 * 3 - 0.0002 * context)
     assert m["reward/retrieval_recall"] == 1.0 and m["reward/tool_call_cost"] == -3.0
     assert m["reward/context_token_cost"] == -context
-    # half the citations, then a wrong answer: recall and correctness drop, costs stay
+    assert sample.feedback is None  # nothing went wrong
+    # half the citations, then a wrong answer: recall and correctness drop, costs stay; the
+    # components' feedback says which
     answer = sample.trajectory.turns[-1].response.text
-    for final, recall, correct in ((answer.split("]")[0] + "]", 0.5, 1.0), ("zzz " + answer.split(" ", 1)[1], 1.0, 0.0)):
+    first = answer.split("]")[0] + "]"
+    [missing] = [g for g in task["gold_ids"] if f"[{g}]" not in first]
+    for final, recall, correct, said in (
+        (first, 0.5, 1.0, f"retrieval_recall: cited 1 of 2 supporting documents; missing {missing}"),
+        ("zzz " + answer.split(" ", 1)[1], 1.0, 0.0, f"answer_match: expected '{task['answer'].lower()}', got 'zzz'"),
+    ):
         turns = [*weighted_runs(rendered)[:-1], tiny_chat.render_response({"role": "assistant", "content": final})]
         other, _ = play(tiny_chat, task, turns)
         assert (other.trajectory.metrics["recall"], other.trajectory.metrics["answer_correct"]) == (recall, correct)
         assert other.reward == pytest.approx(recall + correct - 0.02 * 3 - 0.0002 * context)
+        assert other.feedback == said
 
 
 def test_an_episode_without_an_answer_gets_only_the_costs(tiny_chat: Any) -> None:

@@ -7,7 +7,9 @@ with the number the tool returned::
 
     <|user|>37*84<|assistant|><|call|>mul(a=37,b=84)<eos><|tool|>3108<|assistant|>3108<eos>
 
-The reward is exact match of the final answer. Each episode also counts how the model used the
+The reward is exact match of the final answer; a wrong one's feedback says what was expected,
+what came and how the tool was used (``expected '3108', got '3018'; the last tool result was
+'3108'``), and a failing tool call is feedback too (``tool mul raised ValueError: ...``). Each episode also counts how the model used the
 tool -- ``right_calls`` (calls equal to the reference solution's call at that position) and
 ``copied_result`` (final answers that repeat the last tool result) -- summed over a batch as
 ``env/right_calls`` and ``env/copied_result`` (``eval/...`` in evaluations), so a run shows which
@@ -20,6 +22,7 @@ from typing import Any
 
 from tempering.chat import ParsedResponse
 from tempering.environment import Environment, StepResult
+from tempering.feedback import Scored, mismatch, quote
 from tempering.tools import tool
 
 
@@ -66,4 +69,14 @@ class Calculator(Environment):
         return result
 
     async def score(self, response: ParsedResponse) -> float:
-        return float(response.text.strip() == self.answer)
+        """1.0 for the exact answer; a miss is 0.0 with feedback: what was expected and what
+        came, and how the tool was (not) used."""
+        got = response.text.strip()
+        if got == self.answer:
+            return 1.0
+        notes = [mismatch(self.answer, got)]
+        if not self.made:
+            notes.append("mul was never called")
+        elif self.last_result is not None and got != self.last_result:
+            notes.append(f"the last tool result was {quote(self.last_result)}")
+        return Scored(0.0, "; ".join(notes))

@@ -39,6 +39,7 @@ from typing import Any
 
 from tempering.chat import Message, ParsedResponse, tool_message
 from tempering.environment import Environment, StepResult, tool_metrics
+from tempering.feedback import Scored, feedback_of
 from tempering.tools import tool
 
 #: The default episode reward: recall and answer correctness, minus a cost per tool call and
@@ -181,9 +182,9 @@ class Search(Environment):
     # ------------------------------------------------------------------ the reward
     async def group_reward(self, trajectories: Sequence[Any]) -> list[float]:
         """Each episode's reward from the ``reward`` components, given the final answer and
-        ``example["episode"]`` (:func:`episode_stats`); counts the episode's metrics on its
-        trajectory. An episode without a final answer (out of turns or context) gets only the
-        costs."""
+        ``example["episode"]`` (:func:`episode_stats`), with their feedback (``answer_match:
+        expected 'var', got 'kam'``); counts the episode's metrics on its trajectory. An episode
+        without a final answer (out of turns or context) gets only the costs."""
         from tempering.plugins.rewards._common import as_finite, info_of, resolve_reward
         from tempering.plugins.rewards.search import answer_correct
         from tempering.plugins.rewards.retrieval import cited_ids
@@ -196,7 +197,7 @@ class Search(Environment):
             final = traj.turns[-1].response.text if traj.stop == "done" and traj.turns else ""
             value = reward(final, {**self.example, "episode": stats})
             value = await value if inspect.isawaitable(value) else value
-            out.append(as_finite(value, "search: the episode reward"))
+            out.append(Scored(as_finite(value, "search: the episode reward"), feedback_of(value, "search: the episode reward")))
             cited = {c.lower() for c in cited_ids(final, self.citation)}
             for key in ("context_tokens", "peak_context"):
                 traj.count(key, float(stats[key]))

@@ -6,6 +6,10 @@ so their turns are sampled in batched calls. An episode's reward is the sum of i
 plus the environment's group reward, if it has one; a final step that leaves the reward to the
 stage (``None``) is scored by the stage's ``reward`` on the final answer's text.
 
+A sample's ``feedback`` joins, in order, what its episode said (each turn's failed tool calls
+and ``StepResult.feedback``, running out of turns or context), the group reward's feedback and
+the stage reward's, when they score it (:mod:`tempering.feedback`).
+
 What each way of ending does to the sample:
 
 * ``done`` / ``parse_error``: trained with its reward;
@@ -28,6 +32,7 @@ from typing import Any
 from tempering.episode import LIMIT_ACTIONS, EnvironmentCalls, EnvironmentTimeout, EpisodeLimits, ModelQueue, run_episode
 from tempering.errors import ConfigError
 from tempering.failures import debug, format_traceback, mark_failed
+from tempering.feedback import feedback_of, join_feedback
 from tempering.rollout import Rollout, SamplerContext
 from tempering.scoring import ScoreStats
 from tempering.types import Completion, Group, Sample, SamplingParams
@@ -119,7 +124,7 @@ class EnvironmentSampler:
         last = traj.turns[-1].completion if traj.turns else Completion([], [], [], "error")
         if traj.turns:
             last.text = traj.turns[-1].response.text
-        sample = Sample(example=dict(example), completion=last, trajectory=traj)
+        sample = Sample(example=dict(example), completion=last, trajectory=traj, feedback=join_feedback(traj.feedback))
         sample.reward_info = {"stop": traj.stop, "turns": len(traj.turns)}
         action = {"max_turns": self.on_max_turns, "context": self.on_context_limit}.get(traj.stop)
         if traj.stop == "error":
@@ -150,13 +155,15 @@ class EnvironmentSampler:
         )  # fmt: skip
 
     async def _group_reward(self, env: Any, samples: list[Sample]) -> None:
-        """Add the environment's group reward (if it defines one) to each trainable sample."""
+        """Add the environment's group reward (if it defines one) to each trainable sample, and
+        its feedback (a :class:`~tempering.feedback.Scored` value's) to the sample's."""
         fn = getattr(env, "group_reward", None)
         if fn is None:
             return
         calls = EnvironmentCalls(self.limits.env_timeout, self.limits.env_timeout_key)
         try:
             values = await calls.call("group_reward", fn, [s.trajectory for s in samples])
+            notes = [feedback_of(v, "environment.group_reward()") for v in values]
             values = [float(v) for v in values]
             if len(values) != len(samples):
                 raise ValueError(f"returned {len(values)} values for a group of {len(samples)}")
@@ -172,5 +179,6 @@ class EnvironmentSampler:
             return
         finally:
             calls.close()
-        for s, v in zip(samples, values):
+        for s, v, note in zip(samples, values, notes):
             s.reward += v
+            s.feedback = join_feedback([s.feedback, note])
