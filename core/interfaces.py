@@ -36,7 +36,7 @@ class Backend(Protocol):
 
     What only some backends can do is a *capability*, a protocol of its own below
     (:class:`WeightSnapshots`, :class:`EmaWeights`, :class:`SamplingClients`,
-    :class:`Distributions`, :class:`FullDistributions`, :class:`LossOnTrainingForward`,
+    :class:`Distributions`, :class:`FullDistributions`, :class:`LossOnTrainingForward`, :class:`LossLogits`,
     :class:`Exportable`, :class:`DownloadableWeights`, :class:`Closeable`). A stage declares the
     ones it needs (:attr:`tempering.stage.Stage.requires`) and they are checked, with
     :func:`supports`, once at validation, before anything trains.
@@ -133,6 +133,16 @@ class LossOnTrainingForward(Protocol):
 
 
 @runtime_checkable
+class LossLogits(Protocol):
+    """``forward_backward`` hands a ``needs_logits`` loss the model's logits (``batch["logits"]``),
+    as the local backend does. A backend whose service returns per-token logprobs only (Tinker)
+    declares ``capabilities = {"logits": False}``, so a stage whose loss needs logits (SDPO's
+    logit modes) is refused at validation instead of failing at its first step."""
+
+    def forward_backward(self, batch: Batch, loss: Loss) -> Future[dict[str, float]]: ...
+
+
+@runtime_checkable
 class Exportable(Protocol):
     """``export_pretrained(path, adapter)``: the policy in Hugging Face format, in this process."""
 
@@ -161,6 +171,7 @@ CAPABILITIES: dict[str, type] = {
     "distributions": Distributions,
     "full_distributions": FullDistributions,
     "loss_on_training_forward": LossOnTrainingForward,
+    "logits": LossLogits,
     "export": Exportable,
     "download_weights": DownloadableWeights,
     "close": Closeable,

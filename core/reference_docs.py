@@ -77,7 +77,10 @@ def show(value: Any) -> str:
     if callable(value) and not isinstance(value, type):
         return f"({getattr(value, '__name__', type(value).__name__)})"
     if value is None or isinstance(value, (bool, int, float, str, list, dict, tuple)):
-        text = yaml.safe_dump(list(value) if isinstance(value, tuple) else value, default_flow_style=True, width=1000)
+        # a string with line breaks (SDPO's templates) double-quoted, "\n" escaped: one table row
+        style = '"' if isinstance(value, str) and "\n" in value else None
+        text = yaml.safe_dump(list(value) if isinstance(value, tuple) else value, default_flow_style=True, width=1000,
+                              default_style=style)
         text = text.strip().removesuffix("...").strip()
         return "`" + text.replace("|", "\\|") + "`"
     return f"({type(value).__name__})"

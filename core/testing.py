@@ -120,6 +120,9 @@ class FakeBackend:
     write a small JSON file, so checkpointing and resuming work.
     """
 
+    #: No model, so no logits for a loss (:class:`~tempering.interfaces.LossLogits`).
+    capabilities = {"logits": False}
+
     def __init__(self, complete: Callable[[str, int], str] | None = None, logprob: float = -1.0) -> None:
         self.tokenizer = CharTokenizer()
         self.complete = complete or (lambda prompt, i: str(i))

@@ -22,6 +22,7 @@ from tempering.interfaces import (
     EmaWeights,
     Exportable,
     FullDistributions,
+    LossLogits,
     LossOnTrainingForward,
     RunContext,
     SamplingClients,
@@ -33,7 +34,7 @@ from tempering.registry import get_registry
 from tempering.testing import FakeBackend
 
 ALL = (WeightSnapshots, EmaWeights, SamplingClients, Distributions, FullDistributions, LossOnTrainingForward,
-       Exportable, DownloadableWeights, Closeable)  # fmt: skip
+       LossLogits, Exportable, DownloadableWeights, Closeable)  # fmt: skip
 
 
 def capabilities(backend: object) -> set[type]:

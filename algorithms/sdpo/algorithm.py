@@ -44,7 +44,7 @@ from typing import Any
 from tempering import teacher as shared
 from tempering.algorithms.grpo.algorithm import GRPO
 from tempering.errors import ConfigError
-from tempering.interfaces import Distributions, FullDistributions, RunContext
+from tempering.interfaces import Distributions, FullDistributions, LossLogits, RunContext
 from tempering.rollout import RolloutBatch
 from tempering.stage import Requirement
 from tempering.teacher import TeacherWeights
@@ -190,6 +190,10 @@ class SDPO(GRPO):
             needs.append(Requirement(Distributions, "distillation_mode", (
                 "'topk_logits' needs the teacher's top-k next-token distributions, which this backend does not "
                 "return; use distillation_mode: sampled_token")))  # fmt: skip
+        if kind in ("full", "topk"):
+            needs.append(Requirement(LossLogits, "distillation_mode", (
+                f"'{self.distillation_mode}' trains on the student's logits, which this backend does not give a loss "
+                "(it returns per-token logprobs only); use distillation_mode: sampled_token")))  # fmt: skip
         return needs
 
     def _teacher_input(self) -> str | None:
