@@ -11,7 +11,7 @@ The format is stable (``v`` says which version; docs/observability.md documents 
 line is one sample:
 
 ==================  ==============================================================================
-``v``               format version (1)
+``v``               format version (2: ``feedback`` added; 1 lacks it)
 ``row``             index (0-based) of the ``metrics.jsonl`` row of the same step: the join key,
                     and what a resumed run cuts the file back by (:func:`rewind`)
 ``stage``, ``step`` the stage id and global optimizer step, as in ``metrics.jsonl``
@@ -32,6 +32,9 @@ line is one sample:
 ``failure``,        :mod:`tempering.failures`) and the error's text; ``masked``: a limit
 ``error``,          configured to mask it
 ``masked``
+``feedback``        what the reward or the environment said about the attempt in words
+                    (``Sample.feedback``: a wrong answer's ``expected '42', got '41'``, a failed
+                    tool call, a judge's critique; one line each), or null
 ``policy_version``  the optimizer step of the weights that sampled it (the oldest, over turns)
 ``staleness``       the trainer's step minus ``policy_version`` (0 on-policy)
 ``stop``            why it ended: ``stop``/``length`` (a completion), or the episode's stop
@@ -61,9 +64,9 @@ if TYPE_CHECKING:  # pragma: no cover
 FILENAME = "rollouts.jsonl"
 #: Every record's keys, in order (the table above; tests hold the two together).
 FIELDS = ("v", "row", "stage", "step", "kind", "group", "sample", "example", "prompt", "messages", "completion",
-          "reward", "reward_info", "advantage", "failed", "failure", "error", "masked", "policy_version",
-          "staleness", "stop", "tokens", "turns")  # fmt: skip
-FORMAT_VERSION = 1
+          "reward", "reward_info", "advantage", "failed", "failure", "error", "masked", "feedback",
+          "policy_version", "staleness", "stop", "tokens", "turns")  # fmt: skip
+FORMAT_VERSION = 2
 #: Groups written per step when a stage does not say (``log_rollouts``).
 DEFAULT_GROUPS = 4
 
@@ -103,6 +106,7 @@ def sample_record(sample: Sample, group: Group, index: int, *, advantage: float 
         "failure": failure_cause(sample) if sample.failed else None,
         "error": sample.error,
         "masked": bool(sample.masked),
+        "feedback": sample.feedback,
         "policy_version": int(sample.policy_version),
         "staleness": int(trainer_step) - int(sample.policy_version),
         "stop": traj.stop if traj is not None else sample.completion.stop_reason,

@@ -49,7 +49,7 @@ def test_each_rl_step_writes_its_share_with_failures_and_the_advantages_it_train
     metrics = lines(tmp_path / "metrics.jsonl")
     assert all(tuple(r) == rollout_log.FIELDS for r in records)  # every field, in the documented order
     for r in records:  # each record points at the metrics row of its step
-        assert r["v"] == 1 and metrics[r["row"]]["step"] == r["step"] and metrics[r["row"]]["stage"] == "rl"
+        assert r["v"] == 2 and metrics[r["row"]]["step"] == r["step"] and metrics[r["row"]]["stage"] == "rl"
 
     group_norm = get_registry().build("advantage", "group_norm", "advantage")
     expected = group_norm(torch.tensor([0.0, 1 / 3, 2 / 3, 1.0]), torch.zeros(4, dtype=torch.long)).tolist()
@@ -80,6 +80,15 @@ def test_each_rl_step_writes_its_share_with_failures_and_the_advantages_it_train
         assert all(r["advantage"] is None and r["completion"] == "0" for r in at)
 
 
+def test_a_rewards_feedback_is_logged_with_its_sample(tmp_path: Path) -> None:
+    grpo(tmp_path, steps=1, reward="exact_match", log_rollouts=-1).run(backend=FakeBackend())
+    records = [r for r in lines(tmp_path / "rollouts.jsonl") if r["kind"] == "train"]
+    assert sorted({r["completion"] for r in records}) == ["0", "1", "2", "3"]  # hits and misses
+    for r in records:  # exact_match on a miss says what it expected; a hit says nothing
+        assert r["feedback"] == (None if r["completion"] == "3" else f"expected '3', got '{r['completion']}'")
+        assert "feedback" not in r["reward_info"]
+
+
 def test_the_format_is_documented_field_by_field() -> None:
     doc = rollout_log.__doc__ or ""
     page = (Path(__file__).resolve().parents[1] / "docs" / "observability.md").read_text(encoding="utf-8")
@@ -98,6 +107,10 @@ def test_multi_turn_episodes_are_logged_as_whole_transcripts() -> None:
         roles = [m["role"] for m in r["messages"]]
         assert roles[0] == "user" and roles[-1] in ("assistant", "tool") and r["prompt"] is None
         assert r["turns"] == roles.count("assistant") and r["stop"] in ("done", "max_turns", "context", "parse_error")
+        if r["stop"] == "done" and r["reward"] == 0.0:  # the calculator says what it expected
+            assert r["feedback"].startswith(f"expected '{r['example']['answer']}', got ")
+        elif r["stop"] == "max_turns":
+            assert r["feedback"].endswith("no final answer within max_turns=3 turns")
         assert r["messages"][0]["content"] == r["example"]["question"]
         assert isinstance(r["advantage"], float) and r["tokens"] > 0
     calls = [(m, r) for r in train for i, m in enumerate(r["messages"]) if m.get("tool_calls")]

@@ -75,7 +75,7 @@ def test_filters_by_step_reward_failure_and_text() -> None:
         record(step=1, reward=0.0, messages=[{"role": "user", "content": "37*84"}]),
         record(step=2, reward=1.0, messages=[{"role": "assistant", "content": "",
                "tool_calls": [{"id": "c0", "function": {"name": "mul", "arguments": "{\"a\": 37}"}}]}]),
-        record(step=3, reward="nan", failed=True, failure="timeout", error="took 60 s"),
+        record(step=3, reward="nan", failed=True, failure="timeout", error="took 60 s", feedback="expected '42', got '41'"),
         record(step=3, kind="eval", stage="warmup", reward=1.0, prompt="12+34=", completion="46"),
     ]  # fmt: skip
 
@@ -88,6 +88,7 @@ def test_filters_by_step_reward_failure_and_text() -> None:
     assert steps(reward_min=0.5) == [3, 2]  # a failed sample's reward matches no range
     assert steps(failed="yes") == [3] and steps(failed="no") == [3, 2, 1] and steps(cause="timeout") == [3]
     assert steps(text="MUL") == [2] and steps(text="37*8") == [1] and steps(text="60 s") == [3]
+    assert steps(text="got '41'") == [3]  # the feedback is searched too
     assert steps(stage="warmup", kind="eval") == [3]
     assert steps(limit=2, offset=1) == [3, 2]
     assert run_query(records, RolloutQuery())["facets"]["causes"] == ["timeout"]
@@ -168,6 +169,10 @@ def test_the_page_draws_curves_and_transcripts_in_a_real_browser(tmp_path: Path)
             assert re.fullmatch(r"\d+\*\d+", card.locator(".msg[data-role='user'] pre").first.inner_text())
             assert re.fullmatch(r"mul\(a=\d+, b=\d+\)", card.locator(".tool-call code").first.inner_text())
             assert re.fullmatch(r"-?\d+", card.locator(".msg[data-role='tool'] pre").first.inner_text())
+            # each sample's feedback (the calculator's "expected '42', got '41'") under its transcript
+            listed = run_query(records, RolloutQuery(stage="rl", kind="train", limit=20))["records"]  # the first page
+            said = [r["feedback"] for r in listed if r["feedback"]]
+            assert said and page.locator("article.rollout .msg[data-role='feedback'] pre").all_inner_texts() == said
             for folder in shots:
                 page.screenshot(path=str(folder / "view-rollouts.png"))
 

@@ -25,7 +25,7 @@ class RolloutQuery:
     reward_max: float | None = None
     failed: str = "any"  # any | yes | no
     cause: str = ""
-    text: str = ""  # a substring of the prompt, transcript or completion (case-insensitive)
+    text: str = ""  # a substring of the prompt, transcript, completion, error or feedback (case-insensitive)
     offset: int = 0
     limit: int = 50
 
@@ -75,8 +75,9 @@ def _within(value: Any, low: float | None, high: float | None) -> bool:
 
 
 def searchable(r: Mapping[str, Any]) -> str:
-    """The text a search looks in: prompt, every message, the completion and the error."""
-    parts = [str(r.get("prompt") or ""), str(r.get("completion") or ""), str(r.get("error") or "")]
+    """The text a search looks in: prompt, every message, the completion, the error and the
+    feedback."""
+    parts = [str(r.get(k) or "") for k in ("prompt", "completion", "error", "feedback")]
     for m in r.get("messages") or []:
         parts.append(str(m.get("content") or ""))
         parts += [str(c) for c in m.get("tool_calls") or []]

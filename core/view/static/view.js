@@ -231,6 +231,7 @@ function rolloutCard(r) {
   }
   card.append(body);
   if (r.error) card.append(el("div", { class: "error" }, el("pre", { text: r.error })));
+  if (r.feedback) card.append(el("div", { class: "msg feedback", "data-role": "feedback" }, el("span", { class: "role", text: "feedback" }), el("pre", { text: r.feedback })));
   const extra = { example: r.example, reward_info: r.reward_info };
   card.append(el("details", {}, el("summary", { text: "example and reward parts" }), el("pre", { text: JSON.stringify(extra, null, 2) })));
   return card;
