@@ -89,6 +89,28 @@ def fresh_registry(clean_plugin_env: None, monkeypatch: pytest.MonkeyPatch) -> R
     return reg
 
 
+@pytest.fixture
+def reward_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[str, Any]]]:
+    """Start reward servers (``tempering serve-reward``'s server) on loopback:
+    ``start(target, port=0, **server_options) -> (url, stop)``; every one is stopped at teardown.
+    A caller's $TEMPERING_REWARD_TOKEN is forgotten, so a server asks for a token only when the
+    test gives one."""
+    from tempering.plugins.rewards.remote import TOKEN_ENV
+    from tempering.plugins.rewards.server import start_server
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    stops: list[Any] = []
+
+    def start(target: str, port: int = 0, **kw: Any) -> tuple[str, Any]:
+        url, stop = start_server(target, "127.0.0.1", port, **kw)
+        stops.append(stop)
+        return url, stop
+
+    yield start
+    for stop in stops:
+        stop()
+
+
 FakeDist = Callable[..., str]
 
 

@@ -23,7 +23,6 @@ from tempering.plugins.rewards.server import (
     check_access,
     is_loopback,
     make_server,
-    start_server,
 )
 from tempering.scoring import RewardRunner
 from tempering.types import Completion, Sample
@@ -37,18 +36,8 @@ def samples(*texts: str) -> list[Sample]:
 
 
 @pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv(TOKEN_ENV, raising=False)
-    stops = []
-
-    def start(**kw):
-        url, stop = start_server(TARGET, "127.0.0.1", 0, **kw)
-        stops.append(stop)
-        return url
-
-    yield start
-    for stop in stops:
-        stop()
+def served(reward_server):
+    return lambda **kw: reward_server(TARGET, **kw)[0]
 
 
 def test_a_token_is_required_and_compared_in_constant_time(served, monkeypatch):

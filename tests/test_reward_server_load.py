@@ -15,26 +15,18 @@ import time
 
 import httpx
 import pytest
-from tempering.plugins.rewards.remote import TOKEN_ENV
-from tempering.plugins.rewards.server import start_server
 
 TARGET = "tempering.plugins.rewards.testing:length"
 BODY = {"samples": [{"completion": "abc", "example": {}}]}
 
 
 @pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv(TOKEN_ENV, raising=False)
-    stops = []
-
+def served(reward_server):
     def start(**kw):
-        url, stop = start_server(TARGET, "127.0.0.1", 0, **kw)
-        stops.append(stop)
+        url, stop = reward_server(TARGET, **kw)
         return url, stop.server  # type: ignore[attr-defined]
 
-    yield start
-    for stop in stops:
-        stop()
+    return start
 
 
 def open_fds() -> int:

@@ -20,7 +20,6 @@ import httpx
 import pytest
 
 from tempering.plugins.rewards.remote import RemoteReward
-from tempering.plugins.rewards.server import start_server
 from tempering.registry import get_registry
 from tempering.scoring import RewardRunner
 from tempering.types import Completion, Sample
@@ -40,17 +39,8 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def server():
-    stops = []
-
-    def start(target=ASYNC_TARGET, port=0, **kw):
-        url, stop = start_server(target, "127.0.0.1", port, **kw)
-        stops.append(stop)
-        return url, stop
-
-    yield start
-    for stop in stops:
-        stop()
+def server(reward_server):
+    return lambda target=ASYNC_TARGET, port=0, **kw: reward_server(target, port, **kw)
 
 
 # --------------------------------------------------------------------------- the server
