@@ -208,7 +208,7 @@ def check_stage(
     if hasattr(stage, "renderer"):
         check_renderer(ctx, stage.renderer)
     if isinstance(stage, Stage):
-        check_capabilities(ctx, stage)
+        check_capabilities(ctx, stage, built.get("loss"))
     if CHECK_DATA.get():  # the data last: a typo in the config is reported before a missing file
         check_dataset(ctx, stage.dataset, "dataset", columns)
         if ev.dataset is not None:
@@ -228,14 +228,16 @@ class Requirement(NamedTuple):
     message: str = ""
 
 
-def check_capabilities(ctx: RunContext, stage: Stage) -> None:
+def check_capabilities(ctx: RunContext, stage: Stage, loss: Any = None) -> None:
     """Raise a one-line :class:`ConfigError` at the stage's key path for the first capability
-    of :meth:`Stage.required_capabilities` the backend lacks (:func:`tempering.interfaces.supports`).
+    of :meth:`Stage.required_capabilities` (then, given the stage's built ``loss``, of
+    :meth:`Stage.loss_capabilities`) the backend lacks (:func:`tempering.interfaces.supports`).
     Nothing to check while the backend is not built yet (``ctx.backend`` is None)."""
     backend = ctx.backend
     if backend is None:
         return
-    for need in stage.required_capabilities():
+    needs = stage.required_capabilities() + (stage.loss_capabilities(loss) if loss is not None else [])
+    for need in needs:
         if not supports(backend, need.capability):
             name = capability_name(need.capability)
             message = need.message or (f"needs a backend with the capability '{name}' "
@@ -323,6 +325,12 @@ class Stage:
         """The backend capabilities this stage's config needs: :attr:`requires`, plus (in a
         subclass) those its keys ask for, e.g. SDFT's ``teacher: ema``."""
         return [Requirement(cap) for cap in self.requires]
+
+    def loss_capabilities(self, loss: Any) -> list[Requirement]:
+        """The backend capabilities the stage's built ``loss`` needs, for needs that depend on
+        the loss's own config (SDFT's logit modes: the model's logits in the loss). Checked
+        with :meth:`required_capabilities`, once the loss is built at validation."""
+        return []
 
     def batch_inputs(self, loss: Any) -> frozenset[str] | None:
         """What this stage's batches hold for ``loss``: the loss contract's input names

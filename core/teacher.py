@@ -32,11 +32,19 @@ import math
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Final, Protocol, cast, runtime_checkable
 
 from tempering.data import encode_prompt, user_turn
 from tempering.errors import ConfigError
 from tempering.interfaces import Backend, Distributions, EmaWeights, WeightSnapshots, at_positions, from_positions
+from tempering.loss_contract import (
+    LOGIT_POSITIONS,
+    LOGITS,
+    TEACHER_LOGITS,
+    TEACHER_TOKEN_LOGPROBS,
+    TEACHER_TOPK_IDS,
+    TEACHER_TOPK_LOGPROBS,
+)
 from tempering.types import Batch, Datum, Sample, Segment
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,8 +58,51 @@ TEACHERS = ("base", "stage_start", "live", "ema")
 #: What a loss needs from the teacher: ``token`` logprobs of the sampled tokens, ``topk``
 #: (values, ids) of its own top-k, or ``full`` distributions over the vocabulary.
 TEACHER_INPUTS = ("token", "topk", "full")
-#: The ``Datum.extra`` keys :func:`attach_teacher` fills (per target position).
-TEACHER_KEYS = ("teacher_token_logprobs", "teacher_logits", "teacher_topk_logprobs", "teacher_topk_ids")
+#: The ``Datum.extra`` keys :func:`attach_teacher` fills (per target position): the loss
+#: contract's names (:mod:`tempering.loss_contract`), so a loss reads them as its stage wrote them.
+TEACHER_KEYS = (TEACHER_TOKEN_LOGPROBS, TEACHER_LOGITS, TEACHER_TOPK_LOGPROBS, TEACHER_TOPK_IDS)
+#: The batch inputs :func:`attach_teacher` fills for each teacher input (the sampled tokens'
+#: logprobs always: the stage logs the sampled-token KL from them).
+TEACHER_INPUT_KEYS: Final[Mapping[str, frozenset[str]]] = {
+    "token": frozenset({TEACHER_TOKEN_LOGPROBS}),
+    "topk": frozenset({TEACHER_TOKEN_LOGPROBS, TEACHER_TOPK_LOGPROBS, TEACHER_TOPK_IDS}),
+    "full": frozenset({TEACHER_TOKEN_LOGPROBS, TEACHER_LOGITS}),
+}
+
+
+@dataclass(frozen=True)
+class TeacherNeeds:
+    """What a distillation loss needs its stage to prepare, declared by the loss
+    (:class:`DistillationLoss`) instead of read off its config by name.
+
+    ``input``: one of :data:`TEACHER_INPUTS` (what :func:`attach_teacher` scores); ``topk``: the
+    teacher's top-k size for ``topk``; ``aggregation``: the normaliser (``seq_mean`` /
+    ``token_mean``) the stage folds into the sampled-token advantages, for a loss that sums
+    over tokens (``token``: Tinker's ``importance_sampling``)."""
+
+    input: str = "token"
+    topk: int = 0
+    aggregation: str = "seq_mean"
+
+    @property
+    def keys(self) -> frozenset[str]:
+        """The batch inputs the teacher's scores fill (:data:`TEACHER_INPUT_KEYS`)."""
+        return TEACHER_INPUT_KEYS[self.input]
+
+
+@runtime_checkable
+class DistillationLoss(Protocol):
+    """A loss that learns from a teacher and says what the teacher must provide."""
+
+    @property
+    def teacher_needs(self) -> TeacherNeeds: ...
+
+
+def teacher_needs(loss: object) -> TeacherNeeds:
+    """What ``loss`` needs of the teacher: its declaration (:class:`DistillationLoss`), else the
+    sampled-token default -- a plain policy loss (``importance_sampling``) trained on the
+    teacher's sampled-token advantages, as it always was."""
+    return loss.teacher_needs if isinstance(loss, DistillationLoss) else TeacherNeeds()
 
 
 @dataclass
@@ -204,7 +255,7 @@ def attach_teacher(backend: Backend, batch: Batch, teacher_batch: Batch, kind: s
         values = backend.logprobs(teacher_batch, **kw).result()
         for d, t in zip(batch.data, values):
             n = d.extra["completion_len"]
-            d.extra["teacher_token_logprobs"] = [0.0] * (len(d.target_tokens) - n) + list(t[-n:])
+            d.extra[TEACHER_TOKEN_LOGPROBS] = [0.0] * (len(d.target_tokens) - n) + list(t[-n:])
         return
     dists = cast(Distributions, backend).distributions(teacher_batch, topk=topk if kind == "topk" else None, **kw).result()
     for d, dist in zip(batch.data, dists):
@@ -213,16 +264,16 @@ def attach_teacher(backend: Backend, batch: Batch, teacher_batch: Batch, kind: s
         targets = torch.tensor(d.target_tokens[pad:], dtype=torch.long)
         if kind == "full":
             full = dist[-n:]
-            d.extra["teacher_logits"] = torch.cat([uniform_filler(pad, full.shape[-1], full.dtype), full], dim=0)
+            d.extra[TEACHER_LOGITS] = torch.cat([uniform_filler(pad, full.shape[-1], full.dtype), full], dim=0)
             token_lp = full.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         else:
             values, ids = dist[0][-n:], dist[1][-n:]
             filler_lp, filler_ids = topk_filler(pad, values.shape[-1], ids.dtype)
-            d.extra["teacher_topk_logprobs"] = torch.cat([filler_lp, values], dim=0)
-            d.extra["teacher_topk_ids"] = torch.cat([filler_ids, ids], dim=0)
+            d.extra[TEACHER_TOPK_LOGPROBS] = torch.cat([filler_lp, values], dim=0)
+            d.extra[TEACHER_TOPK_IDS] = torch.cat([filler_ids, ids], dim=0)
             hit = ids == targets.unsqueeze(-1)  # a token outside the teacher's top-k: no value
             token_lp = torch.where(hit.any(-1), (values * hit).sum(-1), torch.full_like(values[:, 0], float("nan")))
-        d.extra["teacher_token_logprobs"] = [0.0] * pad + token_lp.tolist()
+        d.extra[TEACHER_TOKEN_LOGPROBS] = [0.0] * pad + token_lp.tolist()
 
 
 def uniform_filler(rows: int, vocab: int, dtype: Any = None) -> torch.Tensor:
@@ -245,11 +296,11 @@ def fill_without_teacher(datum: Datum, kind: str, width: int) -> None:
     same keys): token logprobs 0, uniform ``full`` distributions over ``width`` tokens or
     uniform ``topk`` entries of ``width``. The row's distillation mask must be 0 throughout."""
     n = len(datum.target_tokens)
-    datum.extra["teacher_token_logprobs"] = [0.0] * n
+    datum.extra[TEACHER_TOKEN_LOGPROBS] = [0.0] * n
     if kind == "full":
-        datum.extra["teacher_logits"] = uniform_filler(n, width)
+        datum.extra[TEACHER_LOGITS] = uniform_filler(n, width)
     elif kind == "topk":
-        datum.extra["teacher_topk_logprobs"], datum.extra["teacher_topk_ids"] = topk_filler(n, width)
+        datum.extra[TEACHER_TOPK_LOGPROBS], datum.extra[TEACHER_TOPK_IDS] = topk_filler(n, width)
 
 
 def teacher_divergence(logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor], mode: str, alpha: float, topk: int,
@@ -263,19 +314,19 @@ def teacher_divergence(logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]
     top-k values and ids). See :mod:`tempering.rlmath.divergence`."""
     from tempering.rlmath.divergence import full_logits_loss, topk_logits_loss
 
-    positions = batch.get("logit_positions")
-    logits = batch["logits"].float()
+    positions = batch.get(LOGIT_POSITIONS)
+    logits = batch[LOGITS].float()
 
     def teacher(key: str) -> torch.Tensor:
         return at_positions(batch[key], positions)
 
     if mode == "full_logits":
-        per_token = full_logits_loss(logits, teacher("teacher_logits").float(), alpha)
+        per_token = full_logits_loss(logits, teacher(TEACHER_LOGITS).float(), alpha)
     elif support == "student":
-        per_token = topk_logits_loss(logits, alpha, topk, add_tail, teacher_logits=teacher("teacher_logits").float())
+        per_token = topk_logits_loss(logits, alpha, topk, add_tail, teacher_logits=teacher(TEACHER_LOGITS).float())
     else:
         per_token = topk_logits_loss(
             logits, alpha, topk, add_tail,
-            teacher_topk_logprobs=teacher("teacher_topk_logprobs"), teacher_topk_ids=teacher("teacher_topk_ids"),
+            teacher_topk_logprobs=teacher(TEACHER_TOPK_LOGPROBS), teacher_topk_ids=teacher(TEACHER_TOPK_IDS),
         )  # fmt: skip
     return from_positions(per_token, positions, logprobs.shape[-1])

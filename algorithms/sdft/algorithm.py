@@ -38,11 +38,12 @@ from tempering import teacher as shared
 from tempering.data import ExampleStream, load_examples
 from tempering.errors import ConfigError
 from tempering.evaluate import build_sampler, completion_sampler
-from tempering.interfaces import Backend, RunContext
+from tempering.interfaces import Backend, Distributions, FullDistributions, LossLogits, RunContext
+from tempering.loss_contract import ADVANTAGES, ROW_INPUTS, SAMPLER_LOGPROBS, TEACHER_TOKEN_LOGPROBS
 from tempering.rlmath.aggregation import fold_normaliser
 from tempering.rollout import collect, recompute_sampler_logprobs, should_recompute
 from tempering.stage import Requirement, SamplingKeys, Stage, check_stage
-from tempering.teacher import TEACHERS, TeacherWeights
+from tempering.teacher import TEACHERS, TeacherWeights, teacher_needs
 from tempering.types import Batch, SamplingParams
 
 __all__ = ["DEFAULT_TEACHER_TEMPLATE", "SDFT", "TEACHERS", "teacher_prompt", "traj_ok"]
@@ -120,10 +121,35 @@ class SDFT(SamplingKeys, Stage):
         """A ``stage_start`` or ``ema`` teacher is a weight snapshot; ``ema`` moves it."""
         return [*super().required_capabilities(), *self.teacher_weights().requirements("teacher")]
 
+    def loss_capabilities(self, loss: Any) -> list[Requirement]:
+        """What the loss's teacher input asks of the backend (:func:`tempering.teacher.teacher_needs`):
+        the teacher's top-k or full distributions, and the student's logits in the loss."""
+        kind = teacher_needs(loss).input
+        if kind == "token":
+            return []
+        spec = self.loss
+        written = isinstance(spec, Mapping) and "mode" in spec  # the key the user wrote, else the loss as a whole
+        key, what = ("loss.mode", f"'{spec['mode']}'") if written else ("loss", f"the {type(loss).__name__} loss")
+        dists = {"full": (FullDistributions, "full"), "topk": (Distributions, "top-k")}[kind]
+        return [
+            Requirement(dists[0], key, f"{what} needs the teacher's {dists[1]} next-token distributions, which this "
+                        "backend does not return; use mode: sampled_token"),
+            Requirement(LossLogits, key, f"{what} trains on the student's logits, which this backend does not give a loss "
+                        "(it returns per-token logprobs only); use mode: sampled_token (Tinker's importance_sampling)"),
+        ]  # fmt: skip
+
+    def batch_inputs(self, loss: Any) -> frozenset[str]:
+        """Each student row's tokens and weights, the sampler's logprobs and the teacher's
+        values the loss asks for (:func:`tempering.teacher.teacher_needs`); the sampled-token
+        advantages for the ``token`` input (the loss contract's names)."""
+        needs = teacher_needs(loss)
+        return ROW_INPUTS | {SAMPLER_LOGPROBS} | needs.keys | ({ADVANTAGES} if needs.input == "token" else set())
+
     def setup(self, ctx: RunContext, state: Mapping[str, Any]) -> None:
         path = ctx.path
         self.loss_fn = ctx.build("loss", self.loss, "loss")
-        self.kind = getattr(self.loss_fn, "teacher_input", "token")
+        self.needs = teacher_needs(self.loss_fn)
+        self.kind = self.needs.input
         examples = load_examples(ctx, self.dataset, "dataset")
         for key in (self.prompt_key, self.demonstration_key):
             if examples and key not in examples[0]:
@@ -137,8 +163,7 @@ class SDFT(SamplingKeys, Stage):
         self.stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
         self.sampling = self.sampling_params()
         self.recompute = should_recompute(self.recompute_logprobs, self.sampling)
-        self.aggregation = getattr(self.loss_fn, "aggregation", "seq_mean")
-        self.topk = int(getattr(self.loss_fn, "topk", 0) or 0)
+        self.aggregation, self.topk = self.needs.aggregation, self.needs.topk
         # the one rollout path; unscored: the teacher is the signal
         self.student_sampler = build_sampler(ctx, self.sampler, "sampler", None, self.renderer)
 
@@ -158,7 +183,7 @@ class SDFT(SamplingKeys, Stage):
         if self.kind == "token":
             norm = fold_normaliser([d.weights for d in batch.data], self.aggregation)
             for d, n in zip(batch.data, norm):
-                q, t = d.sampler_logprobs or [], d.extra["teacher_token_logprobs"]
+                q, t = d.sampler_logprobs or [], d.extra[TEACHER_TOKEN_LOGPROBS]
                 d.advantages = [-(qi - ti) * ni for qi, ti, ni in zip(q, t, n)]
         fb = backend.forward_backward(batch, self.loss_fn)
         op = backend.optim_step(self.adam(step))
@@ -262,7 +287,7 @@ class SDFT(SamplingKeys, Stage):
         diffs = [
             q - t
             for d in batch.data
-            for q, t, w in zip(d.sampler_logprobs or [], d.extra["teacher_token_logprobs"], d.weights)
+            for q, t, w in zip(d.sampler_logprobs or [], d.extra[TEACHER_TOKEN_LOGPROBS], d.weights)
             if w and not math.isnan(t)
         ]
         return {"sdft/reverse_kl_sampled": sum(diffs) / len(diffs) if diffs else 0.0}

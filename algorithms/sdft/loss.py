@@ -39,17 +39,31 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from tempering.interfaces import LossOutput
+from tempering.loss_contract import (
+    ADVANTAGES,
+    LOGITS,
+    SAMPLER_LOGPROBS,
+    TEACHER_LOGITS,
+    TEACHER_TOKEN_LOGPROBS,
+    TEACHER_TOPK_IDS,
+    TEACHER_TOPK_LOGPROBS,
+    WEIGHTS,
+    BuiltinLoss,
+    NoBuiltin,
+)
 from tempering.rlmath import policy_loss
 from tempering.rlmath.aggregation import MEAN_AGGREGATIONS, fold_normaliser
 from tempering.rlmath.aggregation import aggregate_mean as aggregate
 from tempering.rlmath.divergence import add_tail_bucket, divergence, full_logits_loss, topk_logits_loss
 from tempering.rlmath.masks import active
 from tempering.rlmath.ratios import capped_is_weight, log_importance_weights
-from tempering.teacher import teacher_divergence
+from tempering.teacher import TeacherNeeds, teacher_divergence
+from tempering.types import Batch
 
 # add_tail_bucket, aggregate (tempering.rlmath.aggregation.aggregate_mean), divergence,
 # fold_normaliser, full_logits_loss and topk_logits_loss are re-exports from tempering.rlmath,
@@ -89,16 +103,17 @@ class ImportanceSamplingLoss:
     fold any normaliser into the advantages). Reads ``weights`` (mask), ``sampler_logprobs``
     and ``advantages``."""
 
-    needs_logits = False
-    tinker_builtin = "importance_sampling"
+    needs_logits: ClassVar[bool] = False
+    tinker_builtin: ClassVar[str | None] = "importance_sampling"
+    reads: ClassVar[frozenset[str]] = frozenset({WEIGHTS, SAMPLER_LOGPROBS, ADVANTAGES})  # the loss contract
 
     def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
-        for key in ("weights", "sampler_logprobs", "advantages"):
+        for key in (WEIGHTS, SAMPLER_LOGPROBS, ADVANTAGES):
             if key not in batch:
                 raise KeyError(f"importance_sampling needs batch[{key!r}]; the batch has {sorted(batch)}")
-        mask = batch["weights"]
-        q = batch["sampler_logprobs"].to(logprobs.dtype)
-        loss = importance_sampling_loss(logprobs, q, batch["advantages"].to(logprobs.dtype), mask)
+        mask = batch[WEIGHTS]
+        q = batch[SAMPLER_LOGPROBS].to(logprobs.dtype)
+        loss = importance_sampling_loss(logprobs, q, batch[ADVANTAGES].to(logprobs.dtype), mask)
         ratio = torch.exp((logprobs - q)[active(mask)].detach())
         metrics = {"ratio/mean": float(ratio.mean()) if ratio.numel() else 1.0}
         return LossOutput(loss, metrics)
@@ -161,6 +176,34 @@ class SDFTLoss:
             return "topk"
         return "full"
 
+    @property
+    def teacher_needs(self) -> TeacherNeeds:
+        """What the SDFT stage must score with the teacher for this loss
+        (:class:`tempering.teacher.DistillationLoss`): the teacher input, its top-k size and the
+        normaliser folded into the sampled-token advantages."""
+        return TeacherNeeds(self.teacher_input, int(self.topk), self.aggregation)
+
+    @property
+    def reads(self) -> frozenset[str]:
+        """The batch inputs it requires (the loss contract): the sampled-token mode is
+        ``importance_sampling`` on the teacher's advantages; the logit modes read the teacher's
+        top-k (teacher support) or full distributions, and the backend's logits. The sampler's
+        logprobs are optional there (``is_clip`` uses them when present)."""
+        if self.mode == "sampled_token":
+            return ImportanceSamplingLoss.reads
+        if self.teacher_input == "topk":
+            return frozenset({WEIGHTS, LOGITS, TEACHER_TOPK_LOGPROBS, TEACHER_TOPK_IDS})
+        return frozenset({WEIGHTS, LOGITS, TEACHER_LOGITS})
+
+    def builtin(self, batch: Batch) -> BuiltinLoss | NoBuiltin:
+        """Backend-neutrally (the loss contract): the sampled-token mode is exactly the
+        built-in ``importance_sampling`` (the stage folds the normaliser into the advantages);
+        the logit modes are divergences over the model's logits, which no built-in computes."""
+        if self.mode == "sampled_token":
+            return BuiltinLoss("importance_sampling", None, note="SDFTLoss (mode 'sampled_token') as the built-in "
+                               "importance_sampling (the normaliser is folded into the teacher's advantages)")  # fmt: skip
+        return NoBuiltin("Use mode: sampled_token (Tinker's importance_sampling) for SDFT on Tinker.")
+
     def per_token(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The ``(B, T)`` per-token divergence of the logit modes, before masking: computed at
         the positions ``batch["logits"]`` covers (``logit_positions``), 0 elsewhere
@@ -168,22 +211,22 @@ class SDFTLoss:
         return teacher_divergence(logprobs, batch, self.mode, float(self.alpha), self.topk, self.add_tail, self.topk_support)
 
     def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
-        mask = batch["weights"]
+        mask = batch[WEIGHTS]
         is_active = active(mask)
         if self.mode == "sampled_token":
             out = ImportanceSamplingLoss()(logprobs, batch)
-            teacher = batch.get("teacher_token_logprobs")
+            teacher = batch.get(TEACHER_TOKEN_LOGPROBS)
             if teacher is not None and is_active.any():
-                q = batch["sampler_logprobs"]
+                q = batch[SAMPLER_LOGPROBS]
                 out.metrics["sdft/distill_loss"] = float((q - teacher)[is_active].mean())
             return out
-        needed = ["logits", "teacher_topk_logprobs", "teacher_topk_ids"] if self.teacher_input == "topk" else ["logits", "teacher_logits"]
+        needed = [LOGITS, TEACHER_TOPK_LOGPROBS, TEACHER_TOPK_IDS] if self.teacher_input == "topk" else [LOGITS, TEACHER_LOGITS]
         for key in needed:
             if key not in batch:
                 raise KeyError(f"SDFTLoss (mode {self.mode}) needs batch[{key!r}]; the batch has {sorted(batch)}")
         per_token = self.per_token(logprobs, batch)
-        if self.is_clip is not None and "sampler_logprobs" in batch:
-            per_token = per_token * capped_is_weight(logprobs, batch["sampler_logprobs"].to(logprobs.dtype), self.is_clip)
+        if self.is_clip is not None and SAMPLER_LOGPROBS in batch:
+            per_token = per_token * capped_is_weight(logprobs, batch[SAMPLER_LOGPROBS].to(logprobs.dtype), self.is_clip)
         loss = aggregate(per_token, mask, self.aggregation)
         with torch.no_grad():
             mean = per_token[is_active].mean() if is_active.any() else per_token.new_zeros(())

@@ -103,9 +103,10 @@ class EnvironmentSampler:
         t1 = time.perf_counter()
         groups, to_score = [], []
         for i, example in enumerate(examples):
-            samples = [self._sample(example, *results[i * group_size + j]) for j in range(group_size)]
+            made = [self._sample(example, *results[i * group_size + j]) for j in range(group_size)]
+            samples = [sample for sample, _ in made]
             await self._group_reward(envs[i][0], samples)
-            to_score += [s for s in samples if s.reward_info.get("score_with_stage_reward")]
+            to_score += [sample for sample, by_stage in made if by_stage]
             groups.append(Group(dict(example), samples, group_id=first_id + i))
         stats = ScoreStats()
         if to_score:
@@ -120,13 +121,17 @@ class EnvironmentSampler:
         metrics = {"time/episodes": t1 - t0, "time/reward": time.perf_counter() - t1, "env/model_calls": float(queue.calls)}
         return Rollout(groups, stats, metrics)
 
-    def _sample(self, example: dict[str, Any], traj: Any, total: float | None) -> Sample:
+    def _sample(self, example: dict[str, Any], traj: Any, total: float | None) -> tuple[Sample, bool]:
+        """The episode as a sample, and whether the stage's reward scores it (the environment
+        left its score to the stage: ``score`` returned None). Returned, not kept in
+        ``reward_info``, which holds what the reward said, not control flags."""
         last = traj.turns[-1].completion if traj.turns else Completion([], [], [], "error")
         if traj.turns:
             last.text = traj.turns[-1].response.text
         sample = Sample(example=dict(example), completion=last, trajectory=traj, feedback=join_feedback(traj.feedback))
         sample.reward_info = {"stop": traj.stop, "turns": len(traj.turns)}
         action = {"max_turns": self.on_max_turns, "context": self.on_context_limit}.get(traj.stop)
+        by_stage = False
         if traj.stop == "error":
             mark_failed(sample, traj.failure or "episode_error", f"episode: {traj.errors[0]}", traj.traceback)
         elif action == "mask":
@@ -134,11 +139,11 @@ class EnvironmentSampler:
         elif action == "zero":
             sample.reward = 0.0
         elif total is None:
-            sample.reward_info["score_with_stage_reward"] = True
+            by_stage = True
         else:
             sample.reward = float(total)
             self._warn_reward_unused()
-        return sample
+        return sample, by_stage
 
     def _warn_reward_unused(self) -> None:
         """Once per sampler: the stage's ``reward``, which the user wrote, is not called for an

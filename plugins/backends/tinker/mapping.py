@@ -191,8 +191,6 @@ def _logits_message(loss: Any, reason: str) -> str:
     hint = (
         f" {reason}"
         if isinstance(loss, DeclaresBuiltin)
-        else " Use mode: sampled_token (Tinker's importance_sampling) for SDFT on Tinker."
-        if type(loss).__name__ == "SDFTLoss"  # until SDFTLoss declares builtin(): see the loss contract
         else " Express it on per-token logprobs, or as Tinker's cross_entropy with (N, K) soft targets "
         f"(tinker_builtin='cross_entropy' and Datum.extra['{SOFT_IDS}'/'{SOFT_WEIGHTS}'])."
     )
