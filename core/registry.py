@@ -33,15 +33,23 @@ import pluggy
 
 from tempering import hookspecs
 from tempering.errors import ConfigError, PluginError, UnknownComponentError
+from tempering.schema import CHECK_CONFIG, check_config_at
 
 ENTRY_POINT_GROUP = "tempering"
 ENV_LOAD = "TEMPERING_LOAD_PLUGINS"  # comma list of external plugins to load; "" = none
 ENV_STRICT = "TEMPERING_STRICT_PLUGINS"  # "1": a plugin that fails to load is an error
 BUILTIN_DIST = "tempering"
-#: A factory may define ``check_params(params, path)`` (a static method or function attribute):
-#: checks beyond keys and types that must pass before anything is built -- the local backend
-#: resolves its model name and validates ``model_kwargs`` against the model builder there, so
-#: a typo fails in a second instead of after a download. It raises ``ConfigError`` under ``path``.
+#: A component's schema is its fields (a dataclass factory's, its ``Params`` dataclass's, or the
+#: factory's signature: :func:`validate_params`) plus its check, ``check_config(config)`` yielding
+#: ``(key, message)`` problems (:data:`tempering.schema.CHECK_CONFIG`). :meth:`Registry.check` and
+#: :meth:`Registry.build` run both once, before building, and report the first problem as a
+#: one-line ``ConfigError`` at its full key path. See :mod:`tempering.schema`.
+#:
+#: The older form of the check, still read for the factories not converted yet (the local
+#: backend, the ``python`` / ``remote`` / ``process_pool`` rewards, the tracker loggers):
+#: ``check_params(params, path)`` raising ``ConfigError`` under ``path`` -- the local backend
+#: resolves its model name and validates ``model_kwargs`` against the model builder there, so a
+#: typo fails in a second instead of after a download. New components write ``check_config``.
 CHECK_HOOK = "check_params"
 #: A factory may define ``config_blocks``, a mapping of its config keys that hold a nested block
 #: to the dataclass of that block (the local backend's ``{"lora": LoraParams}``): ``tempering
@@ -354,10 +362,12 @@ class Registry:
             raise UnknownComponentError(f"{path}.name: {exc}") from None
         except PluginError as exc:  # two packages provide the name, or it fails to import
             raise PluginError(f"{path}.name: {exc}") from None
-        kwargs = validate_params(factory, params, path, exclude=context)
-        check = getattr(factory, CHECK_HOOK, None)
-        if callable(check):
-            check(kwargs, path)
+        kwargs = validate_params(factory, params, path, exclude=context)  # the schema's fields
+        if callable(getattr(factory, CHECK_CONFIG, None)):  # its check, on every key
+            check_config_at(factory, {**factory_defaults(factory), **kwargs}, path)
+        legacy = getattr(factory, CHECK_HOOK, None)
+        if callable(legacy):
+            legacy(kwargs, path)
         return factory, kwargs
 
 

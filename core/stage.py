@@ -19,8 +19,6 @@ stage and its reward read (:mod:`tempering.dataset_checks`).
 
 from __future__ import annotations
 
-import difflib
-import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -35,7 +33,8 @@ from tempering.failures import FailureWatch
 from tempering.interfaces import RunContext, capability_name, supports
 from tempering.loss_contract import check_reads
 from tempering.progress import progress
-from tempering.registry import split_spec, validate_params
+from tempering.registry import validate_params
+from tempering.schema import Problem, check_config_at, choice_message, field_values
 from tempering.schedule import lr_at
 from tempering.types import AdamParams, SamplingParams
 
@@ -55,18 +54,16 @@ def require(ok: bool, path: str, message: str) -> None:
 
 def check_choice(value: Any, choices: Sequence[str], path: str) -> None:
     """``value`` must be one of ``choices``; the error suggests the closest one."""
-    if value in choices:
-        return
-    close = difflib.get_close_matches(str(value), list(choices), n=1)
-    hint = f" Did you mean '{close[0]}'?" if close else ""
-    raise ConfigError(f"use one of {', '.join(choices)} (got '{value}').{hint}", path)
+    if value not in choices:
+        raise ConfigError(choice_message(value, choices), path)
 
 
 def sub_config(cls: type[T], value: Any, path: str) -> T:
-    """Validate a nested config block against dataclass ``cls`` and build it."""
-    if isinstance(value, cls):
-        return value
-    return cls(**validate_params(cls, dict(value or {}), path))
+    """Validate a nested config block against its schema -- dataclass ``cls``'s fields and its
+    ``check_config`` (:mod:`tempering.schema`) -- and build it."""
+    block = value if isinstance(value, cls) else cls(**validate_params(cls, dict(value or {}), path))
+    check_config_at(cls, field_values(block), path)
+    return block
 
 
 @dataclass
@@ -81,19 +78,29 @@ class OptimizerConfig:
     warmup_steps: int = 0
     final_ratio: float = 0.0
 
-    def check(self, path: str) -> None:
-        """Value ranges that cannot work (a negative learning rate is gradient *ascent*)."""
-        lr = self.learning_rate
-        require(lr > 0, f"{path}.learning_rate", f"must be > 0, got {lr} (a rate <= 0 does not descend the loss); "
-                "typical values are 1e-5 to 1e-3")  # fmt: skip
+    @staticmethod
+    def check_config(config: Mapping[str, Any]) -> Iterator[Problem]:
+        """Value ranges that cannot work (a negative learning rate is gradient *ascent*): the
+        block's schema check (:mod:`tempering.schema`), run by :func:`sub_config`."""
+        lr = config["learning_rate"]
+        if not lr > 0:
+            yield Problem("learning_rate", f"must be > 0, got {lr} (a rate <= 0 does not descend the loss); "
+                          "typical values are 1e-5 to 1e-3")  # fmt: skip
         for key in ("beta1", "beta2"):
-            require(0 <= getattr(self, key) < 1, f"{path}.{key}", f"must be in [0, 1), got {getattr(self, key)}")
-        require(self.eps > 0, f"{path}.eps", f"must be > 0, got {self.eps}")
-        require(self.weight_decay >= 0, f"{path}.weight_decay", f"must be >= 0, got {self.weight_decay}")
-        require(self.grad_clip_norm >= 0, f"{path}.grad_clip_norm", f"must be >= 0 (0 = no clipping), got {self.grad_clip_norm}")
-        check_choice(self.schedule, SCHEDULES, f"{path}.schedule")
-        require(self.warmup_steps >= 0, f"{path}.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        require(0 <= self.final_ratio <= 1, f"{path}.final_ratio", f"must be in [0, 1], got {self.final_ratio}")
+            if not 0 <= config[key] < 1:
+                yield Problem(key, f"must be in [0, 1), got {config[key]}")
+        if not config["eps"] > 0:
+            yield Problem("eps", f"must be > 0, got {config['eps']}")
+        if not config["weight_decay"] >= 0:
+            yield Problem("weight_decay", f"must be >= 0, got {config['weight_decay']}")
+        if not config["grad_clip_norm"] >= 0:
+            yield Problem("grad_clip_norm", f"must be >= 0 (0 = no clipping), got {config['grad_clip_norm']}")
+        if config["schedule"] not in SCHEDULES:
+            yield Problem("schedule", choice_message(config["schedule"], SCHEDULES))
+        if not config["warmup_steps"] >= 0:
+            yield Problem("warmup_steps", f"must be >= 0, got {config['warmup_steps']}")
+        if not 0 <= config["final_ratio"] <= 1:
+            yield Problem("final_ratio", f"must be in [0, 1], got {config['final_ratio']}")
 
     def adam(self, step: int, total: int) -> AdamParams:
         lr = lr_at(step, total, self.learning_rate, self.schedule, self.warmup_steps, self.final_ratio)
@@ -191,7 +198,7 @@ def check_stage(
     steps = getattr(stage, "steps", 1)
     require(steps >= 1, f"{ctx.path}.steps", f"must be >= 1, got {steps} (a stage of no steps would be skipped; "
             "remove the stage instead)")  # fmt: skip
-    sub_config(OptimizerConfig, stage.optimizer, f"{ctx.path}.optimizer").check(f"{ctx.path}.optimizer")
+    sub_config(OptimizerConfig, stage.optimizer, f"{ctx.path}.optimizer")  # its fields and check
     if isinstance(stage, SamplingKeys):
         stage.check_sampling(ctx.path)
     ev = check_eval(ctx, stage.eval, stage)
@@ -261,31 +268,17 @@ def config_only() -> Iterator[None]:
 
 
 def build_checked(ctx: RunContext, kind: str, spec: Any, key: str, **context: Any) -> Any:
-    """Build a component; a ``ValueError`` / ``TypeError`` its own checks raise becomes a
-    one-line :class:`ConfigError` at the key it names (:func:`config_error`). Used before
-    anything trains for the cheap components (losses, estimators: their enums), and at stage
-    start for the others."""
+    """Build a component. Its schema (fields and ``check_config``) is checked by the registry
+    first, each problem at its own key (:mod:`tempering.schema`); a component without a check
+    that refuses its values in its constructor (a ``ValueError`` / ``TypeError``) is reported as
+    one line at the component's key, its message as it is. Used before anything trains for the
+    cheap components (losses, estimators), and at stage start for the others."""
     try:
         return ctx.build(kind, spec, key, **context)
     except TemperingError:
         raise
     except (ValueError, TypeError) as exc:
-        raise config_error(ctx, exc, spec, key) from None
-
-
-def config_error(ctx: RunContext, exc: BaseException, spec: Any, key: str) -> ConfigError:
-    """``exc`` (raised by a component's own checks) as a :class:`ConfigError` at the config
-    key its message names (``stages[1].loss.loss_type``), with the closest of the values it
-    lists in quotes when the key's value is a string (``Did you mean 'dapo'?``)."""
-    params = dict(split_spec(spec, key)[1]) if isinstance(spec, Mapping) else {}
-    message = str(exc)
-    named = [k for k in params if re.search(rf"\b{re.escape(k)}\b", message)]
-    value = params.get(named[0]) if named else None
-    if isinstance(value, str):
-        options = [o for o in re.findall(r"'([^']*)'", message) if o != value]
-        close = difflib.get_close_matches(value, options, n=1)
-        message += f". Did you mean '{close[0]}'?" if close else ""
-    return ConfigError(message, f"{ctx.path}.{key}" + (f".{named[0]}" if named else ""))
+        raise ConfigError(str(exc), f"{ctx.path}.{key}") from None
 
 
 @dataclass

@@ -40,15 +40,16 @@ and ``sft/nll`` when an SFT term is added.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from tempering.interfaces import LossOutput
 from tempering.loss_contract import DPO_SLOT, REF_LOGPROBS, WEIGHTS
+from tempering.schema import Problem, one_of, raise_problems
 
 __all__ = ["DPOLoss", "LOSS_TYPES", "pair_sequence_logprobs", "preference_loss"]
 
@@ -123,17 +124,23 @@ class DPOLoss:
     tinker_builtin: ClassVar[str | None] = None  # custom loss (forward_backward_custom on Tinker)
     reads: ClassVar[frozenset[str]] = frozenset({WEIGHTS, REF_LOGPROBS})  # the loss contract; DPO_SLOT when present
 
+    @staticmethod
+    def check_config(config: Mapping[str, Any]) -> Iterator[Problem | None]:
+        """The values that cannot work, at their keys (the loss's schema check,
+        :mod:`tempering.schema`: the registry runs it before building, ``__post_init__`` too)."""
+        loss_type, smoothing, sft = config["loss_type"], config["label_smoothing"], config["sft_weight"]
+        yield one_of("loss_type", loss_type, LOSS_TYPES, f"DPOLoss.loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+        if config["beta"] <= 0:
+            yield Problem("beta", f"DPOLoss.beta must be > 0, got {config['beta']}")
+        if not 0.0 <= smoothing < 0.5:
+            yield Problem("label_smoothing", f"DPOLoss.label_smoothing must be in [0, 0.5), got {smoothing}")
+        if loss_type == "ipo" and smoothing:
+            yield Problem("label_smoothing", "DPOLoss: label_smoothing has no meaning for loss_type='ipo'; leave it at 0")
+        if sft is not None and sft < 0:
+            yield Problem("sft_weight", f"DPOLoss.sft_weight must be >= 0, got {sft}")
+
     def __post_init__(self) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"DPOLoss.loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
-        if self.beta <= 0:
-            raise ValueError(f"DPOLoss.beta must be > 0, got {self.beta}")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            raise ValueError(f"DPOLoss.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
-        if self.loss_type == "ipo" and self.label_smoothing:
-            raise ValueError("DPOLoss: label_smoothing has no meaning for loss_type='ipo'; leave it at 0")
-        if self.sft_weight is not None and self.sft_weight < 0:
-            raise ValueError(f"DPOLoss.sft_weight must be >= 0, got {self.sft_weight}")
+        raise_problems(self)
 
     @property
     def sft_coef(self) -> float:

@@ -63,9 +63,9 @@ sequence-level ratios the clip and ratio metrics are over sequences (TRL does th
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -86,6 +86,7 @@ from tempering.rlmath.kl import k3_kl
 from tempering.rlmath.masks import active
 from tempering.rlmath.policy_loss import clipped_surrogate, grpo_token_loss
 from tempering.rlmath.ratios import IS_LEVELS, log_importance_weights
+from tempering.schema import Problem, one_of, raise_problems
 from tempering.types import Batch
 
 # Every name but GRPOLoss is a re-export from tempering.rlmath, kept so that existing imports
@@ -184,21 +185,26 @@ class GRPOLoss:
         return BuiltinLoss("gspo", config, coef, f"GRPOLoss(loss_type={self.loss_type!r}, sequence ratios) as the built-in gspo "
                            "with its normaliser folded into the advantages (exact: 0/1 mask, one advantage per row)")  # fmt: skip
 
+    @staticmethod
+    def check_config(config: Mapping[str, Any]) -> Iterator[Problem | None]:
+        """The values that cannot work, at their keys (the loss's schema check,
+        :mod:`tempering.schema`: the registry runs it before building, ``__post_init__`` too)."""
+        loss_type, level = config["loss_type"], config["importance_sampling_level"]
+        yield one_of("loss_type", loss_type, LOSS_TYPES, f"GRPOLoss.loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+        yield one_of("importance_sampling_level", level, IS_LEVELS,
+                     f"GRPOLoss.importance_sampling_level must be one of {IS_LEVELS}, got {level!r}")  # fmt: skip
+        low, high = config["epsilon_low"], config["epsilon_high"]
+        if low < 0 or high < 0:
+            yield Problem("epsilon_low" if low < 0 else "epsilon_high",
+                          f"GRPOLoss: epsilon_low and epsilon_high must be >= 0, got {low}, {high}")  # fmt: skip
+        if config["delta"] is not None and config["delta"] <= 0:
+            yield Problem("delta", f"GRPOLoss.delta must be > 0 (or None), got {config['delta']}")
+        length = config["max_completion_length"]
+        if length is not None and length <= 0:
+            yield Problem("max_completion_length", f"GRPOLoss.max_completion_length must be > 0, got {length}")
+
     def __post_init__(self) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"GRPOLoss.loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
-        if self.importance_sampling_level not in IS_LEVELS:
-            raise ValueError(
-                f"GRPOLoss.importance_sampling_level must be one of {IS_LEVELS}, got {self.importance_sampling_level!r}"
-            )
-        if self.epsilon_low < 0 or self.epsilon_high < 0:
-            raise ValueError(
-                f"GRPOLoss: epsilon_low and epsilon_high must be >= 0, got {self.epsilon_low}, {self.epsilon_high}"
-            )
-        if self.delta is not None and self.delta <= 0:
-            raise ValueError(f"GRPOLoss.delta must be > 0 (or None), got {self.delta}")
-        if self.max_completion_length is not None and self.max_completion_length <= 0:
-            raise ValueError(f"GRPOLoss.max_completion_length must be > 0, got {self.max_completion_length}")
+        raise_problems(self)
 
     def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
         for key in (WEIGHTS, ADVANTAGES):

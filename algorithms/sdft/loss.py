@@ -37,9 +37,9 @@ Aggregation of the per-token loss ``l`` for the logit modes (``aggregation``): `
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -62,6 +62,7 @@ from tempering.rlmath.aggregation import aggregate_mean as aggregate
 from tempering.rlmath.divergence import add_tail_bucket, divergence, full_logits_loss, topk_logits_loss
 from tempering.rlmath.masks import active
 from tempering.rlmath.ratios import capped_is_weight, log_importance_weights
+from tempering.schema import Problem, one_of, raise_problems
 from tempering.teacher import TeacherNeeds, teacher_divergence
 from tempering.types import Batch
 
@@ -85,6 +86,11 @@ __all__ = [
 MODES = ("sampled_token", "topk_logits", "full_logits")
 AGGREGATIONS = tuple(MEAN_AGGREGATIONS)
 SUPPORTS = ("student", "teacher")
+
+
+def default_alpha(mode: str) -> float:
+    """``alpha: null``: 1 (reverse KL, the only valid value) for ``sampled_token``, else 0.5 (JSD)."""
+    return 1.0 if mode == "sampled_token" else 0.5
 
 
 def importance_sampling_loss(
@@ -138,26 +144,34 @@ class SDFTLoss:
     aggregation: str = "seq_mean"
     is_clip: float | None = None
 
+    @staticmethod
+    def check_config(config: Mapping[str, Any]) -> Iterator[Problem | None]:
+        """The values that cannot work, at their keys (the loss's schema check,
+        :mod:`tempering.schema`: the registry runs it before building, ``__post_init__`` too).
+        ``alpha: null`` is the mode's default."""
+        mode, support, aggregation, is_clip = config["mode"], config["topk_support"], config["aggregation"], config["is_clip"]
+        bad_mode = one_of("mode", mode, MODES, f"SDFTLoss.mode must be one of {MODES}, got {mode!r}")
+        if bad_mode is not None:
+            yield bad_mode
+            return
+        alpha = default_alpha(mode) if config["alpha"] is None else config["alpha"]
+        if not 0.0 <= alpha <= 1.0:
+            yield Problem("alpha", f"SDFTLoss.alpha must be in [0, 1], got {alpha}")
+        elif mode == "sampled_token" and alpha != 1.0:
+            yield Problem("alpha", "SDFTLoss: mode 'sampled_token' estimates the reverse KL from sampled tokens only, so "
+                          f"alpha must be 1 (got {alpha}); use topk_logits or full_logits for forward KL / JSD")  # fmt: skip
+        if config["topk"] < 1:
+            yield Problem("topk", f"SDFTLoss.topk must be >= 1, got {config['topk']}")
+        yield one_of("topk_support", support, SUPPORTS, f"SDFTLoss.topk_support must be one of {SUPPORTS}, got {support!r}")
+        yield one_of("aggregation", aggregation, AGGREGATIONS,
+                     f"SDFTLoss.aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")  # fmt: skip
+        if is_clip is not None and is_clip <= 0:
+            yield Problem("is_clip", f"SDFTLoss.is_clip must be > 0 (or null), got {is_clip}")
+
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"SDFTLoss.mode must be one of {MODES}, got {self.mode!r}")
+        raise_problems(self)
         if self.alpha is None:
-            self.alpha = 1.0 if self.mode == "sampled_token" else 0.5
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"SDFTLoss.alpha must be in [0, 1], got {self.alpha}")
-        if self.mode == "sampled_token" and self.alpha != 1.0:
-            raise ValueError(
-                "SDFTLoss: mode 'sampled_token' estimates the reverse KL from sampled tokens only, so alpha must be 1 "
-                f"(got {self.alpha}); use topk_logits or full_logits for forward KL / JSD"
-            )
-        if self.topk < 1:
-            raise ValueError(f"SDFTLoss.topk must be >= 1, got {self.topk}")
-        if self.topk_support not in SUPPORTS:
-            raise ValueError(f"SDFTLoss.topk_support must be one of {SUPPORTS}, got {self.topk_support!r}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"SDFTLoss.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
-        if self.is_clip is not None and self.is_clip <= 0:
-            raise ValueError(f"SDFTLoss.is_clip must be > 0 (or null), got {self.is_clip}")
+            self.alpha = default_alpha(self.mode)
 
     @property
     def needs_logits(self) -> bool:

@@ -30,9 +30,13 @@ Conventions (checked against ``trl.GRPOTrainer._generate_and_score_completions``
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from tempering.schema import Problem, one_of, raise_problems
 
 __all__ = [
     "GroupNormAdvantage",
@@ -109,11 +113,17 @@ class GroupNormAdvantage:
     eps: float = 1e-4
     scale: str = "group"
 
+    @staticmethod
+    def check_config(config: Mapping[str, Any]) -> Iterator[Problem | None]:
+        """The estimator's schema check (:mod:`tempering.schema`): the registry runs it before
+        building, ``__post_init__`` too."""
+        scale = config["scale"]
+        yield one_of("scale", scale, _SCALES, f"GroupNormAdvantage.scale must be one of {_SCALES}, got {scale!r}")
+        if config["eps"] < 0:
+            yield Problem("eps", f"GroupNormAdvantage.eps must be >= 0, got {config['eps']}")
+
     def __post_init__(self) -> None:
-        if self.scale not in _SCALES:
-            raise ValueError(f"GroupNormAdvantage.scale must be one of {_SCALES}, got {self.scale!r}")
-        if self.eps < 0:
-            raise ValueError(f"GroupNormAdvantage.eps must be >= 0, got {self.eps}")
+        raise_problems(self)
 
     def __call__(self, rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         _, _, mean, std = group_stats(rewards, group_ids)
