@@ -47,6 +47,7 @@ from tempering.errors import ConfigError
 from tempering.interfaces import Loss, at_positions, from_positions
 import tempering.plugins.backends.local.distributed as distributed
 import tempering.plugins.backends.local.sharding as sharding
+from tempering.plugins.backends.common import float_metrics
 from tempering.plugins.backends.local.logprobs import (
     model_logits,
     next_token_distributions,
@@ -638,7 +639,7 @@ class LocalBackend:
         if not isinstance(value, torch.Tensor) or value.dim() != 0:
             raise TypeError(f"forward_backward: {type(loss).__name__} must return a LossOutput with a scalar tensor .loss")
         value.backward()
-        metrics = _float_metrics(getattr(out, "metrics", {}) or {}, type(loss).__name__)
+        metrics = float_metrics(getattr(out, "metrics", {}) or {}, type(loss).__name__)
         metrics["loss"] = float(value.detach())
         return metrics
 
@@ -957,16 +958,6 @@ def _fingerprint(model: Any) -> list[float]:
     picked = params[:: max(1, len(params) // 8)]
     with torch.no_grad():
         return [float(p.detach().reshape(-1)[:65536].double().sum()) for p in picked]
-
-
-def _float_metrics(metrics: Mapping[str, Any], who: str) -> dict[str, float]:
-    out = {}
-    for key, value in metrics.items():
-        try:
-            out[str(key)] = float(value)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise TypeError(f"forward_backward: metric '{key}' from {who} is not a number ({value!r})") from err
-    return out
 
 
 # ---------------------------------------------------------------------- config helpers

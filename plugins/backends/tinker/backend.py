@@ -77,6 +77,7 @@ from typing import Any, TypeVar
 
 import torch
 from tempering.errors import ConfigError, TemperingError
+from tempering.plugins.backends.common import float_metrics
 from tempering.plugins.backends.tinker.errors import (
     INSTALL_HINT,
     KEY_HINT,
@@ -745,7 +746,7 @@ class TinkerBackend:
         else:
             result = None
         if result is not None:
-            metrics.update(_float_metrics(getattr(result, "metrics", {}) or {}, type(loss).__name__))
+            metrics.update(float_metrics(getattr(result, "metrics", {}) or {}, type(loss).__name__))
             metrics["loss"] = float(result.loss.detach())
         elif "loss:sum" in server:
             metrics["loss"] = float(server["loss:sum"])
@@ -1050,7 +1051,7 @@ def _dry_run(loss: Any, tensors: dict[str, Any]) -> None:
             raise TypeError(f"it must return a LossOutput with a scalar tensor .loss, got {type(value).__name__}"
                             + (f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""))  # fmt: skip
         value.backward()
-        _float_metrics(getattr(out, "metrics", {}) or {}, type(loss).__name__)
+        float_metrics(getattr(out, "metrics", {}) or {}, type(loss).__name__)
     except Exception as err:  # noqa: BLE001
         raise TinkerLossError(
             f"forward_backward: {type(loss).__name__} failed on zero logprobs before anything was sent to Tinker "
@@ -1089,16 +1090,6 @@ def _np(values: Sequence[Any], dtype: str) -> Any:
     import numpy as np
 
     return np.asarray(list(values), dtype=dtype)
-
-
-def _float_metrics(metrics: Mapping[str, Any], who: str) -> dict[str, float]:
-    out = {}
-    for key, value in metrics.items():
-        try:
-            out[str(key)] = float(value)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise TypeError(f"forward_backward: metric '{key}' from {who} is not a number ({value!r})") from err
-    return out
 
 
 def _download_files(urls: Mapping[str, str], dest: str, timeout: float) -> None:
