@@ -79,9 +79,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "ADVANTAGES", "ATTENTION_MASK", "BACKEND_INPUTS", "BUILTIN_LOSSES", "BuiltinLoss", "CLIPPED_BUILTINS",
-    "DPO_SLOT", "DeclaresBuiltin", "INPUT_IDS", "LOGITS", "LOGIT_POSITIONS", "LossSetup", "NUM_ITEMS_IN_BATCH",
-    "NoBuiltin", "POLICY_BUILTINS", "REF_LOGPROBS", "ROW_INPUTS", "SAMPLER_LOGPROBS", "SOFT_TARGET_IDS",
-    "SOFT_TARGET_WEIGHTS", "StageAwareLoss", "TARGET_IDS", "TEACHER_LOGITS", "TEACHER_TOKEN_LOGPROBS",
+    "DISTILL_WEIGHTS", "DPO_SLOT", "DeclaresBuiltin", "INPUT_IDS", "LOGITS", "LOGIT_POSITIONS", "LossSetup",
+    "NUM_ITEMS_IN_BATCH", "NoBuiltin", "POLICY_BUILTINS", "REF_LOGPROBS", "ROW_INPUTS", "SAMPLER_LOGPROBS",
+    "SOFT_TARGET_IDS", "SOFT_TARGET_WEIGHTS", "StageAwareLoss", "TARGET_IDS", "TEACHER_LOGITS", "TEACHER_TOKEN_LOGPROBS",
     "TEACHER_TOPK_IDS", "TEACHER_TOPK_LOGPROBS", "WEIGHTS", "builtin_config", "builtin_of", "check_reads",
     "for_stage", "loss_reads", "reads_input",
 ]  # fmt: skip
@@ -103,6 +103,8 @@ ADVANTAGES: Final = "advantages"
 REF_LOGPROBS: Final = "ref_logprobs"
 #: DPO's slot of a row whose side spans several rows: ``2i`` pair i's chosen, ``2i + 1`` its rejected.
 DPO_SLOT: Final = "dpo_slot"
+#: SDPO's distillation mask: the row's weights where its sample has a teacher, 0 elsewhere.
+DISTILL_WEIGHTS: Final = "distill_weights"
 #: The teacher's logprob of each target token (self-distillation: SDFT, SDPO).
 TEACHER_TOKEN_LOGPROBS: Final = "teacher_token_logprobs"
 #: The teacher's full next-token log-distribution at each target position, ``(T, V)``.

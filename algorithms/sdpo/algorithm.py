@@ -45,9 +45,10 @@ from tempering import teacher as shared
 from tempering.algorithms.grpo.algorithm import GRPO
 from tempering.errors import ConfigError
 from tempering.interfaces import Distributions, FullDistributions, LossLogits, RunContext
+from tempering.loss_contract import DISTILL_WEIGHTS, TEACHER_TOKEN_LOGPROBS, check_reads
 from tempering.rollout import RolloutBatch
 from tempering.stage import Requirement
-from tempering.teacher import TeacherWeights
+from tempering.teacher import TEACHER_INPUT_KEYS, TeacherWeights
 from tempering.types import Batch, Datum, Group, Sample
 
 from tempering.algorithms.sdpo.context import (
@@ -63,7 +64,7 @@ from tempering.algorithms.sdpo.context import (
     template_problem,
     truncate_prompt,
 )
-from tempering.algorithms.sdpo.loss import SDPOLoss, distillation_problem
+from tempering.algorithms.sdpo.loss import SDPOLoss, distillation_problem, teacher_input
 
 __all__ = ["SDPO", "KeepGroups", "TeacherRows"]
 
@@ -197,12 +198,15 @@ class SDPO(GRPO):
         return needs
 
     def _teacher_input(self) -> str | None:
-        if self.distillation_weight == 0:
-            return None
-        if self.distillation_mode == "sampled_token":
-            return "token"
-        topk_teacher = self.distillation_mode == "topk_logits" and self.distillation_topk_support == "teacher"
-        return "topk" if topk_teacher else "full"
+        return teacher_input(self.distillation_mode, self.distillation_topk_support, self.distillation_weight)
+
+    def batch_inputs(self, loss: Any) -> frozenset[str]:
+        """GRPO's inputs, plus the distillation mask and the teacher's values of the mode
+        (:data:`tempering.teacher.TEACHER_INPUT_KEYS`) when something is distilled. ``loss`` is
+        the stage's policy loss; the blended :class:`SDPOLoss` is checked against the same set
+        at setup."""
+        kind = self._teacher_input()
+        return super().batch_inputs(loss) | ({DISTILL_WEIGHTS} | TEACHER_INPUT_KEYS[kind] if kind else frozenset())
 
     def setup(self, ctx: RunContext, state: Mapping[str, Any]) -> None:
         super().setup(ctx, state)
@@ -211,6 +215,7 @@ class SDPO(GRPO):
             topk=self.distillation_topk, topk_support=self.distillation_topk_support,
             add_tail=self.distillation_add_tail, is_clip=self.distillation_is_clip, weight=float(self.distillation_weight),
         )  # fmt: skip
+        check_reads(self._objective, self.batch_inputs(self.loss_fn), f"{ctx.path}.loss", self.label)
         self.weights = self.teacher_weights(ctx.stage_id)
         if self.distillation_weight > 0:
             self.weights.start(self.backend, resuming=int(state.get("step", 0)) > 0, path=ctx.path)
@@ -288,7 +293,7 @@ class SDPO(GRPO):
         taught: set[int] = set()
         truncated = without = 0
         for d, (gi, i, s, k) in zip(batch.data, rows):
-            d.extra["distill_weights"] = [0.0] * len(d.weights)
+            d.extra[DISTILL_WEIGHTS] = [0.0] * len(d.weights)
             signal = signals[gi][i]
             if not signal.active or not any(d.weights):
                 continue
@@ -300,7 +305,7 @@ class SDPO(GRPO):
             prefix, cut = self.teacher_prefix(tokenizer, context, groups[gi], s, signal)
             truncated += cut
             d.extra["completion_len"] = len(seg.tokens) - start
-            d.extra["distill_weights"] = list(d.weights)
+            d.extra[DISTILL_WEIGHTS] = list(d.weights)
             out.student.append(d)
             out.teacher.append(shared.teacher_row(prefix, seg, start))
             taught.add(id(s))
@@ -333,7 +338,7 @@ class SDPO(GRPO):
                                   weights.kwargs)  # fmt: skip
             width = _teacher_width(rows.student[0], kind)
             for d in batch.data:
-                if "teacher_token_logprobs" not in d.extra:
+                if TEACHER_TOKEN_LOGPROBS not in d.extra:
                     shared.fill_without_teacher(d, kind, width)
         return rows.metrics
 

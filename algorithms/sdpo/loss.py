@@ -44,18 +44,30 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from tempering.interfaces import LossOutput
+from tempering.loss_contract import (
+    DISTILL_WEIGHTS,
+    LOGITS,
+    SAMPLER_LOGPROBS,
+    TEACHER_TOKEN_LOGPROBS,
+    WEIGHTS,
+    BuiltinLoss,
+    NoBuiltin,
+    builtin_of,
+    loss_reads,
+)
 from tempering.rlmath.aggregation import aggregate_mean
 from tempering.rlmath.divergence import sampled_token_loss
 from tempering.rlmath.masks import active, masked
 from tempering.rlmath.ratios import capped_is_weight
-from tempering.teacher import teacher_divergence
+from tempering.teacher import TEACHER_INPUT_KEYS, TeacherNeeds, teacher_divergence
+from tempering.types import Batch
 
-__all__ = ["MODES", "SUPPORTS", "SDPOLoss", "distillation_problem"]
+__all__ = ["MODES", "SUPPORTS", "SDPOLoss", "distillation_problem", "teacher_input"]
 
 MODES = ("sampled_token", "full_logits", "topk_logits")
 SUPPORTS = ("student", "teacher")
@@ -89,6 +101,18 @@ def distillation_problem(mode: str, alpha: float, topk: int | None, support: str
     return None
 
 
+def teacher_input(mode: str, support: str, weight: float) -> str | None:
+    """What the teacher must provide for these settings: ``token`` logprobs (``sampled_token``),
+    ``topk`` (its own top-k: ``topk_logits`` on the teacher's support) or ``full``
+    distributions; None when nothing is distilled (``weight`` 0). One rule for the loss and
+    for the stage, which asks it before the loss exists (validation)."""
+    if weight == 0:
+        return None
+    if mode == "sampled_token":
+        return "token"
+    return "topk" if mode == "topk_logits" and support == "teacher" else "full"
+
+
 @dataclass
 class SDPOLoss:
     """``(1 - weight) * policy + weight * distillation`` (see the module docstring).
@@ -111,8 +135,6 @@ class SDPOLoss:
     is_clip: float | None = 2.0
     weight: float = 1.0
 
-    tinker_builtin: ClassVar[str | None] = None
-
     def __post_init__(self) -> None:
         problem = distillation_problem(self.mode, self.alpha, self.topk, self.topk_support, self.is_clip, self.weight)
         if problem is not None:
@@ -128,29 +150,64 @@ class SDPOLoss:
 
     @property
     def teacher_input(self) -> str | None:
-        """What the teacher must provide: ``token`` logprobs, ``topk`` (its own top-k) or
-        ``full`` distributions; None when nothing is distilled (``weight`` 0)."""
-        if self.weight == 0:
-            return None
+        """What the teacher must provide (:func:`teacher_input`)."""
+        return teacher_input(self.mode, self.topk_support, self.weight)
+
+    @property
+    def teacher_needs(self) -> TeacherNeeds:
+        """What the stage must score with the teacher (:class:`tempering.teacher.DistillationLoss`):
+        the teacher input (token logprobs when nothing is distilled: the stage scores none then)
+        and the top-k size."""
+        return TeacherNeeds(self.teacher_input or "token", int(self.topk or 0))
+
+    @property
+    def reads(self) -> frozenset[str]:
+        """The batch inputs it requires (the loss contract): the policy loss's (when it is
+        blended in, ``weight < 1``), and for the distillation part (``weight > 0``) the
+        distillation mask and the teacher's values of the mode (:data:`TEACHER_INPUT_KEYS`:
+        its token logprobs always, plus its top-k or full distributions and the backend's
+        logits for the logit modes). The sampler's logprobs are optional here (``is_clip``
+        uses them when present)."""
+        reads = {WEIGHTS}
+        if self.weight < 1.0:
+            reads |= loss_reads(self.policy) or frozenset()
+        kind = self.teacher_input
+        if kind is not None:
+            reads |= {DISTILL_WEIGHTS} | TEACHER_INPUT_KEYS[kind] | ({LOGITS} if kind != "token" else set())
+        return frozenset(reads)
+
+    @property
+    def tinker_builtin(self) -> str | None:
+        """The static form of :meth:`builtin`: the policy loss's with ``weight`` 0, else none."""
+        return getattr(self.policy, "tinker_builtin", None) if self.weight == 0.0 else None
+
+    def builtin(self, batch: Batch) -> BuiltinLoss | NoBuiltin:
+        """Backend-neutrally (the loss contract): with ``weight`` 0 the loss *is* its policy
+        loss, so whatever computes that computes this; otherwise no built-in computes the
+        distillation part (``sg(lp - lp_teacher) * lp`` over a mask of its own, or a divergence
+        over the logits), so it runs as a custom loss (Tinker: ``forward_backward_custom``)."""
+        if self.weight == 0.0:
+            return builtin_of(self.policy, batch)
         if self.mode == "sampled_token":
-            return "token"
-        return "topk" if self.mode == "topk_logits" and self.topk_support == "teacher" else "full"
+            return NoBuiltin("SDPOLoss: no built-in computes the self-distillation term sg(lp - lp_teacher) * lp "
+                             "blended with the policy loss")  # fmt: skip
+        return NoBuiltin("Use distillation_mode: sampled_token for SDPO on Tinker.")
 
     def distillation(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         """The distillation loss (seq-mean over all rows) and its metrics."""
-        mask = batch["distill_weights"] if "distill_weights" in batch else torch.zeros_like(logprobs)
+        mask = batch[DISTILL_WEIGHTS] if DISTILL_WEIGHTS in batch else torch.zeros_like(logprobs)
         on = active(mask)
         if not bool(on.any()):  # no teacher anywhere: a zero that keeps the graph (zero gradients)
-            return masked(logprobs, batch["weights"]).sum() * 0.0, {"sdpo/distill_loss": 0.0}
+            return masked(logprobs, batch[WEIGHTS]).sum() * 0.0, {"sdpo/distill_loss": 0.0}
         if self.mode == "sampled_token":
-            teacher = batch["teacher_token_logprobs"].to(logprobs.dtype)
+            teacher = batch[TEACHER_TOKEN_LOGPROBS].to(logprobs.dtype)
             per_token = sampled_token_loss(logprobs, torch.where(on, teacher, logprobs.detach()))
         else:
             per_token = teacher_divergence(logprobs, batch, self.mode, float(self.alpha), int(self.topk or 0),
                                            self.add_tail, self.topk_support)  # fmt: skip
         metrics: dict[str, float] = {}
-        if self.is_clip is not None and "sampler_logprobs" in batch:
-            old = batch["sampler_logprobs"].to(logprobs.dtype)
+        if self.is_clip is not None and SAMPLER_LOGPROBS in batch:
+            old = batch[SAMPLER_LOGPROBS].to(logprobs.dtype)
             per_token = per_token * capped_is_weight(logprobs, old, self.is_clip)
             with torch.no_grad():
                 clipped = (logprobs - old).clamp(-20.0, 20.0).exp() > self.is_clip
@@ -158,7 +215,7 @@ class SDPOLoss:
         loss = aggregate_mean(per_token, mask, "seq_mean")
         with torch.no_grad():
             metrics["sdpo/distill_loss"] = float(per_token[on].mean())
-            teacher = batch.get("teacher_token_logprobs")
+            teacher = batch.get(TEACHER_TOKEN_LOGPROBS)
             if teacher is not None:
                 diff = (logprobs - teacher.to(logprobs.dtype))[on]
                 diff = diff[torch.isfinite(diff)]  # a token outside the teacher's top-k has no value
