@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import gc
 import json
 import os
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             runs: dict[str, list[tuple[float, float, int]]] = {k: [] for k in todo}
             for i in range(args.repeats + (j == 0)):  # one warmup round, at the first length
                 for path in todo if i % 2 == 0 else reversed(todo):
-                    measured = measure(lambda: paths[path](backend, batch, loss), device)
+                    measured = measure(functools.partial(paths[path], backend, batch, loss), device)
                     backend.model.zero_grad(set_to_none=True)
                     if i or j:
                         runs[path].append(measured)

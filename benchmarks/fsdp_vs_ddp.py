@@ -80,6 +80,7 @@ def held_bytes(backend: Any) -> int:
 
 def worker(args: argparse.Namespace) -> None:
     import torch
+
     from tempering.algorithms.sft.loss import CrossEntropyLoss
     from tempering.plugins.backends.local import distributed
     from tempering.plugins.backends.local.backend import LocalBackend

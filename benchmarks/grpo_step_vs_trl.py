@@ -307,7 +307,7 @@ def build_trl(args: argparse.Namespace, examples: list[dict[str, Any]], model_di
         t0 = t_opt = opt = 0.0
         t_left: float | None = None
 
-        def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
+        def on_step_begin(self, args, state, control, **kw):
             if not records:  # the Trainer switches checkpointing on in train(), so check here
                 assert trainer.model.is_activation_checkpointing == checkpointing, "gradient_checkpointing"
             timer.reset()
@@ -317,13 +317,13 @@ def build_trl(args: argparse.Namespace, examples: list[dict[str, Any]], model_di
             if self.t_left is not None:
                 between.append(self.t0 - self.t_left)
 
-        def on_pre_optimizer_step(self, args, state, control, **kw):  # noqa: ANN001
+        def on_pre_optimizer_step(self, args, state, control, **kw):
             self.t_opt = time.perf_counter()
 
-        def on_optimizer_step(self, args, state, control, **kw):  # noqa: ANN001
+        def on_optimizer_step(self, args, state, control, **kw):
             self.opt = time.perf_counter() - self.t_opt
 
-        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+        def on_step_end(self, args, state, control, **kw):
             dt = time.perf_counter() - self.t0
             _ACTIVE[0] = None
             records.append(

@@ -110,15 +110,15 @@ def main() -> None:
     pool = ProcessPoolReward(length, workers=args.workers, timeout=60.0)
     pool.start()  # process start-up is not part of any row
     cores = os.cpu_count()
-    best = lambda f: min(f() for _ in range(args.repeats))  # noqa: E731
-    bestpair = lambda f: min((f() for _ in range(args.repeats)), key=lambda p: p[0])  # noqa: E731
+    best = lambda f: min(f() for _ in range(args.repeats))
+    bestpair = lambda f: min((f() for _ in range(args.repeats)), key=lambda p: p[0])
     try:
         seq = best(lambda: bench_sequential(args.n, args.ms))
         par = best(lambda: bench_pool(pool, args.n, args.ms))
         rows = []
         for gap in gaps:
-            after, after_first = bestpair(lambda: bench_after_batch(pool, args.n, args.ms, gap))
-            stream, stream_first = bestpair(lambda: bench_streamed(pool, args.n, args.ms, gap))
+            after, after_first = bestpair(lambda gap=gap: bench_after_batch(pool, args.n, args.ms, gap))
+            stream, stream_first = bestpair(lambda gap=gap: bench_streamed(pool, args.n, args.ms, gap))
             rows.append((gap, after, after_first, stream, stream_first))
     finally:
         pool.close()

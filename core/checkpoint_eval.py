@@ -194,7 +194,7 @@ def score_groups(groups: Sequence[Group], success_threshold: float = 1.0) -> dic
     samples = [s for g in groups for s in g.samples]
     rewards = [0.0 if (s.failed or s.masked) else float(s.reward) for s in samples]
     n = max(len(samples), 1)
-    correct = lambda ss: sum(not (s.failed or s.masked) and s.reward >= success_threshold - 1e-9 for s in ss)  # noqa: E731
+    correct = lambda ss: sum(not (s.failed or s.masked) and s.reward >= success_threshold - 1e-9 for s in ss)
     out: dict[str, Any] = {
         "examples": float(len(groups)),
         "samples": float(len(samples)),

@@ -140,6 +140,7 @@ class ModelQueue:
         self._pending: list[tuple[int, list[int], int, asyncio.Future[Completion]]] = []
         self._in_flight = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()  # the loop keeps only weak references to tasks
 
     def join(self, n: int = 1) -> None:
         """Count ``n`` more live episodes (before they start)."""
@@ -173,7 +174,9 @@ class ModelQueue:
         batch = sorted(self._pending, key=lambda r: r[0])
         self._pending = []
         self._in_flight += len(batch)
-        asyncio.ensure_future(self._run(batch))
+        task = asyncio.ensure_future(self._run(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _run(self, batch: list[tuple[int, list[int], int, asyncio.Future[Completion]]]) -> None:
         params = replace(self.params, max_tokens=max(r[2] for r in batch))
@@ -263,7 +266,7 @@ async def run_episode(env: Any, example: dict[str, Any], renderer: Any, queue: M
             traj.feedback.append(f"no final answer within max_turns={limits.max_turns} turns")
         elif traj.stop == "context":
             traj.feedback.append(f"no final answer within the context budget (max_total_tokens={limits.max_total_tokens})")
-    except Exception as exc:  # noqa: BLE001 - an environment bug fails this episode, not the run
+    except Exception as exc:  # an environment bug fails this episode, not the run
         if debug():
             raise  # TEMPERING_DEBUG: the first failure ends the run in its own traceback
         traj.stop = "error"

@@ -126,7 +126,7 @@ class RewardRunner:
                 self._apply(s, value, stats)
             except (asyncio.TimeoutError, TimeoutError) as exc:
                 self._timeout(s, exc, stats)
-            except Exception as exc:  # noqa: BLE001 - a reward bug must not kill the run
+            except Exception as exc:  # a reward bug must not kill the run
                 if debug():
                     raise  # TEMPERING_DEBUG: the first failure ends the run in its own traceback
                 self._fail(s, raised(exc), f"{type(exc).__name__}: {exc}", stats, exc)
@@ -261,7 +261,7 @@ class RewardRunner:
             self._apply(s, value, stats)
         except (asyncio.TimeoutError, TimeoutError) as exc:
             self._timeout(s, exc, stats)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if debug():
                 raise  # TEMPERING_DEBUG: the first failure ends the run in its own traceback
             self._fail(s, raised(exc), f"{type(exc).__name__}: {exc}", stats, exc)

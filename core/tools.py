@@ -83,7 +83,7 @@ class Tool:
         mark = getattr(fn, _MARK, {}) or {}
         try:
             schema = get_json_schema(fn)["function"]
-        except Exception as exc:  # DocstringParsingException, TypeHintParsingException
+        except Exception as exc:  # noqa: BLE001 - DocstringParsingException, TypeHintParsingException
             label = getattr(fn, "__qualname__", repr(fn))
             raise ValueError(
                 f"tool {label}: {str(exc).rstrip('!.')}. Give it type hints and a Google-style docstring with an "

@@ -19,13 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 import tinker  # noqa: F401 - a dev dependency: missing is a failure, not a skip
 
-from tempering.plugins.backends.tinker.backend import TinkerBackend  # noqa: E402
-from tempering.plugins.backends.tinker.local_server import LocalTinkerServer  # noqa: E402
-from tempering.plugins.backends.tinker.local_service import ServedModel  # noqa: E402
-from tempering.plugins.backends.tinker.mapping import plain_datum  # noqa: E402
+from tempering.plugins.backends.tinker.backend import TinkerBackend
+from tempering.plugins.backends.tinker.local_server import LocalTinkerServer
+from tempering.plugins.backends.tinker.local_service import ServedModel
+from tempering.plugins.backends.tinker.mapping import plain_datum
 
 MODEL_KWARGS = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
 CHAT_KWARGS = {**MODEL_KWARGS, "chat": True, "max_position_embeddings": 128}

@@ -15,6 +15,7 @@ import sys
 
 import torch
 from ddp_worker import MODEL_KWARGS, NORMALISER, SumLoss, rank_rows
+
 from tempering.errors import ConfigError
 from tempering.plugins.backends.local import distributed, sharding
 from tempering.plugins.backends.local.backend import LocalBackend

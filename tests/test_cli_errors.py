@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from tempering import cli
 from tempering.errors import ConfigError, PluginError, TemperingError
 from tempering.hookspecs import hookimpl
@@ -70,8 +71,9 @@ def no_hub(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """No network in tests: the hub lookup answers 'unreachable' and records each call;
     ``from_pretrained`` must never be reached by a name that fails the check."""
     from huggingface_hub import HfApi
-    from tempering.plugins.backends.local import model_source
     from transformers import AutoModelForCausalLM
+
+    from tempering.plugins.backends.local import model_source
 
     calls: list[str] = []
 
@@ -117,7 +119,7 @@ def test_an_unknown_model_name_fails_at_once_saying_what_it_is_not(fresh_registr
         "Name or service not known); fix the name, or download the model and set HF_HUB_OFFLINE=1. "
         "Model builders: gguf, smollm2, tiny_llama, tiny_qwen, tiny_qwen3")
     # built directly: the same check, and the hub is asked once per name, not once per check
-    with pytest.raises(ConfigError, match="^backend.model: 'tiny_lama' is not a registered model builder"):
+    with pytest.raises(ConfigError, match=r"^backend.model: 'tiny_lama' is not a registered model builder"):
         LocalBackend(model="tiny_lama")
     assert no_hub == ["tiny_lama"] and time.perf_counter() - t0 < 5
 

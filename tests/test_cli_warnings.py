@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+
 from tempering import cli
 from tempering.registry import Registry
 
@@ -91,7 +92,7 @@ def test_an_empty_warning_still_says_something(capsys):
     """A warning with no text (TinkerBackend.close once raised one) names at least its category."""
     import argparse
 
-    parser_func = lambda args: warnings.warn("", RuntimeWarning)  # noqa: E731
+    parser_func = lambda args: warnings.warn("", RuntimeWarning, stacklevel=1)
     parser = cli.build_parser()
     original = cli.build_parser
     try:

@@ -12,11 +12,11 @@ import torch
 
 from tempering.algorithms.dpo.algorithm import DPO
 from tempering.algorithms.dpo.loss import DPOLoss, pair_sequence_logprobs
-from tempering.plugins.datasets.synthetic_preferences import synthetic_preferences
 from tempering.errors import ConfigError
 from tempering.interfaces import Loss
 from tempering.plugins.backends.local.backend import LocalBackend
 from tempering.plugins.datasets.arithmetic import arithmetic
+from tempering.plugins.datasets.synthetic_preferences import synthetic_preferences
 from tempering.plugins.models.tiny import tiny_llama
 from tempering.recipe import Recipe
 from tempering.types import AdamParams
@@ -260,7 +260,7 @@ def test_loss_matches_trl_dpo_trainer(trl, tmp_path, case, lora):
 def test_first_loss_is_ln2_at_init_like_trl(trl, tmp_path):
     rows = synthetic_preferences(size=8)
     model, tok = tiny_llama(**SMALL, seed=0)
-    trl_loss, trl_metrics, _, _ = _trl_loss(
+    trl_loss, _trl_metrics, _, _ = _trl_loss(
         trl, tmp_path, model, tiny_llama(**SMALL, seed=0)[0], tok, rows, {"loss_type": ["sigmoid"]}
     )
     assert trl_loss == pytest.approx(LN2, abs=1e-6)

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import warnings
 
+from test_failures import backend
+
 from tempering.environment import Environment, StepResult
 from tempering.recipe import Recipe
-from test_failures import backend
 
 
 class ScoresItself(Environment):

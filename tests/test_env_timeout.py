@@ -13,9 +13,9 @@ import time
 from typing import Any
 
 import pytest
+from test_environments import Adder, renderer, roll, say  # noqa: F401 - renderer is a fixture
 
 from tempering.environment import StepResult
-from test_environments import Adder, renderer, roll, say  # noqa: F401 - renderer is a fixture
 
 RELEASE = threading.Event()  # set at the end, so a blocked environment thread finishes
 
@@ -76,9 +76,10 @@ def test_a_hanging_group_score_fails_its_group_naming_the_key(renderer):
 
 
 def test_env_timeout_has_a_default_for_long_agent_steps_and_bad_values_name_the_key(renderer):
+    from test_environments import sampler
+
     from tempering.errors import ConfigError
     from tempering.plugins.samplers.environment import EnvironmentSampler
-    from test_environments import sampler
 
     assert EnvironmentSampler.env_timeout == 600.0
     assert sampler(renderer, Adder).limits.env_timeout == 600.0

@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import pytest
+from tool_envs import WithAdd
 
 from tempering.chat import ParsedResponse, ToolCall
 from tempering.environment import Environment, StepResult
@@ -29,7 +30,6 @@ from tempering.rollout import SamplerContext, collect, rollout_metrics
 from tempering.scoring import RewardRunner
 from tempering.tools import Tool, tool, tools_of
 from tempering.types import Completion, SamplingParams
-from tool_envs import WithAdd
 
 
 # --------------------------------------------------------------------------- the scripted model
@@ -396,7 +396,7 @@ def test_an_episodes_feedback_joins_its_turns_tool_errors_and_the_stage_rewards_
     from tempering.plugins.rewards.basic import ExactMatch
 
     script = {"go": [call("explode", x=7), call("explode", x=8), say("41")]}
-    [group], metrics, _, rollout = roll(renderer, Coached, script, [{"prompt": "go", "answer": "42"}], reward=ExactMatch())
+    [group], _metrics, _, _rollout = roll(renderer, Coached, script, [{"prompt": "go", "answer": "42"}], reward=ExactMatch())
     [sample] = group.samples
     assert (sample.reward, sample.failed, sample.trajectory.stop) == (0.0, False, "done")
     assert sample.feedback == ("tool explode raised ValueError: cannot explode 7\nturn 1: 1 call(s)\n"
@@ -545,7 +545,7 @@ def test_the_context_budget_ends_the_episode(renderer, action):
 def test_final_answer_scored_by_the_environment_or_by_the_stage_reward(renderer):
     script = {"1+2?": [say("3")], "2+2?": [say("5")]}
     examples = [{"q": "1+2?", "answer": "3"}, {"q": "2+2?", "answer": "4"}]
-    stage_reward = lambda text, ex: 10.0 + len(text)  # noqa: E731 - would give 11 if it were asked
+    stage_reward = lambda text, ex: 10.0 + len(text)  # would give 11 if it were asked
     groups, _, _, rollout = roll(renderer, Adder, script, examples, reward=stage_reward)
     assert [g.samples[0].reward for g in groups] == [1.0, 0.0]  # Adder.score decided; the stage reward was not called
     assert rollout.stats.scored == 0
@@ -597,7 +597,7 @@ def test_episodes_share_one_sample_call_per_turn_in_lockstep_and_reproducibly(re
     calls, metrics = run_once()
     assert [len(c["prompts"]) for c in calls] == [6, 4, 2] and metrics["env/model_calls"] == 3.0
     # each call holds the live episodes' requests in episode order, with a per-call seed derived from the stage's
-    question = lambda p: renderer.decode(p).split("<|user|>")[1][0]  # noqa: E731
+    question = lambda p: renderer.decode(p).split("<|user|>")[1][0]
     assert [[question(p) for p in c["prompts"]] for c in calls] == [list("aabbcc"), list("bbcc"), list("cc")]
     assert [c["params"].seed for c in calls] == [(5 * 1_000_003 + i * 7919) % 2**31 for i in range(3)]
     assert all(c["params"].stop == renderer.stop() for c in calls)  # the renderer's stop ids, explicit
@@ -714,7 +714,7 @@ def test_the_example_environment_in_the_docs_runs(renderer):
     doc = (Path(__file__).resolve().parents[1] / "docs" / "environments.md").read_text(encoding="utf-8")
     [code] = [block for block in doc.split("```python\n")[1:] if "class Lookup(Environment)" in block]
     namespace: dict[str, Any] = {}
-    exec(code.split("```")[0], namespace)  # noqa: S102 - our own documentation
+    exec(code.split("```")[0], namespace)  # our own documentation
     lookup = namespace["Lookup"]
     value = (12 * 7919) % 1000
     script = {"value of k12?": [call("get", key="k12"), say(str(value))],

@@ -12,13 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from observability_run import RL_STEPS, SFT_STEPS, small_run
 
 from tempering import cli
 from tempering.calibration import calibration
 from tempering.checkpoint_eval import EvalSpec, evaluate_policy, ks_for, pass_at_k, write_report
 from tempering.testing import FakeBackend
-
-from observability_run import SFT_STEPS, RL_STEPS, small_run
 
 
 def lines(path: Path) -> list[dict[str, Any]]:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from test_failures import TINY
+
 from tempering.checkpoint_eval import spec_from_recipe
 from tempering.recipe import Recipe
-from test_failures import TINY
 
 EVAL = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}, {"prompt": "3+3=", "answer": "6"}]
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from observability_run import small_run
+
 from tempering import cli
 from tempering.recipe import Recipe, backend_spec
 from tempering.registry import get_registry
@@ -87,6 +88,7 @@ def test_export_merges_lora_and_matches_the_training_backend(lora_run, tmp_path:
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft calls a deprecated alias
 def test_adapter_export_loads_on_its_base_and_step_picks_a_checkpoint(lora_run, tmp_path: Path) -> None:
     from peft import PeftModel
+
     from tempering.plugins.models.tiny import tiny_llama
 
     out, trained = lora_run
@@ -148,6 +150,7 @@ def test_smollm2_lora_export_merged_and_adapter_match_the_run(smol_run, tmp_path
     """The merged folder (plain transformers) and the adapter (peft on the pretrained base) both
     give the run's logprobs; both differ from the untrained model's, so the check has teeth."""
     from peft import PeftModel
+
     from tempering.plugins.models.smollm2 import smollm2
 
     out, trained = smol_run

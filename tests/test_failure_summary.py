@@ -8,11 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from test_failures import TINY, backend
 
 from tempering.environment import Environment, StepResult
 from tempering.errors import TemperingError
 from tempering.recipe import Recipe
-from test_failures import TINY, backend
 
 
 def flaky(completion: str, example: dict) -> float:

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_failures import backend
 
 from tempering.environment import Environment, StepResult
 from tempering.recipe import Recipe
-from test_failures import backend
 
 
 class Lookup(Environment):

@@ -175,9 +175,9 @@ LOSSES = {
     "sdft_full": (lambda: SDFTLoss(mode="full_logits"), lambda b: sdft_batch(b, 5)),
     "sdft_topk_student": (lambda: SDFTLoss(mode="topk_logits", topk=5), lambda b: sdft_batch(b, 5)),
     "sdft_topk_teacher": (lambda: SDFTLoss(mode="topk_logits", topk=5, topk_support="teacher", is_clip=2.0),
-                          lambda b: sdft_batch(b, 5)),  # fmt: skip
+                          lambda b: sdft_batch(b, 5)),
     "offpolicy_tempered": (lambda: OffPolicyObjective(PPOLoss(clip_low_threshold=0.01, clip_high_threshold=100.0),
-                                                      temperature=0.7, top_k=8), grpo_batch),  # fmt: skip
+                                                      temperature=0.7, top_k=8), grpo_batch),
 }
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from tempering.errors import ConfigError
 from tempering.plugins.backends.local.backend import LocalBackend
 from tempering.types import Batch, Datum

@@ -346,7 +346,7 @@ def test_export_loads_back_through_from_pretrained(tmp_path: Path) -> None:
 
 
 def test_config_errors_name_the_key() -> None:
-    with pytest.raises(ConfigError, match="lora.*rnk"):
+    with pytest.raises(ConfigError, match=r"lora.*rnk"):
         make_backend(lora={"rnk": 4})
     with pytest.raises(ConfigError, match="dtype"):
         make_backend(dtype="float64x")

@@ -88,7 +88,12 @@ def test_sdft_declares_its_inputs_teacher_and_builtin(tmp_path):
     from tempering.algorithms.sdft.algorithm import SDFT
     from tempering.algorithms.sdft.loss import ImportanceSamplingLoss, SDFTLoss
     from tempering.loss_contract import (
-        LOGITS, SAMPLER_LOGPROBS, TEACHER_LOGITS, TEACHER_TOKEN_LOGPROBS, TEACHER_TOPK_IDS, TEACHER_TOPK_LOGPROBS,
+        LOGITS,
+        SAMPLER_LOGPROBS,
+        TEACHER_LOGITS,
+        TEACHER_TOKEN_LOGPROBS,
+        TEACHER_TOPK_IDS,
+        TEACHER_TOPK_LOGPROBS,
     )  # fmt: skip
     from tempering.teacher import TEACHER_KEYS, TeacherNeeds, teacher_needs
 

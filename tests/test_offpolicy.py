@@ -34,9 +34,9 @@ from tempering.algorithms.offpolicy.loss import (
     sampling_logprobs,
 )
 from tempering.async_rollout import AsyncRollouts, StalenessError, sampler_of
-from tempering.evaluate import completion_sampler
 from tempering.data import ExampleStream
 from tempering.errors import ConfigError
+from tempering.evaluate import completion_sampler
 from tempering.interfaces import Loss
 from tempering.recipe import Recipe, read_progress
 from tempering.scoring import RewardRunner
@@ -551,7 +551,7 @@ def test_rewards_stream_per_sample_call_not_per_batch():
 
 def test_a_group_beyond_the_bound_is_resampled_and_counted():
     # the very first sample call returns completions stamped 100 versions old
-    batches, ro = drive(VersionedFake(on_sample=lambda call, v: v - 100 if call == 1 else v), k=1, steps=3, chunk=1)
+    batches, _ro = drive(VersionedFake(on_sample=lambda call, v: v - 100 if call == 1 else v), k=1, steps=3, chunk=1)
     first = batches[0]
     assert first.metrics["offpolicy/resampled"] == 1 and first.metrics["offpolicy/resampled_total"] == 1
     assert all(s.completion.policy_version == 0 for g in first.groups for s in g.samples)

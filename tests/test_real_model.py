@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tempering import cli
 from tempering.errors import ConfigError
 from tempering.plugins.models import gguf, smollm2

@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
 from tempering import cli
 
 SECRET = "sk-test-DO-NOT-WRITE-1234567890"
@@ -48,7 +49,7 @@ def judge():
     seen: list[str] = []
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
+        def do_POST(self):
             self.rfile.read(int(self.headers.get("content-length") or 0))
             seen.append(self.headers.get("authorization") or "")
             body = json.dumps({"choices": [{"message": {"content": "YES"}}]}).encode()

@@ -372,7 +372,7 @@ def test_hf_chat_explains_a_template_whose_turns_are_not_a_suffix():
 def test_hf_chat_needs_a_chat_template():
     from tempering.plugins.models.tiny import build_char_tokenizer
 
-    with pytest.raises(ConfigError, match="renderer: the model's tokenizer .* has no chat template"):
+    with pytest.raises(ConfigError, match=r"renderer: the model's tokenizer .* has no chat template"):
         build("hf_chat", build_char_tokenizer())
 
 

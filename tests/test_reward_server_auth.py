@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from tempering.errors import ConfigError
 from tempering.plugins.rewards import server as server_module
 from tempering.plugins.rewards.remote import TOKEN_ENV, RemoteReward
@@ -83,7 +84,7 @@ def test_no_token_means_loopback_only():
                                               rf".*Set {TOKEN_ENV} to a shared secret"):
             check_access(host, None)
         check_access(host, SECRET)
-    with pytest.raises(ConfigError, match="refusing to serve on '0.0.0.0'"):
+    with pytest.raises(ConfigError, match=r"refusing to serve on '0.0.0.0'"):
         make_server(TARGET, host="0.0.0.0", port=0)  # refused before binding anything
     with pytest.raises(ConfigError, match="the token is empty"):
         check_access("127.0.0.1", "  ")

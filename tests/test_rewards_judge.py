@@ -79,7 +79,7 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
     requests: list = []
     fail_first = 0
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).requests.append({"path": self.path, "auth": self.headers.get("authorization"), "body": body})
         if type(self).fail_first > 0:

@@ -159,7 +159,7 @@ class _Scripted(BaseHTTPRequestHandler):
     script: list = []
     hits: list = []
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         n = int(self.headers["Content-Length"])
         samples = json.loads(self.rfile.read(n))["samples"]
         self.hits.append(time.perf_counter())

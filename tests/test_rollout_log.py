@@ -13,14 +13,13 @@ from typing import Any
 
 import pytest
 import torch
+from observability_run import GROUP, PROMPTS, RL_STEPS, SFT_STEPS, small_run
 
 from tempering import rollout_log
 from tempering.errors import ConfigError
 from tempering.recipe import Recipe
 from tempering.registry import get_registry
 from tempering.testing import FakeBackend
-
-from observability_run import GROUP, PROMPTS, RL_STEPS, SFT_STEPS, small_run
 
 QUESTIONS = [{"prompt": f"q{i}", "answer": "3"} for i in range(7)] + [{"prompt": "boom", "answer": "3"}]
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from tempering import cli, runfolder
 from tempering.errors import ConfigError, TemperingError
 from tempering.recipe import Recipe, RunStopped, StopRun, read_progress

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from tempering import cli, runfolder
 from tempering.errors import ConfigError
 from tempering.recipe import Recipe, read_progress

@@ -36,9 +36,8 @@ ALPHAS = (0.0, 0.3, 0.5, 1.0)
 
 @pytest.fixture(scope="module")
 def sdft_utils():
-    import trl.experimental.sdft.loss_utils as lu  # a hard dependency: a missing oracle is a failure
-
     import trl
+    import trl.experimental.sdft.loss_utils as lu  # a hard dependency: a missing oracle is a failure
 
     assert trl.__version__.startswith("1.16"), trl.__version__
     return lu
@@ -310,7 +309,7 @@ def test_snapshots_ema_distributions_and_checkpoints(tmp_path, lora):
     tok = b.tokenizer
     ids = tok("12+34=46")["input_ids"]
     batch = Batch([Datum(ids[:-1], ids[1:], [1.0] * (len(ids) - 1))])
-    step = lambda: (b.forward_backward(batch, CrossEntropyLoss()).result(), b.optim_step(AdamParams(learning_rate=3e-2)).result())  # noqa: E731
+    step = lambda: (b.forward_backward(batch, CrossEntropyLoss()).result(), b.optim_step(AdamParams(learning_rate=3e-2)).result())
     lp0 = torch.tensor(b.logprobs(batch).result())
     b.snapshot("start").result()
     b.ema_update("ema", 0.5).result()  # starts as a copy
@@ -323,11 +322,11 @@ def test_snapshots_ema_distributions_and_checkpoints(tmp_path, lora):
     live = {n: p.detach().clone() for n, p in b._trainable_named}
     b.snapshot("now").result()
     with torch.no_grad():  # the EMA is the midpoint of the start and current weights
-        for n, p in b._trainable_named:
+        for n, _p in b._trainable_named:
             torch.testing.assert_close(b._snapshots["ema"][n], 0.5 * b._snapshots["start"][n].float() + 0.5 * live[n].float())
     dist = b.distributions(batch).result()[0]
     torch.testing.assert_close(dist.gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1), lp1[0], atol=1e-6, rtol=0)
-    values, top = b.distributions(batch, weights="start", topk=3).result()[0]
+    values, _top = b.distributions(batch, weights="start", topk=3).result()[0]
     assert values.shape == (len(ids) - 1, 3) and (values[:, :-1] >= values[:, 1:]).all()
     ref = b.distributions(batch, reference=True).result()[0]
     torch.testing.assert_close(ref.gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1), lp0[0], atol=1e-6, rtol=0)

@@ -45,7 +45,7 @@ def content(completion: str, example: dict) -> float:
 
 def measure(backend, a_test, b_test) -> dict[str, float]:
     exact = ExactMatch()
-    acc = lambda rows, reward: evaluate(backend, rows, reward, max_tokens=7)["eval/accuracy"]  # noqa: E731
+    acc = lambda rows, reward: evaluate(backend, rows, reward, max_tokens=7)["eval/accuracy"]
     return {"A": acc(a_test, exact), "A_content": acc(a_test, content), "B": acc(b_test, content)}
 
 

@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import pytest
+
 from tempering.chat import ParsedResponse, ToolCall
 from tempering.plugins.datasets.search_corpus import corpus_from_spec, generate
 from tempering.plugins.datasets.search_traces import agentic_search, gold_turns

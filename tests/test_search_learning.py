@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from tempering.algorithms.dpo.algorithm import DPO
 from tempering.algorithms.dpo.loss import DPOLoss
 from tempering.plugins.datasets.search_traces import agentic_search

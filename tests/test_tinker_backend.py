@@ -34,29 +34,26 @@ from pathlib import Path
 import pytest
 import torch
 
-import tinker  # a dev dependency: missing is a failure, not a skip
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fake_tinker import make_backend, plain, sent, serve  # noqa: E402
+from fake_tinker import make_backend, plain, sent, serve
 
-from tempering.algorithms.dpo.algorithm import DPO  # noqa: E402
-from tempering.algorithms.dpo.loss import DPOLoss  # noqa: E402
-from tempering.algorithms.grpo.loss import GRPOLoss  # noqa: E402
-from tempering.algorithms.sdft.loss import ImportanceSamplingLoss, SDFTLoss, fold_normaliser  # noqa: E402
-from tempering.algorithms.sft.loss import CrossEntropyLoss  # noqa: E402
-from tempering.plugins.backends.tinker import backend as backend_module  # noqa: E402
-from tempering.plugins.backends.tinker.backend import TinkerBackend  # noqa: E402
-from tempering.plugins.backends.tinker.builtin_losses import builtin_loss  # noqa: E402
-from tempering.plugins.backends.tinker.errors import (  # noqa: E402
+from tempering.algorithms.dpo.algorithm import DPO
+from tempering.algorithms.dpo.loss import DPOLoss
+from tempering.algorithms.grpo.loss import GRPOLoss
+from tempering.algorithms.offpolicy import loss as offpolicy
+from tempering.algorithms.sdft.loss import ImportanceSamplingLoss, SDFTLoss, fold_normaliser
+from tempering.algorithms.sft.loss import CrossEntropyLoss
+from tempering.plugins.backends.tinker import backend as backend_module
+from tempering.plugins.backends.tinker.backend import TinkerBackend
+from tempering.plugins.backends.tinker.builtin_losses import builtin_loss
+from tempering.plugins.backends.tinker.errors import (
     TinkerAuthError,
     TinkerNotInstalledError,
     TinkerServiceError,
     TinkerTrainingError,
 )
-from tempering.plugins.backends.tinker.mapping import plan_loss  # noqa: E402
-from tempering.types import AdamParams, Batch, Completion, Datum, SamplingParams  # noqa: E402
-
-from tempering.algorithms.offpolicy import loss as offpolicy  # noqa: E402
+from tempering.plugins.backends.tinker.mapping import plan_loss
+from tempering.types import AdamParams, Batch, Completion, Datum, SamplingParams
 
 
 @pytest.fixture

@@ -115,7 +115,7 @@ def test_the_cases_reach_both_branches_of_the_clip():
     for seed in range(4):
         for spread in (0.05, 0.6):
             rng = random.Random(1000 * seed + int(spread * 100))
-            lp, q, adv, _ = _datum(rng, rng.randint(3, 9), spread)
+            lp, q, _adv, _ = _datum(rng, rng.randint(3, 9), spread)
             for t in range(len(lp)):
                 r = math.exp(lp[t] - q[t])
                 seen.add(0.8 <= r <= 1.2)

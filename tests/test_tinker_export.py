@@ -11,18 +11,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import tinker  # noqa: F401 - a dev dependency: missing is a failure, not a skip
 import torch
 
-import tinker  # noqa: F401 - a dev dependency: missing is a failure, not a skip
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fake_tinker import MODEL_KWARGS, sent, serve  # noqa: E402
-from tempering import cli  # noqa: E402
-from tempering.plugins.backends.tinker.local_service import ServedModel  # noqa: E402
-from tempering.plugins.models.tiny import tiny_llama  # noqa: E402
-from tempering.recipe import Recipe  # noqa: E402
-from tempering.rundata import RunDir, run_backend  # noqa: E402
-from test_export import backend_logprobs, hf_logprobs, load_merged_export, sft  # noqa: E402
+from fake_tinker import MODEL_KWARGS, sent, serve
+from test_export import backend_logprobs, hf_logprobs, load_merged_export, sft
+
+from tempering import cli
+from tempering.plugins.backends.tinker.local_service import ServedModel
+from tempering.plugins.models.tiny import tiny_llama
+from tempering.recipe import Recipe
+from tempering.rundata import RunDir, run_backend
 
 pytestmark = pytest.mark.timeout(60)
 #: A base model named like a hub id: not buildable here, so merging it needs --base-model.

@@ -29,22 +29,20 @@ from pathlib import Path
 
 import pytest
 
-import tinker  # a dev dependency: missing is a failure, not a skip
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fake_tinker import MODEL_KWARGS, make_backend, sent, serve, set_env, start_server  # noqa: E402
+from fake_tinker import MODEL_KWARGS, make_backend, sent, serve, set_env, start_server
 
-from tempering.algorithms.grpo.loss import GRPOLoss  # noqa: E402
-from tempering.errors import ConfigError  # noqa: E402
-from tempering.plugins.backends.tinker.backend import TinkerBackend  # noqa: E402
-from tempering.plugins.backends.tinker.errors import (  # noqa: E402
+from tempering.algorithms.grpo.loss import GRPOLoss
+from tempering.errors import ConfigError
+from tempering.plugins.backends.tinker.backend import TinkerBackend
+from tempering.plugins.backends.tinker.errors import (
     TinkerAuthError,
     TinkerLossError,
     TinkerServiceError,
 )
-from tempering.plugins.backends.tinker.local_service import ServedModel  # noqa: E402
-from tempering.plugins.models.tiny import tiny_llama  # noqa: E402
-from tempering.types import AdamParams, Batch, Completion, Datum, SamplingParams  # noqa: E402
+from tempering.plugins.backends.tinker.local_service import ServedModel
+from tempering.plugins.models.tiny import tiny_llama
+from tempering.types import AdamParams, Batch, Completion, Datum, SamplingParams
 
 pytestmark = pytest.mark.timeout(60)  # the old backend waited minutes, or forever, in several of these
 

@@ -29,12 +29,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fake_tinker import MODEL_KWARGS, make_backend, serve, set_env  # noqa: E402
+from fake_tinker import MODEL_KWARGS, make_backend, serve, set_env
 
-from tempering.plugins.backends.tinker import local_server  # noqa: E402
-from tempering.plugins.backends.tinker.backend import TinkerBackend  # noqa: E402
-from tempering.plugins.backends.tinker.errors import TinkerServiceError  # noqa: E402
-from tempering.types import SamplingParams  # noqa: E402
+from tempering.plugins.backends.tinker import local_server
+from tempering.plugins.backends.tinker.backend import TinkerBackend
+from tempering.plugins.backends.tinker.errors import TinkerServiceError
+from tempering.types import SamplingParams
 
 pytestmark = pytest.mark.timeout(180)
 

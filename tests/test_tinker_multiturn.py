@@ -19,13 +19,11 @@ from pathlib import Path
 
 import pytest
 
-import tinker  # a dev dependency: missing is a failure, not a skip
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fake_tinker import CHAT_KWARGS, serve  # noqa: E402
+from fake_tinker import CHAT_KWARGS, serve
 
-from tempering.plugins.backends.tinker.local_service import ServedModel  # noqa: E402
-from tempering.plugins.backends.tinker.mapping import plain_datum  # noqa: E402
+from tempering.plugins.backends.tinker.local_service import ServedModel
+from tempering.plugins.backends.tinker.mapping import plain_datum
 
 ENV_PLUGIN = '''
 from tempering import hookimpl

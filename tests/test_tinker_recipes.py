@@ -17,13 +17,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import tinker  # noqa: F401 - a dev dependency: missing is a failure, not a skip
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fake_tinker import CHAT_KWARGS, sent, serve  # noqa: E402
+from fake_tinker import CHAT_KWARGS, sent, serve
 
-from tempering.plugins.backends.tinker.local_service import ServedModel  # noqa: E402
+from tempering.plugins.backends.tinker.local_service import ServedModel
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(60)
@@ -137,6 +136,7 @@ def test_grpo_on_smollm2_through_the_local_tinker_server(smol_server, tmp_path, 
     ``get_info``, renders ChatML with it, and samples the pretrained model (its completions are
     likely under it: random weights would score ~ -10.8 a token)."""
     from fake_tinker import make_backend
+
     from tempering.plugins.models.smollm2 import smollm2
     from tempering.types import Batch, Datum
 

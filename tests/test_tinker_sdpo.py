@@ -12,11 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import tinker  # noqa: F401 - a dev dependency: missing is a failure, not a skip
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fake_tinker import sent, serve  # noqa: E402
+from fake_tinker import sent, serve
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(60)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from tempering.plugins.datasets.tool_use import calculator_tools, tool_use
 from tempering.recipe import find_recipe, read_progress
 from tempering.registry import get_registry

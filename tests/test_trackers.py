@@ -17,14 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from observability_run import small_run
 
 from tempering.errors import ConfigError
 from tempering.plugins.loggers.tracker import COLUMNS, flatten, numeric, table_rows, transcript_text
 from tempering.recipe import Recipe
 from tempering.registry import get_registry
 from tempering.testing import FakeBackend
-
-from observability_run import small_run
 
 QUESTIONS = [{"prompt": f"q{i}", "answer": "3"} for i in range(8)]
 
@@ -40,7 +39,7 @@ def run_with(out: Path, logger: dict[str, Any]) -> tuple[list[dict[str, Any]], l
              "dataset": QUESTIONS, "reward": graded}  # fmt: skip
     Recipe.from_dict({"name": "tracked", "output_dir": str(out), "loggers": ["jsonl", logger], "stages": [stage]}).run(
         backend=FakeBackend())
-    read = lambda name: [json.loads(x) for x in (out / name).read_text().splitlines()]  # noqa: E731
+    read = lambda name: [json.loads(x) for x in (out / name).read_text().splitlines()]
     return read("metrics.jsonl"), read("rollouts.jsonl")
 
 

@@ -25,13 +25,13 @@ from concurrent.futures import Future
 from typing import Any
 
 import pytest
+from tool_envs import WithAdd
 
 from tempering.environment import StepResult
 from tempering.registry import get_registry
 from tempering.rollout import SamplerContext, collect
 from tempering.trajectory import Trajectory
 from tempering.types import Batch, Completion, SamplingParams, Segment
-from tool_envs import WithAdd
 
 MAX_TURNS = 3
 

@@ -16,14 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from observability_run import RL_STEPS, SFT_STEPS, small_run
 
 from tempering import cli
 from tempering.errors import ConfigError
 from tempering.rundata import RunDir
 from tempering.view.query import RolloutQuery, run_query
 from tempering.view.server import RunViewer, ViewServer
-
-from observability_run import RL_STEPS, SFT_STEPS, small_run
 
 CHROMIUM = os.environ.get("TEMPERING_CHROMIUM", "/usr/bin/chromium")
 # As root on a machine with no network: no sandbox, and no background connections to refuse.
@@ -92,7 +91,7 @@ def test_filters_by_step_reward_failure_and_text() -> None:
     assert steps(stage="warmup", kind="eval") == [3]
     assert steps(limit=2, offset=1) == [3, 2]
     assert run_query(records, RolloutQuery())["facets"]["causes"] == ["timeout"]
-    with pytest.raises(ConfigError, match="^failed: use one of any, yes, no"):
+    with pytest.raises(ConfigError, match=r"^failed: use one of any, yes, no"):
         RolloutQuery.from_params({"failed": ["maybe"]})
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tempering.chat import ParsedResponse
 from tempering.environment import Environment, StepResult
 from tempering.errors import ConfigError
@@ -334,10 +335,11 @@ def test_smollm2_lora_export_loads_in_vllm_with_the_runs_logprobs(tmp_path: Path
     """``tempering export`` of a LoRA run on SmolLM2 (merged): plain vLLM loads the folder and
     scores text as the run's backend does; the steps moved those logprobs, so it cannot pass
     on the base model's weights."""
-    from tempering import cli
-    from tempering.recipe import Recipe
     from vllm import LLM
     from vllm import SamplingParams as VllmSamplingParams
+
+    from tempering import cli
+    from tempering.recipe import Recipe
 
     spec = {"name": "local", "model": "smollm2", "num_threads": 1, "lora": {"rank": 8, "alpha": 16}}
     stage = {"name": "sft", "steps": 2, "batch_size": 4, "optimizer": {"learning_rate": 2e-3}}

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from tempering.chat import check_messages
 from tempering.data import ExampleStream, encode_completion, encode_prompt, load_examples, user_turn
 from tempering.errors import ConfigError
-from tempering.renderer import build_renderer, chat_text_prompts
 from tempering.loss_contract import ROW_INPUTS
+from tempering.renderer import build_renderer, chat_text_prompts
 from tempering.stage import Stage, check_stage, require
 from tempering.types import Batch, Segment
 

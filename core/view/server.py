@@ -106,7 +106,7 @@ class RunViewer:
             "recipe": recipe,
             "components": info.get("components") or {},
             "files": {f: os.path.exists(os.path.join(self.run.path, f))
-                      for f in (RUN_FILE, METRICS_FILE, rollout_log.FILENAME, PROGRESS_FILE)},  # fmt: skip
+                      for f in (RUN_FILE, METRICS_FILE, rollout_log.FILENAME, PROGRESS_FILE)},
         }
 
     def route(self, path: str, query: str) -> tuple[int, Any]:
@@ -131,7 +131,7 @@ def make_handler(viewer: RunViewer, log: Callable[[str], None] | None = None,
     class Handler(BaseHTTPRequestHandler):
         server_version = "tempering-view"
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:  # http.server's name
             if not host_allowed(self.headers.get("Host"), allowed):
                 error = {"error": f"host {self.headers.get('Host')!r} refused: this viewer answers loopback names "
                                   "(127.0.0.1, localhost, [::1]) only, against DNS rebinding; to use another name "
@@ -155,7 +155,7 @@ def make_handler(viewer: RunViewer, log: Callable[[str], None] | None = None,
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's name
+        def log_message(self, format: str, *args: Any) -> None:  # http.server's name
             if log is not None:
                 log(format % args)
 

@@ -90,7 +90,7 @@ def balanced_union(per_domain: Mapping[str, Sequence[Mapping[str, Any]]], seed: 
     target = max(len(rows) for rows in per_domain.values())
     out: list[dict[str, Any]] = []
     rng = random.Random(seed)
-    for domain, rows in per_domain.items():
+    for rows in per_domain.values():
         rows = [dict(r) for r in rows]
         reps, rest = divmod(target, len(rows))
         out += rows * reps + rng.sample(rows, rest)
@@ -116,7 +116,7 @@ def prepare_data(run_dir: Path, scale: Scale, data_dir: Path = DATA) -> dict[str
     out = run_dir / "data"
     train = {d: make_data.load_split(d, "train", data_dir) for d in DOMAINS}
     val = {d: make_data.load_split(d, "val", data_dir)[: scale.val_size] for d in DOMAINS}
-    strip = lambda rows: [{"prompt": r["prompt"], "answer": r["answer"], "domain": r["domain"]} for r in rows]  # noqa: E731
+    strip = lambda rows: [{"prompt": r["prompt"], "answer": r["answer"], "domain": r["domain"]} for r in rows]
     paths: dict[str, Any] = {}
     for d in DOMAINS:
         paths[d] = {"train": _write_jsonl(out / f"{d}_train.jsonl", strip(train[d])),
@@ -312,6 +312,7 @@ def train_one(job: Mapping[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(1)  # also what the local backend's num_threads: 1 does
     from evaluate_systems import answer_with
+
     from tempering.recipe import read_progress
 
     def one(recipe: Any, backend: Any, prompts: Sequence[str]) -> dict[str, Any]:

@@ -21,10 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, when imported from elsewhere
 
-import evaluate_systems  # noqa: E402
-import experiment  # noqa: E402
-import make_data  # noqa: E402
-from tempering.errors import TemperingError  # noqa: E402
+import evaluate_systems
+import experiment
+import make_data
+
+from tempering.errors import TemperingError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

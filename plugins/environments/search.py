@@ -186,8 +186,8 @@ class Search(Environment):
         expected 'var', got 'kam'``); counts the episode's metrics on its trajectory. An episode
         without a final answer (out of turns or context) gets only the costs."""
         from tempering.plugins.rewards._common import as_finite, info_of, resolve_reward
-        from tempering.plugins.rewards.search import answer_correct
         from tempering.plugins.rewards.retrieval import cited_ids
+        from tempering.plugins.rewards.search import answer_correct
 
         reward = resolve_reward(self.reward, path="environment.reward")
         gold = [str(g).lower() for g in self.example.get("gold_ids", [])]

@@ -32,7 +32,7 @@ _EXPORTS = {
     "serve": "server",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_EXPORTS)  # noqa: PLE0605 - the lazy exports' names, computed
 
 
 def __getattr__(name: str) -> Any:

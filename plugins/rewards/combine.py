@@ -69,7 +69,7 @@ class WeightedReward:
 
     def __call__(self, completion: str, example: Mapping[str, Any]) -> RewardResult:
         values: list[Any] = []
-        for name, reward, _ in self.components:
+        for _name, reward, _ in self.components:
             try:
                 value = reward(completion, example)
             except Exception as exc:  # noqa: BLE001 - reported with the component's name

@@ -350,7 +350,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._linger()
         return True
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:  # http.server's naming
         if self._refused():
             return
         self._received()
@@ -360,7 +360,7 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._reply(404, {"error": f"no route GET {self.path}; use POST /score or GET /health"})
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         if self._refused():
             return
         try:
@@ -397,7 +397,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.requests_served += 1
         self._reply(200, body)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: Any) -> None:
         if not self.server.quiet:
             sys.stderr.write(f"[serve-reward] {self.address_string()} {format % args}\n")
 

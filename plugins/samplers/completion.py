@@ -18,11 +18,10 @@ from typing import Any
 
 from tempering.chat import check_messages
 from tempering.data import encode_prompt, user_turn
+from tempering.plugins.samplers.common import eos_ids, with_stops
 from tempering.rollout import Rollout, SamplerContext
 from tempering.scoring import ScoreStats
 from tempering.types import Group, Sample, SamplingParams
-
-from tempering.plugins.samplers.common import eos_ids, with_stops
 
 
 @dataclass

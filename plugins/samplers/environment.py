@@ -29,15 +29,21 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from tempering.episode import LIMIT_ACTIONS, EnvironmentCalls, EnvironmentTimeout, EpisodeLimits, ModelQueue, run_episode
+from tempering.episode import (
+    LIMIT_ACTIONS,
+    EnvironmentCalls,
+    EnvironmentTimeout,
+    EpisodeLimits,
+    ModelQueue,
+    run_episode,
+)
 from tempering.errors import ConfigError
 from tempering.failures import debug, format_traceback, mark_failed
 from tempering.feedback import feedback_of, join_feedback
+from tempering.plugins.samplers.common import with_stops
 from tempering.rollout import Rollout, SamplerContext
 from tempering.scoring import ScoreStats
 from tempering.types import Completion, Group, Sample, SamplingParams
-
-from tempering.plugins.samplers.common import with_stops
 
 
 @dataclass
@@ -172,7 +178,7 @@ class EnvironmentSampler:
             values = [float(v) for v in values]
             if len(values) != len(samples):
                 raise ValueError(f"returned {len(values)} values for a group of {len(samples)}")
-        except Exception as exc:  # noqa: BLE001 - a judge failure fails the group, never the run
+        except Exception as exc:  # a judge failure fails the group, never the run
             if debug():
                 raise
             timed_out = isinstance(exc, EnvironmentTimeout)

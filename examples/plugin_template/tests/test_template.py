@@ -8,17 +8,17 @@ import importlib.metadata as md
 import math
 
 import pytest
-import torch
-
 import tempering_plugin_template.plugin as plugin
-from tempering.chat import ParsedResponse, ToolCall
-from tempering.errors import ConfigError
-from tempering.recipe import Recipe
-from tempering.testing import FakeBackend, check_plugin, make_registry
+import torch
 from tempering_plugin_template.advantages import RankAdvantage
 from tempering_plugin_template.datasets import unit_questions
 from tempering_plugin_template.environments import UnitConverter
 from tempering_plugin_template.rewards import LengthPenalty
+
+from tempering.chat import ParsedResponse, ToolCall
+from tempering.errors import ConfigError
+from tempering.recipe import Recipe
+from tempering.testing import FakeBackend, check_plugin, make_registry
 
 DIST = "tempering-plugin-template"
 
@@ -62,7 +62,7 @@ def test_rank_advantage():
     four = RankAdvantage()(torch.tensor([3.0, 1.0, 2.0, 2.0]), torch.zeros(4, dtype=torch.long))
     assert four.tolist() == [0.5, -0.5, 0.0, 0.0]  # the tied pair shares rank 1.5
     assert math.isclose(float(four.sum()), 0.0, abs_tol=1e-7)
-    with pytest.raises(ValueError, match="same length|one length"):
+    with pytest.raises(ValueError, match=r"same length|one length"):
         RankAdvantage()(torch.zeros(3), torch.zeros(2, dtype=torch.long))
 
 
