@@ -80,7 +80,7 @@ def test_arithmetic_recipe_header_quotes_the_readme() -> None:
                      .splitlines() if line.startswith("#"))  # fmt: skip
     quickstart = readme.split("## Quickstart", 1)[1].split("tempering run tool_use", 1)[0]
     figures = set(re.findall(r"\d+(?:\.\d+)?%|\d+-\d+%|\b\d+ seconds", header))
-    assert figures >= {"40%", "45.3%", "62.7%", "61-68%", "80 seconds"}, figures
+    assert figures >= {"40%", "33-56%", "56-78%", "120 seconds"}, figures
     for figure in figures:
         assert figure in " ".join(quickstart.split()), figure
 
