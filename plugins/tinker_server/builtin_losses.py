@@ -19,7 +19,7 @@ as tensors. With ``r = exp(lp - q)`` (``q`` the ``logprobs`` input, the sampler'
 (the same functions our ``ppo``/``cispo``/``tis``/``importance_sampling`` losses call), applied
 without a mask; this module holds what is Tinker's own: each built-in's inputs and config, and
 the dispatch. Two users share it: the local Tinker server
-(:mod:`~tempering.plugins.backends.tinker.local_service`) computes the losses with it, and the
+(:mod:`~tempering.plugins.tinker_server.service`) computes the losses with it, and the
 tests check with it that :mod:`~tempering.plugins.backends.tinker.mapping` sends rows on which
 the built-in equals our loss, value and gradient.
 

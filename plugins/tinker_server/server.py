@@ -8,7 +8,7 @@ SDK itself does -- its retries, its futures, how it reports errors. With this se
 (and anyone without a Tinker account) run the official client end to end, offline:
 
 ```bash
-python -m tempering.plugins.backends.tinker.local_server --port 8765 &
+python -m tempering.plugins.tinker_server --port 8765 &
 TINKER_BASE_URL=http://127.0.0.1:8765 TINKER_API_KEY=tml-local \\
     tempering run arithmetic backend.name=tinker output_dir=runs/arithmetic-local-tinker
 ```
@@ -25,7 +25,7 @@ signature, valid for ``url_ttl_seconds``), ``DELETE training_runs/{run}/checkpoi
 ``create_sampling_session``, ``GET samplers/{id}``, ``asample``,
 ``retrieve_future`` (a long poll: it answers as soon as the result is ready, else
 ``try_again`` after ``hold_seconds``), ``healthz``, ``get_server_capabilities``, ``telemetry``
-and ``cancel_future``. State and compute: :mod:`~tempering.plugins.backends.tinker.local_service`.
+and ``cancel_future``. State and compute: :mod:`~tempering.plugins.tinker_server.service`.
 
 Fault injection (:class:`Faults`, ``server.faults``) makes the next requests fail the ways the
 service can: an HTTP status at submission (401, 409, 429, 5xx, ...), a failed future (category
@@ -57,8 +57,8 @@ from typing import Any
 
 from tempering.errors import ConfigError
 from tempering.plugins.backends.local.backend import LocalBackend
-from tempering.plugins.backends.tinker import wire
-from tempering.plugins.backends.tinker.local_service import (
+from tempering.plugins.tinker_server import wire
+from tempering.plugins.tinker_server.service import (
     LocalService,
     Rejected,
     ServedModel,
@@ -194,7 +194,7 @@ class LocalTinkerServer:
     """A Tinker-compatible service on ``http://127.0.0.1:<port>`` (see the module docstring).
 
     Args:
-        models: base-model name -> :class:`~tempering.plugins.backends.tinker.local_service.ServedModel`
+        models: base-model name -> :class:`~tempering.plugins.tinker_server.service.ServedModel`
             (or a mapping of its fields); default :data:`DEFAULT_MODELS`.
         host / port: where to listen (port 0: a free port; loopback only by default).
         api_keys: the keys accepted (default: any key starting with ``tml-``); another key gets
@@ -500,7 +500,7 @@ def served_models(argv: list[str] | None = None) -> tuple[dict[str, ServedModel]
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Serve until interrupted: ``python -m tempering.plugins.backends.tinker.local_server``."""
+    """Serve until interrupted: ``python -m tempering.plugins.tinker_server``."""
     models, args = served_models(argv)
     server = LocalTinkerServer(models, host=args.host, port=args.port).start()
     print(f"serving {', '.join(models)} at {server.url} (TINKER_BASE_URL={server.url}, any TINKER_API_KEY starting "

@@ -3,7 +3,7 @@ and samplers, on :class:`~tempering.plugins.backends.local.backend.LocalBackend`
 
 Each training run (``create_model`` / ``load_weights``) is a ``LocalBackend`` with a LoRA
 adapter of the run's rank on its own copy of the served model (built in code, or pretrained); its built-in losses are
-:mod:`~tempering.plugins.backends.tinker.builtin_losses` evaluated by the local backend's
+:mod:`~tempering.plugins.tinker_server.builtin_losses` evaluated by the local backend's
 ``forward_backward``, so the server computes exactly what Tinker's documentation says, with our
 own training code. What Tinker guarantees and this service keeps:
 
@@ -47,7 +47,7 @@ import torch
 from tempering.interfaces import LossOutput
 from tempering.plugins.backends.local.backend import LocalBackend, LocalSamplingClient
 from tempering.plugins.backends.local.model_source import registered_builder
-from tempering.plugins.backends.tinker.builtin_losses import builtin_loss, check_builtin
+from tempering.plugins.tinker_server.builtin_losses import builtin_loss, check_builtin
 from tempering.types import AdamParams, Batch, Datum, SamplingParams
 
 __all__ = ["ServedModel", "LocalService", "Rejected", "UserError", "MIN_TTL_SECONDS"]

@@ -14,7 +14,7 @@ functions"), with ``r = exp(lp - q)`` (``lp`` the trainer's logprob of the targe
   sequence ratio ``exp(mean over sequence_ratio_mask of (lp - q))`` in value, with the gradient
   of the token's own logprob.
 
-The formulas are written out once, in :mod:`~tempering.plugins.backends.tinker.builtin_losses`.
+The formulas are written out once, in :mod:`~tempering.plugins.tinker_server.builtin_losses`.
 
 None of them has a mask: every position of ``target_tokens`` counts. So :func:`plan_loss` sends
 ``advantages = 0`` and ``logprobs = 0`` where our ``weights`` are 0 (such a position then adds
