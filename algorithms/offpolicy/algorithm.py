@@ -43,10 +43,21 @@ def sums_over_tokens(loss: Any) -> bool:
 
 
 @dataclass
-class OffPolicyRL(RLStage):
-    """Asynchronous GRPO-style RL with importance-sampling corrections (see the module docs).
+class StaleRollouts:
+    """The keys and machinery of RL on stale rollouts, one piece of code for every stage that
+    trains on them: ``offpolicy`` (always) and ``sdpo`` (when ``max_steps_off_policy`` is set).
 
-    Keys besides the RL engine's (:class:`~tempering.rl.RLStage`):
+    A mixin of an :class:`~tempering.rl.RLStage` (it reads the stage's backend, stream,
+    sampler, sampling keys and seed). It owns the asynchronous producer
+    (:class:`~tempering.async_rollout.AsyncRollouts`: rollouts at most ``max_steps_off_policy``
+    optimizer steps stale), the advantage cap and the normaliser folded into the advantages
+    (:meth:`prepare_advantages`), the sampler-matched objective around the loss
+    (:class:`~tempering.algorithms.offpolicy.loss.OffPolicyObjective`: ratio, ESS and KL
+    diagnostics) and publishing a sampler snapshot after optimizer steps. Its methods are
+    named so that they override nothing: the stage calls them from its own ``validate``,
+    ``setup``, ``make_rollouts``, ``prepare`` and ``after_optim``.
+
+    Keys:
 
     - ``max_steps_off_policy`` (k): the staleness bound; 0 = synchronous on-policy.
     - ``sync_every``: publish a sampler snapshot every this many steps (1 <= it <= k + 1).
@@ -58,17 +69,11 @@ class OffPolicyRL(RLStage):
       or ``sum`` (none); ``auto`` (default) = ``token_mean`` for such losses and nothing for a
       loss that normalises itself (``grpo``), which the other values refuse.
     - the loss's ``advantage_cap`` / ``advantage_cap_momentum`` (``clipped_is``: 3 x the running
-      mean ``|A|``) are applied here, before the normaliser.
+      mean ``|A|``) are applied in :meth:`prepare_advantages`, before the normaliser.
     - ``max_resamples``: re-samples allowed for a group found beyond the bound.
     - ``seeded_sampling``: derive each chunk's sampling seed from the stage seed and its slot.
-
-    Sampler logprobs at ``temperature != 1`` (or with top-k/top-p): the sampler's logprobs are
-    those of the tempered, filtered distribution it drew from, so the trainer scores its own
-    policy the same way (logits / T, the same filters) and the ratio compares like with like
-    (:class:`~tempering.algorithms.offpolicy.loss.OffPolicyObjective`).
     """
 
-    loss: Any = "clipped_is"
     max_steps_off_policy: int = 1
     sync_every: int = 1
     fixed_staleness: bool = False
@@ -77,12 +82,8 @@ class OffPolicyRL(RLStage):
     max_resamples: int = 2
     seeded_sampling: bool = True
 
-    label = "offpolicy"
-    summary_keys = ("reward/mean", "accuracy", "loss", "is/ess", "ratio/max", "offpolicy/staleness_mean")
-    postfix = {"reward": "reward/mean", "stale": "offpolicy/staleness_mean"}
-
-    def validate(self, ctx: RunContext) -> None:
-        path = ctx.path
+    def check_staleness_keys(self, path: str) -> None:
+        """The staleness keys, one line each at their path."""
         k = self.max_steps_off_policy
         if k < 0:
             raise ConfigError(f"must be >= 0, got {k}", f"{path}.max_steps_off_policy")
@@ -96,45 +97,48 @@ class OffPolicyRL(RLStage):
             raise ConfigError("fixed_staleness needs sync_every: 1 (a snapshot of every step)", f"{path}.fixed_staleness")
         if self.aggregation not in AGGREGATIONS:
             raise ConfigError(f"use one of {AGGREGATIONS} (got '{self.aggregation}')", f"{path}.aggregation")
-        super().validate(ctx)
 
-    def setup(self, ctx: RunContext, state: Mapping[str, Any]) -> None:
-        super().setup(ctx, state)
-        summed = sums_over_tokens(self.loss_fn)
+    def setup_corrections(self, policy_loss: Any, objective: Any, state: Mapping[str, Any], path: str) -> OffPolicyObjective:
+        """Set up the corrections for ``policy_loss`` (the loss the advantages feed): the
+        normaliser to fold (``aggregation``) and its advantage cap, whose running mean resumes
+        from ``state``. Returns ``objective`` (the loss trained: the policy loss itself, or
+        one that blends it in) scored as the sampler drew."""
+        summed = sums_over_tokens(policy_loss)
         if not summed and self.aggregation not in ("auto", "sum"):
             raise ConfigError(
-                f"{type(self.loss_fn).__name__} normalises itself (it is not a sum over tokens): folding "
+                f"{type(policy_loss).__name__} normalises itself (it is not a sum over tokens): folding "
                 f"'{self.aggregation}' into its advantages would normalise twice; use auto",
-                f"{ctx.path}.aggregation",
+                f"{path}.aggregation",
             )
         self._fold = ("token_mean" if summed else "sum") if self.aggregation == "auto" else self.aggregation
-        self._objective = OffPolicyObjective(self.loss_fn, self.temperature, self.top_k, self.top_p)
-        self.capper = AdvantageCap.for_loss(self.loss_fn, state.get("advantage_abs_mean"))
+        self.capper = AdvantageCap.for_loss(policy_loss, state.get("advantage_abs_mean"))
+        stage: Any = self
+        return OffPolicyObjective(objective, stage.temperature, stage.top_k, stage.top_p)
 
-    def make_rollouts(self, ctx: RunContext, state: Mapping[str, Any]) -> AsyncRollouts:
+    def async_rollouts(self, ctx: RunContext, state: Mapping[str, Any]) -> AsyncRollouts:
+        """The producer, started at the resumed step with a sampler of the current weights."""
+        stage: Any = self
         start = int(state.get("step", 0))
         rollouts = AsyncRollouts(
-            self.backend, self.stream, self.rollout_sampler,
-            group_size=self.group_size, groups_per_batch=self.prompts_per_step, params=self.params,
+            stage.backend, stage.stream, stage.rollout_sampler,
+            group_size=stage.group_size, groups_per_batch=stage.prompts_per_step, params=stage.params,
             max_steps_off_policy=self.max_steps_off_policy, groups_per_sample=self.groups_per_sample,
-            fixed_staleness=self.fixed_staleness, first_batch=start, last_batch=self.steps,
-            seed=(self.seed + ctx.seed) if self.seeded_sampling else None, max_resamples=self.max_resamples,
+            fixed_staleness=self.fixed_staleness, first_batch=start, last_batch=stage.steps,
+            seed=(stage.seed + ctx.seed) if self.seeded_sampling else None, max_resamples=self.max_resamples,
         )  # fmt: skip
-        rollouts.start(sampler_of(self.backend), index=start)
+        rollouts.start(sampler_of(stage.backend), index=start)
         return rollouts
 
-    def loop_state(self) -> dict[str, Any]:
-        return {**super().loop_state(), "advantage_abs_mean": self.capper.mean}
+    def corrections_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the corrections: the advantage cap's running mean."""
+        return {"advantage_abs_mean": self.capper.mean}
 
-    def prepare(self, ctx: RunContext, batch: Batch, step: int) -> dict[str, Any]:
-        return self.prepare_advantages(batch, self.capper)
-
-    def objective(self) -> Any:
-        return self._objective
-
-    def after_optim(self, ctx: RunContext, step: int) -> None:
-        if (step + 1) % self.sync_every == 0:  # queued after optim_step: a snapshot of the new weights
-            self.rollouts.publish(sampler_of(self.backend), index=step + 1)
+    def publish_after(self, step: int) -> None:
+        """Publish a sampler snapshot after optimizer step ``step`` (every ``sync_every``):
+        queued after ``optim_step``, so it holds the new weights."""
+        stage: Any = self
+        if (step + 1) % self.sync_every == 0:
+            stage.rollouts.publish(sampler_of(stage.backend), index=step + 1)
 
     def prepare_advantages(self, batch: Batch, capper: AdvantageCap) -> dict[str, float]:
         """Cap per-token ``|A|`` (``advantage_cap``), then fold the ``aggregation`` normaliser
@@ -148,3 +152,48 @@ class OffPolicyRL(RLStage):
         for d, adv, f in zip(batch.data, rows, factors):
             d.advantages = [a * x for a, x in zip(adv, f)]
         return metrics
+
+
+@dataclass
+class OffPolicyRL(StaleRollouts, RLStage):
+    """Asynchronous GRPO-style RL with importance-sampling corrections (see the module docs).
+
+    Keys besides the RL engine's (:class:`~tempering.rl.RLStage`): the staleness keys of
+    :class:`StaleRollouts` (``max_steps_off_policy``, ``sync_every``, ``fixed_staleness``,
+    ``groups_per_sample``, ``aggregation``, ``max_resamples``, ``seeded_sampling``) and the
+    loss's ``advantage_cap`` / ``advantage_cap_momentum``.
+
+    Sampler logprobs at ``temperature != 1`` (or with top-k/top-p): the sampler's logprobs are
+    those of the tempered, filtered distribution it drew from, so the trainer scores its own
+    policy the same way (logits / T, the same filters) and the ratio compares like with like
+    (:class:`~tempering.algorithms.offpolicy.loss.OffPolicyObjective`).
+    """
+
+    loss: Any = "clipped_is"
+
+    label = "offpolicy"
+    summary_keys = ("reward/mean", "accuracy", "loss", "is/ess", "ratio/max", "offpolicy/staleness_mean")
+    postfix = {"reward": "reward/mean", "stale": "offpolicy/staleness_mean"}
+
+    def validate(self, ctx: RunContext) -> None:
+        self.check_staleness_keys(ctx.path)
+        super().validate(ctx)
+
+    def setup(self, ctx: RunContext, state: Mapping[str, Any]) -> None:
+        super().setup(ctx, state)
+        self._objective = self.setup_corrections(self.loss_fn, self.loss_fn, state, ctx.path)
+
+    def make_rollouts(self, ctx: RunContext, state: Mapping[str, Any]) -> AsyncRollouts:
+        return self.async_rollouts(ctx, state)
+
+    def loop_state(self) -> dict[str, Any]:
+        return {**super().loop_state(), **self.corrections_state()}
+
+    def prepare(self, ctx: RunContext, batch: Batch, step: int) -> dict[str, Any]:
+        return self.prepare_advantages(batch, self.capper)
+
+    def objective(self) -> Any:
+        return self._objective
+
+    def after_optim(self, ctx: RunContext, step: int) -> None:
+        self.publish_after(step)

@@ -32,6 +32,19 @@ A successful sibling's episode is shown as its turns' text and tool results
 (:func:`~tempering.algorithms.sdpo.context.demonstration_text`). Rows after a renderer rewrote
 history (a later row of a trajectory) do not start with the student's prompt: they get the policy
 gradient only (``sdpo/rows_without_teacher``).
+
+**Stale SDPO** (``max_steps_off_policy: k``; unset = synchronous, on-policy): rollouts come
+from the ``offpolicy`` stage's asynchronous producer, up to ``k`` optimizer steps stale, with
+its corrections -- the same code (:class:`~tempering.algorithms.offpolicy.algorithm.StaleRollouts`):
+the advantage cap and folded normaliser of the policy loss (the stale recipe's ``loss:
+clipped_is``: PPO's two-sided ratio clip around the *sampler's* policy, ``|A|`` capped at 3x its
+running mean),
+the ratio / ESS diagnostics, the staleness metrics, a sampler snapshot published after each
+optimizer step. The "old" logprobs are the sampler's own, never recomputed (they are what the
+stale tokens were drawn from), so the sampler must draw from the untempered policy the trainer
+scores (temperature 1, no top-k/top-p). The distillation term's per-token weight is the ratio
+clipped to ``[distillation_is_clip_low, distillation_is_clip]``. The teacher is scored at
+training time: the current teacher weights on the stale sample's tokens.
 """
 
 from __future__ import annotations
@@ -43,6 +56,7 @@ from typing import Any
 
 from tempering import teacher as shared
 from tempering.algorithms.grpo.algorithm import GRPO
+from tempering.algorithms.offpolicy.algorithm import StaleRollouts
 from tempering.errors import ConfigError
 from tempering.interfaces import Distributions, FullDistributions, LossLogits, RunContext
 from tempering.loss_contract import DISTILL_WEIGHTS, TEACHER_TOKEN_LOGPROBS, check_reads
@@ -92,20 +106,24 @@ class KeepGroups:
 
 
 @dataclass
-class SDPO(GRPO):
+class SDPO(StaleRollouts, GRPO):
     """Self-distillation policy optimization (see the module docstring; every key in
     docs/sdpo.md). Keys besides GRPO's:
 
     - ``distillation_mode`` (``sampled_token``, ``full_logits``, ``topk_logits``),
       ``distillation_alpha`` (1), ``distillation_topk`` (required by ``topk_logits``),
       ``distillation_topk_support`` (``student`` / ``teacher``), ``distillation_add_tail``,
-      ``distillation_is_clip`` (2.0; null = off), ``distillation_weight`` (1.0);
+      ``distillation_is_clip`` (2.0; null = off), ``distillation_is_clip_low`` (null),
+      ``distillation_weight`` (1.0);
     - ``teacher`` (``ema``, ``base``, ``stage_start``, ``live``), ``ema_rate`` (0.05),
       ``ema_every`` (1);
     - ``use_successful_as_teacher``, ``success_reward_threshold`` (1.0),
       ``dont_reprompt_on_self_success``, ``include_environment_feedback``,
       ``environment_feedback_only_without_solution``, ``remove_thinking_from_demonstration``;
-    - ``reprompt_template``, ``solution_template``, ``feedback_template``, ``max_reprompt_len``.
+    - ``reprompt_template``, ``solution_template``, ``feedback_template``, ``max_reprompt_len``;
+    - stale SDPO: ``max_steps_off_policy`` (null = on-policy) and the ``offpolicy`` stage's
+      ``sync_every``, ``fixed_staleness``, ``groups_per_sample``, ``aggregation``,
+      ``max_resamples``, ``seeded_sampling`` (:class:`StaleRollouts`).
     """
 
     distillation_mode: str = "sampled_token"
@@ -114,6 +132,7 @@ class SDPO(GRPO):
     distillation_topk_support: str = "student"
     distillation_add_tail: bool = False
     distillation_is_clip: float | None = 2.0
+    distillation_is_clip_low: float | None = None
     distillation_weight: float = 1.0
     teacher: str = "ema"
     ema_rate: float = 0.05
@@ -128,12 +147,18 @@ class SDPO(GRPO):
     reprompt_template: str = DEFAULT_REPROMPT_TEMPLATE
     solution_template: str = DEFAULT_SOLUTION_TEMPLATE
     feedback_template: str = DEFAULT_FEEDBACK_TEMPLATE
+    max_steps_off_policy: int | None = None  # type: ignore[assignment]  # null: synchronous, on-policy
 
     label = "sdpo"
     summary_keys = ("reward/mean", "accuracy", "loss", "sdpo/signal_frac", "sdpo/teacher_kl")
     postfix = {"reward": "reward/mean", "signal": "sdpo/signal_frac"}
 
     # ------------------------------------------------------------------ validation and setup
+    @property
+    def stale(self) -> bool:
+        """Whether rollouts come from the asynchronous producer (``max_steps_off_policy`` set)."""
+        return self.max_steps_off_policy is not None
+
     def teacher_weights(self, stage_id: str = "") -> TeacherWeights:
         """The teacher's weights and snapshot lifecycle (:class:`tempering.teacher.TeacherWeights`)."""
         return TeacherWeights(self.teacher, self.ema_rate, f"{stage_id}/sdpo_teacher", self.ema_every)
@@ -149,7 +174,7 @@ class SDPO(GRPO):
         path = ctx.path
         problem = distillation_problem(self.distillation_mode, self.distillation_alpha, self.distillation_topk,
                                        self.distillation_topk_support, self.distillation_is_clip,
-                                       self.distillation_weight)  # fmt: skip
+                                       self.distillation_weight, self.distillation_is_clip_low)  # fmt: skip
         if problem is not None:
             raise ConfigError(problem[1], f"{path}.{problem[0]}")
         self.teacher_weights().check(path, every_key="ema_every")
@@ -170,7 +195,27 @@ class SDPO(GRPO):
             why = template_problem(getattr(self, key), need, allowed)
             if why is not None:
                 raise ConfigError(why, f"{path}.{key}")
+        if self.stale:
+            self.check_stale(path)
         super().validate(ctx)
+
+    def check_stale(self, path: str) -> None:
+        """Stale SDPO's keys: the ``offpolicy`` stage's staleness keys, and a sampler whose
+        logprobs are those of the policy the trainer scores. Both loss parts score the student
+        untempered (the teacher too), so the importance ratios against the sampler's logprobs
+        are only ratios when the sampler drew from the untempered, unfiltered policy; and they
+        are never recomputed (a recomputation would be the current weights', not the stale
+        sampler's)."""
+        self.check_staleness_keys(path)
+        for key, neutral in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0)):
+            if getattr(self, key) != neutral:
+                raise ConfigError(
+                    f"stale SDPO (max_steps_off_policy set) needs {key}: {neutral:g}, got {getattr(self, key)}: the "
+                    "importance ratios compare the sampler's logprobs with the untempered policy the trainer (and "
+                    "the teacher) score", f"{path}.{key}")  # fmt: skip
+        if self.recompute_logprobs == "always":
+            raise ConfigError("stale SDPO keeps the sampler's logprobs as the importance ratios' 'old' (recomputed "
+                              "ones would be the current weights'); use auto", f"{path}.recompute_logprobs")  # fmt: skip
 
     def required_capabilities(self) -> list[Requirement]:
         """The teacher's weights (snapshots for ``stage_start`` / ``ema``, averaging for
@@ -210,21 +255,30 @@ class SDPO(GRPO):
 
     def setup(self, ctx: RunContext, state: Mapping[str, Any]) -> None:
         super().setup(ctx, state)
-        self._objective = SDPOLoss(
+        loss = SDPOLoss(
             policy=self.loss_fn, mode=self.distillation_mode, alpha=float(self.distillation_alpha),
             topk=self.distillation_topk, topk_support=self.distillation_topk_support,
             add_tail=self.distillation_add_tail, is_clip=self.distillation_is_clip, weight=float(self.distillation_weight),
+            is_clip_low=self.distillation_is_clip_low,
         )  # fmt: skip
-        check_reads(self._objective, self.batch_inputs(self.loss_fn), f"{ctx.path}.loss", self.label)
+        check_reads(loss, self.batch_inputs(self.loss_fn), f"{ctx.path}.loss", self.label)
+        self._objective: Any = loss
+        if self.stale:
+            self.recompute = False  # the sampler's logprobs are the ratios' "old" (checked in validate)
+            self._objective = self.setup_corrections(self.loss_fn, loss, state, ctx.path)
         self.weights = self.teacher_weights(ctx.stage_id)
         if self.distillation_weight > 0:
             self.weights.start(self.backend, resuming=int(state.get("step", 0)) > 0, path=ctx.path)
         self._trained = False
 
     def make_rollouts(self, ctx: RunContext, state: Mapping[str, Any]) -> KeepGroups:
-        return KeepGroups(super().make_rollouts(ctx, state))
+        return KeepGroups(self.async_rollouts(ctx, state) if self.stale else super().make_rollouts(ctx, state))
 
-    def objective(self) -> SDPOLoss:
+    def loop_state(self) -> dict[str, Any]:
+        return {**super().loop_state(), **(self.corrections_state() if self.stale else {})}
+
+    def objective(self) -> Any:
+        """The :class:`SDPOLoss`; stale, wrapped in the off-policy objective (ratio diagnostics)."""
         return self._objective
 
     def teardown(self, ctx: RunContext, finished: bool) -> None:
@@ -234,8 +288,11 @@ class SDPO(GRPO):
 
     # ------------------------------------------------------------------ one step
     def prepare(self, ctx: RunContext, batch: Batch, step: int) -> dict[str, Any]:
-        """GRPO's preparation (old / reference logprobs), then each row's teacher."""
+        """GRPO's preparation (old / reference logprobs; stale: the sampler's logprobs kept, the
+        policy loss's advantages capped and normalised), then each row's teacher."""
         metrics = super().prepare(ctx, batch, step)
+        if self.stale:
+            metrics.update(self.prepare_advantages(batch, self.capper))
         self._trained = True
         if self.distillation_weight == 0:
             return metrics
@@ -252,6 +309,8 @@ class SDPO(GRPO):
             if ema is not None:
                 ema.result()
         self._trained = False
+        if self.stale:
+            self.publish_after(step)
 
     # ------------------------------------------------------------------ teachers
     def signals(self, groups: list[Group]) -> list[list[TeacherSignal]]:

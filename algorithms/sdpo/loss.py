@@ -29,6 +29,9 @@ feedback); 0 elsewhere. Per token ``l_t`` (``mode``):
 ``distillation_is_clip``, default 2) each ``l_t`` is multiplied by ``min(exp(lp_t - old_t),
 is_clip)``, detached, where ``old`` are the batch's ``sampler_logprobs``: a correction for
 tokens sampled by older weights (1 on-policy; skipped when the batch has no old logprobs).
+``is_clip_low`` (ours, for stale rollouts; off by default) adds a floor: the weight is
+``clamp(exp(lp_t - old_t), is_clip_low, is_clip)``, two-sided
+(:func:`tempering.rlmath.ratios.clipped_is_weight`).
 The aggregation is TRL's: each row's mean over its masked tokens, then the mean over *all*
 ``B`` rows -- a row without a teacher counts as 0, so a batch where few samples have a teacher
 takes a proportionally smaller distillation step. A batch where none has one gives a zero
@@ -37,7 +40,8 @@ distillation loss (and zero gradient), never NaN.
 Metrics: ``sdpo/distill_loss`` (token mean of ``l_t`` over the mask, TRL's logged value),
 ``sdpo/policy_loss``, ``sdpo/teacher_kl`` (token mean of ``lp - lp_teacher`` on the sampled
 tokens under the mask: a one-sample estimate of KL(student || teacher)), ``sdpo/is_clip_frac``
-(share of masked tokens whose ratio exceeded ``is_clip``), plus the policy loss's own metrics.
+(share of masked tokens whose ratio exceeded ``is_clip`` or fell below ``is_clip_low``), plus the
+policy loss's own metrics.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ from tempering.loss_contract import (
 from tempering.rlmath.aggregation import aggregate_mean
 from tempering.rlmath.divergence import sampled_token_loss
 from tempering.rlmath.masks import active, masked
-from tempering.rlmath.ratios import capped_is_weight
+from tempering.rlmath.ratios import clipped_is_weight
 from tempering.teacher import TEACHER_INPUT_KEYS, TeacherNeeds, teacher_divergence
 from tempering.types import Batch
 
@@ -74,7 +78,7 @@ SUPPORTS = ("student", "teacher")
 
 
 def distillation_problem(mode: str, alpha: float, topk: int | None, support: str, is_clip: float | None,
-                         weight: float) -> tuple[str, str] | None:  # fmt: skip
+                         weight: float, is_clip_low: float | None = None) -> tuple[str, str] | None:  # fmt: skip
     """The first bad distillation setting as ``(stage key, one-line message)``, or None.
 
     One rule set for the stage's validation (a :class:`~tempering.errors.ConfigError` at the
@@ -96,6 +100,11 @@ def distillation_problem(mode: str, alpha: float, topk: int | None, support: str
         return "distillation_topk_support", f"use one of {', '.join(SUPPORTS)} (got '{support}')"
     if is_clip is not None and is_clip <= 0:
         return "distillation_is_clip", f"must be > 0 (or null: off), got {is_clip}"
+    if is_clip_low is not None and is_clip is None:
+        return "distillation_is_clip_low", "is a floor of the distillation_is_clip weight, which is off (null); set both"
+    if is_clip_low is not None and not 0 < is_clip_low <= min(1.0, is_clip or 1.0):
+        return "distillation_is_clip_low", (f"must be in (0, {min(1.0, is_clip or 1.0):g}] (at most 1 and at most "
+                                            f"distillation_is_clip), got {is_clip_low}")  # fmt: skip
     if not 0.0 <= weight <= 1.0:
         return "distillation_weight", f"must be in [0, 1] (1 distillation only, 0 policy gradient only), got {weight}"
     return None
@@ -134,9 +143,11 @@ class SDPOLoss:
     add_tail: bool = False
     is_clip: float | None = 2.0
     weight: float = 1.0
+    is_clip_low: float | None = None
 
     def __post_init__(self) -> None:
-        problem = distillation_problem(self.mode, self.alpha, self.topk, self.topk_support, self.is_clip, self.weight)
+        problem = distillation_problem(self.mode, self.alpha, self.topk, self.topk_support, self.is_clip, self.weight,
+                                       self.is_clip_low)  # fmt: skip
         if problem is not None:
             raise ValueError(f"SDPOLoss {problem[0]}: {problem[1]}")
         if self.policy is None and self.weight < 1.0:
@@ -208,9 +219,10 @@ class SDPOLoss:
         metrics: dict[str, float] = {}
         if self.is_clip is not None and SAMPLER_LOGPROBS in batch:
             old = batch[SAMPLER_LOGPROBS].to(logprobs.dtype)
-            per_token = per_token * capped_is_weight(logprobs, old, self.is_clip)
+            per_token = per_token * clipped_is_weight(logprobs, old, self.is_clip_low, self.is_clip)
             with torch.no_grad():
-                clipped = (logprobs - old).clamp(-20.0, 20.0).exp() > self.is_clip
+                ratio = (logprobs - old).clamp(-20.0, 20.0).exp()
+                clipped = (ratio > self.is_clip) | (ratio < (self.is_clip_low or 0.0))
                 metrics["sdpo/is_clip_frac"] = float(clipped[on].float().mean())
         loss = aggregate_mean(per_token, mask, "seq_mean")
         with torch.no_grad():

@@ -15,7 +15,7 @@ import torch
 
 from tempering.rlmath.masks import active
 
-__all__ = ["IS_LEVELS", "capped_is_weight", "gspo_token_ratio", "log_importance_weights"]
+__all__ = ["IS_LEVELS", "capped_is_weight", "clipped_is_weight", "gspo_token_ratio", "log_importance_weights"]
 
 #: ``token``: one ratio per token; ``sequence``: one per row (GSPO).
 IS_LEVELS = ("token", "sequence")
@@ -55,8 +55,17 @@ def gspo_token_ratio(
 def capped_is_weight(logprobs: torch.Tensor, old_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
     """``min(exp(lp - lp_old), cap)``, detached: a per-token weight that corrects a loss for
     samples drawn by older weights without ever up-weighting a token more than ``cap`` times
-    (TRL's ``distillation_is_clip`` for SDFT/SDPO). The log-ratio is clamped to [-20, 20] first,
-    so a stray padding value cannot overflow; it is a coefficient, so no gradient flows through it.
-    On-policy its value is 1."""
-    log_ratio = (logprobs - old_logprobs).detach().clamp(-20.0, 20.0)
-    return torch.exp(log_ratio).clamp(max=cap)
+    (TRL's ``distillation_is_clip`` for SDFT/SDPO). On-policy its value is 1. The one-sided
+    case of :func:`clipped_is_weight`."""
+    return clipped_is_weight(logprobs, old_logprobs, None, cap)
+
+
+def clipped_is_weight(logprobs: torch.Tensor, old_logprobs: torch.Tensor, low: float | None,
+                      high: float | None) -> torch.Tensor:  # fmt: skip
+    """``clamp(exp(lp - lp_old), low, high)``, detached (``None``: no bound on that side): the
+    per-token importance weight of a loss on stale samples, clipped two-sidedly -- a cap keeps
+    one token from dominating, a floor keeps the tokens the policy has moved away from in the
+    loss. The log-ratio is clamped to [-20, 20] first, so a stray padding value cannot
+    overflow; it is a coefficient, so no gradient flows through it. On-policy its value is 1."""
+    weight = torch.exp((logprobs - old_logprobs).detach().clamp(-20.0, 20.0))
+    return weight if low is None and high is None else weight.clamp(min=low, max=high)
