@@ -26,7 +26,7 @@ import os
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tempering import rollout_log
 from tempering.config import parse_value
@@ -179,7 +179,7 @@ def evaluate_policy(backend: Backend, spec: EvalSpec, registry: Any = None) -> E
     if forecasts:
         from tempering.calibration import calibration
 
-        cal = calibration(*zip(*forecasts))
+        cal = calibration([p for p, _ in forecasts], [y for _, y in forecasts])
         metrics.update(cal.metrics())
     trainer_step = int(getattr(backend, "step", 0) or 0)
     records = [{"v": rollout_log.FORMAT_VERSION, "row": None, "stage": "eval", "step": trainer_step, "kind": "eval",
@@ -247,7 +247,7 @@ def check_spec(registry: Any, spec: EvalSpec) -> None:
     """The spec's values and the names and keys of its components, without building them."""
 
     spec.check()
-    ctx = EvalContext(registry, None)
+    ctx = EvalContext(registry, cast("Backend", None))  # only checks: nothing is built, no backend
     ctx.check("dataset", spec.dataset, "dataset")
     if spec.reward is not None:
         ctx.check("reward", spec.reward, "reward")

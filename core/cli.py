@@ -204,7 +204,7 @@ def cmd_install_model(args: argparse.Namespace) -> int:
 def cmd_serve_reward(args: argparse.Namespace) -> int:
     from tempering.registry import get_registry
 
-    remote = get_registry().get("reward", "tempering:remote").load()  # the server is the remote reward's other end
+    remote: Any = get_registry().get("reward", "tempering:remote").load()  # the server is the remote reward's other end
     remote.serve(args.target, host=args.host, port=args.port, token=args.token,
                  max_body=int(args.max_request_mb * 1024 * 1024))  # fmt: skip
     return 0

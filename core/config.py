@@ -20,7 +20,7 @@ import difflib
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -138,7 +138,7 @@ class _RecipeLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: merged by the base class
                 continue
-            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            key = self.construct_object(key_node, deep=deep)
             if isinstance(key, (str, int, float, bool)) and key in seen:
                 first = seen[key].line + 1
                 raise yaml.constructor.ConstructorError(
@@ -187,7 +187,7 @@ def resolve_recipe(data: Mapping[str, Any], overrides: Iterable[str] = ()) -> di
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
         raise ConfigError(f"stage ids must be unique; give the stages distinct 'id:' values ({', '.join(dupes)})", "stages")
-    return out
+    return cast("dict[str, Any]", out)
 
 
 def _plain(data: Any) -> Any:

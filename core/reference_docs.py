@@ -57,7 +57,7 @@ def keys_of(factory: Callable[..., Any], exclude: Iterable[str] = ()) -> list[Ke
     defaults = factory_defaults(factory)
     out = []
     for f in dataclasses.fields(schema):
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         value = defaults.get(f.name, dataclasses.MISSING if required else f.default)
         out.append(Key(f.name, type_name(f.type), "" if value is dataclasses.MISSING else show(value)))
     return out

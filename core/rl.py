@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from tempering.data import ExampleStream, load_examples
 from tempering.dataset_checks import Columns, check_rows, prompt_columns, reward_columns
@@ -106,7 +106,7 @@ class RLStage(SamplingKeys, Stage):
     failure_window: int = 3
     log_rollouts: int = DEFAULT_GROUPS
 
-    summary_keys = ("reward/mean", "accuracy", "loss")
+    summary_keys: ClassVar[tuple[str, ...]] = ("reward/mean", "accuracy", "loss")
     postfix = {"reward": "reward/mean", "acc": "accuracy"}
 
     # ------------------------------------------------------------------ validation and setup

@@ -10,6 +10,7 @@ torch; :meth:`Batch.to_tensors` pads into tensors when a local backend needs the
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -138,7 +139,8 @@ class Sample:
     def policy_version(self) -> int:
         """The oldest weights any of its turns was sampled with: its staleness is that one's."""
         if self.trajectory is not None and self.trajectory.turns:
-            return min(t.completion.policy_version for t in self.trajectory.turns)
+            versions: list[int] = [t.completion.policy_version for t in self.trajectory.turns]
+            return min(versions)
         return self.completion.policy_version
 
     @property
@@ -240,7 +242,7 @@ class Batch:
             raise ValueError("Batch.to_tensors: the batch is empty")
         width = max(len(d.input_tokens) for d in self.data)
 
-        def pad(rows: list[list[float]], value: float, dtype: torch.dtype) -> torch.Tensor:
+        def pad(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=dtype, device=device)
 
         out = {
@@ -252,7 +254,7 @@ class Batch:
         for name in ("sampler_logprobs", "advantages"):
             rows = [getattr(d, name) for d in self.data]
             if all(r is not None for r in rows):
-                out[name] = pad(rows, 0.0, torch.float32)  # type: ignore[arg-type]
+                out[name] = pad(rows, 0.0, torch.float32)
         keys = set.intersection(*(set(d.extra) for d in self.data))
         for key in sorted(keys):
             vals = [d.extra[key] for d in self.data]

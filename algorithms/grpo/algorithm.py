@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from tempering.errors import ConfigError
 from tempering.interfaces import LossOnTrainingForward, RunContext, WeightSnapshots, supports
@@ -75,7 +75,7 @@ class GRPO(RLStage):
         self.ref_name = f"reference/{ctx.stage_id}"
         uses_ref = reads_input(self.loss_fn, REF_LOGPROBS) or self.log_kl
         if int(state.get("step", 0)) == 0 and self.reference == "stage_start" and uses_ref:
-            self.backend.snapshot(self.ref_name).result()  # saved in checkpoints: resume keeps it
+            cast(WeightSnapshots, self.backend).snapshot(self.ref_name).result()  # saved in checkpoints: resume keeps it
 
     def batch_inputs(self, loss: Any) -> frozenset[str]:
         """The RL engine's inputs, plus the reference policy's logprobs: scored at every step

@@ -75,6 +75,7 @@ class SFT(Stage):
             messages = check_messages(example["messages"], "dataset row messages")
             return [r.segment() for r in self._renderer.render_training(messages, example.get("tools"))]
         if self._chat_text:
+            assert self._renderer is not None  # setup builds one for chat-text prompts
             answer = {"role": "assistant", "content": str(example[self.completion_key])}
             return [r.segment() for r in self._renderer.render_training([*user_turn(example), answer], example.get("tools"))]
         tok = self.backend.tokenizer

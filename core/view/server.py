@@ -142,7 +142,7 @@ def make_handler(viewer: RunViewer, log: Callable[[str], None] | None = None,
                 return self._send(204, b"", "image/x-icon")
             if parts.path in STATIC:
                 name, ctype = STATIC[parts.path]
-                body = resources.files("tempering.view").joinpath("static", name).read_bytes()
+                body = resources.files("tempering.view").joinpath("static").joinpath(name).read_bytes()
                 return self._send(200, body, f"{ctype}; charset=utf-8")
             status, data = viewer.route(parts.path, parts.query)
             self._send(status, json.dumps(data, ensure_ascii=False).encode(), "application/json")

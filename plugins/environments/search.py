@@ -87,7 +87,7 @@ class Search(Environment):
         if self.snippet_chars is not None and self.snippet_chars < 0:
             raise ValueError(f"search: snippet_chars must be >= 0 (0 = whole documents), got {self.snippet_chars}")
         self.example: dict[str, Any] = {}
-        self.listings: dict[str, Listing] = {}
+        self.listings: dict[str | None, Listing] = {}
         self.pruned_at: dict[str, int] = {}  # doc id -> the step that last pruned it
         self.steps = 0
 
@@ -191,7 +191,7 @@ class Search(Environment):
 
         reward = resolve_reward(self.reward, path="environment.reward")
         gold = [str(g).lower() for g in self.example.get("gold_ids", [])]
-        out = []
+        out: list[float] = []
         for traj in trajectories:
             stats = episode_stats(traj)
             final = traj.turns[-1].response.text if traj.stop == "done" and traj.turns else ""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tempering.plugins.loggers.jsonl import read_jsonl
@@ -34,7 +34,7 @@ class PlotLogger:
 
 
 def plot_metrics(
-    rows: list[Mapping[str, Any]], metrics: list[str], path: str, secondary: str = "loss"
+    rows: Sequence[Mapping[str, Any]], metrics: list[str], path: str, secondary: str = "loss"
 ) -> str | None:
     """One panel per stage (stages differ in length by 10x or more: a shared axis would
     squeeze the RL stage into a sliver). Each panel plots ``metrics`` against the global step;

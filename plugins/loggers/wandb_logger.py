@@ -23,7 +23,7 @@ class WandbLogger(TrackerLogger):
     def __init__(self, output_dir: str, project: str = "tempering", run_name: str | None = None, entity: str | None = None,
                  group: str | None = None, tags: list | None = None, mode: str | None = None) -> None:  # fmt: skip
         super().__init__(output_dir)
-        self.settings = {"project": project, "run_name": run_name, "entity": entity, "group": group, "tags": tags, "mode": mode}
+        self.settings: dict[str, Any] = {"project": project, "run_name": run_name, "entity": entity, "group": group, "tags": tags, "mode": mode}
         self.run: Any = None
         self.table: Any = None
 

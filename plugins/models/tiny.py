@@ -67,13 +67,13 @@ def _tokenizer(chars: str, chat: bool) -> PreTrainedTokenizerFast:
     return build_char_tokenizer(CHAT_CHARS if chars == DEFAULT_CHARS else chars, extra_special=CHAT_TOKENS)
 
 
-def _set_special_ids(config: Any, tokenizer: PreTrainedTokenizerFast) -> None:
+def _set_special_ids(config: Any, tokenizer: Any) -> None:  # a Hugging Face tokenizer or a TmlTokenizer
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = tokenizer.bos_token_id
     config.eos_token_id = tokenizer.eos_token_id
 
 
-def _finish(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast) -> tuple[Any, Any]:
+def _finish(model: PreTrainedModel, tokenizer: Any) -> tuple[Any, Any]:
     """Put the special ids on the generation config too: ``generate`` reads them from there."""
     gen = model.generation_config
     gen.pad_token_id = tokenizer.pad_token_id

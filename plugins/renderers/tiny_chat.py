@@ -79,7 +79,7 @@ class TinyChat:
         return self._text("".join(c if c in self.chars else c.lower() if c.lower() in self.chars else fallback for c in text))
 
     def _message(self, m: Message) -> list[int]:
-        role = m.get("role")
+        role: Any = m.get("role")  # a missing role is a KeyError below
         if role == "assistant":
             return [self.role_ids["assistant"], *self.render_response(m)]
         return [self.role_ids[role], *self._seen(text_of(m))]

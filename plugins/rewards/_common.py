@@ -17,7 +17,7 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping
 from fractions import Fraction
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from tempering.feedback import FEEDBACK_KEY
 from tempering.interfaces import RewardResult
@@ -166,7 +166,7 @@ def resolve_reward(spec: Any, params: Mapping[str, Any] | None = None, path: str
     """
     params = dict(params or {})
     if inspect.isclass(spec):
-        return spec(**params)
+        return cast("Callable[..., Any]", spec(**params))
     if callable(spec) and not isinstance(spec, str):
         if params:
             raise ValueError(f"{path}: params are only allowed with a reward name or 'module:attr', not an object")
@@ -179,7 +179,7 @@ def resolve_reward(spec: Any, params: Mapping[str, Any] | None = None, path: str
             obj, import_error = None, exc  # maybe "dist:name": let the registry resolve it
         if obj is not None:
             if inspect.isclass(obj):
-                return obj(**params)
+                return cast("Callable[..., Any]", obj(**params))
             if params:
                 raise ValueError(f"{path}: '{spec}' is a function; params {sorted(params)} cannot be passed to it")
             if not callable(obj):

@@ -40,8 +40,8 @@ class WeightedReward:
             raise ValueError("weighted: normalize=true needs weights that do not sum to 0")
         self._scale = 1.0 / total if normalize else 1.0
         hints = [getattr(r, "max_concurrency", None) for _, r, _ in components]
-        hints = [h for h in hints if isinstance(h, int) and h > 0]
-        self.max_concurrency = min(hints) if hints else None
+        limits = [h for h in hints if isinstance(h, int) and h > 0]
+        self.max_concurrency = min(limits) if limits else None
 
     def _combine(self, values: list[Any]) -> RewardResult:
         parts: dict[str, float] = {}
@@ -57,8 +57,8 @@ class WeightedReward:
             except TypeError as exc:
                 raise RewardError(str(exc)) from None
             parts[name] = x
-            if info := info_of(value):
-                infos[name] = info
+            if part_info := info_of(value):
+                infos[name] = part_info
             if note is not None:
                 notes.append(f"{name}: {note}")
             total += weight * x
@@ -76,7 +76,7 @@ class WeightedReward:
                 value = exc
             if inspect.isawaitable(value):
                 if hasattr(value, "close"):
-                    value.close()  # type: ignore[union-attr]
+                    value.close()
                 value = TypeError("returned an awaitable to a sync weighted reward")
             values.append(value)
         return self._combine(values)
@@ -117,7 +117,7 @@ def _entry(i: int, entry: Any, path: str) -> tuple[str, Any, float]:
 
         if isinstance(entry, DictConfig):
             entry = OmegaConf.to_container(entry, resolve=True)
-        entry = dict(entry)  # type: ignore[arg-type]
+        entry = dict(entry)
         weight = entry.pop("weight", 1.0)
         if "reward" in entry:
             spec = entry.pop("reward")

@@ -149,7 +149,7 @@ def critique(reply: str) -> str | None:
 
 
 # --------------------------------------------------------------------------- templates
-class _Fields(dict):  # type: ignore[type-arg]
+class _Fields(dict):
     def __missing__(self, key: str) -> Any:
         raise KeyError(
             f"llm_judge: the prompt template uses {{{key}}}, which is neither prompt/completion/"

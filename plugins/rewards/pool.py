@@ -140,7 +140,7 @@ class ProcessPoolReward:
     """
 
     reward: Any
-    params: dict = field(default_factory=dict)  # type: ignore[type-arg]
+    params: dict = field(default_factory=dict)
     workers: int = 0
     timeout: float = 30.0
     start_method: str = "spawn"

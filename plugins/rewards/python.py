@@ -25,7 +25,7 @@ import inspect
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from tempering.errors import ConfigError
 
@@ -68,7 +68,7 @@ def bind(obj: Any, params: Mapping[str, Any] | None, path: str, build: bool = Tr
     params = dict(params or {})
     if inspect.isclass(obj):
         kwargs = validate_params(obj, params, f"{path}.params")
-        return obj(**kwargs) if build else None
+        return cast("Callable[..., Any]", obj(**kwargs)) if build else None
     if not callable(obj):
         raise ConfigError(f"expected a function or class, got a {type(obj).__name__}", f"{path}.function")
     if not params:

@@ -74,7 +74,7 @@ class RemoteReward:
     concurrency: int = 16
     batch_size: int = 1
     batch_wait: float = 0.01
-    headers: dict = field(default_factory=dict)  # type: ignore[type-arg]
+    headers: dict = field(default_factory=dict)
     token_env: str = TOKEN_ENV
 
     @staticmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
+from typing import Any
 
 from tempering.types import SamplingParams
 
@@ -11,7 +12,7 @@ from tempering.types import SamplingParams
 def with_stops(params: SamplingParams, ids: Iterable[int]) -> SamplingParams:
     """``params`` with the token ids that end a turn added to ``stop`` -- unless the user gave
     stop *strings*, which Tinker cannot mix with ids (both backends stop at EOS regardless)."""
-    current = [params.stop] if isinstance(params.stop, (str, int)) else list(params.stop or [])
+    current: list[Any] = [params.stop] if isinstance(params.stop, (str, int)) else list(params.stop or [])
     if any(isinstance(s, str) for s in current):
         return replace(params, stop=current)
     extra = [int(i) for i in ids if int(i) not in current]
