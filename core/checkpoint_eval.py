@@ -251,7 +251,7 @@ def check_spec(registry: Any, spec: EvalSpec) -> None:
     ctx.check("dataset", spec.dataset, "dataset")
     if spec.reward is not None:
         ctx.check("reward", spec.reward, "reward")
-    check_sampler(ctx, spec.sampler or "completion", "sampler")
+    check_sampler(ctx, spec.sampler or "completion", "sampler")  # type: ignore[arg-type]  # it needs a BuildContext only
     check_renderer(ctx, spec.renderer)
 
 
