@@ -1,5 +1,5 @@
 """Stop strings and stop tokens of ``SamplingParams.stop``, the same for both of the local
-backend's samplers (``generate`` in :mod:`~tempering.plugins.backends.local.backend`, and
+backend's samplers (``generate`` in :mod:`~tempering.plugins.backends.local.generation`, and
 :mod:`~tempering.plugins.backends.local.vllm_engine`): a module of their own so that neither
 imports the other's private helpers."""
 

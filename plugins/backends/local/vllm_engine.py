@@ -11,7 +11,7 @@ sampled stop token kept in ``tokens``, ``text`` cut before a stop string.
 Weights. The engine starts (lazily, on the first ``sample``) from a Hugging Face folder written
 from the backend's model: the full model, or with LoRA the *base* model, whose weights never
 change. Each ``sample`` names the weights it wants (the live policy or a
-:class:`~tempering.plugins.backends.local.backend.LocalSamplingClient` snapshot) and their policy
+:class:`~tempering.plugins.backends.local.generation.LocalSamplingClient` snapshot) and their policy
 version; when that differs from what the engine holds they are pushed first -- full weights
 reloaded in place in the engine's worker (:class:`WorkerSync`, no restart), or the adapter
 written and used through a new ``LoRARequest``. So a sync costs one write per optimizer step at
@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from tempering.errors import ConfigError
+from tempering.plugins.backends.local.generation import completion
 from tempering.plugins.backends.local.stops import before_first, split_stop
 from tempering.types import Completion, SamplingParams
 
@@ -156,8 +157,7 @@ class VllmEngine:
         tensors by name) at policy ``version``, pushed into the engine first if it holds others."""
         stop_strings, stop_ids = split_stop(params.stop)
         if params.max_tokens <= 0:
-            empty = self.backend._completion
-            return [[empty(p, [], [], "length", "", params, version) for _ in range(num_samples)] for p in prompts]
+            return [[completion(p, [], [], "length", "", params, version) for _ in range(num_samples)] for p in prompts]
         with self._lock:
             llm = self._engine()
             self._sync(weights, version)
@@ -274,7 +274,7 @@ class VllmEngine:
         if isinstance(out.stop_reason, str):  # a stop string ended it: text stops before it
             text = before_first(text, stop_strings)
         reason = "stop" if out.finish_reason == "stop" else "length"
-        return self.backend._completion(prompt, tokens, logprobs, reason, text, params, version)
+        return completion(prompt, tokens, logprobs, reason, text, params, version)
 
 
 def _save_base(model: Any, tokenizer: Any, folder: str, lora: bool) -> None:
