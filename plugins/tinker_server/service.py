@@ -33,7 +33,6 @@ import contextlib
 import inspect
 import itertools
 import os
-import random
 import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -45,7 +44,9 @@ import numpy as np
 import torch
 
 from tempering.interfaces import LossOutput
+from tempering.plugins.backends.common import failed, resolved
 from tempering.plugins.backends.local.backend import LocalBackend, LocalSamplingClient
+from tempering.plugins.backends.local.checkpoint import kept_rng
 from tempering.plugins.backends.local.model_source import registered_builder
 from tempering.plugins.tinker_server.builtin_losses import builtin_loss, check_builtin
 from tempering.types import AdamParams, Batch, Datum, SamplingParams
@@ -81,19 +82,6 @@ class ServedModel:
     seed: int = 0  # the base weights' seed (a run's own seed only initialises its adapter)
 
 
-@contextlib.contextmanager
-def _own_rng() -> Iterator[None]:
-    """Keep the process's global RNGs as they were: building or loading a local backend seeds
-    them, and the server shares its process with the client in tests."""
-    state = (random.getstate(), np.random.get_state(), torch.get_rng_state())
-    try:
-        yield
-    finally:
-        random.setstate(state[0])
-        np.random.set_state(state[1])
-        torch.set_rng_state(state[2])
-
-
 def _then(future: Future[Any], fn: Callable[[Any], Any]) -> Future[Any]:
     """A future of ``fn(future.result())``."""
     out: Future[Any] = Future()
@@ -105,12 +93,6 @@ def _then(future: Future[Any], fn: Callable[[Any], Any]) -> Future[Any]:
             out.set_exception(err)
 
     future.add_done_callback(done)
-    return out
-
-
-def _failed(err: BaseException) -> Future[Any]:
-    out: Future[Any] = Future()
-    out.set_exception(err)
     return out
 
 
@@ -176,7 +158,7 @@ class TrainingRun:
 
     def skip(self, seq_id: int) -> None:
         """A request rejected at submission still takes its place in the order."""
-        self.run(seq_id, lambda: _failed(UserError("rejected at submission")))
+        self.run(seq_id, lambda: failed(UserError("rejected at submission")))
 
     @contextlib.contextmanager
     def admitting(self, seq_id: int) -> Iterator[None]:
@@ -321,7 +303,7 @@ class LocalService:
         else:
             kwargs["model"] = spec.model
         lora = {"rank": int(lora_rank)} if spec.lora and lora_rank else None
-        with _own_rng():
+        with kept_rng():  # building a backend seeds the global RNGs, which the client (same process in tests) uses
             return LocalBackend(lora=lora, **kwargs)
 
     def base(self, base_model: str) -> LocalBackend:
@@ -375,7 +357,7 @@ class LocalService:
         try:
             backend = self._backend(req.base_model, rank, seed)
         except UserError as err:
-            return model_id, _failed(err)
+            return model_id, failed(err)
         self.runs[model_id] = TrainingRun(model_id, req.base_model, rank, backend)
         done: Future[Any] = Future()
         done.set_result({"model_id": model_id, "type": "create_model"})
@@ -446,9 +428,9 @@ class LocalService:
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
         state = self.states.get(req.path)
         if state is None:
-            return model_id, _failed(UserError(f"no saved state at {req.path}"))
+            return model_id, failed(UserError(f"no saved state at {req.path}"))
         backend = self._backend(req.base_model or state["base_model"], state["rank"], 0)
-        with _own_rng():
+        with kept_rng():  # building a backend seeds the global RNGs, which the client (same process in tests) uses
             backend.load(state["folder"])
         self.runs[model_id] = TrainingRun(model_id, state["base_model"], state["rank"], backend)
         done: Future[Any] = Future()
@@ -503,7 +485,7 @@ class LocalService:
             run.backend.export_pretrained(folder, adapter=run.backend.lora is not None)  # after every earlier call
             self.external[path] = folder
             size = sum(os.path.getsize(f) for f in self.external_files(path).values())
-            return _done({"path": path, "size_bytes": size, "type": "save_weights_external"})
+            return resolved({"path": path, "size_bytes": size, "type": "save_weights_external"})
 
         return run.run(req.seq_id, go)
 
@@ -557,16 +539,10 @@ class LocalService:
         k = int(req.topk_prompt_logprobs or 0)
         parts = [sampler.sample(prompt, int(req.num_samples), params)]
         if req.prompt_logprobs or k:
-            parts.append(sampler.score(prompt) if len(prompt) > 1 else _done([]))
+            parts.append(sampler.score(prompt) if len(prompt) > 1 else resolved([]))
         if k:
-            parts.append(sampler.score(prompt, k) if len(prompt) > 1 else _done(None))
+            parts.append(sampler.score(prompt, k) if len(prompt) > 1 else resolved(None))
         return _then(_all(parts), lambda results: _sample_result(results, k))
-
-
-def _done(value: Any) -> Future[Any]:
-    out: Future[Any] = Future()
-    out.set_result(value)
-    return out
 
 
 def _all(futures: list[Future[Any]]) -> Future[list[Any]]:

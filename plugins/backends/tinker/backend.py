@@ -77,7 +77,7 @@ from typing import Any, TypeVar
 
 import torch
 from tempering.errors import ConfigError, TemperingError
-from tempering.plugins.backends.common import float_metrics
+from tempering.plugins.backends.common import checked_extra, float_metrics
 from tempering.plugins.backends.tinker.errors import (
     INSTALL_HINT,
     KEY_HINT,
@@ -249,43 +249,15 @@ class TinkerBackend:
         service_client: Any = None,
     ) -> None:
         self._tinker = _sdk()
-        ignored = [k for k, v in {"model_kwargs": model_kwargs, "device": device, "dtype": dtype,
-                                  "sample_batch_size": sample_batch_size, "num_threads": num_threads,
-                                  "threaded": threaded}.items() if v is not None]  # fmt: skip
-        lora = dict(lora or {})
-        ignored += [f"lora.{k}" for k in sorted(lora) if k != "rank"]
-        if ignored:
-            warnings.warn(f"backend 'tinker' ignores local-backend keys: {', '.join(ignored)}", UserWarning, stacklevel=2)
-        if base_model is None and model is None:
-            raise ConfigError(
-                "set the Tinker model, e.g. base_model=Qwen/Qwen3-4B-Instruct-2507 "
-                "(`tinker model list` lists the models you can use)",
-                path="backend.base_model",
-            )
-        if base_model is not None and model is not None and model != base_model:
-            warnings.warn(f"backend 'tinker' uses base_model={base_model!r}, not model={model!r}", UserWarning, stacklevel=2)
-        self.base_model = str(base_model if base_model is not None else model)
-        self.rank = int(rank if rank is not None else lora.get("rank", 32))
-        if self.rank < 1:
-            raise ConfigError(f"must be >= 1, got {self.rank}", path="backend.rank")
-        if sampler_refresh_every < 1:
-            raise ConfigError(f"must be >= 1, got {sampler_refresh_every}", path="backend.sampler_refresh_every")
-        if policy_logprobs not in POLICY_LOGPROBS:
-            raise ConfigError(f"use one of {POLICY_LOGPROBS}, got {policy_logprobs!r}", path="backend.policy_logprobs")
-        if sampling_client_kind not in SAMPLING_CLIENT_KINDS:
-            raise ConfigError(f"use one of {SAMPLING_CLIENT_KINDS}, got {sampling_client_kind!r}", path="backend.sampling_client_kind")
-        if max_retries < 0 or retry_backoff < 0 or concurrency < 1 or max_recoveries < 0:
-            raise ConfigError("max_retries, max_recoveries and retry_backoff must be >= 0, concurrency >= 1", path="backend")
-        for key, value in (("setup_timeout_seconds", setup_timeout_seconds), ("request_timeout_seconds", request_timeout_seconds),
-                           ("wait_warning_seconds", wait_warning_seconds)):  # fmt: skip
-            if not value > 0:
-                raise ConfigError(f"must be > 0 seconds, got {value}", path=f"backend.{key}")
-        for key, ttl in (("checkpoint_ttl_seconds", checkpoint_ttl_seconds), ("snapshot_ttl_seconds", snapshot_ttl_seconds)):
-            if ttl is not None and not MIN_TTL_SECONDS <= int(ttl) <= MAX_TTL_SECONDS:
-                raise ConfigError(
-                    f"must be null (never expire) or {MIN_TTL_SECONDS}..{MAX_TTL_SECONDS} seconds (Tinker's range), got {ttl}",
-                    path=f"backend.{key}",
-                )
+        self.base_model, self.rank = _model_and_rank(base_model, model, rank, lora, {
+            "model_kwargs": model_kwargs, "device": device, "dtype": dtype, "sample_batch_size": sample_batch_size,
+            "num_threads": num_threads, "threaded": threaded})  # fmt: skip
+        _check_settings(sampler_refresh_every=sampler_refresh_every, policy_logprobs=policy_logprobs,
+                        sampling_client_kind=sampling_client_kind, max_retries=max_retries, retry_backoff=retry_backoff,
+                        concurrency=concurrency, max_recoveries=max_recoveries,
+                        setup_timeout_seconds=setup_timeout_seconds, request_timeout_seconds=request_timeout_seconds,
+                        wait_warning_seconds=wait_warning_seconds, checkpoint_ttl_seconds=checkpoint_ttl_seconds,
+                        snapshot_ttl_seconds=snapshot_ttl_seconds)  # fmt: skip
         self.seed = seed
         self.sampler_refresh_every = int(sampler_refresh_every)
         self.sampling_client_kind = sampling_client_kind
@@ -304,6 +276,13 @@ class TinkerBackend:
         self.checkpoint_index_dir = checkpoint_index_dir or os.path.join(
             os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tempering", "tinker"
         )
+        self._connect(base_url, api_key, service_client)
+        self._start_state(max_recoveries, concurrency)
+
+    def _connect(self, base_url: str | None, api_key: str | None, service_client: Any) -> None:
+        """The service client: the one given, or one built by :data:`service_client_factory` for
+        ``base_url`` (resolved as the SDK does) after checking the key's form. Nothing is sent yet:
+        a service client that is not given is probed before the first setup call."""
         if isinstance(service_client, (str, Mapping)):
             raise ConfigError("a runtime object (a tinker.ServiceClient), not a config key", path="backend.service_client")
         from tinker.lib.base_url import resolve_base_url
@@ -317,13 +296,20 @@ class TinkerBackend:
         else:
             self._owns_service = False
         self.service = service_client
+        self._reachable = not self._owns_service  # probed before the first setup call
+
+    def _start_state(self, max_recoveries: int, concurrency: int) -> None:
+        """Step 0 and no clients yet: the training client is created (fresh, or from
+        ``init_state``) on first use by :class:`~tempering.plugins.backends.tinker.recovery.TrainingCalls`,
+        which also rebuilds it after a failure; samplers, the tokenizer and snapshot clients are
+        made on first use too."""
         self.step = 0
         self.retry_count = 0
         self.last_plan: LossPlan | None = None
         self._lock = threading.RLock()  # orders submissions to the training client
-        self._reachable = not self._owns_service  # probed before the first setup call
         self.calls = TrainingCalls(self._create_training_client, lambda fut, what: self._wait(fut, what, training=True),
-                                   max_recoveries, fresh_ok=seed is not None, lock=self._lock, state=init_state)  # fmt: skip
+                                   max_recoveries, fresh_ok=self.seed is not None, lock=self._lock,
+                                   state=self.init_state)  # fmt: skip
         self._tokenizer: Any = None
         self._stop_ids: list[int] | None = None
         self._sampler: Call | None = None  # the save_weights_and_get_sampling_client of the newest weights
@@ -785,11 +771,7 @@ class TinkerBackend:
         folder name; Tinker refuses a name twice), then write the tinker path, step, snapshots
         and ``extra`` to ``path/tinker_checkpoint.json``; returns ``path``. The saved state is
         where a recovery starts from."""
-        payload = dict(extra or {})
-        try:
-            json.dumps(payload)
-        except TypeError as err:
-            raise TypeError(f"TinkerBackend.save: extra must be JSON-serialisable ({err})") from err
+        payload = checked_extra(extra, "TinkerBackend.save")
         path = str(path)
         ttl = self.checkpoint_ttl_seconds
         with self._lock:
@@ -1021,6 +1003,69 @@ class TinkerSamplingClient:
 
 
 # ---------------------------------------------------------------------- helpers
+def _model_and_rank(
+    base_model: str | None, model: str | None, rank: int | None, lora: Mapping[str, Any] | None,
+    local_keys: Mapping[str, Any],
+) -> tuple[str, int]:
+    """The Tinker model name and LoRA rank from the Tinker keys or the local backend's (``model``,
+    ``lora.rank``), so that a recipe switches backends by name alone; the local-only keys that
+    were set are named in one warning."""
+    ignored = [k for k, v in local_keys.items() if v is not None]
+    lora = dict(lora or {})
+    ignored += [f"lora.{k}" for k in sorted(lora) if k != "rank"]
+    if ignored:
+        warnings.warn(f"backend 'tinker' ignores local-backend keys: {', '.join(ignored)}", UserWarning, stacklevel=3)
+    if base_model is None and model is None:
+        raise ConfigError(
+            "set the Tinker model, e.g. base_model=Qwen/Qwen3-4B-Instruct-2507 "
+            "(`tinker model list` lists the models you can use)",
+            path="backend.base_model",
+        )
+    if base_model is not None and model is not None and model != base_model:
+        warnings.warn(f"backend 'tinker' uses base_model={base_model!r}, not model={model!r}", UserWarning, stacklevel=3)
+    lora_rank = int(rank if rank is not None else lora.get("rank", 32))
+    if lora_rank < 1:
+        raise ConfigError(f"must be >= 1, got {lora_rank}", path="backend.rank")
+    return str(base_model if base_model is not None else model), lora_rank
+
+
+def _check_settings(
+    *,
+    sampler_refresh_every: int,
+    policy_logprobs: str,
+    sampling_client_kind: str,
+    max_retries: int,
+    retry_backoff: float,
+    concurrency: int,
+    max_recoveries: int,
+    setup_timeout_seconds: float,
+    request_timeout_seconds: float,
+    wait_warning_seconds: float,
+    checkpoint_ttl_seconds: int | None,
+    snapshot_ttl_seconds: int | None,
+) -> None:
+    """One :class:`~tempering.errors.ConfigError` at the first setting out of range, before
+    anything is sent to the service."""
+    if sampler_refresh_every < 1:
+        raise ConfigError(f"must be >= 1, got {sampler_refresh_every}", path="backend.sampler_refresh_every")
+    if policy_logprobs not in POLICY_LOGPROBS:
+        raise ConfigError(f"use one of {POLICY_LOGPROBS}, got {policy_logprobs!r}", path="backend.policy_logprobs")
+    if sampling_client_kind not in SAMPLING_CLIENT_KINDS:
+        raise ConfigError(f"use one of {SAMPLING_CLIENT_KINDS}, got {sampling_client_kind!r}", path="backend.sampling_client_kind")
+    if max_retries < 0 or retry_backoff < 0 or concurrency < 1 or max_recoveries < 0:
+        raise ConfigError("max_retries, max_recoveries and retry_backoff must be >= 0, concurrency >= 1", path="backend")
+    for key, value in (("setup_timeout_seconds", setup_timeout_seconds), ("request_timeout_seconds", request_timeout_seconds),
+                       ("wait_warning_seconds", wait_warning_seconds)):  # fmt: skip
+        if not value > 0:
+            raise ConfigError(f"must be > 0 seconds, got {value}", path=f"backend.{key}")
+    for key, ttl in (("checkpoint_ttl_seconds", checkpoint_ttl_seconds), ("snapshot_ttl_seconds", snapshot_ttl_seconds)):
+        if ttl is not None and not MIN_TTL_SECONDS <= int(ttl) <= MAX_TTL_SECONDS:
+            raise ConfigError(
+                f"must be null (never expire) or {MIN_TTL_SECONDS}..{MAX_TTL_SECONDS} seconds (Tinker's range), got {ttl}",
+                path=f"backend.{key}",
+            )
+
+
 def _check_api_key(api_key: str | None) -> None:
     """Fail fast (before any request) on a key that cannot work."""
     key = api_key or os.environ.get("TINKER_API_KEY")
