@@ -41,3 +41,9 @@ def smollm2_math() -> dict[str, Any]:
     """The real-model CPU demo: GRPO with LoRA teaches SmolLM2-135M-Instruct to answer
     arithmetic questions asked in natural language."""
     return _load("smollm2_math")
+
+
+def sdpo_feedback() -> dict[str, Any]:
+    """SDPO where most rollouts fail but feedback is informative: a tiny Llama warmed up to
+    15% on addition (and to read "expected X, got Y" feedback), then SDPO on exact_match."""
+    return _load("sdpo_feedback")

@@ -14,3 +14,5 @@ def register_recipes(register):
              description="CPU demo: SFT on search trajectories that prune their context, then GRPO on recall and tokens")
     register("smollm2_math", "tempering.recipes:smollm2_math",
              description="real-model CPU demo: GRPO with LoRA teaches SmolLM2-135M-Instruct arithmetic in words")
+    register("sdpo_feedback", "tempering.recipes:sdpo_feedback",
+             description="CPU demo: SDPO from exact_match's feedback where most rollouts fail (tiny Llama, addition)")
