@@ -111,6 +111,28 @@ def reward_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tup
         stop()
 
 
+@pytest.fixture
+def rejects_before_training(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Callable[[str, str, str], None]:
+    """``check(recipe_yaml, override, message)``: ``tempering run`` on the recipe (``{out}`` in it
+    is the run folder) with one ``key=value`` override exits 2 with exactly one line starting
+    ``tempering: error: <message>``, and nothing was trained or written."""
+    from tempering import cli
+
+    def check(recipe: str, override: str, message: str) -> None:
+        path = tmp_path / "bad.yaml"
+        path.write_text(recipe.format(out=tmp_path / "run"), encoding="utf-8")
+        try:
+            rc = cli.main(["run", str(path), override])
+        except SystemExit as exc:
+            rc = int(exc.code or 0)
+        err = capsys.readouterr().err.strip()
+        assert rc == 2
+        assert err.count("\n") == 0 and err.startswith(f"tempering: error: {message}"), err
+        assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+    return check
+
+
 FakeDist = Callable[..., str]
 
 

@@ -775,19 +775,8 @@ BAD_INPUT = [
 
 @pytest.mark.parametrize("override, message", BAD_INPUT, ids=[o.split("=")[0].split(".")[-1] + "=" + o.split("=", 1)[1][:12]
                                                               for o, _ in BAD_INPUT])  # fmt: skip
-def test_bad_input_is_one_line_before_anything_trains(tmp_path, capsys, override, message):
-    from tempering import cli
-
-    path = tmp_path / "bad.yaml"
-    path.write_text(BAD_RECIPE.format(out=tmp_path / "run"), encoding="utf-8")
-    try:
-        rc = cli.main(["run", str(path), override])
-    except SystemExit as exc:
-        rc = int(exc.code or 0)
-    err = capsys.readouterr().err.strip()
-    assert rc == 2
-    assert err.count("\n") == 0 and err.startswith(f"tempering: error: {message}"), err
-    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+def test_bad_input_is_one_line_before_anything_trains(rejects_before_training, override, message):
+    rejects_before_training(BAD_RECIPE, override, message)
 
 
 @pytest.mark.parametrize("stage, message", [
