@@ -51,7 +51,7 @@ def burn_exact_match(completion: str, example: Mapping[str, Any]) -> float:
 def run_config(label: str, stage: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     from tempering.plugins.backends.local.backend import LocalBackend
     from tempering.plugins.rewards.pool import ProcessPoolReward
-    from tempering.recipe import Recipe
+    from tempering.training.recipe import Recipe
 
     os.environ[BURN_ENV] = str(args.burn_ms)
     data = {"name": "arithmetic", "split": "train"}

@@ -2,7 +2,7 @@
 
 Both sides sample from the same model (the tiny chat Llama of the ``tool_use`` demo, untrained:
 timing only) on the local backend, at temperature 1, through the real samplers and
-``tempering.rollout.collect``:
+``tempering.rollouts.rollout.collect``:
 
 * ``single``: the ``completion`` sampler, one turn of up to ``turns x max_tokens`` tokens per
   sample (``ignore_eos``-like: the random model rarely stops early at this length either);
@@ -43,7 +43,7 @@ class Chatter:
         return []
 
     async def step(self, response: Any) -> Any:
-        from tempering.environment import StepResult
+        from tempering.rollouts.environment import StepResult
 
         self.seen += 1
         return StepResult([{"role": "tool", "content": "ok 42"}], reward=0.0, done=self.seen >= self.turns)
@@ -61,12 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)
 
-    from tempering.evaluate import completion_sampler
     from tempering.plugins.backends.local.backend import LocalBackend
     from tempering.plugins.renderers.tiny_chat import TinyChat
     from tempering.plugins.samplers.environment import EnvironmentSampler
     from tempering.registry import get_registry
-    from tempering.rollout import SamplerContext, collect
+    from tempering.rollouts.rollout import SamplerContext, collect
+    from tempering.training.evaluate import completion_sampler
     from tempering.types import SamplingParams
 
     print(f"load average at start: {os.getloadavg()}  cpus: {os.cpu_count()}")

@@ -36,7 +36,7 @@ QWEN3_1_7B = {"hidden_size": 2048, "num_layers": 28, "num_heads": 16, "num_kv_he
 def run_variant(args: argparse.Namespace, lora: dict[str, Any] | None, out: str) -> dict[str, float]:
     import torch
 
-    from tempering.recipe import Recipe
+    from tempering.training.recipe import Recipe
 
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()

@@ -195,9 +195,9 @@ class Ours:
                  kl_every: int = 10) -> None:  # fmt: skip
         from tempering.algorithms.grpo.algorithm import GRPO
         from tempering.plugins.backends.local.backend import LocalBackend
-        from tempering.recipe import RunContext
         from tempering.registry import get_registry
-        from tempering.stage import OptimizerConfig
+        from tempering.training.recipe import RunContext
+        from tempering.training.stage import OptimizerConfig
 
         registry = get_registry()
         self.backend = LocalBackend(model=args.model, model_kwargs=args.model_kwargs, seed=0, num_threads=args.threads,

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 
 from tempering.plugins.rewards.pool import ProcessPoolReward
 from tempering.plugins.rewards.testing import length
-from tempering.scoring import RewardRunner, ScoreStats
+from tempering.rollouts.scoring import RewardRunner, ScoreStats
 from tempering.types import Completion, Sample
 
 

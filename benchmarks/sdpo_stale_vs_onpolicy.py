@@ -57,8 +57,8 @@ STALE = {"max_steps_off_policy": 3, "loss": {"name": "clipped_is"}, "distillatio
 
 def run_one(config: str, seed: int, steps: int, concurrency: int) -> dict[str, Any]:
     """One run (in a child process): the RL stage's time per step and its held-out accuracy."""
-    from tempering.recipe import Recipe
     from tempering.recipes import sdpo_feedback
+    from tempering.training.recipe import Recipe
 
     spec = sdpo_feedback()
     rl = spec["stages"][1]

@@ -50,7 +50,7 @@ def recipe(algo: str, seed: int, out: str, steps: int, overrides: dict[str, Any]
 
 def run_one(algo: str, seed: int, steps: int, overrides: dict[str, Any]) -> dict[str, Any]:
     """One run (called in a child process): accuracies after the warmup and after RL."""
-    from tempering.recipe import Recipe
+    from tempering.training.recipe import Recipe
 
     with tempfile.TemporaryDirectory() as out:
         t0 = time.perf_counter()

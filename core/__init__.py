@@ -2,7 +2,7 @@
 
 The core is small on purpose: data types (:mod:`tempering.types`), the component interfaces
 (:mod:`tempering.interfaces`), the plugin registry (:mod:`tempering.registry`), config handling
-(:mod:`tempering.config`), recipes (:mod:`tempering.recipe`) and the CLI. Everything that does
+(:mod:`tempering.training.config`), recipes (:mod:`tempering.training.recipe`) and the CLI. Everything that does
 work -- backends, rewards, losses, algorithms -- is a plugin, the built-ins included.
 
 Importing this package must stay cheap (no torch), so that ``tempering plugins`` and

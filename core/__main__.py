@@ -1,5 +1,5 @@
 import sys
 
-from tempering.cli import main
+from tempering.apps.cli import main
 
 sys.exit(main())

@@ -27,12 +27,12 @@ class PluginError(TemperingError):
 
 
 class StopRun(Exception):
-    """Raised inside a stage to stop the whole run cleanly: :func:`tempering.recipe.run_recipe`
+    """Raised inside a stage to stop the whole run cleanly: :func:`tempering.training.recipe.run_recipe`
     checkpoints the stage as unfinished, closes everything and raises :class:`RunStopped` with
     this exception's message. Not a :class:`TemperingError`: it is control flow, never shown.
 
-    It lives here, beside the errors, rather than in :mod:`tempering.recipe`, so that the
-    modules that stop a run (:mod:`tempering.failures`) need not import the recipe runner
+    It lives here, beside the errors, rather than in :mod:`tempering.training.recipe`, so that the
+    modules that stop a run (:mod:`tempering.runs.failures`) need not import the recipe runner
     (that import closed a cycle through the stage loop)."""
 
 

@@ -5,7 +5,7 @@ the right methods fits. Factories are called with the component's config keys as
 arguments (see :mod:`tempering.registry`), which is why none of these define ``__init__``.
 
 Besides the kinds: the backend *capabilities* (what only some backends can do, checked with
-:func:`supports`; a stage declares those it needs, see :class:`tempering.stage.Stage`) and the
+:func:`supports`; a stage declares those it needs, see :class:`tempering.training.stage.Stage`) and the
 typed ``ctx`` stages receive (:class:`BuildContext`, :class:`RunContext`).
 """
 
@@ -38,7 +38,7 @@ class Backend(Protocol):
     (:class:`WeightSnapshots`, :class:`EmaWeights`, :class:`SamplingClients`,
     :class:`Distributions`, :class:`FullDistributions`, :class:`LossOnTrainingForward`, :class:`LossLogits`,
     :class:`Exportable`, :class:`DownloadableWeights`, :class:`Closeable`). A stage declares the
-    ones it needs (:attr:`tempering.stage.Stage.requires`) and they are checked, with
+    ones it needs (:attr:`tempering.training.stage.Stage.requires`) and they are checked, with
     :func:`supports`, once at validation, before anything trains.
     """
 
@@ -281,12 +281,12 @@ def from_positions(values: torch.Tensor, positions: torch.Tensor | None, width: 
 # --------------------------------------------------------------------------- samplers
 @runtime_checkable
 class Sampler(Protocol):
-    """Turns a batch of examples into groups of scored samples (see :mod:`tempering.rollout`).
+    """Turns a batch of examples into groups of scored samples (see :mod:`tempering.rollouts.rollout`).
 
     ``client`` is what to sample with: the backend, or a sampling client of a weight snapshot
     (``sample(prompts, n, params) -> Future``; completions carry ``policy_version``). The
     groups come back in the order of ``examples`` with ``group_id = first_id + i``. Built with
-    its config keys and ``context`` (a :class:`tempering.rollout.SamplerContext`).
+    its config keys and ``context`` (a :class:`tempering.rollouts.rollout.SamplerContext`).
     """
 
     async def sample(
@@ -335,11 +335,11 @@ class BuildContext(Protocol):
 @runtime_checkable
 class RunContext(BuildContext, Protocol):
     """What a stage's ``validate``, ``setup``, ``train_step`` and ``teardown`` receive as ``ctx``
-    (:class:`tempering.recipe.RunContext` implements it): a :class:`BuildContext` plus the
+    (:class:`tempering.training.recipe.RunContext` implements it): a :class:`BuildContext` plus the
     recipe's config, seed and output folder, where the run is (``stage_index``, ``stage_id``,
     ``global_step``), what a resumed stage restores (``resume_state``, empty on a fresh start)
     and the loop's calls (``log``, ``budget_left``, ``end_step``), which :meth:`Stage.run
-    <tempering.stage.Stage.run>` makes. ``backend`` is ``None`` only while a recipe's config is
+    <tempering.training.stage.Stage.run>` makes. ``backend`` is ``None`` only while a recipe's config is
     checked before its backend is built."""
 
     config: dict[str, Any]

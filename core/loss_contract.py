@@ -16,7 +16,7 @@ agree on is declared here, in types, instead of by convention:
 2. **What a loss reads**: ``reads`` (a ``frozenset`` of those names, a property when it depends
    on the loss's config) lists the inputs the loss *requires*; inputs it uses only when present
    (GRPO's ``sampler_logprobs``) are not listed. A stage says what its batches hold for a loss
-   (:meth:`tempering.stage.Stage.batch_inputs`), and :func:`check_reads` compares the two when
+   (:meth:`tempering.training.stage.Stage.batch_inputs`), and :func:`check_reads` compares the two when
    the recipe is validated, before anything trains: ``stages[1].loss: the DPOLoss loss reads
    ref_logprobs, which a 'offpolicy' stage's batches do not hold (...)``. A stage also asks the declaration
    what to prepare: GRPO scores the reference policy at every step exactly when the loss

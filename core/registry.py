@@ -244,7 +244,7 @@ class Registry:
     def overrides(self) -> list[str]:
         """One line per name that an ``override=True`` registration takes from another package,
         naming both and how to reach the replaced one. Said at run start (see
-        :func:`tempering.recipe.run_recipe`): an override otherwise replaces a built-in such
+        :func:`tempering.training.recipe.run_recipe`): an override otherwise replaces a built-in such
         as ``exact_match`` silently, and a run's numbers change with what is installed."""
         lines = []
         for by_name in self._components.values():

@@ -16,7 +16,7 @@ nested block of a stage (``optimizer:``) -- is validated the same way, once:
 Who runs the check: the registry, when it builds or checks a spec (:func:`check_config_at`,
 the first problem as a one-line :class:`~tempering.errors.ConfigError` at the full key path,
 ``stages[1].loss.loss_type: GRPOLoss.loss_type must be one of ..., got 'dpao'. Did you mean
-'dapo'?``); :func:`tempering.stage.sub_config` for a nested block; and, for a dataclass built
+'dapo'?``); :func:`tempering.training.stage.sub_config` for a nested block; and, for a dataclass built
 directly in Python (``GRPOLoss(loss_type="x")``), its ``__post_init__`` through
 :func:`raise_problems` (a ``ValueError`` with the same message). One check, every caller.
 

@@ -10,7 +10,7 @@ other projects' test runs. It needs pytest, which tempering itself does not depe
 Fixtures
     ``tempering_registry``: a fresh :class:`~tempering.registry.Registry` loaded from the
     installed entry points, installed as the process-wide registry for the test (so
-    ``get_registry()``, :func:`tempering.recipe.run_recipe` and the CLI use it) and dropped
+    ``get_registry()``, :func:`tempering.training.recipe.run_recipe` and the CLI use it) and dropped
     afterwards.
     ``empty_registry``: a strict registry with no plugins at all; add yours with
     ``add_plugin``.

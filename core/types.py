@@ -71,7 +71,7 @@ class Segment:
 
     ``weights[i]`` is 1 where the model sampled ``tokens[i]`` and 0 on prompt, tool and
     observation tokens; ``logprobs[i]`` is the sampler's logprob of a sampled token (0
-    elsewhere). Built by appending (:class:`tempering.trajectory.TrajectoryBuilder`), never by
+    elsewhere). Built by appending (:class:`tempering.rollouts.trajectory.TrajectoryBuilder`), never by
     re-tokenizing text, so training sees exactly what sampling saw.
     """
 
@@ -108,7 +108,7 @@ class Sample:
     """A rollout of one example with the reward it earned.
 
     Single-turn samplers fill ``completion`` only; multi-turn ones also set ``trajectory``
-    (:class:`tempering.trajectory.Trajectory`: every turn, the transcript, the training rows)
+    (:class:`tempering.rollouts.trajectory.Trajectory`: every turn, the transcript, the training rows)
     and ``completion`` is its last turn. ``failed`` marks a reward or episode that raised, timed
     out or returned NaN; ``masked`` one that hit a limit configured to mask. Either keeps the
     sample in its group (so counts stay honest) but out of the loss and the advantages.

@@ -116,8 +116,7 @@ def rejects_before_training(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     """``check(recipe_yaml, override, message)``: ``tempering run`` on the recipe (``{out}`` in it
     is the run folder) with one ``key=value`` override exits 2 with exactly one line starting
     ``tempering: error: <message>``, and nothing was trained or written."""
-    from tempering import cli
-
+    from tempering.apps import cli
     def check(recipe: str, override: str, message: str) -> None:
         path = tmp_path / "bad.yaml"
         path.write_text(recipe.format(out=tmp_path / "run"), encoding="utf-8")
@@ -173,7 +172,7 @@ def arithmetic_warmup(tmp_path_factory: pytest.TempPathFactory) -> dict:
     ``checkpoint`` (the backend state after SFT), ``backend`` (the recipe's backend spec) and
     ``accuracy`` (held-out greedy accuracy after SFT).
     """
-    from tempering.recipe import find_recipe, read_progress
+    from tempering.training.recipe import find_recipe, read_progress
 
     out = tmp_path_factory.mktemp("arithmetic_warmup")
     recipe = find_recipe("arithmetic", [f"output_dir={out}", "loggers=[jsonl]"])

@@ -40,7 +40,7 @@ def recipe(output_dir: str) -> dict[str, Any]:
 @lru_cache(maxsize=1)
 def small_run() -> str:
     """The run folder (read-only for tests: copy it to change it)."""
-    from tempering.recipe import Recipe
+    from tempering.training.recipe import Recipe
 
     root = tempfile.mkdtemp(prefix="tempering-small-run-")
     atexit.register(shutil.rmtree, root, True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tempering.recipe import find_recipe
+from tempering.training.recipe import find_recipe
 
 
 @pytest.mark.slow

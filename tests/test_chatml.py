@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
-from tempering.chat import ToolCall, assign_call_ids, tool_message
 from tempering.errors import ConfigError
-from tempering.evaluate import completion_sampler
 from tempering.registry import get_registry
-from tempering.renderer import chat_text_prompts, default_renderer_name
-from tempering.rollout import collect
-from tempering.trajectory import TrajectoryBuilder
+from tempering.rollouts.chat import ToolCall, assign_call_ids, tool_message
+from tempering.rollouts.renderer import chat_text_prompts, default_renderer_name
+from tempering.rollouts.rollout import collect
+from tempering.rollouts.trajectory import TrajectoryBuilder
+from tempering.training.evaluate import completion_sampler
 from tempering.types import SamplingParams
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
@@ -276,8 +276,8 @@ def test_a_text_prompt_is_a_user_turn_with_a_chat_renderer_and_raw_text_with_ren
 
 def test_a_model_without_a_chat_format_keeps_raw_text_prompts():
     """The arithmetic recipe's tiny_llama: renderer auto, no chat format -- prompts as before."""
-    from tempering.data import encode_prompt
     from tempering.plugins.models.tiny import tiny_llama
+    from tempering.rollouts.data import encode_prompt
 
     _, tokenizer = tiny_llama(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
     assert chat_text_prompts("auto", tokenizer) is False
@@ -292,8 +292,8 @@ def test_a_model_without_a_chat_format_keeps_raw_text_prompts():
 def test_stages_render_text_prompts_and_answers_as_turns(smol, tmp_path):
     """SFT rows, DPO pairs and an RL stage on a text-prompt dataset: one user turn and the
     assistant's answer, as RL samples them; ``renderer: raw`` keeps the raw text."""
-    from tempering.recipe import Recipe
     from tempering.testing import FakeBackend
+    from tempering.training.recipe import Recipe
 
     backend = FakeBackend(complete=lambda prompt, i: "5<|im_end|>")
     backend.tokenizer = smol
@@ -336,8 +336,8 @@ def test_sdft_teachers_see_the_demonstration_in_the_same_format_as_the_student(s
 
 
 def test_renderer_raw_in_a_stage_with_chat_messages_is_a_config_error(smol, tmp_path):
-    from tempering.recipe import Recipe
     from tempering.testing import FakeBackend
+    from tempering.training.recipe import Recipe
 
     backend = FakeBackend()
     backend.tokenizer = smol

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tempering import cli
+from tempering.apps import cli
 from tempering.errors import ConfigError, PluginError, TemperingError
 from tempering.hookspecs import hookimpl
 from tempering.registry import ENV_STRICT, PluginInfo, Registry
@@ -303,7 +303,7 @@ def test_python_reward_errors_are_checked_before_building(user_module, fresh_reg
 
 
 def test_a_python_reward_trains_from_yaml(user_module, tmp_path, fresh_registry):
-    from tempering.recipe import Recipe
+    from tempering.training.recipe import Recipe
 
     path = tmp_path / "r.yaml"
     path.write_text(RECIPE.format(out=tmp_path / "run").replace(

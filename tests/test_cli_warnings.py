@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 
-from tempering import cli
+from tempering.apps import cli
 from tempering.registry import Registry
 
 PLUGIN = """
@@ -77,8 +77,8 @@ def test_component_warnings_and_the_override_print_one_line_each(chatty, capsys)
 
 def test_run_recipe_warns_of_the_override_in_python(chatty):
     reg, recipe = chatty
-    from tempering.recipe import find_recipe
     from tempering.registry import PluginOverrideWarning
+    from tempering.training.recipe import find_recipe
 
     with pytest.warns(PluginOverrideWarning, match=r"fake-chatty 2\.1 overrides reward 'exact_match'"):
         find_recipe(str(recipe), registry=reg).run(registry=reg)

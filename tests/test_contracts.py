@@ -29,9 +29,9 @@ from tempering.interfaces import (
     WeightSnapshots,
     supports,
 )
-from tempering.recipe import Recipe
 from tempering.registry import get_registry
 from tempering.testing import FakeBackend
+from tempering.training.recipe import Recipe
 
 ALL = (WeightSnapshots, EmaWeights, SamplingClients, Distributions, FullDistributions, LossOnTrainingForward,
        LossLogits, Exportable, DownloadableWeights, Closeable)  # fmt: skip
@@ -54,9 +54,9 @@ def test_every_capability_is_listed_and_the_unused_protocols_are_gone():
     assert set(interfaces.CAPABILITIES.values()) == set(ALL)
     for name in ("Algorithm", "Dataset", "ModelBuilder", "Examples"):
         assert not hasattr(interfaces, name)
-    import tempering.environment
+    import tempering.rollouts.environment
 
-    assert not hasattr(tempering.environment, "EnvironmentProtocol")
+    assert not hasattr(tempering.rollouts.environment, "EnvironmentProtocol")
 
 
 def test_test_doubles_fit_the_protocols():
@@ -98,11 +98,11 @@ def test_tinker_backend_fits_the_protocols(monkeypatch, tmp_path):
 
 
 def test_recipe_run_context_fits_the_protocol():
-    from tempering.recipe import RunContext as Implementation
+    from tempering.training.recipe import RunContext as Implementation
 
     ctx = Implementation(get_registry(), FakeBackend(), {}, "out", [], 0)
     assert isinstance(ctx, RunContext) and isinstance(ctx, BuildContext)
-    from tempering.checkpoint_eval import EvalContext
+    from tempering.apps.checkpoint_eval import EvalContext
 
     assert isinstance(EvalContext(get_registry(), FakeBackend()), BuildContext)
 

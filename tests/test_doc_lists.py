@@ -100,7 +100,7 @@ def test_runs_doc_has_one_table_of_the_top_level_keys() -> None:
     """issue 24 item 25: every top-level recipe key, with its default, in docs/runs.md."""
     import dataclasses
 
-    from tempering.config import RecipeConfig
+    from tempering.training.config import RecipeConfig
 
     rows = table_rows((ROOT / "docs" / "runs.md").read_text(encoding="utf-8"), "## The top-level keys of a recipe")
     keys = {r[0].strip("`"): r[1].strip("`") for r in rows}

@@ -18,7 +18,7 @@ from tempering.plugins.backends.local.backend import LocalBackend
 from tempering.plugins.datasets.arithmetic import arithmetic
 from tempering.plugins.datasets.synthetic_preferences import synthetic_preferences
 from tempering.plugins.models.tiny import tiny_llama
-from tempering.recipe import Recipe
+from tempering.training.recipe import Recipe
 from tempering.types import AdamParams
 
 SMALL = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64}

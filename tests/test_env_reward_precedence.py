@@ -9,8 +9,8 @@ import warnings
 
 from test_failures import backend
 
-from tempering.environment import Environment, StepResult
-from tempering.recipe import Recipe
+from tempering.rollouts.environment import Environment, StepResult
+from tempering.training.recipe import Recipe
 
 
 class ScoresItself(Environment):

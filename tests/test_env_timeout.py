@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from test_environments import Adder, renderer, roll, say  # noqa: F401 - renderer is a fixture
 
-from tempering.environment import StepResult
+from tempering.rollouts.environment import StepResult
 
 RELEASE = threading.Event()  # set at the end, so a blocked environment thread finishes
 

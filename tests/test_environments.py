@@ -1,6 +1,6 @@
 """The environment contract, end to end through the real ``environment`` sampler.
 
-Every test drives real episodes (``tempering.episode.run_episode`` behind the registered
+Every test drives real episodes (``tempering.rollouts.episode.run_episode`` behind the registered
 ``environment`` sampler, batched by ``ModelQueue``) with the ``tiny_chat`` renderer over
 ``tiny_llama(chat=True)``'s tokenizer. The "model" is :class:`ScriptedModel`, a sampling client
 that answers each prompt with the assistant turn the test scripted for that episode and turn
@@ -21,14 +21,14 @@ from typing import Any
 import pytest
 from tool_envs import WithAdd
 
-from tempering.chat import ParsedResponse, ToolCall
-from tempering.environment import Environment, StepResult
-from tempering.episode import EpisodeLimits, ModelQueue, run_episode
 from tempering.registry import get_registry
-from tempering.rl import build_group_batch
-from tempering.rollout import SamplerContext, collect, rollout_metrics
-from tempering.scoring import RewardRunner
-from tempering.tools import Tool, tool, tools_of
+from tempering.rollouts.chat import ParsedResponse, ToolCall
+from tempering.rollouts.environment import Environment, StepResult
+from tempering.rollouts.episode import EpisodeLimits, ModelQueue, run_episode
+from tempering.rollouts.rollout import SamplerContext, collect, rollout_metrics
+from tempering.rollouts.scoring import RewardRunner
+from tempering.rollouts.tools import Tool, tool, tools_of
+from tempering.training.rl import build_group_batch
 from tempering.types import Completion, SamplingParams
 
 
@@ -670,7 +670,7 @@ TINY_CHAT = {"chat": True, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "
 @pytest.mark.parametrize("stage", [{"name": "grpo"}, {"name": "offpolicy", "max_steps_off_policy": 2}], ids=["grpo", "offpolicy"])
 def test_rl_stages_train_through_the_environment_sampler(tmp_path, stage):
     from tempering.plugins.backends.local.backend import LocalBackend
-    from tempering.recipe import Recipe
+    from tempering.training.recipe import Recipe
 
     backend = LocalBackend(model="tiny_llama", model_kwargs=TINY_CHAT, num_threads=1)
     before = {k: v.clone() for k, v in backend.model.state_dict().items()}

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from observability_run import RL_STEPS, SFT_STEPS, small_run
 
-from tempering import cli
-from tempering.calibration import calibration
-from tempering.checkpoint_eval import EvalSpec, evaluate_policy, ks_for, pass_at_k, write_report
+from tempering.apps import cli
+from tempering.apps.calibration import calibration
+from tempering.apps.checkpoint_eval import EvalSpec, evaluate_policy, ks_for, pass_at_k, write_report
 from tempering.testing import FakeBackend
 
 
@@ -142,8 +142,8 @@ def test_an_inspect_task_evaluates_a_run_through_the_bridge(tmp_path: Path) -> N
     from inspect_ai.scorer import exact
     from inspect_ai.solver import generate
 
+    from tempering.apps.rundata import RunDir, run_backend
     from tempering.plugins.datasets.tool_use import tool_use
-    from tempering.rundata import RunDir, run_backend
 
     run = small_run()
     tasks = tool_use("test", size=4)

@@ -11,8 +11,8 @@ from typing import Any
 
 from test_failures import TINY
 
-from tempering.checkpoint_eval import spec_from_recipe
-from tempering.recipe import Recipe
+from tempering.apps.checkpoint_eval import spec_from_recipe
+from tempering.training.recipe import Recipe
 
 EVAL = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}, {"prompt": "3+3=", "answer": "6"}]
 

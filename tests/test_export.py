@@ -13,10 +13,10 @@ import pytest
 import torch
 from observability_run import small_run
 
-from tempering import cli
-from tempering.recipe import Recipe, backend_spec
+from tempering.apps import cli
+from tempering.apps.rundata import RunDir, run_backend
 from tempering.registry import get_registry
-from tempering.rundata import RunDir, run_backend
+from tempering.training.recipe import Recipe, backend_spec
 from tempering.types import Batch, Datum
 
 TINY = {"name": "local", "model": "tiny_llama", "num_threads": 1, "lora": {"rank": 4, "alpha": 8},

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from test_failures import TINY, backend
 
-from tempering.environment import Environment, StepResult
 from tempering.errors import TemperingError
-from tempering.recipe import Recipe
+from tempering.rollouts.environment import Environment, StepResult
+from tempering.training.recipe import Recipe
 
 
 def flaky(completion: str, example: dict) -> float:

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from test_failures import backend
 
-from tempering.environment import Environment, StepResult
-from tempering.recipe import Recipe
+from tempering.rollouts.environment import Environment, StepResult
+from tempering.training.recipe import Recipe
 
 
 class Lookup(Environment):
@@ -72,8 +72,7 @@ def test_debug_re_raises_the_first_failure(tmp_path, monkeypatch):
 
 
 def test_the_cli_debug_flag_sets_the_variable(monkeypatch):
-    from tempering import cli
-
+    from tempering.apps import cli
     monkeypatch.setenv("TEMPERING_DEBUG", "0")  # recorded, so the variable main sets is removed after
     seen: list[Any] = []
     monkeypatch.setattr(cli, "cmd_run", lambda args: seen.append(__import__("os").environ.get("TEMPERING_DEBUG")) or 0)

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from tempering.environment import Environment, StepResult
 from tempering.errors import ConfigError, TemperingError
-from tempering.failures import FailureWatch, failure_cause, failure_metrics
 from tempering.interfaces import RewardResult
-from tempering.recipe import Recipe, read_progress
-from tempering.scoring import RewardRunner, reward_number
+from tempering.rollouts.environment import Environment, StepResult
+from tempering.rollouts.scoring import RewardRunner, reward_number
+from tempering.runs.failures import FailureWatch, failure_cause, failure_metrics
+from tempering.training.recipe import Recipe, read_progress
 from tempering.types import Completion, Sample
 
 MODEL = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
@@ -128,7 +128,7 @@ def watched(watch: FailureWatch, failed: int, n: int = 4, cause: str = "raised:R
 
 
 def test_the_window_tolerates_a_bad_step_and_stops_a_bad_run(capsys):
-    from tempering.recipe import StopRun
+    from tempering.training.recipe import StopRun
 
     watch = FailureWatch("rl", "stages[1]", max_failed_fraction=0.5, window=3)
     first = watched(watch, 4)
@@ -345,9 +345,9 @@ def test_a_jsonl_dataset_is_checked_from_its_first_rows_and_hub_datasets_are_not
 
 
 def test_config_only_validation_skips_the_data(tmp_path):
-    from tempering.recipe import RunContext
     from tempering.registry import get_registry
-    from tempering.stage import config_only
+    from tempering.training.recipe import RunContext
+    from tempering.training.stage import config_only
 
     reg = get_registry()
     spec = {k: v for k, v in rl(dataset={"name": "jsonl", "path": "-"}).items() if k != "id"}

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tempering.recipe import Recipe, read_progress
 from tempering.registry import get_registry
+from tempering.training.recipe import Recipe, read_progress
 
 TINY = {"name": "local", "model": "tiny_llama", "num_threads": 1,
         "model_kwargs": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}}

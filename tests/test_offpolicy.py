@@ -33,14 +33,14 @@ from tempering.algorithms.offpolicy.loss import (
     ratio_stats,
     sampling_logprobs,
 )
-from tempering.async_rollout import AsyncRollouts, StalenessError, sampler_of
-from tempering.data import ExampleStream
 from tempering.errors import ConfigError
-from tempering.evaluate import completion_sampler
 from tempering.interfaces import Loss
-from tempering.recipe import Recipe, read_progress
-from tempering.scoring import RewardRunner
+from tempering.rollouts.async_rollout import AsyncRollouts, StalenessError, sampler_of
+from tempering.rollouts.data import ExampleStream
+from tempering.rollouts.scoring import RewardRunner
 from tempering.testing import FakeBackend
+from tempering.training.evaluate import completion_sampler
+from tempering.training.recipe import Recipe, read_progress
 from tempering.types import AdamParams, Batch, Datum, SamplingParams
 
 LN = math.log

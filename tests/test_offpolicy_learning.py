@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tempering.plugins.backends.local.backend import LocalBackend
-from tempering.recipe import Recipe
+from tempering.training.recipe import Recipe
 
 MODEL = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128}
 EVAL = {"dataset": {"name": "arithmetic", "split": "test", "size": 200}, "max_tokens": 4}

@@ -189,7 +189,7 @@ def test_both_installs_have_the_same_entry_points_and_components(installs):
     editable, regular = installs["editable"], installs["regular"]
     declared = sorted([k, v] for k, v in PYPROJECT["project"]["entry-points"]["tempering"].items())
     assert regular["entry_points"] == editable["entry_points"] == declared
-    assert regular["scripts"] == editable["scripts"] == [["tempering", "tempering.cli:main"]]
+    assert regular["scripts"] == editable["scripts"] == [["tempering", "tempering.apps.cli:main"]]
     assert regular["components"] == editable["components"]
     assert regular["targets"] == editable["targets"]
     assert {k: v for k, v in regular["targets"].items() if v != "ok"} == {}  # every lazy target imports

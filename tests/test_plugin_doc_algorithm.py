@@ -55,7 +55,7 @@ def test_its_config_is_checked_like_a_builtin(tmp_path: Path, loss: str, message
 import sys
 import reinforce_example as ex
 from tempering.errors import ConfigError
-from tempering.recipe import Recipe
+from tempering.training.recipe import Recipe
 from tempering.testing import make_registry
 registry = make_registry(ex)
 recipe = Recipe.from_dict({{"output_dir": "runs/bad", "loggers": [], "backend": {{"name": "local", "model": "tiny_llama"}},

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tempering import cli
+from tempering.apps import cli
 from tempering.errors import ConfigError, PluginError, UnknownComponentError
 from tempering.registry import ENV_LOAD, ENV_STRICT, Registry
 
@@ -75,7 +75,7 @@ def test_plugins_command_lists_the_template_with_its_package(template):
     # The real command, as a user types it; plugin modules must not import torch to list themselves.
     proc = run_script(template, """
         import sys
-        from tempering.cli import main
+        from tempering.apps.cli import main
         rc = main(["plugins"])
         print("torch imported:", "torch" in sys.modules)
         sys.exit(rc)
@@ -143,7 +143,7 @@ PROBE = """
 import json, sys, time, traceback
 t0 = time.perf_counter()
 import torch
-from tempering.recipe import Recipe
+from tempering.training.recipe import Recipe
 from tempering.registry import Registry
 
 out_dir, results_path, template_src, with_local = sys.argv[1:5]
@@ -556,8 +556,7 @@ def test_cli_bad_overrides_print_one_line_and_exit_2(fresh_registry, tmp_path, c
 
 
 def test_cli_overrides_reach_the_recipe(fresh_registry, tmp_path, monkeypatch, capsys):
-    from tempering import recipe as recipe_module
-
+    from tempering.training import recipe as recipe_module
     ran = []
 
     def fake_run(self, registry=None, backend=None):
@@ -598,8 +597,8 @@ def test_cli_misspelt_recipe_name_and_missing_file(fresh_registry, tmp_path, cap
 
 # --------------------------------------------------------------------------- unknown config keys
 def _run_until_config_error(registry: Registry, tmp_path: Path, stages: list[dict], **top: object) -> ConfigError:
-    from tempering.recipe import Recipe
     from tempering.testing import FakeBackend
+    from tempering.training.recipe import Recipe
 
     backend = FakeBackend()
     recipe = Recipe.from_dict({"name": "t", "output_dir": str(tmp_path), "loggers": [], "stages": stages, **top})
@@ -610,7 +609,7 @@ def _run_until_config_error(registry: Registry, tmp_path: Path, stages: list[dic
 
 
 def test_unknown_config_keys_fail_with_their_path(fresh_registry, tmp_path):
-    from tempering.recipe import Recipe
+    from tempering.training.recipe import Recipe
 
     with pytest.raises(ConfigError) as err:
         Recipe.from_dict({"stages": [{"name": "grpo"}], "sed": 3})
@@ -664,8 +663,8 @@ def test_a_default_never_conflicts_with_a_plugin_the_user_did_not_name(fake_dist
         def register_rewards(register):
             register("exact_match", lambda: (lambda completion, example: 0.5))
     """)
-    from tempering.recipe import Recipe
     from tempering.registry import get_registry
+    from tempering.training.recipe import Recipe
 
     monkeypatch.setattr("tempering.registry._default", Registry())
     tiny = {"name": "local", "model": "tiny_llama", "num_threads": 1,

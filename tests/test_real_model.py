@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tempering import cli
+from tempering.apps import cli
 from tempering.errors import ConfigError
 from tempering.plugins.models import gguf, smollm2
 from tempering.registry import get_registry
@@ -175,7 +175,7 @@ REAL_MODEL_EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples" /
 def test_the_real_model_example_recipes_are_valid_with_their_data(recipe: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every stage's config and data, as a run checks them before training (the data paths are
     relative to the repository root, where the recipes say to run them)."""
-    from tempering.recipe import RunContext, find_recipe
+    from tempering.training.recipe import RunContext, find_recipe
 
     monkeypatch.chdir(recipe.parents[2])
     reg = get_registry()

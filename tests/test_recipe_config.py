@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from tempering.config import apply_overrides, resolve_recipe
 from tempering.errors import ConfigError, PluginError
 from tempering.hookspecs import hookimpl
-from tempering.recipe import Recipe
 from tempering.registry import PluginInfo, Registry, params_schema
 from tempering.testing import FakeBackend
+from tempering.training.config import apply_overrides, resolve_recipe
+from tempering.training.recipe import Recipe
 
 YAML = """
 name: demo

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tempering import cli
+from tempering.apps import cli
 
 SECRET = "sk-test-DO-NOT-WRITE-1234567890"
 
@@ -92,7 +92,7 @@ def test_a_literal_api_key_is_used_but_never_written(judge, tmp_path, capsys, fr
     # tempering export/eval rebuild the backend from run.json: a redacted value is left out (the
     # backend's own default, e.g. TINKER_API_KEY), never sent as "<redacted>" (the local backend
     # would reject the key outright)
-    from tempering.rundata import RunDir, run_backend
+    from tempering.apps.rundata import RunDir, run_backend
 
     info["recipe"]["backend"]["api_key"] = "<redacted>"
     (out / "run.json").write_text(json.dumps(info), encoding="utf-8")
@@ -106,7 +106,7 @@ def test_a_literal_api_key_is_used_but_never_written(judge, tmp_path, capsys, fr
 
 
 def test_redact_keeps_variable_names_and_token_counts():
-    from tempering.redact import REDACTED, redact, redact_yaml_text
+    from tempering.runs.redact import REDACTED, redact, redact_yaml_text
 
     cfg = {"reward": {"name": "llm_judge", "api_key": SECRET, "api_key_env": "JUDGE_API_KEY", "max_tokens": 8},
            "backend": {"name": "tinker", "api_key": None, "eos_token": "</s>"},

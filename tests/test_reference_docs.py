@@ -1,6 +1,6 @@
 """docs/reference.md is generated from the schemas the validator checks recipes against, and
 fails here when it is stale: adding, renaming or re-defaulting a built-in key without
-regenerating it (``python -m tempering.reference_docs --write``) is a test failure. Also
+regenerating it (``python -m tempering.apps.reference_docs --write``) is a test failure. Also
 ``tempering show``, the other way to read what a recipe says."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tempering import reference_docs
+from tempering.apps import reference_docs
 from tempering.errors import ConfigError
 from tempering.registry import BUILTIN_DIST, Registry
 
@@ -26,7 +26,7 @@ def builtins() -> Registry:
 
 def test_the_checked_in_reference_is_what_the_schemas_say(builtins: Registry) -> None:
     assert DOC.read_text(encoding="utf-8") == reference_docs.render(builtins), (
-        "docs/reference.md is stale: run `python -m tempering.reference_docs --write` and commit it")
+        "docs/reference.md is stale: run `python -m tempering.apps.reference_docs --write` and commit it")
 
 
 def documented(text: str) -> dict[tuple[str, str], list[str]]:
@@ -75,8 +75,8 @@ def test_check_mode_fails_on_a_stale_file(tmp_path: Path, monkeypatch: pytest.Mo
 def test_show_prints_a_bundled_recipe_as_shipped_or_resolved(capsys: pytest.CaptureFixture[str]) -> None:
     import yaml
 
-    from tempering import cli
-    from tempering.recipe import find_recipe
+    from tempering.apps import cli
+    from tempering.training.recipe import find_recipe
 
     shipped = (Path(__file__).resolve().parents[1] / "core" / "recipes" / "tool_use.yaml").read_text(encoding="utf-8")
     assert cli.main(["show", "tool_use"]) == 0

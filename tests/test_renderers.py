@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from tempering.chat import ToolCall, assign_call_ids, tool_message
 from tempering.errors import ConfigError
 from tempering.plugins.renderers.plugin import TML_FAMILIES
 from tempering.registry import get_registry
-from tempering.renderer import Renderer, default_renderer_name
+from tempering.rollouts.chat import ToolCall, assign_call_ids, tool_message
+from tempering.rollouts.renderer import Renderer, default_renderer_name
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}  # fmt: skip

@@ -25,7 +25,7 @@ from tempering.plugins.rewards.server import (
     is_loopback,
     make_server,
 )
-from tempering.scoring import RewardRunner
+from tempering.rollouts.scoring import RewardRunner
 from tempering.types import Completion, Sample
 
 TARGET = "tempering.plugins.rewards.testing:length"

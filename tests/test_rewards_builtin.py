@@ -17,7 +17,7 @@ from tempering.plugins.rewards.forecast import Brier, BrierSkill, ForecastParseE
 from tempering.plugins.rewards.math_answer import MathAnswer, extract_answer, extract_boxed
 from tempering.plugins.rewards.retrieval import RetrievalRecall, cited_ids
 from tempering.registry import get_registry
-from tempering.scoring import RewardRunner
+from tempering.rollouts.scoring import RewardRunner
 from tempering.types import Completion, Sample
 
 BUILTINS = ["brier", "brier_skill", "exact_match", "llm_judge", "math_answer", "process_pool", "remote",

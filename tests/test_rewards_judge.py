@@ -13,7 +13,7 @@ import pytest
 
 from tempering.plugins.rewards.judge import JudgeParseError, LLMJudge, critique, parse_binary, parse_graded
 from tempering.registry import get_registry
-from tempering.scoring import RewardRunner
+from tempering.rollouts.scoring import RewardRunner
 from tempering.types import Completion, Sample, SamplingParams
 
 

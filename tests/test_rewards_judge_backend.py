@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tempering.plugins.rewards.judge import JudgeParseError, LLMJudge, parse_graded
-from tempering.scoring import RewardRunner
+from tempering.rollouts.scoring import RewardRunner
 from tempering.types import Completion, Sample, SamplingParams
 
 

@@ -11,7 +11,7 @@ import pytest
 from tempering.plugins.rewards.pool import ProcessPoolReward
 from tempering.plugins.rewards.testing import length_with_pid
 from tempering.registry import get_registry
-from tempering.scoring import RewardRunner, _is_async
+from tempering.rollouts.scoring import RewardRunner, _is_async
 from tempering.types import Completion, Sample
 
 TARGET = "tempering.plugins.rewards.testing:length_with_pid"

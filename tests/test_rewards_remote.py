@@ -21,7 +21,7 @@ import pytest
 
 from tempering.plugins.rewards.remote import RemoteReward
 from tempering.registry import get_registry
-from tempering.scoring import RewardRunner
+from tempering.rollouts.scoring import RewardRunner
 from tempering.types import Completion, Sample
 
 ASYNC_TARGET = "tempering.plugins.rewards.testing:async_length"

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tempering.interfaces import RewardResult
-from tempering.scoring import RewardRunner, ScoreStats
+from tempering.rollouts.scoring import RewardRunner, ScoreStats
 from tempering.types import Completion, Sample
 
 
@@ -174,7 +174,7 @@ def test_score_as_completed_blocks_and_calls_back():
 
 # --------------------------------------------------------------------------- feedback
 def test_a_rewards_feedback_goes_to_sample_feedback_not_reward_info():
-    from tempering.feedback import Scored
+    from tempering.rollouts.feedback import Scored
 
     def reward(c, e):
         if c == "result":

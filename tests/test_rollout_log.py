@@ -15,11 +15,11 @@ import pytest
 import torch
 from observability_run import GROUP, PROMPTS, RL_STEPS, SFT_STEPS, small_run
 
-from tempering import rollout_log
 from tempering.errors import ConfigError
-from tempering.recipe import Recipe
 from tempering.registry import get_registry
+from tempering.runs import rollout_log
 from tempering.testing import FakeBackend
+from tempering.training.recipe import Recipe
 
 QUESTIONS = [{"prompt": f"q{i}", "answer": "3"} for i in range(7)] + [{"prompt": "boom", "answer": "3"}]
 

@@ -20,13 +20,14 @@ from typing import Any
 import pytest
 import torch
 
-from tempering import cli, runfolder
+from tempering.apps import cli
 from tempering.errors import ConfigError, TemperingError
-from tempering.recipe import Recipe, RunStopped, StopRun, read_progress
 from tempering.registry import get_registry
-from tempering.runfolder import LOCK_FILE, RunFolderWarning, RunLock, RunLockedError
-from tempering.stage import Stage
+from tempering.runs import runfolder
+from tempering.runs.runfolder import LOCK_FILE, RunFolderWarning, RunLock, RunLockedError
 from tempering.testing import FakeBackend
+from tempering.training.recipe import Recipe, RunStopped, StopRun, read_progress
+from tempering.training.stage import Stage
 from tempering.types import AdamParams
 
 TIMING = ("time", "step_time", "tokens_per_s")
@@ -264,11 +265,11 @@ def test_stop_run_before_a_stage_takes_a_step_resumes_from_the_stage_start(tmp_p
 
 
 def test_the_cli_prints_a_stopped_run_as_one_line(tmp_path, monkeypatch, capsys):
-    import tempering.recipe
+    import tempering.training.recipe
 
     recipe = counting(tmp_path, ({"stop_at": 1},))
-    monkeypatch.setattr(tempering.recipe, "find_recipe", lambda name, overrides: recipe)
-    monkeypatch.setattr(Recipe, "run", lambda self: tempering.recipe.run_recipe(self, backend=FakeBackend()))
+    monkeypatch.setattr(tempering.training.recipe, "find_recipe", lambda name, overrides: recipe)
+    monkeypatch.setattr(Recipe, "run", lambda self: tempering.training.recipe.run_recipe(self, backend=FakeBackend()))
     assert cli.main(["run", "anything"]) == 2
     out, err = capsys.readouterr()
     assert "Done." not in out

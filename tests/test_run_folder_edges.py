@@ -10,12 +10,13 @@ from typing import Any
 
 import pytest
 
-from tempering import cli, runfolder
+from tempering.apps import cli
 from tempering.errors import ConfigError
-from tempering.recipe import Recipe, read_progress
-from tempering.runfolder import RunAlreadyComplete
-from tempering.stage import Stage
+from tempering.runs import runfolder
+from tempering.runs.runfolder import RunAlreadyComplete
 from tempering.testing import FakeBackend
+from tempering.training.recipe import Recipe, read_progress
+from tempering.training.stage import Stage
 from tempering.types import AdamParams
 
 
@@ -83,10 +84,10 @@ def test_output_dir_naming_a_file_is_one_line(tmp_path, monkeypatch, capsys):
     with pytest.raises(ConfigError, match=r"^output_dir: cannot create"):
         recipe(inside).run(backend=FakeBackend())
 
-    import tempering.recipe
+    import tempering.training.recipe
 
-    monkeypatch.setattr(tempering.recipe, "find_recipe", lambda name, overrides: recipe(target))
-    monkeypatch.setattr(Recipe, "run", lambda self: tempering.recipe.run_recipe(self, backend=FakeBackend()))
+    monkeypatch.setattr(tempering.training.recipe, "find_recipe", lambda name, overrides: recipe(target))
+    monkeypatch.setattr(Recipe, "run", lambda self: tempering.training.recipe.run_recipe(self, backend=FakeBackend()))
     assert cli.main(["run", "anything"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("tempering: error: output_dir: ") and "Traceback" not in err
@@ -102,10 +103,10 @@ def test_rerunning_a_finished_recipe_says_it_is_complete_and_how_to_start_over(t
     assert again.already_complete and again.stages == {}
     assert (tmp_path / "metrics.jsonl").read_text() == metrics
 
-    import tempering.recipe
+    import tempering.training.recipe
 
-    monkeypatch.setattr(tempering.recipe, "find_recipe", lambda name, overrides: recipe(tmp_path))
-    monkeypatch.setattr(Recipe, "run", lambda self: tempering.recipe.run_recipe(self, backend=FakeBackend()))
+    monkeypatch.setattr(tempering.training.recipe, "find_recipe", lambda name, overrides: recipe(tmp_path))
+    monkeypatch.setattr(Recipe, "run", lambda self: tempering.training.recipe.run_recipe(self, backend=FakeBackend()))
     assert cli.main(["run", "anything"]) == 0
     out, err = capsys.readouterr()
     assert "Done." not in out

@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from tempering import cli
-from tempering.evaluate import completion_sampler
-from tempering.recipe import Recipe
-from tempering.rollout import collect, rollout_metrics
-from tempering.scoring import RewardRunner
+from tempering.apps import cli
+from tempering.rollouts.rollout import collect, rollout_metrics
+from tempering.rollouts.scoring import RewardRunner
 from tempering.testing import FakeBackend
+from tempering.training.evaluate import completion_sampler
+from tempering.training.recipe import Recipe
 from tempering.types import SamplingParams
 
 TINY = {"name": "local", "model": "tiny_llama", "num_threads": 1,
@@ -24,7 +24,7 @@ TINY = {"name": "local", "model": "tiny_llama", "num_threads": 1,
 SCRIPTED = """
 import asyncio
 from tempering import hookimpl
-from tempering.rollout import Rollout
+from tempering.rollouts.rollout import Rollout
 from tempering.types import Group, Sample
 
 CALLS = []

@@ -14,7 +14,7 @@ from tempering.algorithms.grpo.loss import GRPOLoss
 from tempering.errors import ConfigError
 from tempering.registry import get_registry
 from tempering.schema import Problem, check_config_at, config_problems, one_of, raise_problems
-from tempering.stage import OptimizerConfig, sub_config
+from tempering.training.stage import OptimizerConfig, sub_config
 
 
 @dataclass

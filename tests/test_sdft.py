@@ -27,7 +27,7 @@ from tempering.algorithms.sdft.loss import (
 from tempering.algorithms.sft.loss import CrossEntropyLoss
 from tempering.interfaces import Loss
 from tempering.plugins.backends.local.backend import LocalBackend
-from tempering.recipe import Recipe
+from tempering.training.recipe import Recipe
 from tempering.types import AdamParams, Batch, Completion, Datum
 
 SMALL = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64}
@@ -400,7 +400,7 @@ class _TwoTurns:
         return []
 
     async def step(self, response):
-        from tempering.environment import StepResult
+        from tempering.rollouts.environment import StepResult
 
         self.turns += 1
         return StepResult([{"role": "tool", "content": "42"}], reward=0.0, done=self.turns >= 2)
@@ -414,7 +414,7 @@ def test_sdft_distils_multi_turn_trajectories(tmp_path):
     results inside at weight 0), the teacher row the demonstration-conditioned prompt followed
     by exactly the same tokens, and the stage trains through the environment sampler."""
     from tempering.plugins.backends.local.backend import LocalBackend
-    from tempering.recipe import Recipe
+    from tempering.training.recipe import Recipe
 
     kwargs = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "chat": True,
               "max_position_embeddings": 256}  # fmt: skip
@@ -432,11 +432,11 @@ def test_sdft_distils_multi_turn_trajectories(tmp_path):
     from tempering.registry import get_registry
 
     built = get_registry().build("algorithm", sdft, "stages[0]")
-    from tempering.recipe import RunContext
+    from tempering.training.recipe import RunContext
 
     ctx = RunContext(get_registry(), backend, {}, str(tmp_path / "b"), [], 0)
     built.setup(ctx, {})
-    from tempering.rollout import collect
+    from tempering.rollouts.rollout import collect
 
     rollout = collect(built.student_sampler, backend, [built.student_example(r) for r in rows[:2]], 2,
                       built.sampling_params())  # fmt: skip

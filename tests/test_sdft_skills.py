@@ -27,10 +27,10 @@ import time
 import pytest
 
 from tempering.algorithms.sdft.toy import TOY_CHARS, TOY_DIGITS, TOY_TEACHER_TEMPLATE, toy_skills
-from tempering.evaluate import evaluate
 from tempering.plugins.backends.local.backend import LocalBackend
 from tempering.plugins.rewards.basic import ExactMatch
-from tempering.recipe import Recipe
+from tempering.training.evaluate import evaluate
+from tempering.training.recipe import Recipe
 
 SEED = 2
 MODEL = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128, "chars": TOY_CHARS,

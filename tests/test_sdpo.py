@@ -37,9 +37,9 @@ from tempering.algorithms.sdpo.context import (  # noqa: E402
     truncate_prompt,
 )
 from tempering.algorithms.sdpo.loss import SDPOLoss  # noqa: E402
-from tempering.recipe import Recipe  # noqa: E402
-from tempering.rl import build_group_batch  # noqa: E402
 from tempering.rlmath.advantages import GroupNormAdvantage  # noqa: E402
+from tempering.training.recipe import Recipe  # noqa: E402
+from tempering.training.rl import build_group_batch  # noqa: E402
 from tempering.types import Completion, Group, Sample  # noqa: E402
 
 #: A tiny Llama whose character vocabulary covers TRL's default templates.
@@ -695,7 +695,7 @@ class _TwoTurns:
         return []
 
     async def step(self, response):
-        from tempering.environment import StepResult
+        from tempering.rollouts.environment import StepResult
 
         self.turns += 1
         self.first = self.first or (getattr(response, "text", "") or " ")
@@ -712,9 +712,9 @@ def test_multi_turn_samples_are_distilled_on_their_first_row(tmp_path):
     after a history rewrite get the policy gradient only, counted. The stage trains through
     the environment sampler."""
     from tempering.plugins.backends.local.backend import LocalBackend
-    from tempering.recipe import RunContext
     from tempering.registry import get_registry
-    from tempering.rollout import collect
+    from tempering.rollouts.rollout import collect
+    from tempering.training.recipe import RunContext
 
     kwargs = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "chat": True,
               "max_position_embeddings": 512}  # fmt: skip

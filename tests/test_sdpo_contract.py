@@ -29,7 +29,7 @@ from tempering.loss_contract import (
     builtin_of,
     check_reads,
 )
-from tempering.teacher import TeacherNeeds, teacher_needs
+from tempering.training.teacher import TeacherNeeds, teacher_needs
 from tempering.types import Batch, Datum
 
 TOKEN = {WEIGHTS, DISTILL_WEIGHTS, TEACHER_TOKEN_LOGPROBS}

@@ -17,7 +17,7 @@ import statistics
 
 import pytest
 
-from tempering.recipe import Recipe
+from tempering.training.recipe import Recipe
 
 CHARS = "0123456789+= abcdefghijklmnopqrstuvwxyz',.\"\\"
 MODEL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 128, "chars": CHARS}

@@ -20,7 +20,7 @@ from tempering.algorithms.offpolicy.loss import ClippedISLoss, OffPolicyObjectiv
 from tempering.algorithms.sdpo.algorithm import SDPO
 from tempering.algorithms.sdpo.loss import SDPOLoss
 from tempering.loss_contract import DISTILL_WEIGHTS, TEACHER_TOKEN_LOGPROBS
-from tempering.recipe import Recipe
+from tempering.training.recipe import Recipe
 from tempering.types import Batch, Datum
 
 CHARS = string.digits + string.ascii_letters + " +=:,.'\n"

@@ -16,8 +16,8 @@ import torch
 from tempering.algorithms.dpo.algorithm import DPO
 from tempering.algorithms.dpo.loss import DPOLoss, pair_sequence_logprobs
 from tempering.plugins.datasets.search_traces import agentic_search
-from tempering.recipe import Recipe
 from tempering.registry import get_registry
+from tempering.training.recipe import Recipe
 
 LN2 = math.log(2.0)
 TINY = {"chat": True, "hidden_size": 16, "num_layers": 1, "num_heads": 2, "intermediate_size": 32, "max_position_embeddings": 512}

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from tempering.chat import ParsedResponse, ToolCall
 from tempering.plugins.datasets.search_corpus import corpus_from_spec, generate
 from tempering.plugins.datasets.search_traces import agentic_search, gold_turns
 from tempering.plugins.environments.search import Search
 from tempering.registry import get_registry
-from tempering.rollout import SamplerContext, collect
+from tempering.rollouts.chat import ParsedResponse, ToolCall
+from tempering.rollouts.rollout import SamplerContext, collect
 from tempering.types import Completion, SamplingParams
 
 TINY = {"style": "tiny"}
@@ -355,7 +355,7 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 def test_the_recipes_are_valid_with_their_data(recipe: str) -> None:
     """Every stage's config and data, as a run checks them before training (the real-model
     recipes need Tinker or a checkpoint to run: their config is what can be checked here)."""
-    from tempering.recipe import RunContext, find_recipe
+    from tempering.training.recipe import RunContext, find_recipe
 
     reg = get_registry()
     cfg = find_recipe(recipe).to_dict()

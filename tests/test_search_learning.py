@@ -23,8 +23,8 @@ import torch
 from tempering.algorithms.dpo.algorithm import DPO
 from tempering.algorithms.dpo.loss import DPOLoss
 from tempering.plugins.datasets.search_traces import agentic_search
-from tempering.recipe import find_recipe
 from tempering.registry import get_registry
+from tempering.training.recipe import find_recipe
 
 #: Held-out DPO margin (mean of beta * log-ratio differences) after the DPO stage, and the
 #: share of held-out pairs it ranks right. Measured over seeds 0-2: margin 4.1-4.6, 0.995-1.0

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tempering import cli
-from tempering.recipe import Recipe, check_recipe
+from tempering.apps import cli
 from tempering.registry import get_registry
-from tempering.stage import EvalConfig, OptimizerConfig
+from tempering.training.recipe import Recipe, check_recipe
+from tempering.training.stage import EvalConfig, OptimizerConfig
 
 
 def show(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

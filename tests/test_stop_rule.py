@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from tempering.errors import ConfigError
-from tempering.recipe import Recipe
-from tempering.stage import EvalConfig, Stage, check_eval, stop_check
 from tempering.testing import FakeBackend
+from tempering.training.recipe import Recipe
+from tempering.training.stage import EvalConfig, Stage, check_eval, stop_check
 from tempering.types import AdamParams
 
 HELD_OUT = [{"prompt": f"q{i}=", "answer": str(i % 10)} for i in range(40)]

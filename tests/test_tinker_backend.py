@@ -116,7 +116,7 @@ def test_malformed_key_fails_before_any_request(monkeypatch, tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"name: r\noutput_dir: {tmp_path / 'out'}\nbackend: {{name: tinker, base_model: fake/tiny}}\n"
                       "loggers: []\nstages: [{name: sft, steps: 1}]\n")  # fmt: skip
-    from tempering.cli import main
+    from tempering.apps.cli import main
 
     assert main(["run", str(recipe)]) == 2
     err = capsys.readouterr().err.strip()
@@ -647,7 +647,7 @@ def _rl_rows(out: Path) -> list[dict]:
 
 
 def test_the_same_recipe_runs_on_local_and_on_tinker(server, tmp_path, fresh_registry):
-    from tempering.recipe import Recipe, read_progress
+    from tempering.training.recipe import Recipe, read_progress
 
     recipe = tmp_path / "switch.yaml"
     recipe.write_text(RECIPE)
@@ -684,7 +684,7 @@ def test_the_same_recipe_runs_on_local_and_on_tinker(server, tmp_path, fresh_reg
 def test_async_offpolicy_stage_samples_from_published_snapshots(server, tmp_path, fresh_registry):
     """The off-policy stage's producer samples through ``sampling_client()`` while training,
     here with ``inflight`` sampling clients (weights shared with the trainer)."""
-    from tempering.recipe import Recipe
+    from tempering.training.recipe import Recipe
 
     stage = {"name": "offpolicy", "steps": 3, "prompts_per_step": 2, "group_size": 2, "max_tokens": 3,
              "max_steps_off_policy": 1, "optimizer": {"learning_rate": 1e-2}, "dataset": {"name": "arithmetic", "size": 32}}  # fmt: skip

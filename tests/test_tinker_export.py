@@ -18,11 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fake_tinker import MODEL_KWARGS, sent, serve
 from test_export import backend_logprobs, hf_logprobs, load_merged_export, sft
 
-from tempering import cli
+from tempering.apps import cli
+from tempering.apps.rundata import RunDir, run_backend
 from tempering.plugins.backends.tinker.local_service import ServedModel
 from tempering.plugins.models.tiny import tiny_llama
-from tempering.recipe import Recipe
-from tempering.rundata import RunDir, run_backend
+from tempering.training.recipe import Recipe
 
 pytestmark = pytest.mark.timeout(60)
 #: A base model named like a hub id: not buildable here, so merging it needs --base-model.

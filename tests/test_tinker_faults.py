@@ -81,7 +81,7 @@ def test_a_rejected_key_is_one_line_naming_the_key(monkeypatch, tmp_path, capsys
         recipe = tmp_path / "r.yaml"
         recipe.write_text(f"name: r\noutput_dir: {tmp_path / 'out'}\nbackend: {{name: tinker, base_model: tiny_llama}}\n"
                           "loggers: []\nstages: [{name: sft, steps: 1}]\n")  # fmt: skip
-        from tempering.cli import main
+        from tempering.apps.cli import main
 
         assert main(["run", str(recipe)]) == 2
         err = capsys.readouterr().err.strip()

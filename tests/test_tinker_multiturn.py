@@ -27,8 +27,8 @@ from tempering.plugins.backends.tinker.mapping import plain_datum
 
 ENV_PLUGIN = '''
 from tempering import hookimpl
-from tempering.environment import Environment, StepResult
-from tempering.tools import tool
+from tempering.rollouts.environment import Environment, StepResult
+from tempering.rollouts.tools import tool
 from tool_envs import WithAdd
 
 
@@ -103,7 +103,7 @@ def chat_server(monkeypatch, tmp_path):
 
 
 def test_a_multi_turn_recipe_trains_on_tinker_on_exactly_the_sampled_tokens(tmp_path, chat_server, fake_dist):
-    from tempering.recipe import Recipe
+    from tempering.training.recipe import Recipe
 
     server = chat_server
     fake_dist("multiturn-env", ENV_PLUGIN)

@@ -35,7 +35,7 @@ def server(monkeypatch, tmp_path):
 
 def run(recipe: Path, out: Path, overrides: list[str]) -> dict[str, list[dict]]:
     """Run ``recipe`` on Tinker into ``out``; the metric rows of each stage."""
-    from tempering.recipe import Recipe
+    from tempering.training.recipe import Recipe
 
     with pytest.warns(UserWarning, match="backend 'tinker' ignores local-backend keys"):
         Recipe.from_yaml(str(recipe), [f"output_dir={out}", "backend.name=tinker", "loggers=[jsonl]", *overrides]).run()
@@ -53,7 +53,7 @@ def steps(rows: list[dict]) -> list[int]:
 
 
 def check_run(out: Path, rows: dict[str, list[dict]], expected: dict[str, int]) -> None:
-    from tempering.recipe import read_progress
+    from tempering.training.recipe import read_progress
 
     assert read_progress(str(out))["completed"] == list(expected)
     for stage, n in expected.items():

@@ -28,7 +28,7 @@ def server(monkeypatch, tmp_path):
 
 def run(out: Path, overrides: list[str]) -> list[dict]:
     """examples/sdpo/recipe.yaml on Tinker, shortened; the SDPO stage's metric rows."""
-    from tempering.recipe import Recipe
+    from tempering.training.recipe import Recipe
 
     base = [f"output_dir={out}", "backend.name=tinker", "loggers=[jsonl]", "stages.warmup.steps=2",
             "stages.warmup.batch_size=4", "stages.warmup.eval.dataset=null", "stages.rl.eval.dataset=null",

@@ -25,9 +25,9 @@ from typing import Any
 import pytest
 
 from tempering.plugins.datasets.tool_use import calculator_tools, tool_use
-from tempering.recipe import find_recipe, read_progress
 from tempering.registry import get_registry
-from tempering.rollout import SamplerContext, collect
+from tempering.rollouts.rollout import SamplerContext, collect
+from tempering.training.recipe import find_recipe, read_progress
 from tempering.types import Completion, SamplingParams
 
 #: Held-out accuracy GRPO / off-policy RL must add to the SFT warmup's in 20 steps. Measured

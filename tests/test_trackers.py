@@ -21,9 +21,9 @@ from observability_run import small_run
 
 from tempering.errors import ConfigError
 from tempering.plugins.loggers.tracker import COLUMNS, flatten, numeric, table_rows, transcript_text
-from tempering.recipe import Recipe
 from tempering.registry import get_registry
 from tempering.testing import FakeBackend
+from tempering.training.recipe import Recipe
 
 QUESTIONS = [{"prompt": f"q{i}", "answer": "3"} for i in range(8)]
 

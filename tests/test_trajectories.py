@@ -27,10 +27,10 @@ from typing import Any
 import pytest
 from tool_envs import WithAdd
 
-from tempering.environment import StepResult
 from tempering.registry import get_registry
-from tempering.rollout import SamplerContext, collect
-from tempering.trajectory import Trajectory
+from tempering.rollouts.environment import StepResult
+from tempering.rollouts.rollout import SamplerContext, collect
+from tempering.rollouts.trajectory import Trajectory
 from tempering.types import Batch, Completion, SamplingParams, Segment
 
 MAX_TURNS = 3
@@ -70,7 +70,7 @@ def qwen3() -> Any:
 
 
 def renderer_for(backend: Any, name: str = "auto") -> Any:
-    from tempering.renderer import default_renderer_name
+    from tempering.rollouts.renderer import default_renderer_name
 
     spec = default_renderer_name(backend.tokenizer) if name == "auto" else name
     return get_registry().build("renderer", spec, "renderer", tokenizer=backend.tokenizer)

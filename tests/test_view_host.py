@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tempering import cli
-from tempering.view.server import ViewServer, host_allowed
+from tempering.apps import cli
+from tempering.apps.view.server import ViewServer, host_allowed
 
 
 @pytest.fixture

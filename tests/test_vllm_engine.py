@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tempering.chat import ParsedResponse
-from tempering.environment import Environment, StepResult
 from tempering.errors import ConfigError
 from tempering.interfaces import LossOutput
 from tempering.plugins.backends.local.backend import LocalBackend
+from tempering.rollouts.chat import ParsedResponse
+from tempering.rollouts.environment import Environment, StepResult
 from tempering.types import AdamParams, Batch, Completion, Datum, SamplingParams
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -193,7 +193,7 @@ def partial_credit(completion: str, example: dict) -> float:
 def test_grpo_and_offpolicy_stages_run_on_the_engine(tmp_path: Path) -> None:
     """Five GRPO steps (synchronous sampling) then two off-policy steps (the async producer's
     sampling clients), one engine for the whole run."""
-    from tempering.recipe import Recipe
+    from tempering.training.recipe import Recipe
 
     backend = {"name": "local", "model": "tiny_llama", "num_threads": 1, "model_kwargs": TINY,
                "engine": "vllm", "vllm": ENGINE}  # fmt: skip
@@ -230,7 +230,7 @@ class AskTwice(Environment):
 @vllm_test
 def test_multi_turn_episodes_sample_on_the_engine(full: LocalBackend, tmp_path: Path) -> None:
     """The environment sampler's batched model calls go through the engine: two turns an episode."""
-    from tempering.recipe import Recipe
+    from tempering.training.recipe import Recipe
 
     questions = [{"q": f"{a}+{b}?", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
     start = full.step
@@ -338,8 +338,8 @@ def test_smollm2_lora_export_loads_in_vllm_with_the_runs_logprobs(tmp_path: Path
     from vllm import LLM
     from vllm import SamplingParams as VllmSamplingParams
 
-    from tempering import cli
-    from tempering.recipe import Recipe
+    from tempering.apps import cli
+    from tempering.training.recipe import Recipe
 
     spec = {"name": "local", "model": "smollm2", "num_threads": 1, "lora": {"rank": 8, "alpha": 16}}
     stage = {"name": "sft", "steps": 2, "batch_size": 4, "optimizer": {"learning_rate": 2e-3}}

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tempering.environment import Environment
-from tempering.tools import tool
+from tempering.rollouts.environment import Environment
+from tempering.rollouts.tools import tool
 
 
 class WithAdd(Environment):

@@ -12,7 +12,7 @@ agent's preferred and rejected next tool call::
      "rejected": [{"role": "assistant", "content": "", "tool_calls": [...]}]}
 
 A single-turn pair with a text ``prompt`` is one user turn and two assistant turns when the
-stage has a chat renderer (:func:`tempering.renderer.chat_text_prompts`: as RL samples that
+stage has a chat renderer (:func:`tempering.rollouts.renderer.chat_text_prompts`: as RL samples that
 prompt), else raw text with each completion followed by EOS (``renderer: raw``).
 A multi-turn side is rendered by the stage's ``renderer`` (``auto``: the model's chat format)
 as history + continuation, tokenized exactly as an episode of those turns would be, with
@@ -42,14 +42,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from tempering.chat import Message, check_messages
-from tempering.data import ExampleStream, encode_completion, encode_prompt, load_examples, user_turn
 from tempering.errors import ConfigError
 from tempering.interfaces import RunContext, WeightSnapshots
 from tempering.loss_contract import DPO_SLOT, REF_LOGPROBS, ROW_INPUTS
-from tempering.renderer import build_renderer, chat_text_prompts
-from tempering.stage import Requirement, Stage, check_stage
-from tempering.trajectory import as_context
+from tempering.rollouts.chat import Message, check_messages
+from tempering.rollouts.data import ExampleStream, encode_completion, encode_prompt, load_examples, user_turn
+from tempering.rollouts.renderer import build_renderer, chat_text_prompts
+from tempering.rollouts.trajectory import as_context
+from tempering.training.stage import Requirement, Stage, check_stage
 from tempering.types import Batch, Datum
 
 REFERENCES = ("live", "precomputed")

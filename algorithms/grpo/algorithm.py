@@ -1,7 +1,7 @@
 """GRPO-style RLVR: sample a group per prompt, score with a verifiable reward, train on
 group-relative advantages with a clipped policy-gradient loss.
 
-The loop is the RL engine's (:class:`tempering.rl.RLStage`): on-policy rollouts through the
+The loop is the RL engine's (:class:`tempering.training.rl.RLStage`): on-policy rollouts through the
 stage's sampler (single-turn completions or multi-turn environment episodes). What is GRPO's
 own is the batch preparation: the ratio's "old" logprobs (recomputed when sampling was not
 plain) and the KL to a reference, in the loss (``beta``) and/or logged every ``kl_every`` steps.
@@ -17,9 +17,9 @@ from typing import Any, cast
 from tempering.errors import ConfigError
 from tempering.interfaces import LossOnTrainingForward, RunContext, WeightSnapshots, supports
 from tempering.loss_contract import REF_LOGPROBS, SAMPLER_LOGPROBS, WEIGHTS, reads_input
-from tempering.rl import RLStage
 from tempering.rlmath.kl import k3_kl
-from tempering.rollout import recompute_sampler_logprobs, should_recompute
+from tempering.rollouts.rollout import recompute_sampler_logprobs, should_recompute
+from tempering.training.rl import RLStage
 from tempering.types import Batch
 
 
@@ -27,7 +27,7 @@ from tempering.types import Batch
 class GRPO(RLStage):
     """One optimizer step per batch of ``prompts_per_step x group_size`` on-policy samples.
 
-    Keys besides the RL engine's (:class:`~tempering.rl.RLStage`):
+    Keys besides the RL engine's (:class:`~tempering.training.rl.RLStage`):
 
     - ``recompute_logprobs``: the ratio's "old" logprobs are the sampler's own when sampling
       was plain (temperature 1, no top-k/top-p), and the same weights' logprobs otherwise

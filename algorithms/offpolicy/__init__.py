@@ -1,7 +1,7 @@
 """Asynchronous, off-policy RL (``tempering.algorithms.offpolicy``).
 
 - :mod:`tempering.algorithms.offpolicy.algorithm`: the ``offpolicy`` stage -- GRPO-style groups
-  sampled concurrently with training (:mod:`tempering.async_rollout`), up to
+  sampled concurrently with training (:mod:`tempering.rollouts.async_rollout`), up to
   ``max_steps_off_policy`` optimizer steps stale, corrected by importance ratios.
 - :mod:`tempering.algorithms.offpolicy.loss`: ``ppo``, ``cispo``, ``tis`` and ``clipped_is``
   losses (sums over tokens, as Tinker's built-ins; their formulas and the ratio/ESS

@@ -1,7 +1,7 @@
 """The ``offpolicy`` stage: GRPO-style RL whose sampling runs concurrently with training.
 
-The RL engine's loop (:class:`tempering.rl.RLStage`) with an asynchronous rollout source: a
-producer (:class:`tempering.async_rollout.AsyncRollouts`) keeps rolling out groups through the
+The RL engine's loop (:class:`tempering.training.rl.RLStage`) with an asynchronous rollout source: a
+producer (:class:`tempering.rollouts.async_rollout.AsyncRollouts`) keeps rolling out groups through the
 stage's sampler -- single-turn completions or multi-turn episodes -- from the newest sampler
 snapshot it may use; the trainer takes one batch of ``prompts_per_step`` groups per step,
 builds group-relative advantages, caps and normalises them, and runs ``forward_backward`` +
@@ -21,9 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tempering.async_rollout import AsyncRollouts, sampler_of
+from tempering.rollouts.async_rollout import AsyncRollouts, sampler_of
 from tempering.errors import ConfigError
-from tempering.rl import RLStage
+from tempering.training.rl import RLStage
 from tempering.rlmath.aggregation import FOLD_AGGREGATIONS, fold_normaliser
 from tempering.types import Batch
 
@@ -47,9 +47,9 @@ class StaleRollouts:
     """The keys and machinery of RL on stale rollouts, one piece of code for every stage that
     trains on them: ``offpolicy`` (always) and ``sdpo`` (when ``max_steps_off_policy`` is set).
 
-    A mixin of an :class:`~tempering.rl.RLStage` (it reads the stage's backend, stream,
+    A mixin of an :class:`~tempering.training.rl.RLStage` (it reads the stage's backend, stream,
     sampler, sampling keys and seed). It owns the asynchronous producer
-    (:class:`~tempering.async_rollout.AsyncRollouts`: rollouts at most ``max_steps_off_policy``
+    (:class:`~tempering.rollouts.async_rollout.AsyncRollouts`: rollouts at most ``max_steps_off_policy``
     optimizer steps stale), the advantage cap and the normaliser folded into the advantages
     (:meth:`prepare_advantages`), the sampler-matched objective around the loss
     (:class:`~tempering.algorithms.offpolicy.loss.OffPolicyObjective`: ratio, ESS and KL
@@ -158,7 +158,7 @@ class StaleRollouts:
 class OffPolicyRL(StaleRollouts, RLStage):
     """Asynchronous GRPO-style RL with importance-sampling corrections (see the module docs).
 
-    Keys besides the RL engine's (:class:`~tempering.rl.RLStage`): the staleness keys of
+    Keys besides the RL engine's (:class:`~tempering.training.rl.RLStage`): the staleness keys of
     :class:`StaleRollouts` (``max_steps_off_policy``, ``sync_every``, ``fixed_staleness``,
     ``groups_per_sample``, ``aggregation``, ``max_resamples``, ``seeded_sampling``) and the
     loss's ``advantage_cap`` / ``advantage_cap_momentum``.

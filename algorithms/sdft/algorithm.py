@@ -34,16 +34,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tempering import teacher as shared
-from tempering.data import ExampleStream, load_examples
 from tempering.errors import ConfigError
-from tempering.evaluate import build_sampler, completion_sampler
 from tempering.interfaces import Backend, Distributions, FullDistributions, LossLogits, RunContext
 from tempering.loss_contract import ADVANTAGES, ROW_INPUTS, SAMPLER_LOGPROBS, TEACHER_TOKEN_LOGPROBS
 from tempering.rlmath.aggregation import fold_normaliser
-from tempering.rollout import collect, recompute_sampler_logprobs, should_recompute
-from tempering.stage import Requirement, SamplingKeys, Stage, check_stage
-from tempering.teacher import TEACHERS, TeacherWeights, teacher_needs
+from tempering.rollouts.data import ExampleStream, load_examples
+from tempering.rollouts.rollout import collect, recompute_sampler_logprobs, should_recompute
+from tempering.training import teacher as shared
+from tempering.training.evaluate import build_sampler, completion_sampler
+from tempering.training.stage import Requirement, SamplingKeys, Stage, check_stage
+from tempering.training.teacher import TEACHERS, TeacherWeights, teacher_needs
 from tempering.types import Batch, SamplingParams
 
 __all__ = ["DEFAULT_TEACHER_TEMPLATE", "SDFT", "TEACHERS", "teacher_prompt", "traj_ok"]
@@ -92,7 +92,7 @@ class SDFT(SamplingKeys, Stage):
     postfix = {"loss": "loss", "kl": "sdft/reverse_kl_sampled"}
 
     def teacher_weights(self, stage_id: str = "") -> TeacherWeights:
-        """The teacher's weights and snapshot lifecycle (:class:`tempering.teacher.TeacherWeights`)."""
+        """The teacher's weights and snapshot lifecycle (:class:`tempering.training.teacher.TeacherWeights`)."""
         return TeacherWeights(self.teacher, self.ema_rate, f"{stage_id}/sdft_teacher")
 
     def validate(self, ctx: RunContext) -> None:
@@ -122,7 +122,7 @@ class SDFT(SamplingKeys, Stage):
         return [*super().required_capabilities(), *self.teacher_weights().requirements("teacher")]
 
     def loss_capabilities(self, loss: Any) -> list[Requirement]:
-        """What the loss's teacher input asks of the backend (:func:`tempering.teacher.teacher_needs`):
+        """What the loss's teacher input asks of the backend (:func:`tempering.training.teacher.teacher_needs`):
         the teacher's top-k or full distributions, and the student's logits in the loss."""
         kind = teacher_needs(loss).input
         if kind == "token":
@@ -140,7 +140,7 @@ class SDFT(SamplingKeys, Stage):
 
     def batch_inputs(self, loss: Any) -> frozenset[str]:
         """Each student row's tokens and weights, the sampler's logprobs and the teacher's
-        values the loss asks for (:func:`tempering.teacher.teacher_needs`); the sampled-token
+        values the loss asks for (:func:`tempering.training.teacher.teacher_needs`); the sampled-token
         advantages for the ``token`` input (the loss contract's names)."""
         needs = teacher_needs(loss)
         return ROW_INPUTS | {SAMPLER_LOGPROBS} | needs.keys | ({ADVANTAGES} if needs.input == "token" else set())
@@ -224,7 +224,7 @@ class SDFT(SamplingKeys, Stage):
         """The teacher's prompt: the student's first prompt with the demonstration put in by
         ``teacher_template`` -- around the prompt text (raw, or a user turn where the student's
         was one), or around the last user message of a chat (the episode's first messages, for
-        a trajectory), rendered by the same renderer (:func:`tempering.teacher.reprompted_prefix`)."""
+        a trajectory), rendered by the same renderer (:func:`tempering.training.teacher.reprompted_prefix`)."""
         demo = str(row[self.demonstration_key])
         tokenizer = backend.tokenizer if backend is not None else None
         return shared.reprompted_prefix(self.student_sampler.context, tokenizer, sample,
@@ -277,7 +277,7 @@ class SDFT(SamplingKeys, Stage):
         self, backend: Backend, batch: Batch, teacher_batch: Batch, kind: str, topk: int, teacher_kwargs: dict[str, Any] | None = None
     ) -> None:
         """Score the teacher rows and put the values, aligned to the student's positions, in
-        each student row's ``extra`` (:func:`tempering.teacher.attach_teacher`)."""
+        each student row's ``extra`` (:func:`tempering.training.teacher.attach_teacher`)."""
         shared.attach_teacher(backend, batch, teacher_batch, kind, topk, teacher_kwargs)
 
     @staticmethod
@@ -295,5 +295,5 @@ class SDFT(SamplingKeys, Stage):
 
 def traj_ok(segment: Any, start: int) -> bool:
     """A row can be distilled when its first ``start`` tokens are the student's prompt (no
-    sampled token among them) and something was sampled after (:func:`tempering.teacher.distillable`)."""
+    sampled token among them) and something was sampled after (:func:`tempering.training.teacher.distillable`)."""
     return shared.distillable(segment, start)

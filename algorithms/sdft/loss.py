@@ -63,7 +63,7 @@ from tempering.rlmath.divergence import add_tail_bucket, divergence, full_logits
 from tempering.rlmath.masks import active
 from tempering.rlmath.ratios import capped_is_weight, log_importance_weights
 from tempering.schema import Problem, one_of, raise_problems
-from tempering.teacher import TeacherNeeds, teacher_divergence
+from tempering.training.teacher import TeacherNeeds, teacher_divergence
 from tempering.types import Batch
 
 # add_tail_bucket, aggregate (tempering.rlmath.aggregation.aggregate_mean), divergence,
@@ -193,7 +193,7 @@ class SDFTLoss:
     @property
     def teacher_needs(self) -> TeacherNeeds:
         """What the SDFT stage must score with the teacher for this loss
-        (:class:`tempering.teacher.DistillationLoss`): the teacher input, its top-k size and the
+        (:class:`tempering.training.teacher.DistillationLoss`): the teacher input, its top-k size and the
         normaliser folded into the sampled-token advantages."""
         return TeacherNeeds(self.teacher_input, int(self.topk), self.aggregation)
 
@@ -221,7 +221,7 @@ class SDFTLoss:
     def per_token(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The ``(B, T)`` per-token divergence of the logit modes, before masking: computed at
         the positions ``batch["logits"]`` covers (``logit_positions``), 0 elsewhere
-        (:func:`tempering.teacher.teacher_divergence`, shared with SDPO)."""
+        (:func:`tempering.training.teacher.teacher_divergence`, shared with SDPO)."""
         return teacher_divergence(logprobs, batch, self.mode, float(self.alpha), self.topk, self.add_tail, self.topk_support)
 
     def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:

@@ -12,12 +12,12 @@ group-relative advantages, the policy loss) and, before training, gives each sam
 2. **the teacher's prompt**: the student's prompt text through ``reprompt_template`` (with the
    solution and feedback through their templates), rendered exactly as the student's prompt
    was -- raw text, or a user turn through the stage's chat renderer -- and cut to its last
-   ``max_reprompt_len`` tokens (:func:`tempering.teacher.reprompted_prefix`);
+   ``max_reprompt_len`` tokens (:func:`tempering.training.teacher.reprompted_prefix`);
 3. **the teacher scores the student's tokens**: the same model, with the ``teacher``'s
    weights (``ema`` by default: an average of the policy moving by ``ema_rate`` after every
    optimizer step; ``base``, ``stage_start``, ``live``), on the teacher prompt followed by the
    student's very continuation -- token logprobs, top-k or full distributions, by mode
-   (:func:`tempering.teacher.attach_teacher`);
+   (:func:`tempering.training.teacher.attach_teacher`);
 4. the loss (:class:`~tempering.algorithms.sdpo.loss.SDPOLoss`) blends the distillation
    loss over the samples with a teacher with the policy loss over all:
    ``(1 - distillation_weight) * policy + distillation_weight * distillation``. Samples with no
@@ -54,15 +54,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tempering import teacher as shared
+from tempering.training import teacher as shared
 from tempering.algorithms.grpo.algorithm import GRPO
 from tempering.algorithms.offpolicy.algorithm import StaleRollouts
 from tempering.errors import ConfigError
 from tempering.interfaces import Distributions, FullDistributions, LossLogits, RunContext
 from tempering.loss_contract import DISTILL_WEIGHTS, TEACHER_TOKEN_LOGPROBS, check_reads
-from tempering.rollout import RolloutBatch
-from tempering.stage import Requirement
-from tempering.teacher import TEACHER_INPUT_KEYS, TeacherWeights
+from tempering.rollouts.rollout import RolloutBatch
+from tempering.training.stage import Requirement
+from tempering.training.teacher import TEACHER_INPUT_KEYS, TeacherWeights
 from tempering.types import Batch, Datum, Group, Sample
 
 from tempering.algorithms.sdpo.context import (
@@ -160,7 +160,7 @@ class SDPO(StaleRollouts, GRPO):
         return self.max_steps_off_policy is not None
 
     def teacher_weights(self, stage_id: str = "") -> TeacherWeights:
-        """The teacher's weights and snapshot lifecycle (:class:`tempering.teacher.TeacherWeights`)."""
+        """The teacher's weights and snapshot lifecycle (:class:`tempering.training.teacher.TeacherWeights`)."""
         return TeacherWeights(self.teacher, self.ema_rate, f"{stage_id}/sdpo_teacher", self.ema_every)
 
     @property
@@ -247,7 +247,7 @@ class SDPO(StaleRollouts, GRPO):
 
     def batch_inputs(self, loss: Any) -> frozenset[str]:
         """GRPO's inputs, plus the distillation mask and the teacher's values of the mode
-        (:data:`tempering.teacher.TEACHER_INPUT_KEYS`) when something is distilled. ``loss`` is
+        (:data:`tempering.training.teacher.TEACHER_INPUT_KEYS`) when something is distilled. ``loss`` is
         the stage's policy loss; the blended :class:`SDPOLoss` is checked against the same set
         at setup."""
         kind = self._teacher_input()
@@ -337,9 +337,9 @@ class SDPO(StaleRollouts, GRPO):
         every row gets ``distill_weights`` (the distillation part's loss mask: the row's
         weights where it has a teacher, zeros elsewhere) and a taught row ``completion_len``.
 
-        ``batch`` is :func:`tempering.rl.build_group_batch` of ``groups``: one row per training
+        ``batch`` is :func:`tempering.training.rl.build_group_batch` of ``groups``: one row per training
         segment of each sample, in order. ``context`` is the sampler's
-        :class:`~tempering.rollout.SamplerContext` (the stage's own by default)."""
+        :class:`~tempering.rollouts.rollout.SamplerContext` (the stage's own by default)."""
         context = context if context is not None else self.rollout_sampler.context
         rows: list[tuple[int, int, Sample, int]] = [
             (gi, i, s, k) for gi, g in enumerate(groups) for i, s in enumerate(g.samples) for k in range(len(s.segments()))
@@ -387,7 +387,7 @@ class SDPO(StaleRollouts, GRPO):
 
     def attach_teachers(self, backend: Any, batch: Batch, groups: list[Group], context: Any = None) -> dict[str, float]:
         """:meth:`build_teachers`, then score the teacher rows and put their values in the
-        taught rows (:data:`tempering.teacher.TEACHER_KEYS`), placeholders in the others (a
+        taught rows (:data:`tempering.training.teacher.TEACHER_KEYS`), placeholders in the others (a
         batch's rows carry the same keys; their distillation mask is 0). Returns the metrics."""
         rows = self.build_teachers(backend.tokenizer, batch, groups, context)
         kind = self._teacher_input()

@@ -68,7 +68,7 @@ from tempering.rlmath.aggregation import aggregate_mean
 from tempering.rlmath.divergence import sampled_token_loss
 from tempering.rlmath.masks import active, masked
 from tempering.rlmath.ratios import clipped_is_weight
-from tempering.teacher import TEACHER_INPUT_KEYS, TeacherNeeds, teacher_divergence
+from tempering.training.teacher import TEACHER_INPUT_KEYS, TeacherNeeds, teacher_divergence
 from tempering.types import Batch
 
 __all__ = ["MODES", "SUPPORTS", "SDPOLoss", "distillation_problem", "teacher_input"]
@@ -166,7 +166,7 @@ class SDPOLoss:
 
     @property
     def teacher_needs(self) -> TeacherNeeds:
-        """What the stage must score with the teacher (:class:`tempering.teacher.DistillationLoss`):
+        """What the stage must score with the teacher (:class:`tempering.training.teacher.DistillationLoss`):
         the teacher input (token logprobs when nothing is distilled: the stage scores none then)
         and the top-k size."""
         return TeacherNeeds(self.teacher_input or "token", int(self.topk or 0))

@@ -1,11 +1,11 @@
 """SFT stage: teacher-forced cross-entropy on (prompt, answer) rows or chat transcripts.
 
 A row is either ``prompt`` text plus its answer (``completion_key``) -- one user and one
-assistant turn when the stage has a chat renderer (:func:`tempering.renderer.chat_text_prompts`),
+assistant turn when the stage has a chat renderer (:func:`tempering.rollouts.renderer.chat_text_prompts`),
 else raw text -- or a ``messages`` transcript (with optional ``tools``). The stage's renderer
 turns a conversation into training rows with weight on the assistant's tokens only -- tool
 calls included, tool results and user turns excluded -- tokenized exactly as a rollout of the
-same conversation would be (:func:`tempering.trajectory.training_rows`). The loss is the token
+same conversation would be (:func:`tempering.rollouts.trajectory.training_rows`). The loss is the token
 mean over the batch.
 """
 
@@ -16,12 +16,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tempering.chat import check_messages
-from tempering.data import ExampleStream, encode_completion, encode_prompt, load_examples, user_turn
 from tempering.errors import ConfigError
 from tempering.loss_contract import ROW_INPUTS
-from tempering.renderer import build_renderer, chat_text_prompts
-from tempering.stage import Stage, check_stage, require
+from tempering.rollouts.chat import check_messages
+from tempering.rollouts.data import ExampleStream, encode_completion, encode_prompt, load_examples, user_turn
+from tempering.rollouts.renderer import build_renderer, chat_text_prompts
+from tempering.training.stage import Stage, check_stage, require
 from tempering.types import Batch, Segment
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -1,6 +1,6 @@
 """Group-relative advantage estimators for RL with verifiable rewards (GRPO, Dr. GRPO, RLOO).
 
-Shared by every RL stage: the RL engine (:mod:`tempering.rl`) turns a batch's rewards into
+Shared by every RL stage: the RL engine (:mod:`tempering.training.rl`) turns a batch's rewards into
 advantages with one of these, whichever algorithm runs (``grpo``, ``offpolicy``); the plugins
 register them as ``group_norm``, ``dr_grpo`` and ``rloo``.
 

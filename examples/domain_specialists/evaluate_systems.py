@@ -37,7 +37,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 def answer_with(backend: Any, prompts: Sequence[str], max_tokens: int = MAX_TOKENS, batch_size: int = 256) -> list[str]:
     """Greedy answers of ``backend``'s current model to ``prompts`` (text in, text out)."""
-    from tempering.data import encode_prompt
+    from tempering.rollouts.data import encode_prompt
     from tempering.types import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)

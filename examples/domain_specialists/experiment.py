@@ -1,7 +1,7 @@
 """Build and train the runs of the experiment: three specialists (concurrently) and one generalist.
 
 Every run is the recipe in ``recipe.yaml`` (an SFT warmup, then GRPO with a verifiable reward),
-built with :meth:`tempering.recipe.Recipe.from_dict` and overrides. A specialist trains on one
+built with :meth:`tempering.training.recipe.Recipe.from_dict` and overrides. A specialist trains on one
 domain; the generalist on a balanced union of the three, for the *sum* of the specialists'
 steps with the same batch sizes, so it sees exactly as many samples as the three together.
 
@@ -69,7 +69,7 @@ TINKER_OVERRIDES = ["stages.warmup.optimizer.learning_rate=2.0e-4", "stages.rl.o
 
 
 def load_template() -> dict[str, Any]:
-    from tempering.config import load_yaml
+    from tempering.training.config import load_yaml
 
     return load_yaml(str(TEMPLATE))
 
@@ -168,7 +168,7 @@ def build_recipe(
     chars: str | None = None,
 ) -> Any:
     """The recipe of one run: ``role`` is a domain (its specialist) or ``generalist``."""
-    from tempering.recipe import Recipe
+    from tempering.training.recipe import Recipe
 
     fixed = [o for o in overrides if o.partition("=")[0].strip().endswith(".steps")]
     if fixed:
@@ -204,10 +204,10 @@ def build_recipe(
 def validate_recipe(recipe: Any) -> None:
     """Check every stage's keys and the backend's and reward's, without building anything heavy:
     a typo in ``--set`` fails here, not in a worker process minutes later."""
-    from tempering.config import stage_id
-    from tempering.recipe import RunContext
     from tempering.registry import get_registry
-    from tempering.stage import config_only
+    from tempering.training.config import stage_id
+    from tempering.training.recipe import RunContext
+    from tempering.training.stage import config_only
 
     registry = get_registry()
     registry.check("backend", recipe.backend, "backend")
@@ -231,7 +231,7 @@ def build_router_recipe(run_dir: Path, paths: Mapping[str, Any], scale: Scale, g
                         overrides: Sequence[str] = ()) -> Any:
     """The model router: one more SFT stage on the generalist's weights, teaching it to answer
     ``"domain of: <question>"`` with the domain's name (the same optimizer settings)."""
-    from tempering.recipe import Recipe
+    from tempering.training.recipe import Recipe
 
     warmup = next(s for s in generalist.stages if s.get("id") == "warmup")
     stage = copy.deepcopy(dict(warmup))
@@ -274,7 +274,7 @@ def samples_seen(recipe: Any) -> dict[str, int]:
 #: second instead of importing torch + transformers itself (10+ CPU-seconds on a busy machine).
 PRELOAD = [
     "torch", "transformers", "transformers.models.llama.modeling_llama", "transformers.generation.utils",
-    "tempering.recipe", "tempering.plugins.backends.local.backend", "tempering.plugins.models.tiny",
+    "tempering.training.recipe", "tempering.plugins.backends.local.backend", "tempering.plugins.models.tiny",
     "tempering.algorithms.sft.algorithm", "tempering.algorithms.grpo.algorithm", "tempering.plugins.rewards.basic",
     "tempering.plugins.datasets.files", "tempering.plugins.loggers.jsonl", "tempering.plugins.loggers.plot",
     "matplotlib", "matplotlib.pyplot",
@@ -291,8 +291,8 @@ def _cpu_seconds() -> float:
 
 def _build_backend(recipe: Any) -> Any:
     """The recipe's backend, seeded like ``run_recipe`` would (one seed for the whole recipe)."""
-    from tempering.recipe import _accepts
     from tempering.registry import get_registry
+    from tempering.training.recipe import _accepts
 
     registry = get_registry()
     spec = dict(recipe.backend) if isinstance(recipe.backend, Mapping) else {"name": recipe.backend}
@@ -313,7 +313,7 @@ def train_one(job: Mapping[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)  # also what the local backend's num_threads: 1 does
     from evaluate_systems import answer_with
 
-    from tempering.recipe import read_progress
+    from tempering.training.recipe import read_progress
 
     def one(recipe: Any, backend: Any, prompts: Sequence[str]) -> dict[str, Any]:
         t0, c0 = time.time(), _cpu_seconds()

@@ -5,7 +5,7 @@ shuffle of *all* pairs, so the test questions are never seen in training.
 
 ``feedback_frac`` puts feedback on a wrong earlier answer in front of that share of the rows'
 prompts -- ``expected '46', got '45' 12+34=`` with the answer unchanged, in the words of the
-``exact_match`` reward's feedback (:func:`tempering.feedback.mismatch`). SFT on such rows teaches
+``exact_match`` reward's feedback (:func:`tempering.rollouts.feedback.mismatch`). SFT on such rows teaches
 a model to *use* feedback, which SDPO's teacher (the model re-prompted with its feedback) needs:
 a model that cannot read its context gives a teacher no better than the student (docs/sdpo.md).
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from tempering.feedback import mismatch
+from tempering.rollouts.feedback import mismatch
 
 
 def all_pairs(low: int, high: int) -> list[tuple[int, int]]:

@@ -6,7 +6,7 @@ same config takes a hub name (``openai/gsm8k``) or a local format (``json`` with
 (``prompt``, ``answer``, ``chosen``, ``rejected``, ``demonstration``).
 
 Each has a ``peek`` with the same keys, which a recipe calls before any stage trains
-(:func:`tempering.stage.check_dataset`): it reads only the first rows of a local file, so a
+(:func:`tempering.training.stage.check_dataset`): it reads only the first rows of a local file, so a
 missing file, an empty one or a missing column fails at once without loading the whole
 dataset twice; for a hub dataset it returns ``None`` (knowing its rows would mean
 downloading it), and the stage checks the rows when it starts.

@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
-from tempering.chat import Message, ParsedResponse, ToolCall, assign_call_ids, check_messages
-from tempering.trajectory import as_context
+from tempering.rollouts.chat import Message, ParsedResponse, ToolCall, assign_call_ids, check_messages
+from tempering.rollouts.trajectory import as_context
 
 FORMATS = ("tasks", "transcripts", "pairs")
 
@@ -69,7 +69,7 @@ def _rows(key: str) -> tuple[dict[str, Any], ...]:
     tasks = search_tasks(split, hops, corpus, seed)[:size]
     if format == "tasks":
         return tuple(tasks)
-    from tempering.scoring import run_coroutine
+    from tempering.rollouts.scoring import run_coroutine
 
     env_keys = dict(environment or {})
     maker = transcript_rows if format == "transcripts" else pair_rows
@@ -128,7 +128,7 @@ def gold_turns(env: Any, task: dict[str, Any], prune: bool = False) -> list[Pars
 async def replay(env: Any, example: dict[str, Any], turns: Sequence[ParsedResponse]) -> tuple[list[Message], list[list[Message]]]:
     """Play scripted turns through ``env`` as an episode would (call ids, history, the view).
     Returns the history and, per turn, the messages the model saw before it."""
-    from tempering.episode import model_view
+    from tempering.rollouts.episode import model_view
 
     history = check_messages(await env.reset(dict(example)), "environment.reset() returned")
     contexts = []

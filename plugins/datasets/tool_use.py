@@ -20,7 +20,7 @@ import random
 from functools import lru_cache
 from typing import Any
 
-from tempering.tools import format_result
+from tempering.rollouts.tools import format_result
 
 
 def tool_use(

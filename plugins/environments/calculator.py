@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from tempering.chat import ParsedResponse
-from tempering.environment import Environment, StepResult
-from tempering.feedback import Scored, mismatch, quote
-from tempering.tools import tool
+from tempering.rollouts.chat import ParsedResponse
+from tempering.rollouts.environment import Environment, StepResult
+from tempering.rollouts.feedback import Scored, mismatch, quote
+from tempering.rollouts.tools import tool
 
 
 class Calculator(Environment):

@@ -37,10 +37,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tempering.chat import Message, ParsedResponse, tool_message
-from tempering.environment import Environment, StepResult, tool_metrics
-from tempering.feedback import Scored, feedback_of
-from tempering.tools import tool
+from tempering.rollouts.chat import Message, ParsedResponse, tool_message
+from tempering.rollouts.environment import Environment, StepResult, tool_metrics
+from tempering.rollouts.feedback import Scored, feedback_of
+from tempering.rollouts.tools import tool
 
 #: The default episode reward: recall and answer correctness, minus a cost per tool call and
 #: per context token (``context_tokens``: the prompt of every turn, summed).

@@ -5,7 +5,7 @@ A tracker logger is built before the run writes ``run.json``, so it reads the re
 (the recipe plus each component's package and version) from there when the first row comes:
 every tracker gets the same config the run folder has. Metrics are the row's finite numbers
 (texts such as ``first_error/...`` stay in ``metrics.jsonl``); rollouts arrive through the
-optional ``log_rollouts(records, step)`` (see :mod:`tempering.rollout_log`) and are flattened
+optional ``log_rollouts(records, step)`` (see :mod:`tempering.runs.rollout_log`) and are flattened
 into table rows (:func:`table_rows`) with a readable transcript per sample.
 
 Subclasses implement ``start(config)``, ``log_metrics(metrics, step)``,

@@ -57,12 +57,12 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
-from tempering.chat import Message, ParsedResponse, ToolCall, text_of
 from tempering.errors import ConfigError
 from tempering.plugins.renderers.hermes import format_hermes, parse_hermes
 from tempering.plugins.renderers.hf_chat import error_line, special_ids
-from tempering.renderer import RenderedPrompt
-from tempering.trajectory import TrainingRow, training_rows
+from tempering.rollouts.chat import Message, ParsedResponse, ToolCall, text_of
+from tempering.rollouts.renderer import RenderedPrompt
+from tempering.rollouts.trajectory import TrainingRow, training_rows
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 AUTO = "auto"

@@ -19,7 +19,7 @@ import json
 import re
 from collections.abc import Sequence
 
-from tempering.chat import ParsedResponse, ToolCall
+from tempering.rollouts.chat import ParsedResponse, ToolCall
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 

@@ -31,11 +31,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tempering.chat import Message, ParsedResponse, ToolCall
 from tempering.errors import ConfigError
 from tempering.plugins.renderers.hermes import parse_hermes
-from tempering.renderer import RenderedPrompt
-from tempering.trajectory import TrainingRow, training_rows
+from tempering.rollouts.chat import Message, ParsedResponse, ToolCall
+from tempering.rollouts.renderer import RenderedPrompt
+from tempering.rollouts.trajectory import TrainingRow, training_rows
 
 #: End-of-turn markers of common chat formats (ChatML, Llama 3, Phi, Gemma, harmony, DeepSeek, ...).
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|end_of_turn|>",

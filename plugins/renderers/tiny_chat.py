@@ -21,10 +21,10 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from tempering.chat import Message, ParsedResponse, ToolCall, text_of
 from tempering.errors import ConfigError
-from tempering.renderer import RenderedPrompt
-from tempering.trajectory import TrainingRow, training_rows
+from tempering.rollouts.chat import Message, ParsedResponse, ToolCall, text_of
+from tempering.rollouts.renderer import RenderedPrompt
+from tempering.rollouts.trajectory import TrainingRow, training_rows
 
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>", "tool": "<|tool|>"}
 CALL_TOKEN = "<|call|>"

@@ -3,8 +3,8 @@
 ``tml-renderers`` renders a conversation to tokens, parses sampled tokens back into messages
 and builds supervised examples for each model family, bundling the real tokenizers (no
 download). :class:`TmlRenderer` adapts one of its renderers to tempering's
-:class:`~tempering.renderer.Renderer` protocol: OpenAI-format messages and tool specs in,
-tokens out; sampled tokens in, a :class:`~tempering.chat.ParsedResponse` out (a malformed turn
+:class:`~tempering.rollouts.renderer.Renderer` protocol: OpenAI-format messages and tool specs in,
+tokens out; sampled tokens in, a :class:`~tempering.rollouts.chat.ParsedResponse` out (a malformed turn
 is a ``parse_error``, never an exception). Each registered name below is one family/variant;
 its keyword arguments (besides the runtime ``tokenizer``) are its config keys.
 
@@ -24,11 +24,11 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from tempering.chat import Message, ParsedResponse, ToolCall, text_of
 from tempering.errors import ConfigError
 from tempering.plugins.renderers.hf_chat import error_line
-from tempering.renderer import RenderedPrompt
-from tempering.trajectory import TrainingRow, trains
+from tempering.rollouts.chat import Message, ParsedResponse, ToolCall, text_of
+from tempering.rollouts.renderer import RenderedPrompt
+from tempering.rollouts.trajectory import TrainingRow, trains
 
 #: Text whose encoding must agree between the model's tokenizer and the renderer's (letters,
 #: digits, punctuation, whitespace runs, accents and CJK hit different merges in every vocab).

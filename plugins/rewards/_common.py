@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping
 from fractions import Fraction
 from typing import Any, Generic, TypeVar, cast
 
-from tempering.feedback import FEEDBACK_KEY
 from tempering.interfaces import RewardResult
+from tempering.rollouts.feedback import FEEDBACK_KEY
 
 T = TypeVar("T")
 
@@ -105,8 +105,8 @@ def normalize_minus(text: str) -> str:
 def as_finite(value: Any, what: str) -> float:
     """``value`` (a number, :class:`RewardResult` or ``{"reward": ...}``) as a finite float,
     or a :class:`RewardError` naming ``what``. As strict as the reward runner
-    (:func:`tempering.scoring.reward_number`): ``"1.0"`` is not a number."""
-    from tempering.scoring import RewardValueError, reward_number
+    (:func:`tempering.rollouts.scoring.reward_number`): ``"1.0"`` is not a number."""
+    from tempering.rollouts.scoring import RewardValueError, reward_number
 
     if isinstance(value, RewardResult):
         value = value.reward

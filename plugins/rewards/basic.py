@@ -6,14 +6,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from tempering.feedback import Scored, mismatch
+from tempering.rollouts.feedback import Scored, mismatch
 
 
 @dataclass
 class ExactMatch:
     """1.0 if the completion equals ``example[answer_key]`` (after ``strip``), else 0.0.
 
-    A miss is a :class:`~tempering.feedback.Scored` 0.0 -- still a float to a caller that
+    A miss is a :class:`~tempering.rollouts.feedback.Scored` 0.0 -- still a float to a caller that
     uses it as a number -- whose feedback says what was expected and what came
     (``expected '42', got '41'``, the answer clipped); a hit is a plain 1.0, nothing to say."""
 

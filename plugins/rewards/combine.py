@@ -20,9 +20,9 @@ import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tempering.feedback import feedback_of, join_feedback
 from tempering.interfaces import RewardResult
 from tempering.plugins.rewards._common import RewardError, as_finite, info_of, is_async_callable, resolve_reward
+from tempering.rollouts.feedback import feedback_of, join_feedback
 
 
 class WeightedReward:

@@ -30,9 +30,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tempering.feedback import clip
 from tempering.interfaces import RewardResult
 from tempering.plugins.rewards._common import LoopLocal, MicroBatcher, RewardError, post_json
+from tempering.rollouts.feedback import clip
 from tempering.types import SamplingParams
 
 GRADED_TEMPLATE = """You are grading a response to a task.

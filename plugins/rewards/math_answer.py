@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, ClassVar
 
-from tempering.feedback import mismatch, quote
 from tempering.interfaces import RewardResult
 from tempering.plugins.rewards._common import NumberToken, find_numbers, parse_number
+from tempering.rollouts.feedback import mismatch, quote
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 

@@ -3,7 +3,7 @@
 A sync reward runs inline in the training process and holds the GIL: a 50 ms checker over 64
 samples is 3.2 s of wall clock. :class:`ProcessPoolReward` sends each call to a
 ``concurrent.futures.ProcessPoolExecutor`` instead; its ``__call__`` is ``async`` so the
-:class:`~tempering.scoring.RewardRunner` keeps ``workers`` calls in flight at once and can
+:class:`~tempering.rollouts.scoring.RewardRunner` keeps ``workers`` calls in flight at once and can
 stream results as they complete.
 
 A call that exceeds ``timeout`` is a failure (:class:`RewardTimeout`, counted as a timeout).

@@ -5,7 +5,7 @@ Protocol (see :mod:`tempering.plugins.rewards.server`): ``POST {url}/score`` wit
 ``{"rewards": [float | null, ...], "errors": [str | null, ...], "infos": [{...}, ...],
 "feedbacks": [str | null, ...]}`` with one entry per sample, so one bad sample fails alone;
 ``infos`` and ``feedbacks`` are optional. A sample's feedback comes back as the
-``RewardResult.feedback`` the server's reward gave it (:mod:`tempering.feedback`).
+``RewardResult.feedback`` the server's reward gave it (:mod:`tempering.rollouts.feedback`).
 
 Each call retries connection errors, timeouts and 429/5xx with exponential backoff; at most
 ``concurrency`` requests are in flight; with ``batch_size > 1`` calls that arrive within

@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from tempering.feedback import mismatch
 from tempering.interfaces import RewardResult
+from tempering.rollouts.feedback import mismatch
 
 EPISODE_KEY = "episode"
 

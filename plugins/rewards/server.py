@@ -9,7 +9,7 @@ One endpoint does the work, ``POST /score``::
 with one entry per sample: a sample whose reward raised, timed out or returned NaN gets
 ``reward: null`` and its error, and the others are still scored (the request succeeds with
 200). ``feedbacks`` holds each scored sample's feedback in words (the reward's
-``RewardResult.feedback``, see :mod:`tempering.feedback`) or null; a client that predates it
+``RewardResult.feedback``, see :mod:`tempering.rollouts.feedback`) or null; a client that predates it
 ignores it, and a server that predates it sends none. A malformed request is a 400, a body over ``max_body`` bytes a 413.
 ``GET /health`` answers ``{"status": "ok", ...}``.
 
@@ -19,7 +19,7 @@ before the body is read). A server without a token binds loopback addresses only
 reward hosted on another machine is otherwise open to anyone who can reach the port. The
 token is never printed or logged.
 
-Rewards run with the same semantics as in training (:class:`~tempering.scoring.RewardRunner`):
+Rewards run with the same semantics as in training (:class:`~tempering.rollouts.scoring.RewardRunner`):
 sync or ``async def``, float or :class:`~tempering.interfaces.RewardResult`; an async reward's
 samples of one request are scored concurrently on an event loop.
 
@@ -64,7 +64,7 @@ from typing import Any
 
 from tempering.errors import ConfigError
 from tempering.plugins.rewards._common import TOKEN_ENV, json_safe, reward_name
-from tempering.scoring import RewardRunner
+from tempering.rollouts.scoring import RewardRunner
 from tempering.types import Completion, Sample
 
 MAX_BODY = 64 * 1024 * 1024

@@ -3,7 +3,7 @@
 Examples with ``messages`` (and optional ``tools``) go through the stage's renderer, which
 also parses the completion, so the reward sees the answer's text without chat markup or
 reasoning. So do examples with ``prompt`` text when the stage has a chat renderer: the text is
-one user turn (:func:`tempering.renderer.chat_text_prompts`; an instruct model given the raw
+one user turn (:func:`tempering.rollouts.renderer.chat_text_prompts`; an instruct model given the raw
 text would end its turn at once). Otherwise -- ``renderer: raw``, or a model without a chat
 format -- the text is encoded as it always was (the tokenizer with its BOS). Either way the
 stop tokens are explicit: the renderer's, or the tokenizer's EOS.
@@ -16,11 +16,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tempering.chat import check_messages
-from tempering.data import encode_prompt, user_turn
 from tempering.plugins.samplers.common import eos_ids, with_stops
-from tempering.rollout import Rollout, SamplerContext
-from tempering.scoring import ScoreStats
+from tempering.rollouts.chat import check_messages
+from tempering.rollouts.data import encode_prompt, user_turn
+from tempering.rollouts.rollout import Rollout, SamplerContext
+from tempering.rollouts.scoring import ScoreStats
 from tempering.types import Group, Sample, SamplingParams
 
 

@@ -1,14 +1,14 @@
 """The ``environment`` sampler: multi-turn episodes of a registered environment.
 
-Every sample is one episode (:func:`tempering.episode.run_episode`) with a fresh environment
-instance; the episodes of a batch share the model through a :class:`~tempering.episode.ModelQueue`,
+Every sample is one episode (:func:`tempering.rollouts.episode.run_episode`) with a fresh environment
+instance; the episodes of a batch share the model through a :class:`~tempering.rollouts.episode.ModelQueue`,
 so their turns are sampled in batched calls. An episode's reward is the sum of its step rewards
 plus the environment's group reward, if it has one; a final step that leaves the reward to the
 stage (``None``) is scored by the stage's ``reward`` on the final answer's text.
 
 A sample's ``feedback`` joins, in order, what its episode said (each turn's failed tool calls
 and ``StepResult.feedback``, running out of turns or context), the group reward's feedback and
-the stage reward's, when they score it (:mod:`tempering.feedback`).
+the stage reward's, when they score it (:mod:`tempering.rollouts.feedback`).
 
 What each way of ending does to the sample:
 
@@ -29,7 +29,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from tempering.episode import (
+from tempering.errors import ConfigError
+from tempering.plugins.samplers.common import with_stops
+from tempering.rollouts.episode import (
     LIMIT_ACTIONS,
     EnvironmentCalls,
     EnvironmentTimeout,
@@ -37,12 +39,10 @@ from tempering.episode import (
     ModelQueue,
     run_episode,
 )
-from tempering.errors import ConfigError
-from tempering.failures import debug, format_traceback, mark_failed
-from tempering.feedback import feedback_of, join_feedback
-from tempering.plugins.samplers.common import with_stops
-from tempering.rollout import Rollout, SamplerContext
-from tempering.scoring import ScoreStats
+from tempering.rollouts.feedback import feedback_of, join_feedback
+from tempering.rollouts.rollout import Rollout, SamplerContext
+from tempering.rollouts.scoring import ScoreStats
+from tempering.runs.failures import debug, format_traceback, mark_failed
 from tempering.types import Completion, Group, Sample, SamplingParams
 
 
@@ -167,7 +167,7 @@ class EnvironmentSampler:
 
     async def _group_reward(self, env: Any, samples: list[Sample]) -> None:
         """Add the environment's group reward (if it defines one) to each trainable sample, and
-        its feedback (a :class:`~tempering.feedback.Scored` value's) to the sample's."""
+        its feedback (a :class:`~tempering.rollouts.feedback.Scored` value's) to the sample's."""
         fn = getattr(env, "group_reward", None)
         if fn is None:
             return

@@ -15,10 +15,10 @@ from tempering_plugin_template.datasets import unit_questions
 from tempering_plugin_template.environments import UnitConverter
 from tempering_plugin_template.rewards import LengthPenalty
 
-from tempering.chat import ParsedResponse, ToolCall
 from tempering.errors import ConfigError
-from tempering.recipe import Recipe
+from tempering.rollouts.chat import ParsedResponse, ToolCall
 from tempering.testing import FakeBackend, check_plugin, make_registry
+from tempering.training.recipe import Recipe
 
 DIST = "tempering-plugin-template"
 

@@ -113,7 +113,7 @@ def export(
     model on rank 0's CPU; every rank calls this."""
     model = _whole_policy(weights, trainer, build_copy) if weights.sharded else weights.model
     if distributed.is_main():
-        from tempering.export import write_pretrained
+        from tempering.apps.export import write_pretrained
 
         write_pretrained(model, tokenizer, path, merge=weights.lora and not adapter, keep=not weights.sharded)
     distributed.barrier()

@@ -1,7 +1,7 @@
 """An environment is a class whose instances play one multi-turn episode each.
 
 ``unit_converter`` asks for a length in another unit and offers the model one tool,
-``convert``. Subclassing :class:`tempering.environment.Environment` means writing only what is
+``convert``. Subclassing :class:`tempering.rollouts.environment.Environment` means writing only what is
 this task's own -- the first messages (``reset``), the tools (``@tool`` methods: their type
 hints and docstring *are* the schema the model is shown) and the final answer's reward
 (``score``); the base class runs the tool calls, turns a tool's exception into an error
@@ -17,9 +17,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from tempering.chat import Message, ParsedResponse
-from tempering.environment import Environment
-from tempering.tools import tool
+from tempering.rollouts.chat import Message, ParsedResponse
+from tempering.rollouts.environment import Environment
+from tempering.rollouts.tools import tool
 
 #: Metres per unit.
 METRES = {"mm": 0.001, "cm": 0.01, "m": 1.0, "km": 1000.0, "in": 0.0254, "ft": 0.3048, "mi": 1609.344}

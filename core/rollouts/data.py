@@ -59,7 +59,7 @@ def prompt_text(example: Mapping[str, Any]) -> str:
 
 def user_turn(example: Mapping[str, Any]) -> list[dict[str, Any]]:
     """An example's ``prompt`` text as the one user message a chat renderer renders (what a
-    stage with a chat renderer does with a text prompt: :func:`tempering.renderer.chat_text_prompts`)."""
+    stage with a chat renderer does with a text prompt: :func:`tempering.rollouts.renderer.chat_text_prompts`)."""
     return [{"role": "user", "content": prompt_text(example)}]
 
 

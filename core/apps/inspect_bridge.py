@@ -42,11 +42,11 @@ def model_class() -> type:
         def __init__(self, model_name: str, base_url: str | None = None, api_key: str | None = None,
                      config: GenerateConfig | None = None, step: int | None = None, renderer: str = "auto",
                      chat: bool | None = None, **model_args: Any) -> None:  # fmt: skip
-            from tempering.evaluate import completion_sampler
-            from tempering.export import exported_renderer
+            from tempering.apps.export import exported_renderer
+            from tempering.apps.rundata import RunDir, run_backend
             from tempering.registry import get_registry
-            from tempering.renderer import RAW
-            from tempering.rundata import RunDir, run_backend
+            from tempering.rollouts.renderer import RAW
+            from tempering.training.evaluate import completion_sampler
 
             super().__init__(model_name, base_url, api_key, [], config or GenerateConfig())
             if model_args:

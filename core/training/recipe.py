@@ -10,7 +10,7 @@ time or ``checkpoint_every`` steps (whichever comes first), the backend is saved
 interrupted run logged after it, so the run continues with the very step it would have taken
 next and ``metrics.jsonl`` holds each step once. ``resume: false`` (``--fresh``) moves the
 earlier run aside and starts over. The folder rules (lock, fresh start, pruning) are in
-:mod:`tempering.runfolder`; docs/runs.md tells them to users.
+:mod:`tempering.runs.runfolder`; docs/runs.md tells them to users.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tempering import rollout_log, runfolder
-from tempering.config import load_yaml, resolve_recipe, stage_id
+from tempering.runs import rollout_log, runfolder
+from tempering.training.config import load_yaml, resolve_recipe, stage_id
 from tempering.errors import ConfigError, RunStopped, StopRun  # StopRun, RunStopped: the recipe's API, kept importable here
 from tempering.registry import PluginOverrideWarning, Registry, get_registry
-from tempering.runfolder import PROGRESS_FILE, read_progress  # noqa: F401 - re-exported: the recipe's API
+from tempering.runs.runfolder import PROGRESS_FILE, read_progress  # noqa: F401 - re-exported: the recipe's API
 
 
 @dataclass
@@ -214,7 +214,7 @@ class RunResult:
 def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Any = None) -> RunResult:
     """Run every stage of ``recipe`` in order, resuming if its output folder has progress.
 
-    The folder is locked for the run (:class:`tempering.runfolder.RunLock`). ``resume: false``
+    The folder is locked for the run (:class:`tempering.runs.runfolder.RunLock`). ``resume: false``
     moves an earlier run's files aside first. A resumed run loads the latest checkpoint, cuts
     the loggers back to the rows logged at that checkpoint and removes checkpoint directories
     ``progress.json`` does not list. A stage raising :class:`StopRun` is checkpointed as
@@ -304,7 +304,7 @@ def _check_stage_configs(registry: Registry, cfg: Mapping[str, Any], stages: Seq
     the backend) before anything else happens: a typo must not cost a model load, nor move an
     earlier run aside under ``--fresh``. The full check, data included, runs again once the
     backend is up and the finished stages are known."""
-    from tempering.stage import config_only
+    from tempering.training.stage import config_only
 
     ctx = RunContext(registry, backend, dict(cfg), cfg["output_dir"], [], cfg["seed"])
     with config_only():
@@ -423,7 +423,7 @@ def _metadata(registry: Registry, cfg: Mapping[str, Any]) -> dict[str, Any]:
         visit(spec, "algorithm")
     import tempering
 
-    from tempering.redact import redact
+    from tempering.runs.redact import redact
 
     # redacted: run.json is read by the trackers and `tempering view`; the components got the real values
     return {"tempering": tempering.__version__, "recipe": redact(_jsonable(cfg)), "components": used}

@@ -29,7 +29,7 @@ line is one sample:
 ``advantage``       the advantage it trained with (train rows; null for a failed or masked sample
                     and when the step trained nothing)
 ``failed``,         whether it failed, the cause (``raised:KeyError``, ``timeout``, ... see
-``failure``,        :mod:`tempering.failures`) and the error's text; ``masked``: a limit
+``failure``,        :mod:`tempering.runs.failures`) and the error's text; ``masked``: a limit
 ``error``,          configured to mask it
 ``masked``
 ``feedback``        what the reward or the environment said about the attempt in words
@@ -55,7 +55,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tempering.failures import failure_cause
+from tempering.runs.failures import failure_cause
 from tempering.types import Group, Sample
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -123,7 +123,7 @@ def log_groups(ctx: RunContext, groups: Sequence[Group], kind: str, step: int, c
     ``ctx`` is the stage's run context (its output folder, stage id, loggers, the metrics row
     this step will be logged as); ``advantages`` align with the samples of ``groups`` in order.
     Only the primary process writes (data-parallel ranks sample the same step)."""
-    from tempering.runfolder import is_primary_process
+    from tempering.runs.runfolder import is_primary_process
 
     chosen = {id(g) for g in select_groups(groups, count)}
     if not chosen or not is_primary_process():

@@ -6,7 +6,7 @@ checks keys against (:func:`tempering.registry.params_schema`) and the factories
 values (as ``docs/reference.md`` lists them):
 
 - each stage: its algorithm's keys, then, inside it, ``optimizer:`` and ``eval:`` (the
-  :class:`~tempering.stage.OptimizerConfig` and :class:`~tempering.stage.EvalConfig` keys) and
+  :class:`~tempering.training.stage.OptimizerConfig` and :class:`~tempering.training.stage.EvalConfig` keys) and
   every key that names a component of a registered kind (``reward``, ``dataset``, ``loss``,
   ``sampler`` and its ``environment``, ...), written as ``{name: ..., <its keys>}``;
 - the backend (and the nested blocks its factory declares, such as the local backend's
@@ -86,7 +86,7 @@ def component(registry: Registry, kind: str, spec: Any) -> Any:
 
 
 def _stage(registry: Registry, spec: Any) -> Any:
-    from tempering.stage import EvalConfig, OptimizerConfig
+    from tempering.training.stage import EvalConfig, OptimizerConfig
 
     sid = spec.get("id") if isinstance(spec, Mapping) else None
     body = {k: v for k, v in spec.items() if k != "id"} if isinstance(spec, Mapping) else spec
@@ -97,7 +97,7 @@ def _stage(registry: Registry, spec: Any) -> Any:
         out["optimizer"] = _block(OptimizerConfig, out["optimizer"])
     if isinstance(out.get("eval"), Mapping):
         ev = _block(EvalConfig, out["eval"])
-        if ev.get("reward") is None:  # null means the stage's reward (tempering.stage.eval_reward): show which
+        if ev.get("reward") is None:  # null means the stage's reward (tempering.training.stage.eval_reward): show which
             ev["reward"] = out["reward"] if out.get("reward") is not None else "tempering:exact_match"
         for key in ("dataset", "reward", "sampler"):
             if ev.get(key) is not None:

@@ -72,7 +72,7 @@ def mismatch(expected: Any, got: Any) -> str:
 def feedback_of(value: Any, who: str = "reward") -> str | None:
     """The feedback a reward's (or an environment's) return carries: a mapping's ``"feedback"``
     key, else a ``feedback`` attribute (:class:`~tempering.interfaces.RewardResult`,
-    :class:`Scored`, :class:`~tempering.environment.StepResult`), else ``None``. Empty text is
+    :class:`Scored`, :class:`~tempering.rollouts.environment.StepResult`), else ``None``. Empty text is
     ``None``; anything but text raises ``TypeError`` naming ``who`` and the type."""
     if isinstance(value, Mapping):
         text = value.get(FEEDBACK_KEY)

@@ -1,7 +1,7 @@
 """Running rewards: sync or async, one sample at a time or streamed, never crashing the run.
 
 A reward that raises, exceeds ``timeout`` or returns anything but a finite real number marks
-its sample ``failed`` (with a cause, see :mod:`tempering.failures`): the sample stays in its
+its sample ``failed`` (with a cause, see :mod:`tempering.runs.failures`): the sample stays in its
 group (so counts stay honest) and the loop masks it out of the loss. Values are strict
 (:func:`reward_number`): a bool counts as 0/1, but the string ``"1.0"`` or ``None`` is a
 failure whose message names the type it got -- a reward that returns text has a bug, and
@@ -9,7 +9,7 @@ reading it as a number would hide it. Failures are counted in :class:`ScoreStats
 in the step's metrics.
 
 A reward's feedback in words (``RewardResult.feedback``, a mapping's ``"feedback"`` key, a
-:class:`~tempering.feedback.Scored` float's) is appended to ``Sample.feedback``, not put in
+:class:`~tempering.rollouts.feedback.Scored` float's) is appended to ``Sample.feedback``, not put in
 ``reward_info``; feedback that is not text fails the sample (cause ``bad_feedback``).
 
 Three ways to score:
@@ -42,9 +42,9 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, I
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from tempering.failures import debug, mark_failed, raised
-from tempering.feedback import FEEDBACK_KEY, feedback_of, join_feedback
 from tempering.interfaces import RewardResult
+from tempering.rollouts.feedback import FEEDBACK_KEY, feedback_of, join_feedback
+from tempering.runs.failures import debug, mark_failed, raised
 from tempering.types import Sample
 
 T = TypeVar("T")

@@ -5,7 +5,7 @@ A *sampler* (component kind ``sampler``) turns a batch of examples into groups o
 samples: ``completion`` (one completion per sample, scored by the stage's reward) or
 ``environment`` (multi-turn episodes with tools). Stages never sample by hand: the synchronous
 path (:func:`collect`: GRPO, SDFT, evaluation) and the asynchronous producer
-(:class:`tempering.async_rollout.AsyncRollouts`: off-policy RL) both call
+(:class:`tempering.rollouts.async_rollout.AsyncRollouts`: off-policy RL) both call
 ``sampler.sample(client, examples, group_size, params)``, with the live backend or a sampling
 client of a weight snapshot as ``client``.
 """
@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tempering.failures import SAMPLES_KEY, failure_metrics
-from tempering.scoring import RewardRunner, ScoreStats, run_coroutine
+from tempering.rollouts.scoring import RewardRunner, ScoreStats, run_coroutine
+from tempering.runs.failures import SAMPLES_KEY, failure_metrics
 from tempering.types import Group, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -33,7 +33,7 @@ class SamplerContext:
     unscored, as SDFT does); ``build(kind, spec, key)`` and ``factory(kind, spec, key)``
     resolve nested components through the registry with the sampler's config path.
     ``chat_prompts``: a text ``prompt`` is rendered as a user turn through the renderer, not
-    sent as raw text (the stage's rule: :func:`tempering.renderer.chat_text_prompts`).
+    sent as raw text (the stage's rule: :func:`tempering.rollouts.renderer.chat_text_prompts`).
     ``reward_key``: the config path of ``reward`` when the user wrote it (None for the default),
     so a sampler that does not use it for some samples can say so (an environment scoring its
     own episodes).
@@ -87,7 +87,7 @@ def collect(sampler: Any, client: Any, examples: Sequence[Mapping[str, Any]], gr
 def rollout_metrics(groups: Sequence[Group]) -> dict[str, Any]:
     """Counts every RL stage logs for its rollouts: failures (``reward/failed``, with the first
     error's text, and per cause: ``failed/<cause>``, ``first_error/<cause>``, see
-    :mod:`tempering.failures`), the number of samples (``rollout/samples``), masked samples,
+    :mod:`tempering.runs.failures`), the number of samples (``rollout/samples``), masked samples,
     completion lengths and stops, and -- for multi-turn samples -- turns, tool calls and errors,
     parse errors and how episodes ended (``env/stop/<cause>`` fractions)."""
     samples = [s for g in groups for s in g.samples]

@@ -6,7 +6,7 @@ components, restore its position), ``train_step`` (one optimizer step), ``loop_s
 checkpoint must remember to resume) and ``teardown``. :meth:`Stage.run` owns the rest, once for
 all stages: the evaluation at the start, the progress bar, the step budget, ``end_step`` and its
 checkpoints, periodic evaluation (and stopping early at a target accuracy), logging, failed
-samples (each new cause printed once; too many stop the run, see :mod:`tempering.failures`) and
+samples (each new cause printed once; too many stop the run, see :mod:`tempering.runs.failures`) and
 the final evaluation.
 
 The ``optimizer:`` and ``eval:`` blocks are validated with their own schema so a misspelt key
@@ -14,7 +14,7 @@ reports e.g. ``stages[1].optimizer.learnig_rate``. :func:`check_stage` checks, b
 trains, everything knowable from the config: value ranges (a learning rate <= 0 climbs the
 loss), the enums of the stage's loss and advantage estimator (built, which is cheap, so their
 own checks run), and the stage's dataset: that it loads, is not empty and has the columns the
-stage and its reward read (:mod:`tempering.dataset_checks`).
+stage and its reward read (:mod:`tempering.training.dataset_checks`).
 """
 
 from __future__ import annotations
@@ -26,21 +26,21 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
-from tempering.dataset_checks import Columns, check_dataset, prompt_columns, reward_columns
+from tempering.training.dataset_checks import Columns, check_dataset, prompt_columns, reward_columns
 from tempering.errors import ConfigError, TemperingError
-from tempering.evaluate import StageEvaluator, eval_reward
-from tempering.failures import FailureWatch
+from tempering.training.evaluate import StageEvaluator, eval_reward
+from tempering.runs.failures import FailureWatch
 from tempering.interfaces import RunContext, capability_name, supports
 from tempering.loss_contract import check_reads
-from tempering.progress import progress
+from tempering.training.progress import progress
 from tempering.registry import validate_params
 from tempering.schema import Problem, check_config_at, choice_message, field_values
-from tempering.schedule import lr_at
+from tempering.training.schedule import lr_at
 from tempering.types import AdamParams, SamplingParams
 
 T = TypeVar("T")
 
-SCHEDULES = ("constant", "linear", "cosine")  # the schedules tempering.schedule.lr_at knows
+SCHEDULES = ("constant", "linear", "cosine")  # the schedules tempering.training.schedule.lr_at knows
 #: Components :func:`check_stage` builds (cheap, and their own checks -- enums such as a loss's
 #: ``loss_type`` -- run at build time); the others (rewards, samplers) are only name-checked.
 BUILT_TO_CHECK = ("loss", "advantage")
@@ -193,7 +193,7 @@ def check_stage(
     and their factory's ``check_params`` (see :data:`tempering.registry.CHECK_HOOK`). Then,
     unless in :func:`config_only`, the datasets (the stage's and ``eval``'s): ``columns`` is
     what the stage's rows must hold (see :func:`check_dataset`)."""
-    from tempering.renderer import check_renderer
+    from tempering.rollouts.renderer import check_renderer
 
     steps = getattr(stage, "steps", 1)
     require(steps >= 1, f"{ctx.path}.steps", f"must be >= 1, got {steps} (a stage of no steps would be skipped; "

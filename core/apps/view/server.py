@@ -15,7 +15,7 @@ page while a run trains shows its latest steps. Endpoints:
                         provenance (``run.json``)
 ``/api/metrics``        the rows of ``metrics.jsonl``
 ``/api/rollouts?...``   one page of ``rollouts.jsonl`` records matching a filter
-                        (:class:`~tempering.view.query.RolloutQuery`'s fields as parameters)
+                        (:class:`~tempering.apps.view.query.RolloutQuery`'s fields as parameters)
 ======================  =======================================================================
 """
 
@@ -31,11 +31,11 @@ from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from tempering import rollout_log
+from tempering.apps.rundata import METRICS_FILE, RUN_FILE, RunDir, read_jsonl
+from tempering.apps.view.query import RolloutQuery, run_query
 from tempering.errors import ConfigError
-from tempering.rundata import METRICS_FILE, RUN_FILE, RunDir, read_jsonl
-from tempering.runfolder import PROGRESS_FILE
-from tempering.view.query import RolloutQuery, run_query
+from tempering.runs import rollout_log
+from tempering.runs.runfolder import PROGRESS_FILE
 
 HOST = "127.0.0.1"
 STATIC = {"/": ("index.html", "text/html"), "/view.js": ("view.js", "text/javascript"),
@@ -142,7 +142,7 @@ def make_handler(viewer: RunViewer, log: Callable[[str], None] | None = None,
                 return self._send(204, b"", "image/x-icon")
             if parts.path in STATIC:
                 name, ctype = STATIC[parts.path]
-                body = resources.files("tempering.view").joinpath("static").joinpath(name).read_bytes()
+                body = resources.files("tempering.apps.view").joinpath("static").joinpath(name).read_bytes()
                 return self._send(200, body, f"{ctype}; charset=utf-8")
             status, data = viewer.route(parts.path, parts.query)
             self._send(status, json.dumps(data, ensure_ascii=False).encode(), "application/json")

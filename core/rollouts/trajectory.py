@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tempering.chat import Message, ParsedResponse
+from tempering.rollouts.chat import Message, ParsedResponse
 from tempering.types import Completion, Segment
 
 

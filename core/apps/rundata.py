@@ -1,6 +1,6 @@
 """A run folder, read back: what ``tempering view``, ``export`` and ``eval`` look at.
 
-Writing a run folder is :mod:`tempering.recipe` and :mod:`tempering.runfolder`'s business;
+Writing a run folder is :mod:`tempering.training.recipe` and :mod:`tempering.runs.runfolder`'s business;
 this module only reads one -- possibly while its run is still writing (the viewer shows a live
 run), possibly after it was moved (checkpoint paths in ``progress.json`` are the run's own,
 relative to where it was started: they are looked up inside the folder when they are not
@@ -16,10 +16,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from tempering import rollout_log
 from tempering.errors import ConfigError
-from tempering.redact import REDACTED
-from tempering.runfolder import CHECKPOINTS, PROGRESS_FILE
+from tempering.runs import rollout_log
+from tempering.runs.redact import REDACTED
+from tempering.runs.runfolder import CHECKPOINTS, PROGRESS_FILE
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
@@ -59,12 +59,12 @@ class RunDir:
         return read_jsonl(os.path.join(self.path, METRICS_FILE))
 
     def rollouts(self) -> list[dict[str, Any]]:
-        """The records of ``rollouts.jsonl`` (see :mod:`tempering.rollout_log`)."""
+        """The records of ``rollouts.jsonl`` (see :mod:`tempering.runs.rollout_log`)."""
         return read_jsonl(os.path.join(self.path, rollout_log.FILENAME))
 
     def stages(self) -> list[str]:
         """Stage ids in recipe order (then any only the metrics name)."""
-        from tempering.config import stage_id
+        from tempering.training.config import stage_id
 
         ids = [stage_id(s, i) for i, s in enumerate(self.recipe.get("stages") or [])]
         for row in self.metrics():
@@ -113,8 +113,8 @@ class RunDir:
 def run_backend(run: RunDir, step: int | None = None, registry: Any = None) -> Iterator[tuple[Any, dict[str, Any]]]:
     """The run's backend, rebuilt as the run built it, with checkpoint ``step`` (default: the
     latest) loaded; yields ``(backend, checkpoint entry)`` and closes the backend after."""
-    from tempering.recipe import backend_spec
     from tempering.registry import get_registry
+    from tempering.training.recipe import backend_spec
 
     registry = registry or get_registry()
     recipe = run.recipe

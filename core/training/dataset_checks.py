@@ -1,7 +1,7 @@
 """Checking a stage's dataset before anything trains: it loads, is not empty, and its rows hold
 the columns the stage and its reward read.
 
-A recipe validates every stage before the first one trains (:func:`tempering.stage.check_stage`
+A recipe validates every stage before the first one trains (:func:`tempering.training.stage.check_stage`
 calls :func:`check_dataset`), so a missing file, an empty split or a missing ``answer`` column
 in the last stage fails in a second, as one line with the key to fix -- not as a traceback after
 the earlier stages trained. What the rows must hold is declared, not guessed: each stage passes

@@ -2,7 +2,7 @@
 
 :class:`AsyncRollouts` owns a producer -- an asyncio event loop on a thread of its own -- that
 keeps rolling out chunks of groups through the stage's sampler (single-turn completions or
-multi-turn episodes: :mod:`tempering.rollout`) with the newest sampler snapshot it may use. Up
+multi-turn episodes: :mod:`tempering.rollouts.rollout`) with the newest sampler snapshot it may use. Up
 to ``chunks_in_flight`` chunks run at once, so the rewards (or tool calls) of one chunk overlap
 with the sampling of the next and with training. The trainer calls
 :meth:`AsyncRollouts.next_batch` for each step and :meth:`AsyncRollouts.publish` with a fresh
@@ -45,9 +45,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tempering.data import ExampleStream
-from tempering.rollout import RolloutBatch
-from tempering.scoring import ScoreStats
+from tempering.rollouts.data import ExampleStream
+from tempering.rollouts.rollout import RolloutBatch
+from tempering.rollouts.scoring import ScoreStats
 from tempering.types import Group, SamplingParams
 
 __all__ = ["AsyncRollouts", "RolloutBatch", "StalenessError", "sampler_of"]

@@ -66,7 +66,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tempering.recipe import find_recipe
+    from tempering.training.recipe import find_recipe
 
     overrides = list(args.overrides)
     if args.output_dir:
@@ -76,7 +76,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     recipe = find_recipe(args.recipe, overrides)
     import os
 
-    from tempering.runfolder import RunAlreadyComplete
+    from tempering.runs.runfolder import RunAlreadyComplete
 
     with warnings.catch_warnings():  # said below, on stdout, in place of "Done."
         warnings.simplefilter("ignore", RunAlreadyComplete)
@@ -96,20 +96,20 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     """The bundled recipe's YAML as shipped (comments included); with overrides, the recipe as a
     run would see it (overrides applied, ``${...}`` resolved), checked as ``tempering run``
-    checks it; ``--resolved`` adds every component's defaults (:mod:`tempering.resolved`)."""
+    checks it; ``--resolved`` adds every component's defaults (:mod:`tempering.training.resolved`)."""
     import yaml
 
-    from tempering.recipe import find_recipe
-    from tempering.redact import redact, redact_yaml_text
+    from tempering.runs.redact import redact, redact_yaml_text
+    from tempering.training.recipe import find_recipe
 
     if not args.overrides and not args.resolved:
         text = _recipe_source(args.recipe)
         if text is not None:
-            text = redact_yaml_text(text)  # a literal api_key in the file is not shown (tempering.redact)
+            text = redact_yaml_text(text)  # a literal api_key in the file is not shown (tempering.runs.redact)
             print(text, end="" if text.endswith("\n") else "\n")
             return 0
-    from tempering.recipe import check_recipe
-    from tempering.resolved import with_defaults
+    from tempering.training.recipe import check_recipe
+    from tempering.training.resolved import with_defaults
 
     recipe = find_recipe(args.recipe, args.overrides).to_dict()
     check_recipe(recipe)  # what `tempering run` checks before it starts: show no recipe run would reject
@@ -142,7 +142,7 @@ def _recipe_source(name_or_path: str) -> str | None:
 
 
 def cmd_view(args: argparse.Namespace) -> int:
-    from tempering.view.server import ViewServer
+    from tempering.apps.view.server import ViewServer
 
     server = ViewServer(args.run_dir, port=args.port, log=(lambda m: print(m, file=sys.stderr)) if args.verbose else None,
                         allowed_hosts=args.allow_host or ())
@@ -161,7 +161,7 @@ def cmd_view(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from tempering.export import export_run
+    from tempering.apps.export import export_run
 
     done = export_run(args.run_dir, args.to, step=args.step, adapter=args.adapter, base_model=args.base_model)
     what = "the LoRA adapter" if done.adapter else "the model"
@@ -170,8 +170,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from tempering.checkpoint_eval import dataset_spec, run_eval
-    from tempering.config import parse_value
+    from tempering.apps.checkpoint_eval import dataset_spec, run_eval
+    from tempering.training.config import parse_value
 
     spec = {
         "dataset": dataset_spec(args.dataset) if args.dataset else None,
@@ -356,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(text, file=sys.stderr)
 
     warnings.showwarning = show
-    if getattr(args, "debug", False):  # read where failures are caught (tempering.failures.debug)
+    if getattr(args, "debug", False):  # read where failures are caught (tempering.runs.failures.debug)
         os.environ["TEMPERING_DEBUG"] = "1"
     try:
         return int(args.func(args) or 0)

@@ -11,7 +11,7 @@ piece of code serves both:
   policy) or ``ema`` (a snapshot that moves towards the policy by ``rate`` after optimizer
   steps). Snapshots are a backend capability
   (:class:`~tempering.interfaces.WeightSnapshots`, :class:`~tempering.interfaces.EmaWeights`),
-  declared as :class:`~tempering.stage.Requirement` s so a backend without them is refused
+  declared as :class:`~tempering.training.stage.Requirement` s so a backend without them is refused
   before anything trains, and are saved in checkpoints so a resumed stage has the same teacher.
 * **What context** (:func:`reprompted_prefix`): the student's first prompt with the last user
   message's text rewritten (raw text, a user turn, a ``messages`` chat, or a multi-turn
@@ -34,7 +34,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol, cast, runtime_checkable
 
-from tempering.data import encode_prompt, user_turn
 from tempering.errors import ConfigError
 from tempering.interfaces import Backend, Distributions, EmaWeights, WeightSnapshots, at_positions, from_positions
 from tempering.loss_contract import (
@@ -45,13 +44,14 @@ from tempering.loss_contract import (
     TEACHER_TOPK_IDS,
     TEACHER_TOPK_LOGPROBS,
 )
+from tempering.rollouts.data import encode_prompt, user_turn
 from tempering.types import Batch, Datum, Sample, Segment
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from tempering.rollout import SamplerContext
-    from tempering.stage import Requirement
+    from tempering.rollouts.rollout import SamplerContext
+    from tempering.training.stage import Requirement
 
 #: Teacher weights: see :class:`TeacherWeights`.
 TEACHERS = ("base", "stage_start", "live", "ema")
@@ -136,7 +136,7 @@ class TeacherWeights:
     def requirements(self, key: str = "teacher") -> list[Requirement]:
         """The backend capabilities this teacher needs: snapshots for ``stage_start`` / ``ema``,
         averaging for ``ema``."""
-        from tempering.stage import Requirement
+        from tempering.training.stage import Requirement
 
         needs = []
         if self.snapshotted:

@@ -13,7 +13,7 @@ on nothing and finish "Done". So failures are made loud here:
   ``not_a_number``          the reward returned something that is not a real number (a str,
                             None, a list, a tensor, ...)
   ``not_finite``            the reward returned NaN or an infinity
-  ``bad_feedback``          the reward returned feedback that is not text (see :mod:`tempering.feedback`)
+  ``bad_feedback``          the reward returned feedback that is not text (see :mod:`tempering.rollouts.feedback`)
   ``episode_error``         the environment raised during an episode
   ``env_timeout``           an environment call did not return within the sampler's ``env_timeout``
   ``group_reward``          the environment's ``group_reward`` raised or returned a wrong count
@@ -81,9 +81,10 @@ def debug() -> bool:
 
 def _harness_files() -> tuple[str, ...]:
     """Where the code that runs a user's environment or reward lives (prefixes of file names)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    # tempering.rollouts runs the user's code; named by path, since runs/ sits below rollouts/
+    rollouts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rollouts")
     dirs = [os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep for m in (asyncio, concurrent.futures)]
-    files = [os.path.join(here, name) for name in ("episode.py", "scoring.py")]
+    files = [os.path.join(rollouts, name) for name in ("episode.py", "scoring.py")]
     sampler = sys.modules.get("tempering.plugins.samplers.environment")
     if sampler is not None and sampler.__file__:
         files.append(os.path.abspath(sampler.__file__))

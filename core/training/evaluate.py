@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tempering.data import load_examples
-from tempering.failures import failure_metrics
 from tempering.registry import get_registry
-from tempering.renderer import build_renderer, chat_text_prompts, renderer_spec
-from tempering.rollout import SamplerContext, collect, rollout_metrics
-from tempering.rollout_log import DEFAULT_GROUPS, log_groups
-from tempering.scoring import RewardRunner
+from tempering.rollouts.data import load_examples
+from tempering.rollouts.renderer import build_renderer, chat_text_prompts, renderer_spec
+from tempering.rollouts.rollout import SamplerContext, collect, rollout_metrics
+from tempering.rollouts.scoring import RewardRunner
+from tempering.runs.failures import failure_metrics
+from tempering.runs.rollout_log import DEFAULT_GROUPS, log_groups
 from tempering.types import Group, Sample, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -40,10 +40,10 @@ def evaluate(
     ``sampler`` defaults to single-turn completions (built for ``backend``'s tokenizer).
     Failed samples count as wrong (reward 0) and are counted in ``eval/failed``, per cause in
     ``eval/failed/<cause>`` with the first error's text in ``eval/first_error/<cause>`` (see
-    :mod:`tempering.failures`); masked episodes (a limit configured to mask) count as wrong too.
+    :mod:`tempering.runs.failures`); masked episodes (a limit configured to mask) count as wrong too.
     ``on_groups`` sees each chunk's scored groups (the rollout log keeps some). ``tracebacks``:
     also the first traceback per cause (``eval/first_traceback/<cause>``), for a stage's
-    :class:`~tempering.failures.FailureWatch` to print.
+    :class:`~tempering.runs.failures.FailureWatch` to print.
     """
     if sampler is None:
         sampler = completion_sampler(backend.tokenizer, RewardRunner(reward) if reward is not None else None)
@@ -76,7 +76,7 @@ def evaluate(
 def completion_sampler(tokenizer: Any, reward: RewardRunner | None, renderer: Any = "auto") -> Any:
     """A ``completion`` sampler outside a recipe (tests, notebooks): renderer ``auto`` is
     resolved through the process-wide registry when a chat example needs it; text prompts
-    follow the stages' rule (:func:`tempering.renderer.chat_text_prompts`)."""
+    follow the stages' rule (:func:`tempering.rollouts.renderer.chat_text_prompts`)."""
     built: list[Any] = []
 
     def make_renderer() -> Any:
@@ -96,7 +96,7 @@ def completion_sampler(tokenizer: Any, reward: RewardRunner | None, renderer: An
 
 
 def eval_reward(ev: Any, stage: Any) -> Any:
-    """The reward an evaluation (``ev``: an :class:`~tempering.stage.EvalConfig`) scores with:
+    """The reward an evaluation (``ev``: an :class:`~tempering.training.stage.EvalConfig`) scores with:
     ``eval.reward``, else the stage's own ``reward``, else the built-in ``exact_match``."""
     if ev.reward is not None:
         return ev.reward
@@ -105,7 +105,7 @@ def eval_reward(ev: Any, stage: Any) -> Any:
 
 
 class StageEvaluator:
-    """A stage's held-out evaluation (:class:`tempering.stage.EvalConfig`), when configured.
+    """A stage's held-out evaluation (:class:`tempering.training.stage.EvalConfig`), when configured.
 
     It samples through ``eval.sampler``, else the stage's own sampler (so a tool-use stage is
     evaluated on whole episodes), with the stage's renderer.

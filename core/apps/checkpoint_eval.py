@@ -10,7 +10,7 @@ same backend code -- so the number is the number a stage's evaluation would repo
 * for probability answers (forecasting: a ``brier``/``brier_skill`` reward, whose parts hold the
   forecast ``p`` and outcome ``y``; or ``outcome_key`` naming the example's outcome column, the
   probability then read from the completion) the Brier score, Brier skill and ECE
-  (:mod:`tempering.calibration`) and a reliability diagram PNG.
+  (:mod:`tempering.apps.calibration`) and a reliability diagram PNG.
 
 A run folder needs no flags: the dataset, reward, sampler and renderer default to the recipe's
 last held-out evaluation (its last stage with ``eval.dataset``). Results go to ``out``:
@@ -28,19 +28,19 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, cast
 
-from tempering import rollout_log
-from tempering.config import parse_value
-from tempering.data import load_examples
+from tempering.apps.export import exported_renderer
+from tempering.apps.rundata import RunDir, run_backend
 from tempering.errors import ConfigError
-from tempering.evaluate import build_sampler
-from tempering.export import exported_renderer
-from tempering.failures import failure_metrics
 from tempering.registry import get_registry
-from tempering.renderer import check_renderer
-from tempering.rollout import collect, rollout_metrics
-from tempering.rundata import RunDir, run_backend
-from tempering.scoring import RewardRunner
-from tempering.stage import check_sampler
+from tempering.rollouts.data import load_examples
+from tempering.rollouts.renderer import check_renderer
+from tempering.rollouts.rollout import collect, rollout_metrics
+from tempering.rollouts.scoring import RewardRunner
+from tempering.runs import rollout_log
+from tempering.runs.failures import failure_metrics
+from tempering.training.config import parse_value
+from tempering.training.evaluate import build_sampler
+from tempering.training.stage import check_sampler
 from tempering.types import Group, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -92,7 +92,7 @@ def spec_from_recipe(recipe: Mapping[str, Any]) -> dict[str, Any]:
             for key in ("reward", "max_tokens"):
                 if ev.get(key) is not None:
                     out[key] = ev[key]
-            if "reward" not in out:  # the eval block's default: the stage's reward (tempering.stage.eval_reward)
+            if "reward" not in out:  # the eval block's default: the stage's reward (tempering.training.stage.eval_reward)
                 own = stage.get("reward")
                 out["reward"] = own if isinstance(own, (str, Mapping)) else "tempering:exact_match"
             return out
@@ -177,7 +177,7 @@ def evaluate_policy(backend: Backend, spec: EvalSpec, registry: Any = None) -> E
     forecasts = forecasts_of(groups, spec.outcome_key, registry)
     cal = None
     if forecasts:
-        from tempering.calibration import calibration
+        from tempering.apps.calibration import calibration
 
         cal = calibration([p for p, _ in forecasts], [y for _, y in forecasts])
         metrics.update(cal.metrics())
@@ -298,7 +298,7 @@ def write_report(report: EvalReport, spec: EvalSpec, source: Mapping[str, Any], 
         os.remove(report.files["rollouts"])
     rollout_log.append(report.files["rollouts"], report.records)
     if report.calibration is not None:
-        from tempering.calibration import reliability_diagram
+        from tempering.apps.calibration import reliability_diagram
 
         report.files["reliability"] = reliability_diagram(report.calibration, os.path.join(out, "reliability.png"))
     report.files["metrics"] = os.path.join(out, "eval.json")

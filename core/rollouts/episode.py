@@ -1,7 +1,7 @@
 """Running episodes: the loop between a model, a renderer and an environment.
 
 :func:`run_episode` plays one episode -- reset, then render / sample / parse / step until the
-environment is done or a limit is hit -- and returns its :class:`~tempering.trajectory.Trajectory`
+environment is done or a limit is hit -- and returns its :class:`~tempering.rollouts.trajectory.Trajectory`
 (token-exact rows built by appending). It never raises for the environment's sake: an
 environment that raises ends the episode as ``error`` with the text kept, and ``cleanup`` runs
 in every case.
@@ -31,10 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tempering.chat import ParsedResponse, assign_call_ids, check_messages
-from tempering.failures import debug, format_traceback
-from tempering.feedback import feedback_of
-from tempering.trajectory import Trajectory, TrajectoryBuilder, Turn
+from tempering.rollouts.chat import ParsedResponse, assign_call_ids, check_messages
+from tempering.rollouts.feedback import feedback_of
+from tempering.rollouts.trajectory import Trajectory, TrajectoryBuilder, Turn
+from tempering.runs.failures import debug, format_traceback
 from tempering.types import Completion, SamplingParams
 
 LIMIT_ACTIONS = ("zero", "mask")
@@ -288,7 +288,7 @@ async def run_episode(env: Any, example: dict[str, Any], renderer: Any, queue: M
 
 
 def model_view(env: Any, messages: list[Any]) -> list[Any]:
-    """What the model sees of ``messages``: the environment's :meth:`~tempering.environment.Environment.view`
+    """What the model sees of ``messages``: the environment's :meth:`~tempering.rollouts.environment.Environment.view`
     (on a copy, so a view cannot edit the history), or all of it."""
     view = getattr(env, "view", None)
     if view is None:

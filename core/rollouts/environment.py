@@ -40,9 +40,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tempering.chat import Message, ParsedResponse, tool_message
-from tempering.feedback import feedback_of
-from tempering.tools import Tool, ToolResult, tools_of
+from tempering.rollouts.chat import Message, ParsedResponse, tool_message
+from tempering.rollouts.feedback import feedback_of
+from tempering.rollouts.tools import Tool, ToolResult, tools_of
 
 
 @dataclass
@@ -54,7 +54,7 @@ class StepResult:
     the final assistant text. ``errors`` are texts worth showing (a tool's exception).
     ``feedback``: what went wrong or right in words, for the learner rather than the model's
     next turn. The episode's ``Sample.feedback`` joins every turn's ``errors`` and
-    ``feedback``, in order (:mod:`tempering.feedback`).
+    ``feedback``, in order (:mod:`tempering.rollouts.feedback`).
     """
 
     messages: list[Message] = field(default_factory=list)
@@ -103,7 +103,7 @@ class Environment:
     async def step(self, response: ParsedResponse) -> StepResult:
         """Run the turn's tool calls, or end the episode on a final answer. A turn that does not
         parse says so in its feedback; the final answer's is :meth:`score`'s, when it returns a
-        :class:`~tempering.feedback.Scored` value."""
+        :class:`~tempering.rollouts.feedback.Scored` value."""
         if response.parse_error is not None:
             said = f"the turn could not be parsed: {response.parse_error}"
             if self.parse_errors == "feedback":
@@ -135,7 +135,7 @@ class Environment:
 
     async def score(self, response: ParsedResponse) -> float | None:
         """Reward of the final answer; ``None`` (default) lets the stage's ``reward`` score it.
-        A :class:`~tempering.feedback.Scored` value carries feedback too."""
+        A :class:`~tempering.rollouts.feedback.Scored` value carries feedback too."""
         return None
 
     def view(self, messages: list[Message]) -> list[Message]:

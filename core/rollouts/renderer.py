@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from tempering.chat import Message, ParsedResponse
 from tempering.errors import ConfigError
-from tempering.trajectory import TrainingRow
+from tempering.rollouts.chat import Message, ParsedResponse
+from tempering.rollouts.trajectory import TrainingRow
 
 if TYPE_CHECKING:  # pragma: no cover
     from tempering.interfaces import BuildContext

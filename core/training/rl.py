@@ -1,11 +1,11 @@
 """The RL engine: one stage loop for every group-relative RL algorithm.
 
-:class:`RLStage` is a :class:`~tempering.stage.Stage` that, at each step, takes a batch of
+:class:`RLStage` is a :class:`~tempering.training.stage.Stage` that, at each step, takes a batch of
 scored groups from a *rollout source*, turns rewards into group-relative advantages
 (:func:`build_group_batch`), lets the algorithm prepare the batch (reference logprobs, capped
 and folded advantages, ...) and runs ``forward_backward`` + ``optim_step``. What an algorithm
 really changes is small and named: where rollouts come from (:class:`SyncRollouts` for
-on-policy GRPO, :class:`~tempering.async_rollout.AsyncRollouts` for off-policy RL),
+on-policy GRPO, :class:`~tempering.rollouts.async_rollout.AsyncRollouts` for off-policy RL),
 :meth:`RLStage.prepare` and the objective it trains (:meth:`RLStage.objective`), and what
 happens after an optimizer step (:meth:`RLStage.after_optim`).
 
@@ -21,16 +21,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from tempering.data import ExampleStream, load_examples
-from tempering.dataset_checks import Columns, check_rows, prompt_columns, reward_columns
 from tempering.errors import ConfigError
-from tempering.evaluate import build_sampler
 from tempering.loss_contract import ADVANTAGES, ROW_INPUTS, SAMPLER_LOGPROBS, LossSetup, for_stage
 from tempering.registry import split_spec
-from tempering.rollout import RolloutBatch, collect, rollout_metrics
-from tempering.rollout_log import DEFAULT_GROUPS, log_groups
-from tempering.scoring import RewardRunner
-from tempering.stage import SamplingKeys, Stage, build_checked, check_stage, require
+from tempering.rollouts.data import ExampleStream, load_examples
+from tempering.rollouts.rollout import RolloutBatch, collect, rollout_metrics
+from tempering.rollouts.scoring import RewardRunner
+from tempering.runs.rollout_log import DEFAULT_GROUPS, log_groups
+from tempering.training.dataset_checks import Columns, check_rows, prompt_columns, reward_columns
+from tempering.training.evaluate import build_sampler
+from tempering.training.stage import SamplingKeys, Stage, build_checked, check_stage, require
 from tempering.types import Batch, Group, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -74,13 +74,13 @@ class RLStage(SamplingKeys, Stage):
 
     ``log_rollouts`` (default 4): groups per step (and per evaluation) written to
     ``rollouts.jsonl`` -- the first ones, plus every group with a failed sample; 0 = none,
-    -1 = all (see :mod:`tempering.rollout_log`).
+    -1 = all (see :mod:`tempering.runs.rollout_log`).
 
     ``max_failed_fraction`` (default 0.5): the stage stops (checkpointed, resumable, the run
     ends with one line naming the cause) once more than this share of the samples of the last
     ``failure_window`` (default 3) steps failed -- a reward that raises, times out or returns
     no number, an episode whose environment raised. 1 never stops. Each new cause's first
-    error is printed once either way (see :mod:`tempering.failures`).
+    error is printed once either way (see :mod:`tempering.runs.failures`).
 
     ``max_tool_error_fraction`` (default 1: never stops): the same for tool calls that fail or
     time out (``env/tool_errors`` of ``env/tool_calls``). Not stopping by default because a
@@ -147,7 +147,7 @@ class RLStage(SamplingKeys, Stage):
 
     def dataset_columns(self, ctx: RunContext) -> Columns:
         """What the rows must hold: a prompt (for the ``completion`` sampler) and the columns
-        the reward reads (see :mod:`tempering.dataset_checks`)."""
+        the reward reads (see :mod:`tempering.training.dataset_checks`)."""
         return prompt_columns(self.sampler, reward_columns(ctx, self.reward))
 
     def make_rollouts(self, ctx: RunContext, state: Mapping[str, Any]) -> Any:
