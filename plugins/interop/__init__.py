@@ -1,0 +1,1 @@
+"""Interop: tempering's components used from other trainers (TRL's ``GRPOTrainer``: :mod:`.trl`)."""
