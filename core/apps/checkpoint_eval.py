@@ -28,6 +28,7 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, cast
 
+from tempering.apps.calibration import calibration, reliability_diagram
 from tempering.apps.export import exported_renderer
 from tempering.apps.rundata import RunDir, run_backend
 from tempering.errors import ConfigError
@@ -177,8 +178,6 @@ def evaluate_policy(backend: Backend, spec: EvalSpec, registry: Any = None) -> E
     forecasts = forecasts_of(groups, spec.outcome_key, registry)
     cal = None
     if forecasts:
-        from tempering.apps.calibration import calibration
-
         cal = calibration([p for p, _ in forecasts], [y for _, y in forecasts])
         metrics.update(cal.metrics())
     trainer_step = int(getattr(backend, "step", 0) or 0)
@@ -298,8 +297,6 @@ def write_report(report: EvalReport, spec: EvalSpec, source: Mapping[str, Any], 
         os.remove(report.files["rollouts"])
     rollout_log.append(report.files["rollouts"], report.records)
     if report.calibration is not None:
-        from tempering.apps.calibration import reliability_diagram
-
         report.files["reliability"] = reliability_diagram(report.calibration, os.path.join(out, "reliability.png"))
     report.files["metrics"] = os.path.join(out, "eval.json")
     payload = {"source": dict(source), "spec": rollout_log.jsonable(asdict(spec)),

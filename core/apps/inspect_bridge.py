@@ -42,6 +42,7 @@ def model_class() -> type:
         def __init__(self, model_name: str, base_url: str | None = None, api_key: str | None = None,
                      config: GenerateConfig | None = None, step: int | None = None, renderer: str = "auto",
                      chat: bool | None = None, **model_args: Any) -> None:  # fmt: skip
+            # on first use: inspect imports this entry point on every start, the runner stays unloaded
             from tempering.apps.export import exported_renderer
             from tempering.apps.rundata import RunDir, run_backend
             from tempering.registry import get_registry

@@ -17,9 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from tempering.errors import ConfigError
+from tempering.registry import get_registry
 from tempering.runs import rollout_log
 from tempering.runs.redact import REDACTED
 from tempering.runs.runfolder import CHECKPOINTS, PROGRESS_FILE
+from tempering.training.config import stage_id
+from tempering.training.recipe import backend_spec
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
@@ -64,8 +67,6 @@ class RunDir:
 
     def stages(self) -> list[str]:
         """Stage ids in recipe order (then any only the metrics name)."""
-        from tempering.training.config import stage_id
-
         ids = [stage_id(s, i) for i, s in enumerate(self.recipe.get("stages") or [])]
         for row in self.metrics():
             sid = str(row.get("stage", ""))
@@ -113,9 +114,6 @@ class RunDir:
 def run_backend(run: RunDir, step: int | None = None, registry: Any = None) -> Iterator[tuple[Any, dict[str, Any]]]:
     """The run's backend, rebuilt as the run built it, with checkpoint ``step`` (default: the
     latest) loaded; yields ``(backend, checkpoint entry)`` and closes the backend after."""
-    from tempering.registry import get_registry
-    from tempering.training.recipe import backend_spec
-
     registry = registry or get_registry()
     recipe = run.recipe
     if not recipe.get("backend"):

@@ -56,6 +56,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tempering.runs.failures import failure_cause
+from tempering.runs.runfolder import is_primary_process
 from tempering.types import Group, Sample
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -123,8 +124,6 @@ def log_groups(ctx: RunContext, groups: Sequence[Group], kind: str, step: int, c
     ``ctx`` is the stage's run context (its output folder, stage id, loggers, the metrics row
     this step will be logged as); ``advantages`` align with the samples of ``groups`` in order.
     Only the primary process writes (data-parallel ranks sample the same step)."""
-    from tempering.runs.runfolder import is_primary_process
-
     chosen = {id(g) for g in select_groups(groups, count)}
     if not chosen or not is_primary_process():
         return []

@@ -29,6 +29,10 @@ from tempering.training.config import load_yaml, resolve_recipe, stage_id
 from tempering.errors import ConfigError, RunStopped, StopRun  # StopRun, RunStopped: the recipe's API, kept importable here
 from tempering.registry import PluginOverrideWarning, Registry, get_registry
 from tempering.runs.runfolder import PROGRESS_FILE, read_progress  # noqa: F401 - re-exported: the recipe's API
+import tempering
+from tempering.registry import params_schema
+from tempering.runs.redact import redact
+from tempering.training.stage import config_only
 
 
 @dataclass
@@ -304,8 +308,6 @@ def _check_stage_configs(registry: Registry, cfg: Mapping[str, Any], stages: Seq
     the backend) before anything else happens: a typo must not cost a model load, nor move an
     earlier run aside under ``--fresh``. The full check, data included, runs again once the
     backend is up and the finished stages are known."""
-    from tempering.training.stage import config_only
-
     ctx = RunContext(registry, backend, dict(cfg), cfg["output_dir"], [], cfg["seed"])
     with config_only():
         for i, (sid, algorithm) in enumerate(stages):
@@ -385,8 +387,6 @@ def backend_spec(registry: Registry, cfg: Mapping[str, Any]) -> Any:
 
 
 def _accepts(registry: Registry, spec: Mapping[str, Any], key: str) -> bool:
-    from tempering.registry import params_schema
-
     schema = params_schema(registry.get("backend", spec["name"]).load())
     return schema is None or key in {f.name for f in dataclasses.fields(schema)}
 
@@ -421,10 +421,6 @@ def _metadata(registry: Registry, cfg: Mapping[str, Any]) -> dict[str, Any]:
     visit({"backend": cfg["backend"], "logger": cfg["loggers"]}, None)
     for spec in cfg["stages"]:
         visit(spec, "algorithm")
-    import tempering
-
-    from tempering.runs.redact import redact
-
     # redacted: run.json is read by the trackers and `tempering view`; the components got the real values
     return {"tempering": tempering.__version__, "recipe": redact(_jsonable(cfg)), "components": used}
 

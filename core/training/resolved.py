@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tempering.registry import Registry, config_blocks, factory_defaults, get_registry, is_plain_data, params_schema
+from tempering.training.stage import EvalConfig, OptimizerConfig
 
 #: Arguments each kind's factory gets at run time, not from the recipe.
 RUNTIME: dict[str, tuple[str, ...]] = {"logger": ("output_dir",), "sampler": ("context",), "renderer": ("tokenizer",),
@@ -86,8 +87,6 @@ def component(registry: Registry, kind: str, spec: Any) -> Any:
 
 
 def _stage(registry: Registry, spec: Any) -> Any:
-    from tempering.training.stage import EvalConfig, OptimizerConfig
-
     sid = spec.get("id") if isinstance(spec, Mapping) else None
     body = {k: v for k, v in spec.items() if k != "id"} if isinstance(spec, Mapping) else spec
     out = component(registry, "algorithm", body)

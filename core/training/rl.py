@@ -207,7 +207,7 @@ def check_group_size(ctx: RunContext, estimator: Any, group_size: int, name: str
     of two groups with distinct rewards must get some non-zero, finite advantage. A
     group-relative estimator (``group_norm``, ``rloo``, ...) gives a group of 1 advantage 0
     forever -- nothing would be learned."""
-    import torch
+    import torch  # here, not at the top: validating a recipe imports this module without torch
 
     name = name or getattr(estimator, "__name__", type(estimator).__name__)
     path = f"{ctx.path}.group_size"

@@ -37,6 +37,7 @@ from tempering.registry import validate_params
 from tempering.schema import Problem, check_config_at, choice_message, field_values
 from tempering.training.schedule import lr_at
 from tempering.types import AdamParams, SamplingParams
+from tempering.rollouts.renderer import check_renderer
 
 T = TypeVar("T")
 
@@ -193,8 +194,6 @@ def check_stage(
     and their factory's ``check_params`` (see :data:`tempering.registry.CHECK_HOOK`). Then,
     unless in :func:`config_only`, the datasets (the stage's and ``eval``'s): ``columns`` is
     what the stage's rows must hold (see :func:`check_dataset`)."""
-    from tempering.rollouts.renderer import check_renderer
-
     steps = getattr(stage, "steps", 1)
     require(steps >= 1, f"{ctx.path}.steps", f"must be >= 1, got {steps} (a stage of no steps would be skipped; "
             "remove the stage instead)")  # fmt: skip

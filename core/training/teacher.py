@@ -45,6 +45,7 @@ from tempering.loss_contract import (
     TEACHER_TOPK_LOGPROBS,
 )
 from tempering.rollouts.data import encode_prompt, user_turn
+from tempering.training.stage import Requirement
 from tempering.types import Batch, Datum, Sample, Segment
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -136,8 +137,6 @@ class TeacherWeights:
     def requirements(self, key: str = "teacher") -> list[Requirement]:
         """The backend capabilities this teacher needs: snapshots for ``stage_start`` / ``ema``,
         averaging for ``ema``."""
-        from tempering.training.stage import Requirement
-
         needs = []
         if self.snapshotted:
             needs.append(Requirement(WeightSnapshots, key,
@@ -312,6 +311,7 @@ def teacher_divergence(logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]
     ``full_logits``: over the vocabulary; ``topk_logits`` on the student's top-k (``support``
     ``student``, needs the teacher's full distribution) or the teacher's (``teacher``, its
     top-k values and ids). See :mod:`tempering.rlmath.divergence`."""
+    # torch on first use: validating a recipe imports this module and must not load torch
     from tempering.rlmath.divergence import full_logits_loss, topk_logits_loss
 
     positions = batch.get(LOGIT_POSITIONS)
