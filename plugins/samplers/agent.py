@@ -1,0 +1,430 @@
+"""The ``agent`` sampler: episodes played by the user's own harness, through the policy's endpoint.
+
+A harness is an async function the user already has, written against the plain ``openai`` SDK::
+
+    async def run(client: openai.AsyncOpenAI, example: dict) -> float | None | dict:
+        ...  # any number of client.chat.completions.create(...) calls, tools, context edits
+        return reward
+
+named in the recipe by its import path (``sampler: {name: agent, harness: my_agent:run}``, the
+working folder on ``sys.path``, as for the ``python`` reward). Each sample is one episode: the
+harness gets a fresh client whose ``base_url`` is the episode's own address on the stage's
+:class:`~tempering.plugins.samplers.openai_endpoint.PolicyEndpoint` and whose ``api_key`` is the
+endpoint's token; the endpoint samples the stage's policy and records every call token-exactly.
+
+Training rows are built from those calls (:func:`episode_rows`): a call whose prompt starts with
+every token of an existing row (the previous prompt plus what was sampled) extends that row with
+its new tokens (weight 0) and its completion (weight 1, with the sampler's logprobs); a call that
+extends no row -- a harness that edited, summarized or truncated its context -- starts a new row,
+as a renderer that rewrites history does for the ``environment`` sampler. Never a row with tokens
+the model did not see.
+
+What the harness returns is the episode's reward: a number (a
+:class:`~tempering.rollouts.feedback.Scored` carries feedback), ``None`` to have the stage's
+``reward`` score the last completion's text, or a mapping ``{"reward": ..., "metrics": {...},
+"feedback": "..."}``. A harness that raises fails its episode (cause ``harness_error``, its
+traceback in ``rollouts.jsonl``); one that does not return within ``harness_timeout`` seconds is
+cut off (cause ``harness_timeout``); one that never called the model fails too
+(``no_model_calls``): there is nothing to train. Each harness runs on an event loop of its own
+in a daemon thread, so one that blocks (a synchronous ``time.sleep``, a subprocess ``wait``)
+blocks only its own episode. ``max_concurrent`` bounds the episodes in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import inspect
+import math
+import threading
+import time
+import warnings
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from tempering.errors import ConfigError
+from tempering.plugins.samplers.common import with_stops
+from tempering.plugins.samplers.openai_endpoint import Call, EndpointLimits, EpisodeCalls, PolicyEndpoint
+from tempering.rollouts.episode import ModelQueue
+from tempering.rollouts.feedback import feedback_of
+from tempering.rollouts.rollout import Rollout, SamplerContext
+from tempering.rollouts.scoring import ScoreStats
+from tempering.rollouts.trajectory import Trajectory, Turn
+from tempering.runs.failures import debug, format_traceback, mark_failed
+from tempering.schema import Problem
+from tempering.types import Completion, Group, Sample, SamplingParams, Segment
+
+#: ``pip install`` hint for the client the harness is given.
+OPENAI_HINT = "pip install 'tempering[openai]'"
+
+
+class HarnessTimeout(Exception):
+    """A harness did not return within ``harness_timeout`` (failure cause ``harness_timeout``)."""
+
+
+@dataclass
+class Outcome:
+    """How an episode's harness ended: its return ``value``, or the ``error`` text, failure
+    ``cause`` and traceback."""
+
+    value: Any = None
+    error: str | None = None
+    cause: str | None = None
+    traceback: str | None = None
+
+
+class LoopThread:
+    """An event loop of its own in a daemon thread: harness code runs there, so a harness that
+    blocks cannot freeze the sampler's loop (which batches every episode's model calls)."""
+
+    def __init__(self, name: str = "tempering-harness") -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+            tasks = asyncio.all_tasks(self.loop)
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        finally:
+            self.loop.close()
+
+    def submit(self, coro: Awaitable[Any]) -> Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+
+    async def run(self, coro: Awaitable[Any], timeout: float | None, what: str) -> Any:
+        """``await coro`` on this thread's loop within ``timeout`` seconds (None = no limit);
+        :class:`HarnessTimeout` naming ``what`` past it (the coroutine is cancelled)."""
+        done = self.submit(coro)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(done), timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            done.cancel()
+            raise HarnessTimeout(f"{what} did not return within {timeout:g} s") from None
+
+    def close(self) -> None:
+        """Stop the loop (a thread blocked in harness code stops once that code returns)."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def load_harness(target: Any, path: str) -> Callable[..., Any]:
+    """The harness ``target`` names: ``module:function`` (imported with the working folder on
+    ``sys.path``), or a callable given from Python. Any failure is one :class:`ConfigError`."""
+    if callable(target):
+        return target
+    from tempering.plugins.rewards.python import load_function
+
+    fn = load_function(target, path)
+    if not callable(fn):
+        raise ConfigError(f"'{target}' is a {type(fn).__name__}, not a function", path)
+    return fn
+
+
+def openai_missing() -> bool:
+    return importlib.util.find_spec("openai") is None
+
+
+@dataclass
+class EndpointSampler:
+    """What the samplers that serve the policy as an endpoint share (``agent``, ``verifiers``):
+    config keys ``harness_timeout`` (seconds per episode, default 600, null = no limit),
+    ``max_concurrent`` (episodes in flight, default 64), ``max_total_tokens`` (a call's prompt
+    plus completion, 0 = no budget; past it the endpoint answers ``context_length_exceeded``),
+    ``max_n`` (the largest ``n`` a call may ask for) and ``batch_wait`` (seconds a model call
+    waits for other episodes' before its batch goes; null = until every live episode waits).
+    The stage's ``max_tokens`` caps each call, its ``temperature`` / ``top_p`` are the ones a
+    call may ask for. A subclass plays the episodes (:meth:`play`)."""
+
+    harness_timeout: float | None = 600.0
+    max_concurrent: int = 64
+    max_total_tokens: int = 0
+    max_n: int = 8
+    batch_wait: float | None = None
+    context: SamplerContext | None = field(default=None, repr=False)
+
+    @staticmethod
+    def limit_problems(config: Mapping[str, Any]) -> Any:
+        timeout = config.get("harness_timeout")
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            yield Problem("harness_timeout", f"must be > 0 (seconds) or null for no limit, got {timeout}")
+        for key, low in (("max_concurrent", 1), ("max_n", 1), ("max_total_tokens", 0)):
+            value = config.get(key)
+            if value is not None and value < low:
+                yield Problem(key, f"must be >= {low}, got {value}")
+
+    def __post_init__(self) -> None:
+        self.path = self.context.path if self.context is not None else "sampler"
+        self._warned_reward = False
+
+    @property
+    def reward_runner(self) -> Any:
+        return self.context.reward if self.context is not None else None
+
+    # ------------------------------------------------------------------ sampling
+    async def sample(self, client: Any, examples: list[dict[str, Any]], group_size: int, params: SamplingParams,
+                     first_id: int = 0) -> Rollout:  # fmt: skip
+        assert self.context is not None, "AgentSampler needs its stage's context"
+        renderer = self.context.renderer()
+        params = with_stops(params, renderer.stop())
+        queue = ModelQueue(client, params, self.batch_wait, seed=params.seed)
+        loop = asyncio.get_running_loop()
+
+        def model(key: int, prompt: list[int], max_tokens: int) -> Future[Completion]:
+            return asyncio.run_coroutine_threadsafe(queue.sample(key, prompt, max_tokens), loop)
+
+        limits = EndpointLimits(
+            max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+            max_total_tokens=self.max_total_tokens, max_n=self.max_n, timeout=self.harness_timeout,
+            keys={k: f"{self.path}.{k}" for k in ("max_total_tokens", "max_n")}
+            | {"temperature": "temperature", "top_p": "top_p", "timeout": f"{self.path}.harness_timeout"},
+        )  # fmt: skip
+        jobs = [(i * group_size + j, example) for i, example in enumerate(examples) for j in range(group_size)]
+        t0 = time.perf_counter()
+        with PolicyEndpoint(model, renderer, self.context.tokenizer, limits) as endpoint:
+            played = await self.play(endpoint, queue, jobs)
+        t1 = time.perf_counter()
+        groups, to_score, calls = [], [], 0
+        for i, example in enumerate(examples):
+            samples = []
+            for j in range(group_size):
+                episode, outcome = played[i * group_size + j]
+                calls += len(episode.calls)
+                sample, by_stage = self._sample(example, episode.calls, outcome)
+                samples.append(sample)
+                if by_stage:
+                    to_score.append(sample)
+            groups.append(Group(dict(example), samples, group_id=first_id + i))
+        stats = ScoreStats()
+        if to_score:
+            if self.context.reward is None:
+                for s in to_score:
+                    mark_failed(
+                        s, "no_reward", "the harness returned None (score by the stage), and the stage has no reward"
+                    )
+            else:
+                stats = await self.context.reward.ascore(to_score)
+        metrics = {"time/episodes": t1 - t0, "time/reward": time.perf_counter() - t1, "env/model_calls": float(calls)}
+        return Rollout(groups, stats, metrics)
+
+    async def play(self, endpoint: PolicyEndpoint, queue: ModelQueue,
+                   jobs: Sequence[tuple[int, dict[str, Any]]]) -> list[tuple[EpisodeCalls, Outcome]]:  # fmt: skip
+        """Every job's episode on ``endpoint``: its calls and how it ended, in job order."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ results
+    def _sample(self, example: dict[str, Any], calls: list[Call], outcome: Outcome) -> tuple[Sample, bool]:
+        """The episode as a sample, and whether the stage's reward scores it (the harness
+        returned None)."""
+        traj = trajectory_of(calls)
+        last = traj.turns[-1].completion if traj.turns else Completion([], [], [], "error")
+        if traj.turns:
+            last.text = traj.turns[-1].response.text
+        sample = Sample(example=dict(example), completion=last, trajectory=traj)
+        sample.reward_info = {"stop": traj.stop, "turns": len(traj.turns)}
+        if outcome.error is not None:
+            traj.stop, traj.failure, traj.traceback = "error", outcome.cause, outcome.traceback
+            traj.errors.insert(0, outcome.error)
+            mark_failed(sample, outcome.cause or "harness_error", outcome.error, outcome.traceback)
+            return sample, False
+        if not calls:
+            traj.stop = "error"
+            mark_failed(sample, "no_model_calls", "the harness returned without calling the model: nothing to train")
+            return sample, False
+        try:
+            reward, metrics, note = read_result(outcome.value)
+        except (TypeError, ValueError) as exc:
+            traj.stop = "error"
+            mark_failed(sample, "harness_error", f"harness: {exc}")
+            return sample, False
+        for k, v in metrics.items():
+            traj.count(k, v)
+        if note:
+            traj.feedback.append(note)
+            sample.feedback = note
+        if reward is None:
+            return sample, True
+        if math.isnan(reward):
+            mark_failed(sample, "nan_reward", "the harness returned NaN")
+            return sample, False
+        sample.reward = reward
+        self._warn_reward_unused()
+        return sample, False
+
+    def _warn_reward_unused(self) -> None:
+        key = self.context.reward_key if self.context is not None else None
+        if key is None or self._warned_reward:
+            return
+        self._warned_reward = True
+        warnings.warn(
+            f"tempering: {key} is not used for the episodes whose harness returns a reward: the harness's number "
+            f"wins. To score the last answer with {key}, return None from the harness; otherwise remove {key}",
+            UserWarning, stacklevel=2,
+        )  # fmt: skip
+
+
+@dataclass
+class AgentSampler(EndpointSampler):
+    """Config keys: ``harness`` (``module:function``, required: ``async def run(client,
+    example)``), and the endpoint samplers' ``harness_timeout``, ``max_concurrent``,
+    ``max_total_tokens``, ``max_n``, ``batch_wait`` (:class:`EndpointSampler`)."""
+
+    harness: Any = None
+
+    @staticmethod
+    def check_config(config: Mapping[str, Any]) -> Any:
+        if openai_missing():
+            yield Problem("", f"the agent sampler gives harnesses an openai.AsyncOpenAI client, and openai is not "
+                              f"installed: {OPENAI_HINT}")  # fmt: skip
+        yield from EndpointSampler.limit_problems(config)
+        if config.get("harness") is None:
+            yield Problem(
+                "harness", "the agent sampler needs 'harness: module:function', an async def run(client, example)"
+            )
+            return
+        try:
+            fn = load_harness(config["harness"], "")
+        except ConfigError as exc:
+            yield Problem("harness", str(exc))
+            return
+        try:
+            inspect.signature(fn).bind(None, None)
+        except TypeError:
+            yield Problem("harness", f"'{config['harness']}' must take (client, example)")
+        except ValueError:  # no signature (a builtin): let the call decide
+            pass
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.harness is None:
+            raise ConfigError("the agent sampler needs 'harness: module:function', an async def run(client, example)",
+                              f"{self.path}.harness")  # fmt: skip
+        self._harness = load_harness(self.harness, f"{self.path}.harness")
+
+    async def play(self, endpoint: PolicyEndpoint, queue: ModelQueue,
+                   jobs: Sequence[tuple[int, dict[str, Any]]]) -> list[tuple[EpisodeCalls, Outcome]]:  # fmt: skip
+        """Every job's episode, at most ``max_concurrent`` at once, each harness on a loop of
+        its own. An episode joins the model queue when it starts and leaves when it ends, so
+        lockstep batching waits only for episodes in flight."""
+        gate = asyncio.Semaphore(self.max_concurrent)
+
+        async def one(key: int, example: dict[str, Any]) -> tuple[EpisodeCalls, Outcome]:
+            async with gate:
+                queue.join(1)
+                episode = endpoint.open_episode(key)
+                runner = LoopThread()
+                try:
+                    coro = run_harness(
+                        self._harness, episode.base_url, endpoint.token, dict(example), self.harness_timeout
+                    )
+                    outcome = await guarded(runner.run(coro, self.harness_timeout, "the harness"), self.path)
+                finally:
+                    endpoint.end_episode(episode)
+                    queue.leave()
+                    runner.close()
+                return episode, outcome
+
+        return list(await asyncio.gather(*(one(key, example) for key, example in jobs)))
+
+
+async def run_harness(harness: Any, base_url: str, token: str, example: dict[str, Any], timeout: float | None) -> Any:
+    """One episode on the harness's loop: a fresh ``AsyncOpenAI`` client for the episode's
+    address, the harness, the client closed after."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key=token, max_retries=0, timeout=timeout)
+    try:
+        value = harness(client, example)
+        return await value if inspect.isawaitable(value) else value
+    finally:
+        await client.close()
+
+
+async def guarded(run: Awaitable[Any], path: str) -> Outcome:
+    """The outcome of a harness run: its value, or the failure it counts as (never raised,
+    except under ``TEMPERING_DEBUG``)."""
+    try:
+        return Outcome(value=await run)
+    except HarnessTimeout as exc:
+        return Outcome(error=f"{exc} ({path}.harness_timeout; raise it for slower harnesses, or null for no limit)",
+                       cause="harness_timeout")  # fmt: skip
+    except Exception as exc:
+        if debug():
+            raise
+        return Outcome(
+            error=f"harness: {type(exc).__name__}: {exc}", cause="harness_error", traceback=format_traceback(exc)
+        )
+
+
+def read_result(value: Any) -> tuple[float | None, dict[str, float], str | None]:
+    """A harness's return value as ``(reward or None, metrics, feedback)``."""
+    if isinstance(value, Mapping):
+        unknown = set(value) - {"reward", "metrics", "feedback"}
+        if unknown:
+            raise ValueError(f"returned a mapping with unknown keys {sorted(unknown)}; use reward, metrics, feedback")
+        reward, note = read_result(value.get("reward"))[::2]
+        metrics = {str(k): float(v) for k, v in dict(value.get("metrics") or {}).items()}
+        feedback = value.get("feedback")
+        return reward, metrics, str(feedback) if feedback else note
+    if value is None:
+        return None, {}, None
+    if isinstance(value, (int, float)):
+        return float(value), {}, feedback_of(value, "the harness")
+    raise TypeError(f"returned a {type(value).__name__}; return a number, None (the stage's reward scores) or "
+                    "{'reward': ..., 'metrics': {...}, 'feedback': ...}")  # fmt: skip
+
+
+def episode_rows(calls: Sequence[Call]) -> tuple[list[Segment], int]:
+    """Training rows of an episode's calls, in the order they were answered, and how many
+    calls started a new row although rows existed (``row_splits``).
+
+    A call extends the longest row whose tokens are a prefix of its prompt (weight 0 on the
+    prompt's new tokens, weight 1 and the sampler's logprobs on its completion); a call that
+    extends none starts a row of its own. Every sampled token is in exactly one row."""
+    rows: list[Segment] = []
+    splits = 0
+    for call in calls:
+        prompt = list(call.prompt)
+        best = None
+        for row in rows:
+            n = len(row.tokens)
+            if n <= len(prompt) and prompt[:n] == row.tokens and (best is None or n > len(best.tokens)):
+                best = row
+        if best is None:
+            splits += bool(rows)
+            best = Segment(prompt, [0.0] * len(prompt), [0.0] * len(prompt))
+            rows.append(best)
+        else:
+            best.extend(prompt[len(best.tokens) :], 0.0)
+        best.extend(list(call.completion.tokens), 1.0, list(call.completion.logprobs))
+    return rows, splits
+
+
+def trajectory_of(calls: Sequence[Call]) -> Trajectory:
+    """The episode as a :class:`~tempering.rollouts.trajectory.Trajectory`: one turn per call,
+    the rows of :func:`episode_rows`, the last chat call's transcript and tools."""
+    traj = Trajectory()
+    traj.segments, splits = episode_rows(calls)
+    traj.turns = [Turn(len(c.prompt), c.completion, c.response) for c in calls]
+    chats = [c for c in calls if c.messages is not None]
+    if chats:
+        traj.messages = [*chats[-1].messages, chats[-1].response.to_message()]  # type: ignore[misc]
+        traj.tools = list(chats[-1].tools or [])
+    traj.count("turns", float(len(calls)))
+    traj.count("row_splits", float(splits))
+    tool_calls = sum(len(c.response.tool_calls) for c in calls)
+    if tool_calls:
+        traj.count("tool_calls", float(tool_calls))
+    errors = [c.response.parse_error for c in calls if c.response.parse_error and c.completion.stop_reason == "stop"]
+    if errors:
+        traj.count("parse_errors", float(len(errors)))
+    return traj
+
+
+__all__ = ["AgentSampler", "EndpointSampler", "Outcome", "episode_rows", "read_result", "trajectory_of"]

@@ -1,0 +1,264 @@
+"""The policy's OpenAI-compatible endpoint (``plugins/samplers/openai_endpoint.py``) over real HTTP,
+and how an episode's calls become training rows (``episode_rows``).
+
+The "model" is scripted: a ``ModelFn`` that answers each prompt with the assistant turn the test
+wrote, rendered by ``tiny_chat`` (so it is exactly what a model emitting that turn samples), with
+known logprobs and policy version. These tests need no ``openai`` package (httpx speaks to the
+server, as the SDK does underneath); the harness tests through the SDK are test_agent_harness.py.
+"""
+
+from __future__ import annotations
+
+import socket
+from concurrent.futures import Future
+from typing import Any
+
+import httpx
+import pytest
+
+from tempering.plugins.samplers.agent import episode_rows, read_result
+from tempering.plugins.samplers.openai_endpoint import Call, EndpointLimits, PolicyEndpoint
+from tempering.registry import get_registry
+from tempering.rollouts.chat import ParsedResponse
+from tempering.types import Completion
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
+          "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def renderer() -> Any:
+    from tempering.plugins.models.tiny import tiny_llama
+
+    _, tokenizer = tiny_llama(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, chat=True)
+    return get_registry().build("renderer", "tiny_chat", "renderer", tokenizer=tokenizer)
+
+
+class Scripted:
+    """A ``ModelFn``: the k-th call of an episode answers with ``turns[k]`` (an assistant
+    message, rendered), logprob -0.25 per token, policy version 7. Records each call."""
+
+    def __init__(self, renderer: Any, turns: list[dict[str, Any]]) -> None:
+        self.renderer, self.turns = renderer, turns
+        self.calls: list[tuple[int, list[int], int]] = []
+
+    def __call__(self, key: int, prompt: list[int], max_tokens: int) -> Future[Completion]:
+        turn = self.turns[min(len(self.calls), len(self.turns) - 1)]
+        self.calls.append((key, list(prompt), max_tokens))
+        tokens = self.renderer.render_response(turn)
+        stop = "stop" if len(tokens) <= max_tokens else "length"
+        tokens = tokens[:max_tokens]
+        done: Future[Completion] = Future()
+        done.set_result(Completion(list(prompt), tokens, [-0.25] * len(tokens), stop, policy_version=7))
+        return done
+
+
+def call_add(a: int, b: int) -> dict[str, Any]:
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}],
+    }
+
+
+@pytest.fixture
+def served(renderer: Any) -> Any:
+    """``start(turns, **limits) -> (endpoint, episode, client, model)``: a started endpoint (closed
+    after the test), one open episode and an httpx client with the endpoint's token."""
+    opened: list[Any] = []
+
+    def start(turns: list[dict[str, Any]], **limits: Any) -> tuple[PolicyEndpoint, Any, httpx.Client, Scripted]:
+        model = Scripted(renderer, turns)
+        endpoint = PolicyEndpoint(
+            model, renderer, renderer.tokenizer, EndpointLimits(**{"max_tokens": 24, **limits})
+        ).start()
+        episode = endpoint.open_episode(3)
+        client = httpx.Client(
+            base_url=episode.base_url, headers={"Authorization": f"Bearer {endpoint.token}"}, timeout=10
+        )
+        opened.append((endpoint, client))
+        return endpoint, episode, client, model
+
+    yield start
+    for endpoint, client in opened:
+        client.close()
+        endpoint.close()
+
+
+def test_a_tool_call_comes_back_in_openai_form_and_every_call_is_recorded(served: Any, renderer: Any) -> None:
+    _endpoint, episode, client, model = served([call_add(2, 3), {"role": "assistant", "content": "5"}])
+    messages = [{"role": "user", "content": "2+3?"}]
+    first = client.post("/chat/completions", json={"model": "policy", "messages": messages, "tools": TOOLS,
+                                                   "logprobs": True, "return_token_ids": True}).json()  # fmt: skip
+    [choice] = first["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    [tool_call] = choice["message"]["tool_calls"]
+    assert tool_call["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'} and tool_call["id"] == "call_0_0"
+    sampled = renderer.render_response(call_add(2, 3))
+    assert (
+        choice["token_ids"] == sampled and first["prompt_token_ids"] == renderer.render_prompt(messages, TOOLS).tokens
+    )
+    assert [t["logprob"] for t in choice["logprobs"]["content"]] == [-0.25] * len(sampled)
+    assert first["system_fingerprint"] == "tempering-policy-v7"
+    assert first["usage"] == {"prompt_tokens": len(first["prompt_token_ids"]), "completion_tokens": len(sampled),
+                              "total_tokens": len(first["prompt_token_ids"]) + len(sampled)}  # fmt: skip
+
+    messages += [choice["message"], {"role": "tool", "tool_call_id": "call_0_0", "content": "5"}]
+    second = client.post("/chat/completions", json={"model": "x", "messages": messages, "tools": TOOLS}).json()
+    assert second["choices"][0]["message"] == {"role": "assistant", "content": "5"}
+    assert second["choices"][0]["finish_reason"] == "stop" and second["model"] == "x"
+    assert [c.completion.tokens for c in episode.calls] == [
+        sampled,
+        renderer.render_response({"role": "assistant", "content": "5"}),
+    ]
+    assert [key for key, _, _ in model.calls] == [3, 3]  # the episode's key orders its requests in a batch
+    # the history the harness sent back re-renders to the first call's prompt + its sample: one row
+    rows, splits = episode_rows(episode.calls)
+    assert splits == 0 and len(rows) == 1
+    assert rows[0].tokens[: len(first["prompt_token_ids"]) + len(sampled)] == first["prompt_token_ids"] + sampled
+    assert client.get("/models").json()["data"][0]["id"] == "policy"
+
+
+def test_n_stop_strings_and_text_completions(served: Any, renderer: Any) -> None:
+    _endpoint, episode, client, model = served([{"role": "assistant", "content": "12345"}])
+    out = client.post(
+        "/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 3, "stop": ["3"]}
+    ).json()
+    assert [c["message"]["content"] for c in out["choices"]] == ["12"] * 3 and [c["index"] for c in out["choices"]] == [
+        0,
+        1,
+        2,
+    ]
+    assert all(c["finish_reason"] == "stop" for c in out["choices"])
+    # the recorded completion is cut after the token that completed the stop string: what the harness saw
+    assert [renderer.decode(c.completion.tokens) for c in episode.calls] == ["123"] * 3
+    text = client.post("/completions", json={"prompt": "12+3=", "max_tokens": 2, "logprobs": 1}).json()
+    [choice] = text["choices"]
+    assert choice["finish_reason"] == "length" and choice["text"] == "12"
+    assert choice["logprobs"]["token_logprobs"] == [-0.25, -0.25] and model.calls[-1][2] == 2
+    ids = client.post("/completions", json={"prompt": [1, 5, 6], "max_tokens": 4, "return_token_ids": True}).json()
+    assert ids["prompt_token_ids"] == [1, 5, 6] and model.calls[-1][1] == [1, 5, 6]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "reason"),
+    [
+        ({"messages": []}, "messages", "messages must be a non-empty list"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0]", "role must be one of"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content", "only text parts"),
+        ({"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream", "streaming is not supported"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": 0.3}, "temperature", "the stage's temperature 1"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 99}, "n", "n must be an integer between 1 and 8"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens", "max_tokens must be an integer >= 1"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs", "not supported"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice", "use 'auto' or 'none'"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]", "must be {type: function"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop": [1, 2]}, "stop", "stop must be"),
+        ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": "{oops"}}]}]},
+         "messages[0].tool_calls", "is malformed"),
+        ({"messages": [{"role": "user", "content": "x" * 200}]}, "messages", "leaves no room within the context budget"),
+    ],
+)  # fmt: skip
+def test_a_bad_request_is_an_openai_style_400_with_the_reason(served: Any, body: dict, param: str, reason: str) -> None:
+    _endpoint, episode, client, model = served([{"role": "assistant", "content": "1"}], max_total_tokens=100)
+    response = client.post("/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and reason in error["message"], error
+    assert not episode.calls and not model.calls  # refused before sampling
+
+
+def test_bad_bodies_routes_and_methods(served: Any) -> None:
+    _endpoint, _episode, client, model = served([{"role": "assistant", "content": "1"}])
+    assert (
+        client.post("/chat/completions", content=b"{not json")
+        .json()["error"]["message"]
+        .startswith("the request body is not valid JSON")
+    )
+    assert client.post("/chat/completions", json=[1, 2]).status_code == 400
+    assert (
+        client.post("/completions", json={"prompt": [999999]})
+        .json()["error"]["message"]
+        .startswith("prompt token id 999999")
+    )
+    assert client.post("/completions", json={"prompt": "x", "echo": True}).status_code == 400
+    unknown = client.post("/embeddings", json={})
+    assert unknown.status_code == 404 and "/v1/chat/completions" in unknown.json()["error"]["message"]
+    assert client.get("/chat/completions").status_code == 405
+    assert not model.calls
+
+
+def test_the_endpoint_is_loopback_only_token_guarded_per_episode_and_gone_after(served: Any, renderer: Any) -> None:
+    endpoint, episode, client, model = served([{"role": "assistant", "content": "1"}])
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    assert endpoint.url.startswith("http://127.0.0.1:")
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": endpoint.token}):
+        denied = httpx.post(f"{episode.base_url}/chat/completions", json=body, headers=headers)
+        assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+    other = PolicyEndpoint(model, renderer, renderer.tokenizer, EndpointLimits(max_tokens=4)).start()
+    try:
+        assert other.token != endpoint.token and len(endpoint.token) >= 40  # a fresh random token per server
+    finally:
+        other.close()
+    wrong_episode = httpx.post(episode.base_url.rsplit("/", 2)[0] + "/0123456789abcdef/v1/chat/completions", json=body,
+                               headers={"Authorization": f"Bearer {endpoint.token}"})  # fmt: skip
+    assert wrong_episode.status_code == 404 and wrong_episode.json()["error"]["code"] == "episode_not_found"
+    assert client.post("/chat/completions", json=body).status_code == 200
+    endpoint.end_episode(episode)
+    assert client.post("/chat/completions", json=body).json()["error"]["code"] == "episode_not_found"
+    port = int(endpoint.url.rsplit(":", 1)[1])
+    endpoint.close()
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        pass
+    assert len(model.calls) == 1
+
+
+def test_a_model_that_does_not_answer_is_a_504_within_the_timeout(renderer: Any) -> None:
+    def never(key: int, prompt: list[int], max_tokens: int) -> Future[Completion]:
+        return Future()
+
+    with PolicyEndpoint(never, renderer, renderer.tokenizer, EndpointLimits(max_tokens=4, timeout=0.3)) as endpoint:
+        episode = endpoint.open_episode(0)
+        response = httpx.post(f"{episode.base_url}/chat/completions", json={"messages": [{"role": "user", "content": "x"}]},
+                              headers={"Authorization": f"Bearer {endpoint.token}"}, timeout=10)  # fmt: skip
+    assert response.status_code == 504 and "did not answer within 0.3 s" in response.json()["error"]["message"]
+    assert not episode.calls
+
+
+# ----------------------------------------------------------------------------- rows from calls
+def recorded(prompt: list[int], sampled: list[int]) -> Call:
+    return Call(
+        prompt, Completion(prompt, sampled, [-float(t) for t in sampled], "stop", policy_version=2), ParsedResponse()
+    )
+
+
+def test_calls_that_extend_a_row_join_it_and_a_context_edit_starts_a_new_one() -> None:
+    calls = [
+        recorded([1, 2], [3, 4]),  # the first turn
+        recorded([1, 2, 3, 4, 5, 6], [7]),  # the tool result (5, 6) and the next header appended
+        recorded([1, 9], [8]),  # the harness rewrote its context: a new row
+        recorded([1, 2, 3, 4, 5, 6, 7, 10], [11]),  # back on the first context: the first row goes on
+    ]
+    rows, splits = episode_rows(calls)
+    assert splits == 1
+    assert [r.tokens for r in rows] == [[1, 2, 3, 4, 5, 6, 7, 10, 11], [1, 9, 8]]
+    assert [r.weights for r in rows] == [[0, 0, 1, 1, 0, 0, 1, 0, 1], [0, 0, 1]]
+    assert [r.logprobs for r in rows] == [[0, 0, -3, -4, 0, 0, -7, 0, -11], [0, 0, -8]]
+
+
+def test_n_choices_of_one_prompt_each_get_a_row_and_the_continued_one_grows() -> None:
+    calls = [recorded([1], [2]), recorded([1], [3]), recorded([1, 3, 4], [5])]
+    rows, splits = episode_rows(calls)
+    assert [r.tokens for r in rows] == [[1, 2], [1, 3, 4, 5]] and splits == 1
+
+
+def test_what_a_harness_may_return() -> None:
+    from tempering.rollouts.feedback import Scored
+
+    assert read_result(1) == (1.0, {}, None) and read_result(None) == (None, {}, None)
+    assert read_result({"reward": 0.5, "metrics": {"tools": 2}, "feedback": "close"}) == (0.5, {"tools": 2.0}, "close")
+    assert read_result(Scored(0.0, "expected 5")) == (0.0, {}, "expected 5")
+    with pytest.raises(TypeError, match="returned a str"):
+        read_result("5")
+    with pytest.raises(ValueError, match="unknown keys"):
+        read_result({"score": 1})
