@@ -10,6 +10,13 @@ as tensors. With ``r = exp(lp - q)`` (``q`` the ``logprobs`` input, the sampler'
 * ``ppo``: ``-sum(min(r * A, clip(r, lo, hi) * A))``;
 * ``cispo``: ``-sum(sg(clip(r, lo, hi)) * lp * A)``;
 * ``dro``: ``-sum(lp * A - beta / 2 * (lp - q)**2)``;
+* ``stable_reinforce``: ``-sum(sg(min(r, C)) * lp * A)`` with ``C`` = :data:`STABLE_REINFORCE_CAP`,
+  where ``q`` is not the client's ``logprobs`` input but what the *server* recorded when it
+  sampled the token (``record_stability_info``; the service substitutes it, matched through the
+  datum's provenance). Tinker documents the loss's interface (recorded sequences named by
+  ``sequence_id``, provenance on every datum) but not its formula: this is our reading -- a
+  truncated-importance-weighted REINFORCE on the sampler's own numbers, which stays bounded
+  however stale the sample -- not a copy of the service's;
 * ``gspo`` (GSPO-token): every token carries the value of the sequence ratio
   ``s = exp(mean over sequence_ratio_mask of (lp - q))`` with the gradient of its own
   logprob, ``s_t = sg(s) * exp(lp_t - sg(lp_t))``; ``-sum(min(s_t * A, clip(s_t, lo, hi) * A))``.
@@ -33,15 +40,26 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["BUILTIN_INPUTS", "BUILTIN_CONFIG", "builtin_loss", "check_builtin"]
+__all__ = ["BUILTIN_INPUTS", "BUILTIN_CONFIG", "STABLE_REINFORCE_CAP", "builtin_loss", "check_builtin"]
+
+#: ``stable_reinforce``'s truncation of the importance ratio against the recorded sampler
+#: logprobs (the cap of truncated importance sampling, as in our ``tis`` loss).
+STABLE_REINFORCE_CAP = 2.0
 
 #: ``loss_fn_inputs`` each built-in requires, and those it accepts.
 BUILTIN_INPUTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "cross_entropy": (frozenset({"target_tokens"}), frozenset({"target_tokens", "weights"})),
     **{
-        name: (frozenset({"target_tokens", "logprobs", "advantages"}), frozenset({"target_tokens", "logprobs", "advantages"}))
+        name: (
+            frozenset({"target_tokens", "logprobs", "advantages"}),
+            frozenset({"target_tokens", "logprobs", "advantages"}),
+        )
         for name in ("importance_sampling", "ppo", "cispo", "dro")
     },
+    "stable_reinforce": (
+        frozenset({"target_tokens", "advantages"}),
+        frozenset({"target_tokens", "logprobs", "advantages"}),
+    ),
     "gspo": (
         frozenset({"target_tokens", "logprobs", "advantages", "sequence_ratio_mask"}),
         frozenset({"target_tokens", "logprobs", "advantages", "sequence_ratio_mask"}),
@@ -52,7 +70,8 @@ BUILTIN_CONFIG: dict[str, dict[str, float | None]] = {
     "cross_entropy": {},
     "importance_sampling": {},
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},  # "currently fixed to 0.2"
-    "cispo": {"clip_low_threshold": None, "clip_high_threshold": None},
+    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},  # the loss docs' defaults
+    "stable_reinforce": {},
     "gspo": {"clip_low_threshold": None, "clip_high_threshold": None},
     "dro": {"beta": None},
 }
@@ -65,12 +84,16 @@ def check_builtin(loss_fn: str, config: Mapping[str, Any] | None, keys: set[str]
         raise ValueError(f"unknown loss_fn {loss_fn!r}; built-ins: {', '.join(BUILTIN_INPUTS)}")
     required, allowed = BUILTIN_INPUTS[loss_fn]
     if not required <= set(keys) or not set(keys) <= allowed:
-        raise ValueError(f"{loss_fn} takes loss_fn_inputs {sorted(allowed)} (requires {sorted(required)}), got {sorted(keys)}")
+        raise ValueError(
+            f"{loss_fn} takes loss_fn_inputs {sorted(allowed)} (requires {sorted(required)}), got {sorted(keys)}"
+        )
     known = BUILTIN_CONFIG[loss_fn]
     given = {str(k): float(v) for k, v in dict(config or {}).items()}
     unknown = sorted(set(given) - set(known))
     if unknown:
-        raise ValueError(f"loss_fn_config keys {unknown} are not valid for {loss_fn} (it takes {sorted(known) or 'none'})")
+        raise ValueError(
+            f"loss_fn_config keys {unknown} are not valid for {loss_fn} (it takes {sorted(known) or 'none'})"
+        )
     full: dict[str, float] = {}
     for key, default in known.items():
         if key in given:
@@ -94,7 +117,7 @@ def builtin_loss(loss_fn: str, config: Mapping[str, Any] | None, lp: Any, inputs
     if loss_fn == "cross_entropy":
         weights = inputs.get("weights")
         return -(lp * weights).sum() if weights is not None else lp.sum() * 0.0
-    q, adv = inputs["logprobs"], inputs["advantages"]
+    q, adv = inputs["logprobs"], inputs["advantages"]  # stable_reinforce: the recorded sampler logprobs
     if loss_fn == "dro":
         return policy_loss.dro_loss(lp, q, adv, cfg["beta"])
     if loss_fn == "gspo":
@@ -103,6 +126,8 @@ def builtin_loss(loss_fn: str, config: Mapping[str, Any] | None, lp: Any, inputs
         ratio = torch.exp(lp - q)
     if loss_fn == "importance_sampling":
         return policy_loss.importance_sampling_loss(ratio, adv, None)
+    if loss_fn == "stable_reinforce":
+        return policy_loss.tis_loss(lp, ratio, adv, None, STABLE_REINFORCE_CAP)
     low, high = cfg["clip_low_threshold"], cfg["clip_high_threshold"]
     if loss_fn == "cispo":
         return policy_loss.cispo_loss(lp, ratio, adv, None, low, high)

@@ -25,7 +25,18 @@ signature, valid for ``url_ttl_seconds``), ``DELETE training_runs/{run}/checkpoi
 ``create_sampling_session``, ``GET samplers/{id}``, ``asample``,
 ``retrieve_future`` (a long poll: it answers as soon as the result is ready, else
 ``try_again`` after ``hold_seconds``), ``healthz``, ``get_server_capabilities``, ``telemetry``
-and ``cancel_future``. State and compute: :mod:`~tempering.plugins.tinker_server.service`.
+and ``cancel_future``; and the REST client's: ``GET training_runs`` (and ``/{run}``,
+``/{run}/checkpoints``), ``GET checkpoints``, ``POST weights_info``, checkpoint ``publish``
+(``POST``/``DELETE``) and ``ttl`` (``PUT``), ``GET sessions`` (and ``/{id}``).
+State and compute: :mod:`~tempering.plugins.tinker_server.service`; what survives a restart:
+:mod:`~tempering.plugins.tinker_server.registry`.
+
+Errors surface as errors: a request refused for what it asks (a name taken, a bad TTL, a
+checkpoint that does not fit the run) is a failed future of category ``user``, which the SDK
+raises at once; any other 4xx answer but 408/429 carries ``x-should-retry: false``. A
+housekeeping thread expires silent sessions and gives up missing ``seq_id`` s (see
+:class:`~tempering.plugins.tinker_server.service.LocalService`), so no run waits forever on a
+dead client.
 
 Fault injection (:class:`Faults`, ``server.faults``) makes the next requests fail the ways the
 service can: an HTTP status at submission (401, 409, 429, 5xx, ...), a failed future (category
@@ -39,15 +50,20 @@ sequence sampled as ``(prompt, completion)`` tokens (``server.sampled``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import ipaddress
 import itertools
 import json
+import logging
 import re
 import secrets
 import shutil
+import socket
 import tempfile
 import threading
 import time
+import urllib.parse
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, wait
@@ -66,6 +82,8 @@ from tempering.plugins.tinker_server.service import (
 )
 from tinker import types
 
+log = logging.getLogger(__name__)
+_request = threading.local()  # the query string of the request this thread answers
 #: The JSON training routes, run in the model's ``seq_id`` order: route -> (request type, the
 #: kind ``server.received`` records, the :class:`LocalService` method that answers it).
 QUEUED_JSON: dict[str, tuple[Any, str, str]] = {
@@ -79,7 +97,11 @@ __all__ = ["LocalTinkerServer", "Faults", "Received", "DEFAULT_MODELS"]
 
 #: What ``tiny_llama`` means on a server started without ``models``: a very small char-level
 #: Llama, so that a test step takes milliseconds.
-DEFAULT_MODELS = {"tiny_llama": ServedModel("tiny_llama", {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64})}
+DEFAULT_MODELS = {
+    "tiny_llama": ServedModel(
+        "tiny_llama", {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
+    )
+}
 #: The server's feature flags (``/client/config``): the SDK's plain paths, nothing experimental.
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,
@@ -124,11 +146,15 @@ class Faults:
         self._lock = threading.Lock()
         self.hit: list[tuple[str, str]] = []  # (key, fault kind) of every fault served
 
-    def http(self, route: str, status: int, times: int = 1, message: str = "injected by the local Tinker server") -> None:
+    def http(
+        self, route: str, status: int, times: int = 1, message: str = "injected by the local Tinker server"
+    ) -> None:
         """The next ``times`` requests to ``route`` answer ``status`` (nothing is done)."""
         self._add(f"route:{route}", _Fault("http", status, message), times)
 
-    def fail(self, kind: str, times: int = 1, message: str = "injected server failure", category: str = "server") -> None:
+    def fail(
+        self, kind: str, times: int = 1, message: str = "injected server failure", category: str = "server"
+    ) -> None:
         """The next ``times`` futures of ``kind`` fail (``category`` ``server`` or ``user``);
         the operation is not applied, and its place in the run's order is used up."""
         self._add(f"kind:{kind}", _Fault("fail", message=message, category=category), times)
@@ -200,9 +226,15 @@ class LocalTinkerServer:
         api_keys: the keys accepted (default: any key starting with ``tml-``); another key gets
             HTTP 401.
         hold_seconds: how long ``retrieve_future`` waits for a result before ``try_again``.
-        root: a folder for checkpoints and tokenizers (default: a temporary one, removed by
-            :meth:`stop`).
+        root: a folder for checkpoints, tokenizers and the run registry; given, it is kept and
+            reused (a server started again on it knows its checkpoints); default: a temporary
+            one, removed by :meth:`stop`.
         url_ttl_seconds: how long a signed download URL of external weights stays valid.
+        session_timeout_seconds / gap_timeout_seconds: see
+            :class:`~tempering.plugins.tinker_server.service.LocalService`.
+
+    Binding anything but a loopback address needs ``api_keys``: the server trains and samples
+    for whoever reaches it.
 
     Use as a context manager, or :meth:`start` / :meth:`stop`. ``url`` is the base URL to give
     the SDK (``TINKER_BASE_URL`` or ``ServiceClient(base_url=...)``).
@@ -210,10 +242,18 @@ class LocalTinkerServer:
 
     def __init__(self, models: Mapping[str, ServedModel | Mapping[str, Any]] | None = None, *, host: str = "127.0.0.1",
                  port: int = 0, api_keys: set[str] | None = None, hold_seconds: float = 1.0, root: str | None = None,
-                 url_ttl_seconds: float = 3600.0) -> None:  # fmt: skip
+                 url_ttl_seconds: float = 3600.0, session_timeout_seconds: float = 60.0,
+                 gap_timeout_seconds: float = 30.0) -> None:  # fmt: skip
+        if not _is_loopback(host) and not api_keys:
+            raise ValueError(f"serving on {host!r} (not loopback) needs api_keys: anyone who reaches the port could "
+                             "train and sample; give a key (clients send it as TINKER_API_KEY)")  # fmt: skip
         self._own_root = root is None
         self.root = root or tempfile.mkdtemp(prefix="tempering-tinker-")
-        self.service = LocalService(models if models is not None else DEFAULT_MODELS, self.root)
+        self.service = LocalService(models if models is not None else DEFAULT_MODELS, self.root,
+                                    session_timeout_seconds, gap_timeout_seconds)  # fmt: skip
+        self.housekeeping: list[str] = []  # what the housekeeping thread did (expired sessions, given-up seq_ids)
+        self._stopping = threading.Event()
+        self._connections: set[socket.socket] = set()
         self.api_keys = api_keys
         self.hold_seconds = float(hold_seconds)
         self.faults = Faults()
@@ -238,11 +278,27 @@ class LocalTinkerServer:
         self._thread = threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="local-tinker-server", daemon=True)  # fmt: skip
         self._thread.start()
+        threading.Thread(target=self._housekeep, name="local-tinker-housekeeping", daemon=True).start()
         return self
+
+    def _housekeep(self) -> None:
+        while not self._stopping.wait(1.0):
+            try:
+                for line in self.service.reap():
+                    log.warning("tinker server: %s", line)
+                    self.housekeeping.append(line)
+            except Exception:  # noqa: BLE001 - housekeeping must not die; the first failure is shown
+                log.exception("tinker server housekeeping failed")
 
     def stop(self) -> None:
         """Stop listening, release the models, remove the temporary folder."""
+        self._stopping.set()
         self._http.shutdown()
+        with self._lock:  # keep-alive connections would go on being answered by this (stopped) server
+            open_now, self._connections = list(self._connections), set()
+        for conn in open_now:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
         self._http.server_close()
         self.service.close()
         if self._own_root:
@@ -273,6 +329,8 @@ class LocalTinkerServer:
         """Register a server future (applying a planned fault for ``kind``): the UntypedAPIFuture."""
         request_id = f"req-{next(self._ids)}"
         self.futures[request_id] = _Pending(kind, future, render, self.faults.take(f"kind:{kind}", ("hang", "expire")))
+        if model_id is not None:
+            self.service.request_sessions[request_id] = model_id
         out = {"request_id": request_id, **extra}
         if model_id is not None:
             out["model_id"] = model_id
@@ -296,7 +354,7 @@ class LocalTinkerServer:
     def _record_samples(self, prompt: list[int], fut: Future[Any]) -> None:
         if fut.exception() is None:
             with self._lock:
-                self.sampled.extend((list(prompt), list(c.tokens)) for c in fut.result()[0])
+                self.sampled.extend((list(prompt), list(c.tokens)) for c in fut.result().completions)
 
     def _sign(self, path: str) -> dict[str, Any]:
         """``ExternalWeightsUrlsResponse``: a URL per file under a fresh token (the signature)."""
@@ -305,7 +363,10 @@ class LocalTinkerServer:
         with self._lock:
             self._signed[token] = (path, time.time() + self.url_ttl_seconds)
         expires = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=self.url_ttl_seconds)
-        return {"urls": {name: f"{self.url}/external/{token}/{name}" for name in sorted(files)}, "expires": expires.isoformat()}
+        return {
+            "urls": {name: f"{self.url}/external/{token}/{name}" for name in sorted(files)},
+            "expires": expires.isoformat(),
+        }
 
     def _download(self, token: str, name: str) -> tuple[int, str, bytes]:
         """A file of signed URL ``token``: 403 once the token is unknown or expired."""
@@ -322,7 +383,8 @@ class LocalTinkerServer:
     def _retrieve(self, request_id: str) -> tuple[int, str, bytes]:
         pending = self.futures.get(request_id)
         if pending is None:
-            return 404, *_json({"detail": f"no future {request_id!r}"})
+            return 404, *_json({"detail": f"no future {request_id!r} (a future does not outlive the server process)"})
+        self.service.seen(self.service.request_sessions.get(request_id))
         fault = self.faults.take("retrieve")
         if fault is not None:
             return fault.status, *_json({"type": "try_again", "request_id": request_id, "queue_state": "active"})
@@ -345,6 +407,7 @@ class LocalTinkerServer:
     def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> tuple[int, str, bytes]:
         """One HTTP request -> ``(status, content type, body)``."""
         route = path.split("?", 1)[0].removeprefix("/api/v1/").strip("/")
+        _request.query = dict(urllib.parse.parse_qsl(path.split("?", 1)[1])) if "?" in path else {}
         broken = self.faults.take_broken()
         if broken is not None:
             return broken.status, *_json({"detail": broken.message})
@@ -363,8 +426,73 @@ class LocalTinkerServer:
         except UserError as err:
             return 400, *_json({"detail": str(err)})
 
+    def _rest(self, method: str, route: str, data: Any, query: Mapping[str, str]) -> tuple[int, str, bytes] | None:
+        """The REST client's routes (runs, checkpoints, sessions), or None for another route."""
+        reg = self.service.registry
+        offset, limit = int(query.get("offset", 0)), int(query.get("limit", 20))
+        if method == "GET" and route == "training_runs":
+            runs = [reg.training_run(r) for r in sorted(reg.runs, key=lambda r: reg.runs[r].created, reverse=True)]
+            page, cursor = reg.page(runs, offset, limit)
+            return 200, *_json({"training_runs": page, "cursor": cursor})
+        if method == "GET" and route == "checkpoints":
+            page, cursor = reg.page(
+                [c.as_checkpoint() for c in reversed(reg.checkpoints_of())], offset, int(query.get("limit", 100))
+            )
+            return 200, *_json({"checkpoints": page, "cursor": cursor})
+        if method == "POST" and route == "weights_info":
+            return 200, *_json(self.service.weights_info(data["tinker_path"]))
+        if method == "GET" and route == "sessions":
+            return 200, *_json({"sessions": sorted(self.service.sessions)})
+        if method == "GET" and (m := re.fullmatch(r"sessions/([^/]+)", route)):
+            if m.group(1) not in self.service.sessions:
+                return 404, *_json({"detail": f"no session {m.group(1)!r}"})
+            runs = [r for r in reg.runs if r.startswith(m.group(1) + ":")]
+            samplers = [s for s in self.service.samplers if s.startswith(m.group(1) + ":")]
+            return 200, *_json({"training_run_ids": runs, "sampler_ids": samplers})
+        if method == "GET" and (m := re.fullmatch(r"training_runs/([^/]+)", route)):
+            run = reg.training_run(m.group(1))
+            return (
+                (200, *_json(run)) if run is not None else (404, *_json({"detail": f"no training run {m.group(1)!r}"}))
+            )
+        if method == "GET" and (m := re.fullmatch(r"training_runs/([^/]+)/checkpoints", route)):
+            if m.group(1) not in reg.runs:
+                return 404, *_json({"detail": f"no training run {m.group(1)!r}"})
+            return 200, *_json({"checkpoints": [c.as_checkpoint() for c in reg.checkpoints_of(m.group(1))]})
+        if (m := re.fullmatch(r"training_runs/([^/]+)/checkpoints/(.+)/(publish|ttl)", route)) and method in (
+            "POST",
+            "DELETE",
+            "PUT",
+        ):
+            record = reg.checkpoints.get(f"tinker://{m.group(1)}/{m.group(2)}")
+            if record is None:
+                return 404, *_json({"detail": f"no checkpoint tinker://{m.group(1)}/{m.group(2)}"})
+            if m.group(3) == "publish":
+                if record.public == (method == "POST"):
+                    return 409, *_json(
+                        {"detail": f"the checkpoint is already {'public' if record.public else 'private'}"}
+                    )
+                record.public = method == "POST"
+            else:
+                ttl = (data or {}).get("ttl_seconds")
+                try:
+                    from tempering.plugins.tinker_server.service import _check_ttl
+
+                    _check_ttl(ttl)
+                except Rejected as err:
+                    return err.status, *_json({"detail": str(err)})
+                until = (
+                    None
+                    if ttl is None
+                    else datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=int(ttl))
+                )
+                record.expires_at = until.isoformat() if until else None
+            reg.save()
+            return 200, *_json(None)
+        return None
+
     def _route(self, method: str, route: str, headers: Mapping[str, str], body: bytes) -> tuple[int, str, bytes]:
         svc = self.service
+        query: dict[str, str] = getattr(_request, "query", {})
         data: Any = json.loads(body or b"null") if "protobuf" not in headers.get("content-type", "") else None
         if route == "healthz":
             return 200, *_json({"status": "ok"})
@@ -375,7 +503,9 @@ class LocalTinkerServer:
         if route == "cancel_future":  # the SDK reads no body (cast_to=NoneType)
             return 200, *_json({})
         if route == "get_server_capabilities":
-            return 200, *_json({"supported_models": [{"model_name": m, "trainable": True, "sampleable": True} for m in svc.models]})
+            return 200, *_json(
+                {"supported_models": [{"model_name": m, "trainable": True, "sampleable": True} for m in svc.models]}
+            )
         if route == "create_session":
             self._record(route, "CreateSession", types.CreateSessionRequest.model_validate(data))
             return 200, *_json({"type": "create_session", "session_id": svc.create_session()})
@@ -398,14 +528,21 @@ class LocalTinkerServer:
             kind = "Forward" if call.forward_only else "ForwardBackward"
             self._record(route, kind, call)
             fut = self._submit(kind, call.model_id, call.seq_id, lambda: svc.forward_backward(call))
-            return 200, *_json(self._future(kind, fut, lambda r: (wire.PROTO, wire.encode_forward_backward(*r)), call.model_id))
+            return 200, *_json(
+                self._future(kind, fut, lambda r: (wire.PROTO, wire.encode_forward_backward(*r)), call.model_id)
+            )
         if route in QUEUED_JSON:
             request_type, kind, run = QUEUED_JSON[route]
             req = request_type.model_validate(data)
             self._record(route, kind, req)
             fut = self._submit(kind, req.model_id, req.seq_id, lambda: getattr(svc, run)(req))
             return 200, *_json(self._future(kind, fut, _json, req.model_id))
-        if method == "GET" and (m := re.fullmatch(r"training_runs/([^/]+)/checkpoints/(.+)/external_weights_urls", route)):
+        rest = self._rest(method, route, data, query)
+        if rest is not None:
+            return rest
+        if method == "GET" and (
+            m := re.fullmatch(r"training_runs/([^/]+)/checkpoints/(.+)/external_weights_urls", route)
+        ):
             self._record(route, "ExternalWeightsUrls", None)
             return 200, *_json(self._sign(f"tinker://{m.group(1)}/{m.group(2)}"))
         if method == "DELETE" and (m := re.fullmatch(r"training_runs/([^/]+)/checkpoints/(.+)", route)):
@@ -422,31 +559,44 @@ class LocalTinkerServer:
         if route == "create_sampling_session":
             req = types.CreateSamplingSessionRequest.model_validate(data)
             self._record(route, "CreateSamplingSession", req)
-            return 200, *_json({"type": "create_sampling_session", "sampling_session_id": svc.create_sampling_session(req)})
+            return 200, *_json(
+                {"type": "create_sampling_session", "sampling_session_id": svc.create_sampling_session(req)}
+            )
         if method == "GET" and (m := re.fullmatch(r"samplers/([^/]+)", route)) is not None:
             sampler = svc.sampler(m.group(1))
             return 200, *_json({"sampler_id": m.group(1), "base_model": sampler.base_model, "model_path": sampler.path})
         if route == "asample":
             req = types.SampleRequest.model_validate(data)
             self._record(route, "Sample", req)
+            ids = [f"{req.sampling_session_id}:{req.seq_id}:{i}" for i in range(int(req.num_samples))]
             if self._peek_fail("Sample") is not None:
                 fut: Future[Any] = Future()
                 fut.set_exception(RuntimeError("injected server failure"))
             else:
-                fut = svc.sample(req)
+                fut = svc.sample(req, ids)
                 if not (req.prompt_logprobs or req.topk_prompt_logprobs):  # not a scoring request's throwaway token
                     fut.add_done_callback(lambda f, p=req.prompt.to_ints(): self._record_samples(p, f))
-            ids = [f"{req.sampling_session_id}:{req.seq_id}:{i}" for i in range(int(req.num_samples))]
-            return 200, *_json(self._future("Sample", fut, _render_sample, sample_sequence_ids=ids))
+            return 200, *_json(
+                self._future("Sample", fut, _render_sample, req.sampling_session_id, sample_sequence_ids=ids)
+            )
         if route == "retrieve_future":
             return self._retrieve(types.FutureRetrieveRequest.model_validate(data).request_id)
         return 404, *_json({"detail": f"no route {method} /api/v1/{route}"})
 
 
 def _render_sample(result: Any) -> tuple[str, bytes]:
-    completions, prompt_lps, topk, k = result
-    seqs = [(c.tokens, c.logprobs, c.stop_reason) for c in completions]
-    return wire.PROTO, wire.encode_sample(seqs, prompt_lps, topk, k)
+    seqs = [(c.tokens, c.logprobs, c.stop_reason) for c in result.completions]
+    return wire.PROTO, wire.encode_sample(seqs, result.prompt_logprobs, result.topk_prompt, result.k,
+                                          result.topk_sampled, result.k_sampled)  # fmt: skip
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _handler(server: LocalTinkerServer) -> type[BaseHTTPRequestHandler]:
@@ -465,13 +615,26 @@ def _handler(server: LocalTinkerServer) -> type[BaseHTTPRequestHandler]:
             try:
                 self.send_response(status)
                 self.send_header("content-type", ctype)
+                if 400 <= status < 500 and status not in (408, 429):  # the SDK's base client obeys it
+                    self.send_header("x-should-retry", "false")
                 self.send_header("content-length", str(len(payload)))
                 self.end_headers()
                 self.wfile.write(payload)
             except (BrokenPipeError, ConnectionResetError):
                 self.close_connection = True  # the client gave up on this request (a cancelled poll)
 
-        do_GET = do_POST = do_DELETE = _serve
+        do_GET = do_POST = do_DELETE = do_PUT = _serve
+
+        def setup(self) -> None:
+            super().setup()
+            with server._lock:
+                server._connections.add(self.connection)
+
+        def finish(self) -> None:
+            with server._lock:
+                server._connections.discard(self.connection)
+            with contextlib.suppress(OSError):
+                super().finish()
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
             pass
@@ -482,14 +645,22 @@ def _handler(server: LocalTinkerServer) -> type[BaseHTTPRequestHandler]:
 def served_models(argv: list[str] | None = None) -> tuple[dict[str, ServedModel], argparse.Namespace]:
     """The command line's models (name -> what is served under it) and its other arguments;
     the model source is checked here, so a typo fails at start, not at the first request."""
-    parser = argparse.ArgumentParser(description="A local Tinker-compatible server (CPU): models built in code or pretrained.")
+    parser = argparse.ArgumentParser(
+        description="A local Tinker-compatible server (CPU): models built in code or pretrained."
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8765)
-    parser.add_argument("--model", default="tiny_llama",
-                        help="a registered model builder (tiny_llama, smollm2, ...) or a Hugging Face model folder")
+    parser.add_argument(
+        "--model",
+        default="tiny_llama",
+        help="a registered model builder (tiny_llama, smollm2, ...) or a Hugging Face model folder",
+    )
     parser.add_argument("--model-kwargs", default="{}", help="JSON keyword arguments for the builder")
-    parser.add_argument("--name", default=None,
-                        help="the base-model name clients ask for (default: --model), e.g. HuggingFaceTB/SmolLM2-135M-Instruct")
+    parser.add_argument(
+        "--name",
+        default=None,
+        help="the base-model name clients ask for (default: --model), e.g. HuggingFaceTB/SmolLM2-135M-Instruct",
+    )
     args = parser.parse_args(argv)
     kwargs = json.loads(args.model_kwargs)
     try:

@@ -8,10 +8,16 @@ adapter of the run's rank on its own copy of the served model (built in code, or
 own training code. What Tinker guarantees and this service keeps:
 
 * a run's requests execute in ``seq_id`` order, whatever order they arrive in (the SDK sends a
-  forward_backward's chunks in parallel, the first one last), and a request rejected at
-  submission consumes its ``seq_id``;
-* a saved state or sampler checkpoint keeps its name unless ``overwrite`` (else HTTP 409), and
-  a TTL is ``None`` or at least 3600 s (else HTTP 400);
+  forward_backward's chunks in parallel, the first one last); a request refused (a bad TTL, a
+  name taken, a checkpoint that does not fit) is a failed future of category ``user`` that
+  still consumes its ``seq_id`` -- never an HTTP status the SDK would retry (it retries 409 for
+  five minutes whatever the headers say) and never a hole in the order that stalls the run;
+* nothing waits forever on a client: a ``seq_id`` missing for ``gap_timeout_seconds`` is given
+  up (the requests behind it run; it fails if it comes late), and a session silent for
+  ``session_timeout_seconds`` (no heartbeat, no request) expires: its runs' queued requests
+  fail and their models are released;
+* a saved state or sampler checkpoint keeps its name unless ``overwrite``, and a TTL is
+  ``None`` or at least 3600 s;
 * ``snapshot`` sampling sessions sample fixed weights; ``inflight`` ones sample the newest
   weights their run published (weights saved when the client was created, or newer);
 * the base model of a run is the run at step 0 (the adapter starts at zero).
@@ -19,7 +25,9 @@ own training code. What Tinker guarantees and this service keeps:
 Differences from the service, on purpose: samples come from the local backend (its sampler
 logprobs are those of the distribution sampled from; it always stops at the model's EOS, so
 ``stop=[]`` does not disable EOS here); ``train_mlp``/``train_attn``/``train_unembed`` are
-ignored; checkpoints live in a temporary folder and never expire.
+ignored; checkpoints never expire (a TTL is recorded, not enforced); a run's live state does
+not survive a restart (its checkpoints do: :mod:`~tempering.plugins.tinker_server.registry`);
+top-k logprobs (prompt and sampled) are of the model's untempered distribution.
 
 Operations return :class:`concurrent.futures.Future` (the server's futures); a problem with a
 request raises :class:`Rejected` (an HTTP status at submission) or, inside a future,
@@ -29,14 +37,16 @@ failure.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import itertools
 import os
 import re
+import secrets
+import shutil
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,9 +59,13 @@ from tempering.plugins.backends.local.backend import LocalBackend, LocalSampling
 from tempering.plugins.backends.local.checkpoint import kept_rng
 from tempering.plugins.backends.local.model_source import registered_builder
 from tempering.plugins.tinker_server.builtin_losses import builtin_loss, check_builtin
+from tempering.plugins.tinker_server.registry import CheckpointRecord, Registry, RunRecord
+from tempering.plugins.tinker_server.stability import StabilityRecords, session_of
 from tempering.types import AdamParams, Batch, Datum, SamplingParams
 
 __all__ = ["ServedModel", "LocalService", "Rejected", "UserError", "MIN_TTL_SECONDS"]
+
+_BUILDING = threading.RLock()  # see LocalService._backend
 
 #: The SDK documents checkpoint TTLs "between 1 hour (3600) and 10 years".
 MIN_TTL_SECONDS, MAX_TTL_SECONDS = 3600, 10 * 365 * 24 * 3600
@@ -142,8 +156,9 @@ class TrainingRun:
     def __init__(self, model_id: str, base_model: str, rank: int, backend: LocalBackend) -> None:
         self.model_id, self.base_model, self.rank, self.backend = model_id, base_model, rank, backend
         self.inflight: Sampler | None = None
+        self.closed: str | None = None  # why the run takes no more requests
         self._next = 1  # seq 0 is the request that created the run
-        self._waiting: dict[int, tuple[Callable[[], Future[Any]], Future[Any]]] = {}
+        self._waiting: dict[int, tuple[Callable[[], Future[Any]], Future[Any], float]] = {}
         self._lock = threading.Lock()
         self.names: set[str] = set()
         self._snapshots = itertools.count()
@@ -152,34 +167,69 @@ class TrainingRun:
         """Run ``fn`` (which submits to the backend) once every earlier ``seq_id`` has run."""
         out: Future[Any] = Future()
         with self._lock:
-            self._waiting[int(seq_id)] = (fn, out)
-            self._drain()
+            if self.closed is not None:
+                out.set_exception(UserError(f"training run {self.model_id} is closed: {self.closed}"))
+            elif int(seq_id) < self._next:
+                out.set_exception(
+                    UserError(
+                        f"request seq_id {seq_id} of {self.model_id} came after its place in the "
+                        "order was given up (or used); the client must start again from a checkpoint"
+                    )
+                )
+            else:
+                self._waiting[int(seq_id)] = (fn, out, time.monotonic())
+                self._drain()
         return out
 
     def skip(self, seq_id: int) -> None:
-        """A request rejected at submission still takes its place in the order."""
-        self.run(seq_id, lambda: failed(UserError("rejected at submission")))
+        """A request refused at submission still takes its place in the order."""
+        self.run(seq_id, lambda: failed(UserError("refused at submission")))
 
-    @contextlib.contextmanager
-    def admitting(self, seq_id: int) -> Iterator[None]:
-        """The checks of a request at submission: one they reject (:class:`Rejected`) still
-        takes its place in the order (:meth:`skip`), so the requests behind it run."""
+    def admit(self, seq_id: int, check: Callable[[], None]) -> Future[Any] | None:
+        """The checks of a request at submission: one they refuse (:class:`Rejected` or
+        :class:`UserError`) takes its place in the order and becomes a failed future of
+        category ``user`` (returned); None when the request may go on."""
         try:
-            yield
-        except Rejected:
+            check()
+        except (Rejected, UserError) as err:
             self.skip(seq_id)
-            raise
+            return failed(UserError(str(err)))
+        return None
+
+    def give_up_gaps(self, timeout: float) -> list[int]:
+        """Skip the ``seq_id`` s that a waiting request has waited for longer than ``timeout``
+        (their client died, or lost them); returns the ids given up."""
+        with self._lock:
+            if not self._waiting or self._next in self._waiting:
+                return []
+            first = min(self._waiting)
+            if time.monotonic() - self._waiting[first][2] < timeout:
+                return []
+            missing = list(range(self._next, first))
+            self._next = first
+            self._drain()
+            return missing
+
+    def close(self, why: str) -> None:
+        """Fail every queued request and refuse new ones (the model is released by the caller)."""
+        with self._lock:
+            self.closed = why
+            waiting, self._waiting = self._waiting, {}
+        for _, out, _ in waiting.values():
+            out.set_exception(UserError(f"training run {self.model_id} closed: {why}"))
 
     def _drain(self) -> None:
         while self._next in self._waiting:
-            fn, out = self._waiting.pop(self._next)
+            fn, out, _ = self._waiting.pop(self._next)
             self._next += 1
             try:
                 inner = fn()
             except BaseException as err:  # noqa: BLE001 - a request's failure is its future's
                 out.set_exception(err)
                 continue
-            inner.add_done_callback(lambda f, out=out: out.set_exception(f.exception()) if f.exception() else out.set_result(f.result()))
+            inner.add_done_callback(
+                lambda f, out=out: out.set_exception(f.exception()) if f.exception() else out.set_result(f.result())
+            )
 
     def snapshot_name(self) -> str:
         return f"sampler-{next(self._snapshots)}"
@@ -215,9 +265,16 @@ class BuiltinLoss:
         return LossOutput(total, {})
 
 
-def _to_batch(data: list[Any], loss_fn: str, config: Mapping[str, Any] | None) -> tuple[Batch, BuiltinLoss]:
+def _to_batch(
+    data: list[Any],
+    loss_fn: str,
+    config: Mapping[str, Any] | None,
+    recorded: Callable[[Any, list[int]], list[float | None]] | None = None,
+) -> tuple[Batch, BuiltinLoss]:
     """Tinker datums -> our rows (and the loss that reads them), after the checks of a strict
-    server: the loss's input and config keys, and one value per ``model_input`` position."""
+    server: the loss's input and config keys, and one value per ``model_input`` position.
+    ``stable_reinforce`` takes its sampler logprobs from ``recorded(datum, targets)`` (the
+    server's records; the client's ``logprobs`` fill the prompt positions no sampler scored)."""
     rows, keys = [], None
     for i, datum in enumerate(data):
         tokens = datum.model_input.to_ints()
@@ -232,7 +289,9 @@ def _to_batch(data: list[Any], loss_fn: str, config: Mapping[str, Any] | None) -
             raise UserError(str(err)) from err
         for key, value in inputs.items():
             if value.shape[0] != len(tokens):
-                raise UserError(f"datum {i}: loss_fn_inputs[{key!r}] has {value.shape[0]} positions, model_input {len(tokens)}")
+                raise UserError(
+                    f"datum {i}: loss_fn_inputs[{key!r}] has {value.shape[0]} positions, model_input {len(tokens)}"
+                )
         target = inputs["target_tokens"]
         if target.dtype != np.int64:
             raise UserError(f"datum {i}: target_tokens must be int64, got {target.dtype}")
@@ -240,15 +299,31 @@ def _to_batch(data: list[Any], loss_fn: str, config: Mapping[str, Any] | None) -
         if target.ndim == 2:
             if loss_fn != "cross_entropy":
                 raise UserError(f"(N, K) target_tokens are for cross_entropy, not {loss_fn}")
-            extra = {"soft_ids": target.tolist(), "soft_weights": inputs.get("weights", np.zeros(target.shape)).tolist()}
+            extra = {
+                "soft_ids": target.tolist(),
+                "soft_weights": inputs.get("weights", np.zeros(target.shape)).tolist(),
+            }
             target = target[:, 0]
         if "sequence_ratio_mask" in inputs:
             extra["sequence_ratio_mask"] = inputs["sequence_ratio_mask"].tolist()
-        weights = inputs["weights"].tolist() if "weights" in inputs and inputs["weights"].ndim == 1 else [0.0] * len(tokens)
-        rows.append(Datum(tokens, target.tolist(), weights,
-                          inputs["logprobs"].tolist() if "logprobs" in inputs else None,
+        weights = (
+            inputs["weights"].tolist() if "weights" in inputs and inputs["weights"].ndim == 1 else [0.0] * len(tokens)
+        )
+        sampler = inputs["logprobs"].tolist() if "logprobs" in inputs else None
+        if loss_fn == "stable_reinforce":
+            if recorded is None:
+                raise UserError("stable_reinforce needs the server's sampling records")
+            try:
+                found = recorded(datum, target.tolist())
+            except ValueError as err:
+                raise UserError(f"datum {i}: {err}") from err
+            given = sampler or [0.0] * len(tokens)
+            sampler = [given[t] if q is None else q for t, q in enumerate(found)]
+        rows.append(Datum(tokens, target.tolist(), weights, sampler,
                           inputs["advantages"].tolist() if "advantages" in inputs else None, extra))  # fmt: skip
     two_d = bool(rows) and "soft_ids" in rows[0].extra
+    if loss_fn == "stable_reinforce":
+        keys = (keys or frozenset()) | {"logprobs"}
     return Batch(rows), BuiltinLoss(loss_fn, config, keys or frozenset(), two_d)
 
 
@@ -267,27 +342,79 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
 
 
+@dataclass
+class SampleResult:
+    """What a sampling request returns (rendered by the server as a protobuf ``SampleResponse``)."""
+
+    completions: list[Any]
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt: list[Any] | None = None
+    k: int = 0
+    topk_sampled: list[list[Any]] | None = None
+    k_sampled: int = 0
+
+
+@dataclass
+class _Session:
+    status: str | None = None  # None: open; else how it ended ("success", "expired", ...)
+    seen: float = field(default_factory=time.monotonic)
+
+
+def _topk_rows(result: Any) -> list[list[tuple[int, float]]]:
+    """``(values, ids)`` of :meth:`LocalBackend.distributions` -> per position ``[(id, lp), ...]``."""
+    values, ids = result
+    return [list(zip(i.tolist(), v.tolist())) for v, i in zip(values, ids)]
+
+
 class LocalService:
     """Sessions, training runs, checkpoints and sampling sessions (see the module docstring).
 
     Args:
         models: base-model name -> :class:`ServedModel` (or a mapping of its fields).
-        root: a folder for checkpoints and tokenizers.
+        root: a folder for checkpoints, tokenizers and ``registry.json`` (reused across restarts).
+        session_timeout_seconds: a session with no heartbeat and no request for this long expires.
+        gap_timeout_seconds: how long a run's request waits for a missing earlier ``seq_id``.
     """
 
-    def __init__(self, models: Mapping[str, ServedModel | Mapping[str, Any]], root: str) -> None:
-        self.models = {name: spec if isinstance(spec, ServedModel) else ServedModel(**spec) for name, spec in models.items()}
+    def __init__(self, models: Mapping[str, ServedModel | Mapping[str, Any]], root: str,
+                 session_timeout_seconds: float = 60.0, gap_timeout_seconds: float = 30.0) -> None:  # fmt: skip
+        self.models = {
+            name: spec if isinstance(spec, ServedModel) else ServedModel(**spec) for name, spec in models.items()
+        }
         self.root = root
-        self.sessions: dict[str, str | None] = {}  # id -> finish status (None: open)
+        self.session_timeout_seconds, self.gap_timeout_seconds = (
+            float(session_timeout_seconds),
+            float(gap_timeout_seconds),
+        )
+        self.registry = Registry(root)
+        for run_id, record in self.registry.runs.items():  # live state died with the last process
+            if record.closed is None:
+                self.registry.close_run(run_id, "the server restarted")
+        self.records = StabilityRecords()
+        self.sessions: dict[str, _Session] = {}
         self.runs: dict[str, TrainingRun] = {}
-        self.states: dict[str, dict[str, Any]] = {}  # tinker path -> saved training state
         self.samplers: dict[str, Sampler | InflightSampler] = {}  # sampling session id -> sampler
-        self.sampler_paths: dict[str, Sampler] = {}  # tinker path -> saved sampler weights
-        self.external: dict[str, str] = {}  # tinker path -> folder of external (Hugging Face) weights
+        self.sampler_paths: dict[str, Sampler] = {}  # tinker path -> saved sampler weights (loaded)
+        self.request_sessions: dict[str, str] = {}  # server future id -> session (a poll is a sign of life)
         self._bases: dict[str, LocalBackend] = {}
         self._tokenizer_dirs: dict[str, str] = {}
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-sample")
+
+    # ------------------------------------------------------------------ checkpoints (views)
+    @property
+    def states(self) -> dict[str, CheckpointRecord]:
+        """Saved training states by ``tinker://`` path."""
+        return {p: c for p, c in self.registry.checkpoints.items() if c.checkpoint_type == "training"}
+
+    @property
+    def external(self) -> dict[str, str]:
+        """External (Hugging Face) exports by ``tinker://`` path -> folder."""
+        return {p: c.folder for p, c in self.registry.checkpoints.items() if c.checkpoint_type == "external"}
+
+    def _folder(self, kind: str, path: str) -> str:
+        return os.path.join(self.root, kind, _safe(path.removeprefix("tinker://")))
 
     # ------------------------------------------------------------------ models
     def _spec(self, base_model: str) -> ServedModel:
@@ -303,19 +430,23 @@ class LocalService:
         else:
             kwargs["model"] = spec.model
         lora = {"rank": int(lora_rank)} if spec.lora and lora_rank else None
-        with kept_rng():  # building a backend seeds the global RNGs, which the client (same process in tests) uses
+        # Building a backend seeds torch's global RNG and draws the base weights from it: two at once
+        # (runs created concurrently) would interleave and get different base models. One at a time,
+        # and the RNG put back, since the client (same process in tests) uses it too.
+        with _BUILDING, kept_rng():
             return LocalBackend(lora=lora, **kwargs)
 
     def base(self, base_model: str) -> LocalBackend:
         """The never-trained model (base-model sampling sessions, tokenizer)."""
         with self._lock:
             if base_model not in self._bases:
-                self._bases[base_model] = self._backend(base_model, None, self.models[base_model].seed if base_model in self.models else 0)
+                self._bases[base_model] = self._backend(
+                    base_model, None, self.models[base_model].seed if base_model in self.models else 0
+                )
             return self._bases[base_model]
 
     def tokenizer_dir(self, base_model: str) -> str:
-        """A folder holding the model's tokenizer: ``get_info``'s ``tokenizer_id``, so the SDK's
-        ``get_tokenizer`` loads it offline."""
+        """A folder holding the model's tokenizer (``save_pretrained``)."""
         with self._lock:
             if base_model not in self._tokenizer_dirs:
                 path = os.path.join(self.root, "tokenizers", _safe(base_model))
@@ -327,53 +458,133 @@ class LocalService:
         """Release every model (their worker threads)."""
         for backend in [run.backend for run in self.runs.values()] + list(self._bases.values()):
             backend.close()
+        for sampler in self.sampler_paths.values():
+            if sampler.owner not in self._bases.values():
+                sampler.owner.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ sessions
     def create_session(self) -> str:
-        session = f"session-{next(self._ids)}"
-        self.sessions[session] = None
+        session = f"session-{secrets.token_hex(6)}"  # unique across restarts: run ids derive from it
+        self.sessions[session] = _Session()
         return session
+
+    def seen(self, identifier: str | None) -> None:
+        """A request from the session ``identifier`` starts with: it is alive."""
+        if identifier:
+            state = self.sessions.get(session_of(identifier))
+            if state is not None:
+                state.seen = time.monotonic()
 
     def heartbeat(self, session_id: str) -> None:
         if session_id not in self.sessions:
             raise Rejected(404, f"no session {session_id!r}")
-        if self.sessions[session_id] is not None:
-            raise Rejected(410, f"session {session_id!r} has finished")
+        if self.sessions[session_id].status is not None:
+            raise Rejected(410, f"session {session_id!r} has finished ({self.sessions[session_id].status})")
+        self.seen(session_id)
 
     def finish(self, session_id: str, status: str) -> None:
-        if self.sessions.get(session_id, "x") is None:
-            self.sessions[session_id] = status  # first wins, as on the service
+        if session_id in self.sessions and self.sessions[session_id].status is None:
+            self.sessions[session_id].status = status  # first wins, as on the service
+            self._close_runs(session_id, f"its session {session_id} finished ({status})")
+
+    def reap(self) -> list[str]:
+        """Expire silent sessions and give up missing ``seq_id`` s: what the server's
+        housekeeping thread calls every second. Returns what it did, one line each."""
+        done: list[str] = []
+        stamp = time.monotonic()
+        for session_id, state in list(self.sessions.items()):
+            if state.status is None and stamp - state.seen > self.session_timeout_seconds:
+                state.status = "expired"
+                why = f"its session {session_id} sent no heartbeat or request for {self.session_timeout_seconds:g} s"
+                done += [f"closed {run}: {why}" for run in self._close_runs(session_id, why)]
+        for run in list(self.runs.values()):
+            missing = run.give_up_gaps(self.gap_timeout_seconds)
+            if missing:
+                done.append(f"{run.model_id}: gave up seq_id {missing} after {self.gap_timeout_seconds:g} s")
+        return done
+
+    def _close_runs(self, session_id: str, why: str) -> list[str]:
+        closed = []
+        for model_id, run in list(self.runs.items()):
+            if session_of(model_id) == session_id and run.closed is None:
+                run.close(why)
+                run.backend.close()  # finishes what is running, then frees the worker
+                self.registry.close_run(model_id, why)
+                closed.append(model_id)
+        return closed
 
     def run(self, model_id: str) -> TrainingRun:
+        self.seen(model_id)
         if model_id not in self.runs:
+            record = self.registry.runs.get(model_id)
+            if record is not None:
+                saved = [
+                    c.tinker_path for c in self.registry.checkpoints_of(model_id) if c.checkpoint_type == "training"
+                ]
+                raise Rejected(
+                    404,
+                    f"training run {model_id} is closed ({record.closed}); its saved states: "
+                    f"{saved or 'none'} (create_training_client_from_state loads one into a new run)",
+                )
             raise Rejected(404, f"no training run {model_id!r}")
+        self.registry.touch(model_id)
         return self.runs[model_id]
 
     # ------------------------------------------------------------------ training runs
+    def _new_run(self, model_id: str, base_model: str, rank: int, backend: LocalBackend, metadata: Any) -> None:
+        self.runs[model_id] = TrainingRun(model_id, base_model, rank, backend)
+        meta = {str(k): str(v) for k, v in dict(metadata or {}).items()} or None
+        self.registry.add_run(
+            RunRecord(model_id, base_model, rank if backend.lora is not None else None, session_of(model_id), meta)
+        )
+
     def create_model(self, req: Any) -> tuple[str, Future[Any]]:
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
+        self.seen(req.session_id)
         rank = req.lora_config.rank if req.lora_config is not None else 32
         seed = req.lora_config.seed if req.lora_config is not None and req.lora_config.seed is not None else 0
         try:
             backend = self._backend(req.base_model, rank, seed)
         except UserError as err:
             return model_id, failed(err)
-        self.runs[model_id] = TrainingRun(model_id, req.base_model, rank, backend)
-        done: Future[Any] = Future()
-        done.set_result({"model_id": model_id, "type": "create_model"})
-        return model_id, done
+        self._new_run(model_id, req.base_model, rank, backend, req.user_metadata)
+        return model_id, resolved({"model_id": model_id, "type": "create_model"})
 
     def info(self, model_id: str) -> dict[str, Any]:
         run = self.run(model_id)
-        return {"type": "get_info", "model_id": model_id, "is_lora": run.backend.lora is not None, "lora_rank": run.rank,
+        return {
+            "type": "get_info",
+            "model_id": model_id,
+            "is_lora": run.backend.lora is not None,
+            "lora_rank": run.rank,
+            "model_name": run.base_model,
+            "model_data": {
+                "arch": "llama",
                 "model_name": run.base_model,
-                "model_data": {"arch": "llama", "model_name": run.base_model, "tokenizer_id": self.tokenizer_dir(run.base_model)}}  # fmt: skip
+                "tokenizer_id": self.tokenizer_id(run.base_model),
+            },
+        }
+
+    def tokenizer_id(self, base_model: str) -> str:
+        """What ``get_info`` names as the tokenizer: the served name when the client can load it
+        by that name (the server placed it in the Hugging Face cache, see
+        :mod:`~tempering.plugins.tinker_server.tokenizers`), else the folder it saved."""
+        from tempering.plugins.tinker_server.tokenizers import cached_name
+
+        return cached_name(base_model) or self.tokenizer_dir(base_model)
 
     def forward_backward(self, call: Any) -> Future[tuple[list[dict[str, np.ndarray]], dict[str, float]]]:
         run = self.run(call.model_id)
+        session = session_of(call.model_id)
 
         def go() -> Future[Any]:
-            batch, loss = _to_batch(call.data, call.loss_fn, call.loss_fn_config)
+            batch, loss = _to_batch(
+                call.data,
+                call.loss_fn,
+                call.loss_fn_config,
+                lambda datum, targets: self.records.sampler_logprobs(datum, targets, session),
+            )
             if call.forward_only:
                 if loss.two_d:
                     raise UserError("forward with (N, K) target_tokens is not supported by this server")
@@ -395,63 +606,122 @@ class LocalService:
 
     def optim_step(self, req: Any) -> Future[Any]:
         run, p = self.run(req.model_id), req.optim_params
-        with run.admitting(req.seq_id):
+
+        def check() -> None:
             if not hasattr(p, "beta2"):
-                raise Rejected(400, f"this server trains with Adam, got optimizer params of type {getattr(p, 'type', '?')!r}")
+                raise UserError(
+                    f"this server trains with Adam, got optimizer params of type {getattr(p, 'type', '?')!r}"
+                )
+
+        if (refused := run.admit(req.seq_id, check)) is not None:
+            return refused
         params = AdamParams(learning_rate=p.learning_rate, beta1=p.beta1, beta2=p.beta2, eps=p.eps,
                             weight_decay=p.weight_decay, grad_clip_norm=p.grad_clip_norm)  # fmt: skip
         return run.run(req.seq_id, lambda: _then(run.backend.optim_step(params), lambda m: {"metrics": m}))
 
+    def _check_name(self, path: str, overwrite: bool, what: str) -> None:
+        if path in self.registry.checkpoints and not overwrite:
+            raise UserError(f"{what} {path} already exists (a name is taken once; pass overwrite=True where the call "
+                            "takes it, or choose another name)")  # fmt: skip
+
     def save_state(self, req: Any) -> Future[Any]:
         run = self.run(req.model_id)
         path = f"tinker://{req.model_id}/weights/{req.path}"
-        with run.admitting(req.seq_id):
+
+        def check() -> None:
             _check_ttl(req.ttl_seconds)
-            if path in self.states and not req.overwrite:
-                raise Rejected(409, f"a checkpoint named {req.path!r} already exists for {req.model_id} (pass overwrite=True)")
-        folder = os.path.join(self.root, "states", _safe(path))
+            self._check_name(path, req.overwrite, "a checkpoint")
+
+        if (refused := run.admit(req.seq_id, check)) is not None:
+            return refused
+        folder = self._folder("states", path)
 
         def go() -> Future[Any]:
             run.backend.save(folder)  # returns once written, after every earlier call
-            self.states[path] = {"folder": folder, "base_model": run.base_model, "rank": run.rank}
-            done: Future[Any] = Future()
-            done.set_result({"path": path, "type": "save_weights"})
-            return done
+            self.registry.add_checkpoint(CheckpointRecord(path, "training", folder, run.base_model, run.rank,
+                                                          user_metadata=req.user_metadata))  # fmt: skip
+            return resolved({"path": path, "type": "save_weights"})
 
         return run.run(req.seq_id, go)
 
+    def _checkpoint(self, path: str, kinds: tuple[str, ...] = ("training",)) -> CheckpointRecord:
+        record = self.registry.checkpoints.get(path)
+        if record is None or record.checkpoint_type not in kinds:
+            known = [c.tinker_path for c in self.registry.checkpoints.values() if c.checkpoint_type in kinds][-5:]
+            raise UserError(f"no saved state at {path} (the newest this server has: {known or 'none'})")
+        return record
+
+    def _load_into(self, backend: LocalBackend, record: CheckpointRecord, optimizer: bool) -> None:
+        """Weights (and, with ``optimizer``, the optimizer state) of a saved state."""
+        with _BUILDING, kept_rng():  # loading restores the saved RNGs, which the client (same process in tests) uses
+            backend.load(record.folder)
+        if not optimizer:  # weights only: the next optim_step starts a fresh Adam
+            backend._submit(lambda: setattr(backend._trainer, "optimizer", None)).result()
+
     def load_state(self, req: Any) -> tuple[str, Future[Any]]:
-        """``load_weights``: a new run from a saved state (the SDK's create-from-state)."""
-        if req.session_id is None or not req.optimizer:
-            raise Rejected(400, "this server loads a state, with its optimizer state, into a new run only "
-                                "(create_training_client_from_state_with_optimizer)")
-        model_id = f"{req.session_id}:train:{req.model_seq_id}"
-        state = self.states.get(req.path)
-        if state is None:
-            return model_id, failed(UserError(f"no saved state at {req.path}"))
-        backend = self._backend(req.base_model or state["base_model"], state["rank"], 0)
-        with kept_rng():  # building a backend seeds the global RNGs, which the client (same process in tests) uses
-            backend.load(state["folder"])
-        self.runs[model_id] = TrainingRun(model_id, state["base_model"], state["rank"], backend)
-        done: Future[Any] = Future()
-        done.set_result({"path": req.path, "model_id": model_id, "type": "load_weights"})
-        return model_id, done
+        """``load_weights``: a saved state into a new run (``create_training_client_from_state``,
+        with or without its optimizer state) or into a live run, in its order
+        (``load_state`` / ``load_state_with_optimizer``)."""
+        if req.session_id is not None:
+            model_id = f"{req.session_id}:train:{req.model_seq_id}"
+            self.seen(req.session_id)
+            try:
+                record = self._checkpoint(req.path)
+                base_model = req.base_model or record.base_model
+                backend = self._backend(base_model, record.lora_rank, 0)
+                self._load_into(backend, record, bool(req.optimizer))
+            except (UserError, ValueError, FileNotFoundError) as err:
+                return model_id, failed(UserError(str(err)))
+            self._new_run(model_id, base_model, record.lora_rank or 0, backend, req.user_metadata)
+            return model_id, resolved({"path": req.path, "model_id": model_id, "type": "load_weights"})
+        if req.model_id is None or req.seq_id is None:
+            raise Rejected(400, "load_weights needs session_id and model_seq_id (a new run) or model_id and seq_id")
+        run = self.run(req.model_id)
+        found: list[CheckpointRecord] = []
+
+        def check() -> None:
+            record = self._checkpoint(req.path)
+            if record.base_model != run.base_model or record.lora_rank != run.rank:
+                raise UserError(f"{req.path} is a state of {record.base_model} (LoRA rank {record.lora_rank}); run "
+                                f"{req.model_id} trains {run.base_model} (rank {run.rank})")  # fmt: skip
+            found.append(record)
+
+        if (refused := run.admit(req.seq_id, check)) is not None:
+            return req.model_id, refused
+
+        def go() -> Future[Any]:
+            self._load_into(run.backend, found[0], bool(req.optimizer))
+            return resolved({"path": req.path, "type": "load_weights"})
+
+        return req.model_id, run.run(req.seq_id, go)
 
     def save_for_sampler(self, req: Any) -> Future[Any]:
-        """Named: sampler weights at a ``tinker://`` path. Unnamed: a sampling session of a
-        snapshot (``kind=snapshot``) or of the run's inflight weights (``kind=inflight``)."""
+        """Named: sampler weights at a ``tinker://`` path (also written to disk, so they outlive
+        the process). Unnamed: a sampling session of a snapshot (``kind=snapshot``) or of the
+        run's inflight weights (``kind=inflight``)."""
         run = self.run(req.model_id)
         path = f"tinker://{req.model_id}/sampler_weights/{req.path}" if req.path else None
-        with run.admitting(req.seq_id):
-            if req.path is not None:
+
+        def check() -> None:
+            if path is not None:
                 _check_ttl(req.ttl_seconds)
-                if path in self.sampler_paths:
-                    raise Rejected(409, f"sampler weights named {req.path!r} already exist for {req.model_id}")
+                self._check_name(path, False, "sampler weights")
+
+        if (refused := run.admit(req.seq_id, check)) is not None:
+            return refused
 
         def go() -> Future[Any]:
             name = run.snapshot_name()
             run.backend.snapshot(name)
-            return _then(run.backend.sampling_client(), lambda client: publish(Sampler(run.backend, run.base_model, client, name, path)))
+            if path is not None:
+                folder = self._folder("sampler_weights", path)
+                run.backend.save(folder)
+                self.registry.add_checkpoint(CheckpointRecord(path, "sampler", folder, run.base_model, run.rank,
+                                                              user_metadata=req.user_metadata))  # fmt: skip
+            return _then(
+                run.backend.sampling_client(),
+                lambda client: publish(Sampler(run.backend, run.base_model, client, name, path)),
+            )
 
         def publish(sampler: Sampler) -> dict[str, Any]:
             if path is not None:
@@ -470,22 +740,38 @@ class LocalService:
     def save_external(self, req: Any) -> Future[Any]:
         """``save_weights_external``: the run's weights as a Hugging Face folder at a
         ``tinker://<run>/external_weights/<name>`` path -- for a LoRA run the peft adapter
-        (``adapter_config.json``, ``adapter_model.safetensors``), the format Tinker exports."""
+        (``adapter_config.json``, ``adapter_model.safetensors``), the format Tinker exports;
+        with ``age_encryption_recipients`` each file age-encrypted (``.age``), as the service
+        does (needs ``pyrage``, which tinker-cookbook installs)."""
         run = self.run(req.model_id)
         path = f"tinker://{req.model_id}/external_weights/{req.path}"
-        with run.admitting(req.seq_id):
+
+        def check() -> None:
             _check_ttl(req.ttl_seconds)
             if req.age_encryption_recipients:
-                raise Rejected(400, "this server does not encrypt external weights (age_encryption_recipients)")
-            if path in self.external:
-                raise Rejected(409, f"external weights named {req.path!r} already exist for {req.model_id}")
-        folder = os.path.join(self.root, "external", _safe(path))
+                try:
+                    import pyrage  # type: ignore[import-not-found]  # noqa: F401
+                except ImportError as err:
+                    raise UserError("this server encrypts external weights (age_encryption_recipients) with pyrage, "
+                                    "which is not installed here: pip install pyrage") from err  # fmt: skip
+            self._check_name(path, False, "external weights")
+
+        if (refused := run.admit(req.seq_id, check)) is not None:
+            return refused
+        folder = self._folder("external", path)
 
         def go() -> Future[Any]:
             run.backend.export_pretrained(folder, adapter=run.backend.lora is not None)  # after every earlier call
-            self.external[path] = folder
-            size = sum(os.path.getsize(f) for f in self.external_files(path).values())
-            return resolved({"path": path, "size_bytes": size, "type": "save_weights_external"})
+            if req.age_encryption_recipients:
+                _encrypt_folder(folder, list(req.age_encryption_recipients))
+            self.registry.add_checkpoint(CheckpointRecord(path, "external", folder, run.base_model, run.rank))
+            return resolved(
+                {
+                    "path": path,
+                    "size_bytes": self.registry.checkpoints[path].size_bytes,
+                    "type": "save_weights_external",
+                }
+            )
 
         return run.run(req.seq_id, go)
 
@@ -498,19 +784,39 @@ class LocalService:
                 for d, _, files in os.walk(root) for f in files}  # fmt: skip
 
     def delete_checkpoint(self, path: str) -> None:
-        """Forget a saved state, sampler weights or external weights (404 if there is none)."""
-        with self._lock:
-            found = [table.pop(path, None) for table in (self.states, self.sampler_paths, self.external)]
-        if all(f is None for f in found):
+        """Forget a saved state, sampler weights or external weights, and remove its files."""
+        record = self.registry.drop_checkpoint(path)
+        if record is None:
             raise Rejected(404, f"no checkpoint at {path}")
+        self.sampler_paths.pop(path, None)
+        shutil.rmtree(record.folder, ignore_errors=True)
+
+    def weights_info(self, path: str) -> dict[str, Any]:
+        """``WeightsInfoResponse`` of a checkpoint."""
+        record = self.registry.checkpoints.get(path)
+        if record is None:
+            raise Rejected(404, f"no checkpoint at {path}")
+        return {"base_model": record.base_model, "is_lora": record.lora_rank is not None, "lora_rank": record.lora_rank}
 
     # ------------------------------------------------------------------ sampling
+    def _sampler_at(self, path: str) -> Sampler:
+        """Saved sampler weights: in memory while their run lives, else loaded from disk."""
+        with self._lock:
+            if path not in self.sampler_paths:
+                record = self.registry.checkpoints.get(path)
+                if record is None or record.checkpoint_type not in ("sampler", "training"):
+                    raise Rejected(404, f"no sampler weights at {path}")
+                backend = self._backend(record.base_model, record.lora_rank, 0)
+                with _BUILDING, kept_rng():
+                    backend.load(record.folder)
+                self.sampler_paths[path] = Sampler(backend, record.base_model, None, None, path)
+            return self.sampler_paths[path]
+
     def create_sampling_session(self, req: Any) -> str:
         session = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
+        self.seen(req.session_id)
         if req.model_path:
-            if req.model_path not in self.sampler_paths:
-                raise Rejected(404, f"no sampler weights at {req.model_path}")
-            self.samplers[session] = self.sampler_paths[req.model_path]
+            self.samplers[session] = self._sampler_at(req.model_path)
         elif req.base_model:
             try:
                 self.samplers[session] = Sampler(self.base(req.base_model), req.base_model)
@@ -523,26 +829,71 @@ class LocalService:
     def sampler(self, session: str) -> Sampler | InflightSampler:
         if session not in self.samplers:
             raise Rejected(404, f"no sampling session {session!r}")
+        self.seen(session)
         return self.samplers[session]
 
-    def sample(self, req: Any) -> Future[tuple[list[Any], list[float | None] | None, list[Any] | None, int]]:
-        """``(completions, prompt logprobs, top-k prompt logprobs, k)``."""
+    def sample(self, req: Any, sequence_ids: list[str] | None = None) -> Future[SampleResult]:
+        """Completions, and what the request asks for besides: prompt logprobs (all, or the last
+        ``prompt_logprobs_last_n``), top-k prompt logprobs, top-k logprobs of each sampled
+        token (``topk_sample_logprobs``), and a record of each sequence for
+        ``stable_reinforce`` (``record_stability_info``)."""
         sampler = self.sampler(req.sampling_session_id)
         prompt = req.prompt.to_ints()
         if not prompt:
             raise Rejected(400, "empty prompt")
+        last_n = req.prompt_logprobs_last_n
+        if last_n is not None and not 1 <= int(last_n) <= len(prompt) - 1:
+            raise Rejected(
+                400, f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = {len(prompt) - 1}, got {last_n}"
+            )
         sp = req.sampling_params
         stop = sp.stop if sp.stop is not None else []
-        params = SamplingParams(max_tokens=int(sp.max_tokens if sp.max_tokens is not None else 32), temperature=float(sp.temperature),
-                                top_p=float(sp.top_p), top_k=max(int(sp.top_k), 0),
-                                stop=[stop] if isinstance(stop, (str, int)) else list(stop), seed=sp.seed)  # fmt: skip
-        k = int(req.topk_prompt_logprobs or 0)
-        parts = [sampler.sample(prompt, int(req.num_samples), params)]
-        if req.prompt_logprobs or k:
-            parts.append(sampler.score(prompt) if len(prompt) > 1 else resolved([]))
-        if k:
-            parts.append(sampler.score(prompt, k) if len(prompt) > 1 else resolved(None))
-        return _then(_all(parts), lambda results: _sample_result(results, k))
+        params = SamplingParams(
+            max_tokens=int(sp.max_tokens if sp.max_tokens is not None else 32),
+            temperature=float(sp.temperature),
+            top_p=float(sp.top_p),
+            top_k=max(int(sp.top_k), 0),
+            stop=[stop] if isinstance(stop, (str, int)) else list(stop),
+            seed=sp.seed,
+        )
+        k, k_sampled = int(req.topk_prompt_logprobs or 0), int(req.topk_sample_logprobs or 0)
+        completions = sampler.sample(prompt, int(req.num_samples), params)
+        scored = sampler.score(prompt) if (req.prompt_logprobs or k) and len(prompt) > 1 else None
+        topk = sampler.score(prompt, k) if k and len(prompt) > 1 else None
+
+        def compose() -> SampleResult:
+            out = SampleResult(completions.result(), k=k, k_sampled=k_sampled)
+            hide = len(prompt) - int(last_n) if last_n is not None else 1  # positions before the scored suffix
+            if req.prompt_logprobs or k:
+                values = [None, *scored.result()] if scored is not None else [None]
+                out.prompt_logprobs = [None if i < hide else v for i, v in enumerate(values)]
+            if k:
+                rows: list[Any] = [None, *_topk_rows(topk.result())] if topk is not None else [None]
+                out.topk_prompt = [None if i < hide else r for i, r in enumerate(rows)]
+            if k_sampled:  # one more forward per sequence: the distribution at each sampled position
+                futures = [sampler.score(prompt + list(c.tokens), k_sampled) for c in out.completions]
+                out.topk_sampled = [_topk_rows(f.result())[len(prompt) - 1 :] for f in futures]
+            if req.record_stability_info and sequence_ids is not None:
+                for sid, c in zip(sequence_ids, out.completions):
+                    self.records.record(sid, prompt, c.tokens, c.logprobs)
+            return out
+
+        return self._pool.submit(compose)
+
+
+def _encrypt_folder(folder: str, recipients: list[str]) -> None:
+    """Replace each file by its age encryption to ``recipients`` (``name.age``)."""
+    import pyrage
+
+    keys = [pyrage.x25519.Recipient.from_str(r) for r in recipients]
+    for d, _, files in os.walk(folder):
+        for name in files:
+            plain = os.path.join(d, name)
+            with open(plain, "rb") as fh:
+                data = pyrage.encrypt(fh.read(), keys)
+            with open(plain + ".age", "wb") as fh:
+                fh.write(data)
+            os.remove(plain)
 
 
 def _all(futures: list[Future[Any]]) -> Future[list[Any]]:
@@ -565,13 +916,3 @@ def _all(futures: list[Future[Any]]) -> Future[list[Any]]:
     for f in futures:
         f.add_done_callback(one)
     return out
-
-
-def _sample_result(results: list[Any], k: int) -> tuple[list[Any], list[float | None] | None, list[Any] | None, int]:
-    completions = results[0]
-    prompt_lps = [None, *results[1]] if len(results) > 1 else None
-    topk = None
-    if k:
-        values, ids = results[2] if results[2] is not None else (torch.zeros(0, k), torch.zeros(0, k))
-        topk = [None] + [list(zip(i.tolist(), v.tolist())) for v, i in zip(values, ids)]
-    return completions, prompt_lps, topk, k

@@ -44,7 +44,9 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
     """The request as ``tinker.types`` values (``loss_fn_config_v2`` preferred, as the service does)."""
     msg = pb.ForwardBackwardRequest()
     msg.ParseFromString(body)
-    config: dict[str, Any] = {k: v.text if v.WhichOneof("value") == "text" else v.number for k, v in msg.loss_fn_config_v2.items()}
+    config: dict[str, Any] = {
+        k: v.text if v.WhichOneof("value") == "text" else v.number for k, v in msg.loss_fn_config_v2.items()
+    }
     if not config:
         config = dict(msg.loss_fn_config.items())
     data = []
@@ -56,8 +58,25 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
             tokens = np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist()
             chunks.append(types.EncodedTextChunk(tokens=tokens))
         inputs = {name: _tensor_data_from_proto(tensor) for name, tensor in datum.loss_fn_inputs.items()}
-        data.append(types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs=inputs))
+        spans = (_spans(datum.model_input_spans), _spans(datum.loss_fn_input_spans))
+        if (spans[0] is None) != (spans[1] is None):
+            raise ValueError(
+                "provenance comes as a pair: a datum has model_input_spans or loss_fn_input_spans, not both"
+            )
+        data.append(types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs=inputs,
+                                model_input_spans=spans[0], loss_fn_input_spans=spans[1]))  # fmt: skip
     return ForwardBackwardCall(msg.model_id, int(msg.seq_id), msg.loss_fn, config or None, bool(msg.forward_only), data)
+
+
+def _spans(msgs: Any) -> list[Any] | None:
+    """A datum's provenance runs (``Datum.with_provenance``), or None when it has none."""
+    out: list[Any] = []
+    for msg in msgs:
+        arm = msg.WhichOneof("span")
+        cls = types.SampledProvenanceSpan if arm == "sampled_tokens" else types.PromptProvenanceSpan
+        run = getattr(msg, arm or "prompt_tokens")
+        out.append(cls(sequence_id=run.sequence_id, offset=int(run.offset), length=int(run.length)))
+    return out or None
 
 
 def encode_forward_backward(outputs: Sequence[Mapping[str, np.ndarray]], metrics: Mapping[str, float]) -> bytes:
@@ -78,29 +97,39 @@ def encode_forward_backward(outputs: Sequence[Mapping[str, np.ndarray]], metrics
     return msg.SerializeToString()
 
 
+def _topk(rows: Sequence[Sequence[tuple[int, float]] | None], k: int) -> Any:
+    """Dense ``N x k`` top-k matrices (``TopkLogprobs``), masked where a row has fewer (or none)."""
+    ids = np.zeros((len(rows), k), dtype=np.int32)
+    lps = np.full((len(rows), k), MASK_LOGPROB, dtype=np.float32)
+    for i, row in enumerate(rows):
+        for j, (token, lp) in enumerate(list(row or [])[:k]):
+            ids[i, j], lps[i, j] = int(token), float(lp)
+    return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k, length=len(rows))
+
+
 def encode_sample(
     sequences: Sequence[tuple[Sequence[int], Sequence[float], str]],
     prompt_logprobs: Sequence[float | None] | None = None,
     topk_prompt: Sequence[Sequence[tuple[int, float]] | None] | None = None,
     k: int = 0,
+    topk_sampled: Sequence[Sequence[Sequence[tuple[int, float]]]] | None = None,
+    k_sampled: int = 0,
 ) -> bytes:
-    """A ``SampleResponse``: ``(tokens, logprobs, stop_reason)`` per sequence; prompt logprobs
-    with NaN where there is none (position 0); top-k prompt logprobs as dense ``N x k``
+    """A ``SampleResponse``: ``(tokens, logprobs, stop_reason)`` per sequence (and, with
+    ``k_sampled``, each sampled position's top-k); prompt logprobs with NaN where there is none
+    (position 0, or before ``prompt_logprobs_last_n``); top-k prompt logprobs as dense ``N x k``
     matrices with masked cells."""
     msg = pb.SampleResponse()
-    for tokens, logprobs, reason in sequences:
+    for i, (tokens, logprobs, reason) in enumerate(sequences):
         seq = msg.sequences.add()
         seq.stop_reason = pb.STOP_REASON_STOP if reason == "stop" else pb.STOP_REASON_LENGTH
         seq.tokens = np.asarray(list(tokens), dtype=np.int32).tobytes()
         seq.logprobs = np.asarray(list(logprobs), dtype=np.float32).tobytes()
+        if topk_sampled is not None and k_sampled > 0 and len(tokens):
+            seq.topk_sampled_logprobs.CopyFrom(_topk(topk_sampled[i], k_sampled))
     if prompt_logprobs is not None:
         values = [float("nan") if v is None else float(v) for v in prompt_logprobs]
         msg.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()
     if topk_prompt is not None and k > 0:
-        ids = np.zeros((len(topk_prompt), k), dtype=np.int32)
-        lps = np.full((len(topk_prompt), k), MASK_LOGPROB, dtype=np.float32)
-        for i, row in enumerate(topk_prompt):
-            for j, (token, lp) in enumerate(list(row or [])[:k]):
-                ids[i, j], lps[i, j] = int(token), float(lp)
-        msg.topk_prompt_logprobs.CopyFrom(pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k, length=len(topk_prompt)))
+        msg.topk_prompt_logprobs.CopyFrom(_topk(topk_prompt, k))
     return msg.SerializeToString()
