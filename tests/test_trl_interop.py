@@ -79,7 +79,7 @@ def test_the_environment_plays_tool_calls_and_the_final_answer() -> None:
     right = [{"role": "assistant", "content": "", "tool_calls": [{}]}, {"role": "tool", "content": "3108"},
              {"role": "assistant", "content": "3108"}]  # fmt: skip
     assert tt.environment_reward([right], [env], log_metric=logged.__setitem__) == [1.0]
-    assert logged == {"env/copied_result": 1.0, "env/right_calls": 1.0, "env/tool_calls": 1.0,
+    assert logged == {"env/copied_result": 1.0, "env/right_calls": 1.0, "env/tool_calls": 1.0, "env/failed": 0.0,
                       "env/tool_errors": 0.0, "env/tool_timeouts": 0.0}  # fmt: skip
     assert [m["role"] for m in env._transcript] == ["user", "assistant", "tool", "assistant"]
 
@@ -129,6 +129,12 @@ def test_a_hanging_environment_is_cut_off_by_the_timeout() -> None:
     env.reset(prompt=None, messages=[{"role": "user", "content": "go"}])
     with pytest.raises(TimeoutError, match=r"environment.step\(\) did not return within 0.2 s"):
         env.wait(seconds=1)
+    # on the final turn the episode's reward is None (TRL skips it) and the failure is counted
+    logged: dict[str, float] = {}
+    assert tt.environment_reward([[{"role": "assistant", "content": "x"}]], [env], log_metric=logged.__setitem__) == [
+        None
+    ]
+    assert logged["env/failed"] == 1.0 and "did not return within 0.2 s" in env._errors[-1]
 
 
 def test_registered_rewards_score_trl_completions() -> None:

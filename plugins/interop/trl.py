@@ -274,19 +274,26 @@ def environment_reward(
 
     Plays each rollout's final assistant message through the environment's ``step`` (its
     ``score``) and returns the summed turn rewards (``None``, which TRL skips, where the
-    environment leaves scoring to a reward component). Logs the environments' metrics averaged
-    over the batch as ``env/<name>`` through TRL's ``log_metric``."""
+    environment leaves scoring to a reward component). An environment that raises or times out
+    on the final turn gives ``None`` too (its first traceback is logged) and is counted in
+    ``env/failed``, the share of the batch. Logs the environments' metrics averaged over the
+    batch as ``env/<name>`` through TRL's ``log_metric``."""
     if environments is None:
         raise ValueError("environment_reward needs GRPOTrainer(environment_factory=environment_factory(...))")
     rewards: list[float | None] = []
+    failed = 0
     for completion, env in zip(completions, environments, strict=True):
         if not isinstance(env, TRLEnvironment):
             rewards.append(None)
             continue
-        final = _last_assistant(completion)
-        rewards.append(env._finish(final))
-    if log_metric is not None:
-        ours = [e for e in environments if isinstance(e, TRLEnvironment)]
+        try:
+            rewards.append(env._finish(_last_assistant(completion)))
+        except Exception:  # noqa: BLE001 - one episode's failure must not stop training; _run logged it
+            failed += 1
+            rewards.append(None)
+    ours = [e for e in environments if isinstance(e, TRLEnvironment)]
+    if log_metric is not None and ours:
+        log_metric("env/failed", failed / len(ours))
         for key in sorted({k for e in ours for k in e._metrics}):
             log_metric(f"env/{key}", sum(e._metrics.get(key, 0.0) for e in ours) / len(ours))
     return rewards
