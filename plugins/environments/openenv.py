@@ -103,6 +103,7 @@ class OpenEnv(Environment):
     def check_config(config: Mapping[str, Any]) -> Iterator[Problem]:
         if importlib.util.find_spec("openenv") is None:
             yield Problem("", f"the openenv environment needs openenv-core: {OPENENV_HINT}")
+            return
         url = str(config.get("url") or "")
         if not url.startswith(("http://", "https://")):
             yield Problem("url", f"must be the OpenEnv server's http(s):// address, got {url!r}")
