@@ -24,7 +24,7 @@ from tempering.plugins.interop import trl as tt
 from tempering.plugins.models.tiny import tiny_llama
 from tempering.plugins.renderers.tiny_chat import TinyChat
 from tempering.rollouts.environment import Environment
-from tempering.rollouts.tools import tool
+from tempering.rollouts.tools import Tool, tool
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +93,35 @@ def test_the_environment_plays_tool_calls_and_the_final_answer() -> None:
     other.reset(question="12*10", answer="120")
     other.mul(a=12, b=10)
     assert tt.environment_reward([[{"role": "tool", "content": "120"}]], [other]) == [0.0]
+
+
+def test_a_tool_schema_without_a_typed_function_reaches_trl_intact() -> None:
+    """The methods are built from each tool's JSON schema, so a tool whose function takes
+    ``**kwargs`` (the openenv environment's action) shows TRL the same schema."""
+    from transformers.utils import get_json_schema
+
+    parameters = {"type": "object", "required": ["guess"], "properties": {
+        "guess": {"type": "integer", "description": "your guess, 1 to 9"}, "note": {"type": "string"}}}  # fmt: skip
+    seen: list[dict[str, Any]] = []
+
+    class Free(Environment):
+        def tools(self) -> list[Tool]:
+            async def act(**action: Any) -> str:
+                seen.append(action)
+                return "ok"
+
+            return [Tool(name="act", fn=act, description="Guess the hidden number.", parameters=parameters)]
+
+    env = tt.environment_factory(Free)()
+    env.reset(prompt=None, messages=[{"role": "user", "content": "go"}])
+    schema = get_json_schema(env.act)["function"]
+    assert schema["description"] == "Guess the hidden number." and schema["parameters"]["required"] == ["guess"]
+    assert schema["parameters"]["properties"]["guess"] == {"type": "integer", "description": "your guess, 1 to 9"}
+    assert schema["parameters"]["properties"]["note"]["description"] == "note"
+    assert env.act(guess=3) == "ok" and seen == [{"guess": 3}]
+    calculator = tt.environment_factory("calculator")()
+    [mul] = calculator.__class__._make().tools()
+    assert get_json_schema(calculator.mul)["function"]["parameters"] == mul.parameters
 
 
 def test_reset_refuses_a_prompt_it_cannot_hold() -> None:

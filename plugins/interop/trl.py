@@ -40,7 +40,6 @@ import json
 import logging
 import threading
 import traceback
-import typing
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -214,22 +213,40 @@ def _same_messages(prompt: Any, messages: Sequence[Mapping[str, Any]]) -> bool:
                for p, m in zip(prompt, messages))  # fmt: skip
 
 
+#: JSON schema types as the Python annotations transformers' ``get_json_schema`` maps back to them.
+_JSON_TYPES: dict[str, Any] = {"integer": int, "number": float, "string": str, "boolean": bool, "array": list,
+                               "object": dict}  # fmt: skip
+
+
 def _tool_method(tool: Tool) -> Callable[..., str]:
-    """A method with the tool's name, signature and docstring (TRL and transformers build the
-    tool's JSON schema from them) that plays the call through the environment."""
+    """A method named after the tool whose signature and Google-style docstring are built from
+    the tool's JSON schema (what TRL and transformers' ``get_json_schema`` read back), and which
+    plays the call through the environment. Built from the schema rather than copied from the
+    tool's function, so a tool whose function takes ``**kwargs`` (the ``openenv`` action) works
+    too."""
     name = tool.name
 
     def method(self: TRLEnvironment, **arguments: Any) -> str:
         return self._tool(name, arguments)
 
-    fn = getattr(tool.fn, "__func__", tool.fn)
-    sig = inspect.signature(tool.fn)  # bound: without self
-    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    props: dict[str, Any] = dict((tool.parameters or {}).get("properties") or {})
+    required = set((tool.parameters or {}).get("required") or [])
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    annotations: dict[str, Any] = {"return": str}
+    lines = [tool.description or f"The {name} tool.", "", "Args:"]
+    for key, prop in sorted(props.items(), key=lambda kv: kv[0] not in required):  # required first
+        kind = _JSON_TYPES.get(str(prop.get("type")), Any)
+        annotations[key] = kind if key in required else kind | None
+        default = inspect.Parameter.empty if key in required else prop.get("default")
+        params.append(
+            inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotations[key])
+        )
+        said = " ".join(str(prop.get("description") or prop.get("title") or key).split())
+        lines.append(f"    {key}: {said}")
     method.__name__ = method.__qualname__ = name
-    method.__doc__ = inspect.getdoc(fn)
-    method.__signature__ = sig.replace(parameters=[self_param, *sig.parameters.values()])  # type: ignore[attr-defined]
-    method.__annotations__ = typing.get_type_hints(fn)  # resolved: this module's globals cannot resolve them later
-    method.__module__ = getattr(fn, "__module__", __name__)
+    method.__doc__ = "\n".join(lines if props else lines[:1])
+    method.__signature__ = inspect.Signature(params, return_annotation=str)  # type: ignore[attr-defined]
+    method.__annotations__ = annotations
     return method
 
 
