@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from tempering.training.dataset_checks import Columns, check_dataset, prompt_columns, reward_columns
@@ -68,13 +68,10 @@ def sub_config(cls: type[T], value: Any, path: str) -> T:
 
 
 @dataclass
-class OptimizerConfig:
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 1.0
+class OptimizerConfig(AdamParams):
+    """A stage's ``optimizer:`` block: the step settings a backend takes (:class:`AdamParams`'s
+    fields, one list of them) plus the learning-rate schedule that sets each step's rate."""
+
     schedule: str = "constant"  # constant | linear | cosine
     warmup_steps: int = 0
     final_ratio: float = 0.0
@@ -105,7 +102,8 @@ class OptimizerConfig:
 
     def adam(self, step: int, total: int) -> AdamParams:
         lr = lr_at(step, total, self.learning_rate, self.schedule, self.warmup_steps, self.final_ratio)
-        return AdamParams(lr, self.beta1, self.beta2, self.eps, self.weight_decay, self.grad_clip_norm)
+        # a plain AdamParams: what a backend takes (and the Tinker SDK mirrors), without the schedule
+        return AdamParams(**{f.name: getattr(self, f.name) for f in fields(AdamParams)} | {"learning_rate": lr})
 
 
 @dataclass
@@ -420,7 +418,7 @@ class SamplingKeys:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    stop: list = field(default_factory=list)  # type: ignore[type-arg]
+    stop: list[Any] = field(default_factory=list)  # SamplingParams.stop: strings or token ids
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, list(self.stop))

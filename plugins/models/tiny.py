@@ -92,6 +92,34 @@ def _build(model_cls: Any, config: Any, seed: int) -> Any:
         return model_cls(config)
 
 
+def _tiny(
+    config_cls: Any,
+    model_cls: Any,
+    chars: str,
+    chat: bool,
+    seed: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+) -> tuple[Any, PreTrainedTokenizerFast]:
+    """The one tiny shape both architectures share: full attention heads, untied embeddings."""
+    tokenizer = _tokenizer(chars, chat)
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+    )
+    _set_special_ids(config, tokenizer)
+    return _finish(_build(model_cls, config, seed), tokenizer)
+
+
 def tiny_llama(
     hidden_size: int = 128,
     num_layers: int = 4,
@@ -110,19 +138,8 @@ def tiny_llama(
     ``tiny_chat`` renderer, and :data:`CHAT_CHARS` unless ``chars`` is given."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = _tokenizer(chars, chat)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
-    )
-    _set_special_ids(config, tokenizer)
-    return _finish(_build(LlamaForCausalLM, config, seed), tokenizer)
+    return _tiny(LlamaConfig, LlamaForCausalLM, chars, chat, seed, hidden_size, num_layers, num_heads, intermediate_size,
+                 max_position_embeddings)
 
 
 def tiny_qwen(
@@ -139,16 +156,5 @@ def tiny_qwen(
     in the stack is Llama-specific."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer = _tokenizer(chars, chat)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
-    )
-    _set_special_ids(config, tokenizer)
-    return _finish(_build(Qwen2ForCausalLM, config, seed), tokenizer)
+    return _tiny(Qwen2Config, Qwen2ForCausalLM, chars, chat, seed, hidden_size, num_layers, num_heads, intermediate_size,
+                 max_position_embeddings)
