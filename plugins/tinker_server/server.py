@@ -49,7 +49,6 @@ sequence sampled as ``(prompt, completion)`` tokens (``server.sampled``).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import ipaddress
@@ -71,8 +70,6 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from tempering.errors import ConfigError
-from tempering.plugins.backends.local.backend import LocalBackend
 from tempering.plugins.tinker_server import wire
 from tempering.plugins.tinker_server.service import (
     LocalService,
@@ -640,49 +637,3 @@ def _handler(server: LocalTinkerServer) -> type[BaseHTTPRequestHandler]:
             pass
 
     return Handler
-
-
-def served_models(argv: list[str] | None = None) -> tuple[dict[str, ServedModel], argparse.Namespace]:
-    """The command line's models (name -> what is served under it) and its other arguments;
-    the model source is checked here, so a typo fails at start, not at the first request."""
-    parser = argparse.ArgumentParser(
-        description="A local Tinker-compatible server (CPU): models built in code or pretrained."
-    )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8765)
-    parser.add_argument(
-        "--model",
-        default="tiny_llama",
-        help="a registered model builder (tiny_llama, smollm2, ...) or a Hugging Face model folder",
-    )
-    parser.add_argument("--model-kwargs", default="{}", help="JSON keyword arguments for the builder")
-    parser.add_argument(
-        "--name",
-        default=None,
-        help="the base-model name clients ask for (default: --model), e.g. HuggingFaceTB/SmolLM2-135M-Instruct",
-    )
-    args = parser.parse_args(argv)
-    kwargs = json.loads(args.model_kwargs)
-    try:
-        LocalBackend.check_params({"model": args.model, "model_kwargs": kwargs}, "server")
-    except ConfigError as err:
-        parser.error(str(err).replace("server.model_kwargs", "--model-kwargs").replace("server.model", "--model"))
-    return {args.name or args.model: ServedModel(args.model, kwargs)}, args
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Serve until interrupted: ``python -m tempering.plugins.tinker_server``."""
-    models, args = served_models(argv)
-    server = LocalTinkerServer(models, host=args.host, port=args.port).start()
-    print(f"serving {', '.join(models)} at {server.url} (TINKER_BASE_URL={server.url}, any TINKER_API_KEY starting "
-          "with tml-)", flush=True)  # fmt: skip
-    try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
-
-
-if __name__ == "__main__":
-    main()

@@ -45,10 +45,11 @@ def cached_name(name: str, cache: str | None = None) -> str | None:
     return name if os.path.isfile(os.path.join(_repo_dir(name, cache), "refs", "main")) else None
 
 
-def install_tokenizer(name: str, tokenizer: Any, cache: str | None = None) -> str | None:
+def install_tokenizer(name: str, tokenizer: Any, cache: str | None = None, config: Any = None) -> str | None:
     """Write ``tokenizer`` (an HF tokenizer, or a folder holding one) into the hub cache as
     ``name`` (``org/model``) unless the cache has ``name`` already; returns the snapshot folder
-    written, or None when nothing was written."""
+    written, or None when nothing was written. ``config`` (the model's ``PretrainedConfig``)
+    goes beside it: ``AutoTokenizer`` reads ``config.json`` to pick the tokenizer class."""
     if name.count("/") != 1:
         raise ValueError(f"a Hugging Face name has the form org/model, got {name!r}")
     if cached_name(name, cache):
@@ -59,6 +60,8 @@ def install_tokenizer(name: str, tokenizer: Any, cache: str | None = None) -> st
         shutil.copytree(tokenizer, snapshot, dirs_exist_ok=True)
     else:
         tokenizer.save_pretrained(snapshot)
+    if config is not None:
+        config.save_pretrained(snapshot)
     os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
     with open(os.path.join(repo, "refs", "main"), "w") as fh:
         fh.write(REVISION)

@@ -2,14 +2,8 @@
 ``python -m tempering.plugins.backends.tinker.local_server`` (in scripts and older docs) and
 imports of it keep working."""
 
-from tempering.plugins.tinker_server.server import (
-    DEFAULT_MODELS,
-    Faults,
-    LocalTinkerServer,
-    Received,
-    main,
-    served_models,
-)
+from tempering.plugins.tinker_server.cli import main, served_models
+from tempering.plugins.tinker_server.server import DEFAULT_MODELS, Faults, LocalTinkerServer, Received
 
 __all__ = ["LocalTinkerServer", "Faults", "Received", "DEFAULT_MODELS", "main", "served_models"]
 

@@ -1,0 +1,163 @@
+"""``tempering serve-tinker``: the command line of the Tinker-protocol server.
+
+``tempering``'s core imports no plugin, so its CLI finds this command through the
+``tempering.commands`` entry-point group (``serve-tinker = "tempering.plugins.tinker_server.cli"``
+in pyproject.toml): it calls :func:`add_arguments` to build the subcommand and :func:`run` to run
+it. This module imports only ``argparse`` at the top, so ``tempering --help`` stays fast; the
+server (torch, the SDK) is imported when the command runs. ``python -m
+tempering.plugins.tinker_server`` takes the same options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+__all__ = ["HELP", "DESCRIPTION", "add_arguments", "run", "main", "served_models"]
+
+HELP = "serve the Tinker API on this machine: tinker-cookbook and the tinker SDK train and sample here"
+DESCRIPTION = (
+    "Serve a model tempering can load (built in code, smollm2, a Hugging Face folder) under the name clients ask "
+    "for, behind the Tinker API (SDK 0.38): LoRA training runs, sampling, checkpoints that survive a restart. "
+    "Clients set TINKER_BASE_URL to the printed URL. See docs/serve-tinker.md."
+)
+
+
+def default_root() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(base, "tempering", "tinker-server")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default="tiny_llama",
+        help="a registered model builder (tiny_llama, smollm2, ...) or a Hugging Face model folder",
+    )
+    parser.add_argument("--model-kwargs", default="{}", help="JSON keyword arguments for the model builder")
+    parser.add_argument(
+        "--name",
+        default=None,
+        help="the base-model name clients ask for (default: --model), e.g. "
+        "HuggingFaceTB/SmolLM2-135M-Instruct; tinker-cookbook wants org/model",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback needs --api-key")
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="a key clients must send (TINKER_API_KEY; repeatable; default $TEMPERING_TINKER_API_KEY, "
+        "else any key starting with tml- on loopback)",
+    )
+    parser.add_argument(
+        "--root",
+        default=None,
+        help="folder of checkpoints and the run registry, kept across restarts "
+        "(default ~/.cache/tempering/tinker-server)",
+    )
+    parser.add_argument(
+        "--session-timeout",
+        type=float,
+        default=60.0,
+        help="seconds without heartbeat or request after which a client's session expires",
+    )
+    parser.add_argument(
+        "--no-tokenizer-cache",
+        action="store_true",
+        help="do not place the served tokenizer in this machine's Hugging Face cache under --name",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until interrupted (Ctrl-C)."""
+    import threading
+
+    from tempering.errors import ConfigError
+    from tempering.plugins.backends.local.backend import LocalBackend
+    from tempering.plugins.tinker_server.server import LocalTinkerServer
+    from tempering.plugins.tinker_server.service import ServedModel
+
+    try:
+        kwargs: dict[str, Any] = json.loads(args.model_kwargs)
+    except json.JSONDecodeError as err:
+        raise SystemExit(f"--model-kwargs: not JSON ({err}); e.g. --model-kwargs '{{\"hidden_size\": 64}}'") from err
+    try:
+        LocalBackend.check_params({"model": args.model, "model_kwargs": kwargs}, "server")
+    except ConfigError as err:
+        raise SystemExit(
+            str(err).replace("server.model_kwargs", "--model-kwargs").replace("server.model", "--model")
+        ) from err
+    keys = set(args.api_key or []) or (
+        {os.environ["TEMPERING_TINKER_API_KEY"]} if os.environ.get("TEMPERING_TINKER_API_KEY") else None
+    )
+    name = args.name or args.model
+    try:
+        server = LocalTinkerServer(
+            {name: ServedModel(args.model, kwargs)},
+            host=args.host,
+            port=args.port,
+            api_keys=keys,
+            root=args.root or default_root(),
+            session_timeout_seconds=args.session_timeout,
+        )
+    except ValueError as err:
+        raise SystemExit(f"{err} (--api-key)") from err
+    server.start()
+    key_hint = "your key" if keys else "any key starting with tml-"
+    print(
+        f"serving {name} ({args.model}) at {server.url}\n  TINKER_BASE_URL={server.url} TINKER_API_KEY=<{key_hint}>\n"
+        f"  checkpoints and run registry: {server.root}",
+        flush=True,
+    )
+    if name.count("/") == 1 and not args.no_tokenizer_cache:
+        print(_place_tokenizer(server, name), flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+def _place_tokenizer(server: Any, name: str) -> str:
+    """Put the served tokenizer in this machine's Hugging Face cache under ``name`` (a line to print)."""
+    from transformers import PreTrainedTokenizerBase
+
+    from tempering.plugins.tinker_server.tokenizers import install_tokenizer
+
+    base = server.service.base(name)
+    if not isinstance(base.tokenizer, PreTrainedTokenizerBase):
+        return f"tokenizer of {name}: not a Hugging Face tokenizer ({type(base.tokenizer).__name__}); not placed in the cache"
+    written = install_tokenizer(name, base.tokenizer, config=getattr(base.model, "config", None))
+    if written:
+        return f"tokenizer of {name} placed in the Hugging Face cache ({written}): get_tokenizer() works offline here"
+    return f"tokenizer of {name}: the Hugging Face cache has it already (left as it is)"
+
+
+def served_models(argv: list[str] | None = None) -> tuple[dict[str, Any], argparse.Namespace]:
+    """The command line's models (name -> what is served under it) and its other arguments;
+    the model source is checked here, so a typo fails at start, not at the first request."""
+    from tempering.errors import ConfigError
+    from tempering.plugins.backends.local.backend import LocalBackend
+    from tempering.plugins.tinker_server.service import ServedModel
+
+    parser = argparse.ArgumentParser(prog="python -m tempering.plugins.tinker_server", description=DESCRIPTION)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    kwargs = json.loads(args.model_kwargs)
+    try:
+        LocalBackend.check_params({"model": args.model, "model_kwargs": kwargs}, "server")
+    except ConfigError as err:
+        parser.error(str(err).replace("server.model_kwargs", "--model-kwargs").replace("server.model", "--model"))
+    return {args.name or args.model: ServedModel(args.model, kwargs)}, args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tempering.plugins.tinker_server``: the options of ``tempering serve-tinker``."""
+    _, args = served_models(argv)
+    raise SystemExit(run(args))
