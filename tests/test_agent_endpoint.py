@@ -262,3 +262,27 @@ def test_what_a_harness_may_return() -> None:
         read_result("5")
     with pytest.raises(ValueError, match="unknown keys"):
         read_result({"score": 1})
+
+
+def test_a_burst_of_concurrent_calls_is_answered_not_refused(served: Any) -> None:
+    """All of a batch's episodes call at once: the listen backlog must hold them (the standard
+    library's default of 5 refused some of 256 episodes' connections: APIConnectionError)."""
+    import http.client
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    endpoint, episode, _, _ = served([{"role": "assistant", "content": "1"}])
+    body = {"messages": [{"role": "user", "content": "x"}]}
+
+    def one(_: int) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", int(endpoint.url.rsplit(":", 1)[1]), timeout=30)
+        try:
+            conn.request("POST", f"/{episode.slug}/v1/chat/completions", json.dumps(body),
+                         {"Authorization": f"Bearer {endpoint.token}", "Content-Type": "application/json"})  # fmt: skip
+            return conn.getresponse().status
+        finally:
+            conn.close()
+
+    with ThreadPoolExecutor(max_workers=128) as pool:
+        statuses = list(pool.map(one, range(128)))
+    assert statuses == [200] * 128 and len(episode.calls) == 128

@@ -140,14 +140,13 @@ class PolicyEndpoint:
         self.token = secrets.token_urlsafe(32)
         self._episodes: dict[str, EpisodeCalls] = {}
         self._lock = threading.Lock()
-        self._server: ThreadingHTTPServer | None = None
+        self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> PolicyEndpoint:
-        server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-        server.daemon_threads = True  # a request still waiting on the model never holds the process
-        server.endpoint = self  # type: ignore[attr-defined]
+        server = _Server(("127.0.0.1", 0), _Handler)
+        server.endpoint = self
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="tempering-openai-endpoint", daemon=True)  # fmt: skip
@@ -505,6 +504,15 @@ def cut_at_stop(
 
 
 # ---------------------------------------------------------------------- HTTP
+class _Server(ThreadingHTTPServer):
+    """A thread per connection. ``request_queue_size`` is the listen backlog: the standard
+    library's 5 refuses connections when a batch's episodes all call at once (hundreds do)."""
+
+    request_queue_size = 4096
+    daemon_threads = True  # a request still waiting on the model never holds the process
+    endpoint: PolicyEndpoint
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: Any
