@@ -138,14 +138,17 @@ def main() -> None:
         ideal = (s + t) / max(s, t)
         print(f"sync phases: sample+reward S = {s:.3f} s (sampling {base['sampling_only_s']:.3f} + reward "
               f"{base['reward_only_s']:.3f}), train T = {t:.3f} s -> ideal speedup (S+T)/max(S,T) = {ideal:.2f}x")
-    print(f"{'config':10s} {'s/step':>8s} {'speedup':>8s} {'of ideal gain':>13s} {'staleness':>9s} {'trainer wait':>12s} {'train':>7s}")
+    print(
+        f"{'config':10s} {'s/step':>8s} {'speedup':>8s} {'of ideal gain':>13s} "
+        f"{'staleness':>9s} {'trainer wait':>12s} {'train':>7s}"
+    )
     for r in results:
         speed = base["step_s"] / r["step_s"] if base else float("nan")
         frac = (speed - 1) / (ideal - 1) if base and ideal > 1 else float("nan")
         stale = f"{r['staleness']:.2f}" if "staleness" in r else "-"
         wait = f"{r['wait_s']:.3f}" if "wait_s" in r else "-"
-        print(f"{r['label']:10s} {r['step_s']:8.3f} {speed:7.2f}x {frac:12.0%} {stale:>9s} {wait:>12s} {r['train_s']:7.3f}"
-              f"   rounds: {', '.join(f'{x:.3f}' for x in r['rounds'])}")  # fmt: skip
+        print(f"{r['label']:10s} {r['step_s']:8.3f} {speed:7.2f}x {frac:12.0%} {stale:>9s} {wait:>12s} "
+              f"{r['train_s']:7.3f}   rounds: {', '.join(f'{x:.3f}' for x in r['rounds'])}")  # fmt: skip
         r["speedup"], r["fraction_of_ideal_gain"] = speed, frac
     print(f"\nload average after: {os.getloadavg()}")
     if args.json:

@@ -170,7 +170,10 @@ def describe(backend: Any) -> str:
     cfg = backend.model.config
     cfg = getattr(cfg, "text_config", cfg)
     n = sum(p.numel() for p in backend.model.parameters()) / 1e6
-    return f"{cfg.model_type}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, {n:.1f}M params"
+    return (
+        f"{cfg.model_type}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"vocab {cfg.vocab_size}, {n:.1f}M params"
+    )
 
 
 # ---------------------------------------------------------------------------- main
@@ -255,9 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     load_end = os.getloadavg()
 
     print()
+    cpu_time = "CPU time of this process (all threads): steadier than wall time on a shared machine"
     print(f"torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} CPUs; rows {args.rows}, "
           f"completion {args.completion:.0%} of each row; medians of {args.repeats} calls, peak = max; time = "
-          f"{'CPU time of this process (all threads): steadier than wall time on a shared machine' if device.type == 'cpu' else 'wall'}")  # fmt: skip
+          f"{cpu_time if device.type == 'cpu' else 'wall'}")  # fmt: skip
     print(f"load average (1/5/15 min) at start {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}, "
           f"at end {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}; whole run {time.perf_counter() - t_start:.0f} s")  # fmt: skip
     print()

@@ -51,10 +51,10 @@ after it change the model and where both sides run it: ``benchmarks/gpu_check.sh
 a 1.5B-parameter model on a lent GPU; ``--model smollm2`` is the real SmolLM2-135M-Instruct, which
 TRL loads from its cached converted folder; ``--lora`` trains the same peft ``LoraConfig`` --
 rank, alpha, dropout 0, all linear layers -- on both sides, asserted by the trainable parameter
-count). Ours renders the prompt text as it is (``renderer: raw``), as TRL gets it. The default run takes about 40-70 s on 2
-CPU cores (``import trl`` alone is ~11 s). The machine's load average is printed at the start
-and the end: on a shared machine other processes slow both sides, which makes the ratio noisier
-but not biased toward either side (they alternate step by step).
+count). Ours renders the prompt text as it is (``renderer: raw``), as TRL gets it. The default run
+takes about 40-70 s on 2 CPU cores (``import trl`` alone is ~11 s). The machine's load average
+is printed at the start and the end: on a shared machine other processes slow both sides, which
+makes the ratio noisier but not biased toward either side (they alternate step by step).
 """
 
 from __future__ import annotations

@@ -132,8 +132,9 @@ def main() -> None:
     for gap, after, after_first, stream, stream_first in rows:
         arrival = args.n * gap
         print(f"  arrivals every {gap * 1000:.0f} ms ({arrival:.2f} s for the batch), process pool:")
-        print(f"  {'  score after the whole batch arrived':<44} {after:8.3f} {'first result ' + format(after_first, '.2f') + ' s':>22}")
-        print(f"  {'  streamed, scored as they arrive':<44} {stream:8.3f} {'first result ' + format(stream_first, '.2f') + ' s':>22}")
+        after_cell, stream_cell = (f"first result {first:.2f} s" for first in (after_first, stream_first))
+        print(f"  {'  score after the whole batch arrived':<44} {after:8.3f} {after_cell:>22}")
+        print(f"  {'  streamed, scored as they arrive':<44} {stream:8.3f} {stream_cell:>22}")
         print(f"  {'  streamed vs after-batch':<44} {'':>8} {format(after / stream, '.2f') + 'x faster':>22}")
     if args.json:
         print(json.dumps({

@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['before_rl']:.3f} | {r['after_rl']:.3f} | {r.get('mean offpolicy/staleness_mean', 0.0):.2f} |")
         s, t = base.get("mean time/rollout", 0.0), base["mean time/train"] + base.get("mean time/teacher", 0.0)
         if s and t:
-            print(f"seed {seed} on-policy: S = {s:.3f} s, T = {t:.3f} s per step, ideal speedup {(s + t) / max(s, t):.2f}x")
+            ideal = (s + t) / max(s, t)
+            print(f"seed {seed} on-policy: S = {s:.3f} s, T = {t:.3f} s per step, ideal speedup {ideal:.2f}x")
     return 0
 
 

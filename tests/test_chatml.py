@@ -243,7 +243,7 @@ def test_qwen3_on_smollm2_and_chatml_on_qwen3(smol):
     assert qwen.render_prompt(USER).tokens == [151644, 872, 198, 3838, 374, 220, 17, 10, 18, 30, 151645, 198, 151644, 77091, 198]
 
 
-# --------------------------------------------------------------------------- text prompts in a stage with a chat renderer
+# ------------------------------------------------------------------------- text prompts in a stage with a chat renderer
 class Recorder:
     """A sampling client that records the prompts and stops it gets and answers ``reply``."""
 

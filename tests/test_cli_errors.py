@@ -188,8 +188,8 @@ def test_an_unknown_backend_name_from_the_cli_has_its_path(recipe, capsys, fresh
     ("name: x\nstages: [\n",
      "bad.yaml:3:1: while parsing a flow node: expected the node content, but found '<stream end>'"),
     ("name: x\nstages:\n  - name: grpo\n   steps: 3\n",
-     ("bad.yaml:4:4: while parsing a block collection: expected <block end>, but found '<block mapping start>' "
-      "(check this line's indentation, and quote values that contain ': ')")),
+     ("bad.yaml:4:4: while parsing a block collection: expected <block end>, but found "
+      "'<block mapping start>' (check this line's indentation, and quote values that contain ': ')")),
     ("name: x\nstages: [{name: grpo, steps: 2, steps: 3}]\n",
      "bad.yaml:2:33: duplicate key 'steps' (first on line 2); keep one"),
 ])

@@ -356,7 +356,8 @@ def test_margin_grows_on_a_tiny_preference_task(tmp_path):
     loss = sum(r["loss"] for r in last) / len(last)
     print(f"DPO 60 steps: train margin {first['rewards/margins']:.3f} -> {margin:.3f}, accuracy -> {acc:.2f}, "
           f"loss {first['loss']:.4f} -> {loss:.4f}; held-out margin {before['rewards/margins']:.3f} -> "
-          f"{after['rewards/margins']:.3f}, accuracy {before['rewards/accuracies']:.2f} -> {after['rewards/accuracies']:.2f}")  # fmt: skip
+          f"{after['rewards/margins']:.3f}, "
+          f"accuracy {before['rewards/accuracies']:.2f} -> {after['rewards/accuracies']:.2f}")  # fmt: skip
     assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-6) and first["loss"] == pytest.approx(LN2, abs=1e-6)
     assert before["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
     assert margin > 0.2 and acc > 0.6 and loss < LN2 - 0.1

@@ -295,7 +295,8 @@ def _jsonl(tmp_path: Path, name: str, lines: list[dict[str, Any]]) -> str:
      ({"reward": {"name": "process_pool", "reward": "no_such_module_xyz:score"}},
       r"^stages\[1\]\.reward\.reward: cannot import module 'no_such_module_xyz'"),
      ({"dataset": [{"prompt": "1+1=", "solution": "2"}]},
-      r"^stages\[1\]\.reward\.answer_key: rows have no 'answer' \(row 0 has keys: \['prompt', 'solution'\]\); set reward\.answer_key"),
+      r"^stages\[1\]\.reward\.answer_key: rows have no 'answer' \(row 0 has keys: \['prompt', 'solution'\]\); "
+      r"set reward\.answer_key"),
      ({"dataset": "QUESTIONS"}, r"^stages\[1\]\.dataset: rows have no 'prompt' or 'messages' \(row 0 has keys: \['answer', 'question'\]\)"),
      ({"dataset": "EMPTY"}, r"^stages\[1\]\.dataset: the dataset is empty \(0 rows\)"),
      ({"dataset": {"name": "arithmetic", "size": 0}}, r"^stages\[1\]\.dataset: the dataset is empty"),

@@ -58,8 +58,12 @@ from tempering.errors import ConfigError
 from tempering.training.recipe import Recipe
 from tempering.testing import make_registry
 registry = make_registry(ex)
-recipe = Recipe.from_dict({{"output_dir": "runs/bad", "loggers": [], "backend": {{"name": "local", "model": "tiny_llama"}},
-    "stages": [{{"name": "reinforce_loo", "steps": 1, "loss": {loss}, "dataset": {{"name": "arithmetic", "size": 8}}}}]}})
+recipe = Recipe.from_dict({{
+    "output_dir": "runs/bad", "loggers": [], "backend": {{"name": "local", "model": "tiny_llama"}},
+    "stages": [{{
+        "name": "reinforce_loo", "steps": 1, "loss": {loss}, "dataset": {{"name": "arithmetic", "size": 8}},
+    }}],
+}})
 try:
     recipe.run(registry=registry)
 except ConfigError as exc:

@@ -112,7 +112,8 @@ def test_load_plugins_env_selects_external_plugins(template):
                 os.environ["TEMPERING_LOAD_PLUGINS"] = value
             reg = Registry()
             out[repr(value)] = {
-                "ours": sorted(c.kind + ":" + c.name for c in reg.components() if c.plugin.dist == "tempering-plugin-template"),
+                "ours": sorted(c.kind + ":" + c.name for c in reg.components()
+                               if c.plugin.dist == "tempering-plugin-template"),
                 "builtins": sorted(c.kind + ":" + c.name for c in reg.components() if c.plugin.dist == "tempering"),
             }
         print(json.dumps(out))
@@ -165,7 +166,8 @@ def _():
     from tempering.testing import FakeBackend
 
     reg = Registry()
-    out = {"providers": {k: reg.get(k, n).plugin.dist for k, n in [("reward", "length_penalty"), ("advantage", "rank")]}}
+    pairs = [("reward", "length_penalty"), ("advantage", "rank")]
+    out = {"providers": {k: reg.get(k, n).plugin.dist for k, n in pairs}}
     reward = reg.build("reward", {"name": "length_penalty", "max_chars": 2, "penalty": 0.25}, "reward")
     out["rewards"] = [reward(t, {}) for t in ["ab", "abc", "abcdef"]]
     rank = reg.build("advantage", "rank", "advantage")
@@ -190,7 +192,8 @@ loggers: [jsonl]
 backend:
   name: local
   model: tiny_llama
-  model_kwargs: {{chat: true, hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64, max_position_embeddings: 128}}
+  model_kwargs: {{chat: true, hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64,
+                  max_position_embeddings: 128}}
   num_threads: 1
 stages:
   - id: rl

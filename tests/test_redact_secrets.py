@@ -116,7 +116,10 @@ def test_redact_keeps_variable_names_and_token_counts():
         "backend": {"name": "tinker", "api_key": None, "eos_token": "</s>"},
         "loggers": [{"name": "x", "password": REDACTED, "hf_token": REDACTED, "judge_api_key": REDACTED}],
     }
-    text = f"a: 1\nreward:\n  api_key: {SECRET}  # mine\n  api_key_env: X\nbackend: {{name: tinker, api_key: '{SECRET}'}}\n"
+    text = (
+        f"a: 1\nreward:\n  api_key: {SECRET}  # mine\n  api_key_env: X\n"
+        f"backend: {{name: tinker, api_key: '{SECRET}'}}\n"
+    )
     assert redact_yaml_text(text) == (
         "a: 1\nreward:\n  api_key: <redacted>  # mine\n  api_key_env: X\nbackend: {name: tinker, api_key: <redacted>}\n"
     )

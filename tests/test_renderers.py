@@ -282,10 +282,12 @@ def test_a_tokenizer_with_the_same_text_ids_but_another_turn_end_is_refused(qwen
 
 # --------------------------------------------------------------------------- hf_chat
 TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n{% endif %}"
+    "{%- if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t.function.name }}{% endfor %}"
+    "<|im_end|>\n{% endif %}"
     "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
     "{% if m.role == 'assistant' %}{{ m.content or '' }}{% for c in m.tool_calls or [] %}"
-    '<tool_call>{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}'
+    '<tool_call>{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}</tool_call>'
+    "{% endfor %}"
     "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )  # ChatML with Hermes-style tool calls, in the characters the tiny tokenizer has
@@ -365,7 +367,11 @@ def test_hf_chat_explains_a_template_whose_turns_are_not_a_suffix():
     template = TEMPLATE.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>{% endif %}")
     hf = build("hf_chat", templated_tokenizer(template))
     assert not hf.prefix_preserving
-    with pytest.raises(ValueError, match=r"turn differently once the turn is added \(from token 31, the prompt has '<think>', the transcript 'five"):
+    with pytest.raises(
+        ValueError,
+        match=r"turn differently once the turn is added \(from token 31, the prompt has '<think>', "
+        r"the transcript 'five",
+    ):
         hf.render_training([*USER, {"role": "assistant", "content": "five"}])
 
 

@@ -567,7 +567,8 @@ def test_stage_teachers_and_loss_equal_trls_trainer(trl_sdpo, tmp_path, trained_
     trl_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     grad_diff = max((our_grads[n] - trl_grads[n]).abs().max().item() for n in trl_grads)
     grad_scale = max(g.abs().max().item() for g in trl_grads.values())
-    print(f"{case}: loss {ours['loss']:.8f} vs TRL {total:.8f}, max |grad diff| {grad_diff:.1e} (max |grad| {grad_scale:.1e})")
+    print(f"{case}: loss {ours['loss']:.8f} vs TRL {total:.8f}, "
+          f"max |grad diff| {grad_diff:.1e} (max |grad| {grad_scale:.1e})")
     assert set(our_grads) == set(trl_grads)
     assert grad_scale > 1e-3  # a real signal
     assert ours["loss"] == pytest.approx(total, abs=1e-6)
@@ -750,10 +751,12 @@ def test_multi_turn_samples_are_distilled_on_their_first_row(tmp_path):
 BAD_RECIPE = """\
 name: bad
 output_dir: {out}
-backend: {{name: local, model: tiny_llama, model_kwargs: {{hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64}}, num_threads: 1}}
+backend: {{name: local, model: tiny_llama,
+          model_kwargs: {{hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64}}, num_threads: 1}}
 loggers: []
 stages:
-  - {{id: rl, name: sdpo, dataset: {{name: arithmetic, split: train}}, steps: 1, prompts_per_step: 2, group_size: 2, max_tokens: 2}}
+  - {{id: rl, name: sdpo, dataset: {{name: arithmetic, split: train}}, steps: 1, prompts_per_step: 2,
+      group_size: 2, max_tokens: 2}}
 """
 
 BAD_INPUT = [
@@ -783,7 +786,8 @@ def test_bad_input_is_one_line_before_anything_trains(rejects_before_training, o
     ({"teacher": "ema"}, "stages[0].teacher: 'ema' needs a backend that averages weights (ema_update, e.g. local); "
                          "use teacher: stage_start, base or live"),
     ({"teacher": "stage_start", "distillation_mode": "full_logits"},
-     "stages[0].distillation_mode: 'full_logits' (support: student) needs the teacher's full next-token distributions"),
+     "stages[0].distillation_mode: 'full_logits' (support: student) needs the teacher's full "
+     "next-token distributions"),
     ({"teacher": "live", "distillation_mode": "topk_logits", "distillation_topk": 4, "distillation_topk_support": "teacher"},
      "stages[0].distillation_mode: 'topk_logits' needs the teacher's top-k next-token distributions"),
 ])  # fmt: skip

@@ -72,7 +72,8 @@ def test_a_loss_the_sdpo_stage_cannot_feed_is_one_line():
 def test_sdpo_builtin_is_declared_backend_neutrally():
     batch = Batch([Datum([1, 2, 3], [2, 3, 4], [0.0, 1.0, 1.0], [0.0, -0.5, -0.2], [0.0, 1.0, 1.0])])
     assert builtin_of(SDPOLoss(), batch) == NoBuiltin(
-        "SDPOLoss: no built-in computes the self-distillation term sg(lp - lp_teacher) * lp blended with the policy loss")
+        "SDPOLoss: no built-in computes the self-distillation term sg(lp - lp_teacher) * lp "
+        "blended with the policy loss")
     assert builtin_of(SDPOLoss(mode="full_logits"), batch) == NoBuiltin(
         "Use distillation_mode: sampled_token for SDPO on Tinker.")
     policy_only = builtin_of(SDPOLoss(policy=ClippedISLoss(), weight=0.0), batch)  # weight 0: the policy loss itself

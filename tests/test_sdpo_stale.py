@@ -145,10 +145,12 @@ def test_the_yaml_recipe_runs(tmp_path):
 BAD_RECIPE = """\
 name: bad
 output_dir: {out}
-backend: {{name: local, model: tiny_llama, model_kwargs: {{hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64}}, num_threads: 1}}
+backend: {{name: local, model: tiny_llama,
+          model_kwargs: {{hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64}}, num_threads: 1}}
 loggers: []
 stages:
-  - {{id: rl, name: sdpo, dataset: {{name: arithmetic, split: train}}, steps: 1, prompts_per_step: 2, group_size: 2, max_tokens: 2, max_steps_off_policy: 1}}
+  - {{id: rl, name: sdpo, dataset: {{name: arithmetic, split: train}}, steps: 1, prompts_per_step: 2,
+      group_size: 2, max_tokens: 2, max_steps_off_policy: 1}}
 """
 
 BAD_INPUT = [

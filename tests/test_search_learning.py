@@ -94,7 +94,8 @@ def warmed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.timeout(600)
 def test_dpo_makes_the_held_out_preference_margin_positive(warmed: dict[str, Any]) -> None:
     before, after = warmed["before"], warmed["after"]
-    print(f"held-out pairs ({warmed['pairs']}): margin {before['rewards/margins']:.3f} -> {after['rewards/margins']:.3f}, "
+    print(f"held-out pairs ({warmed['pairs']}): "
+          f"margin {before['rewards/margins']:.3f} -> {after['rewards/margins']:.3f}, "
           f"ranked right {before['rewards/accuracies']:.2f} -> {after['rewards/accuracies']:.2f}")  # fmt: skip
     assert before["rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # the reference is the stage's start
     assert after["rewards/margins"] > MIN_MARGIN and after["rewards/accuracies"] > MIN_PAIR_ACCURACY

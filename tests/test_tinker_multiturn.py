@@ -61,7 +61,8 @@ seed: 0
 backend:
   name: local
   model: tiny_llama
-  model_kwargs: {chat: true, hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64, max_position_embeddings: 128}
+  model_kwargs: {chat: true, hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64,
+                 max_position_embeddings: 128}
   num_threads: 1
 loggers: [jsonl]
 stages:

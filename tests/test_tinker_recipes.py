@@ -159,7 +159,8 @@ def test_grpo_on_smollm2_through_the_local_tinker_server(smol_server, tmp_path, 
     base = smol_server.service.base(SMOL_NAME)
     scored = base.logprobs(Batch([Datum(p + c[:-1], (p + c)[1:], [1.0] * (len(p) + len(c) - 1)) for p, c in sampled])).result()
     per_token = [x for (p, c), lp in zip(sampled, scored) for x in lp[len(p) - 1:]]
-    print(f"smollm2 on the local Tinker server: {len(sampled)} completions, mean logprob {sum(per_token) / len(per_token):.2f} "
+    mean_logprob = sum(per_token) / len(per_token)
+    print(f"smollm2 on the local Tinker server: {len(sampled)} completions, mean logprob {mean_logprob:.2f} "
           f"a token under the base model, rewards {[r['reward/mean'] for r in trained]}")  # fmt: skip
     assert sum(per_token) / len(per_token) > -4.0
 

@@ -57,10 +57,12 @@ def test_sampled_token_sdpo_on_tinker(server, tmp_path, fresh_registry, teacher)
 @pytest.mark.parametrize("override, message", [
     (["stages.rl.teacher=ema"], "stages[1].teacher: 'ema' needs a backend that averages weights"),
     (["stages.rl.teacher=base", "stages.rl.distillation_mode=full_logits"],
-     "stages[1].distillation_mode: 'full_logits' (support: student) needs the teacher's full next-token distributions"),
+     "stages[1].distillation_mode: 'full_logits' (support: student) needs the teacher's full "
+     "next-token distributions"),
     (["stages.rl.teacher=live", "stages.rl.distillation_mode=topk_logits", "stages.rl.distillation_topk=4",
       "stages.rl.distillation_topk_support=teacher"],
-     "stages[1].distillation_mode: 'topk_logits' trains on the student's logits, which this backend does not give a loss"),
+     "stages[1].distillation_mode: 'topk_logits' trains on the student's logits, "
+     "which this backend does not give a loss"),
 ])  # fmt: skip
 def test_what_tinker_cannot_do_is_one_line_before_training(server, tmp_path, fresh_registry, override, message):
     from tempering.errors import ConfigError

@@ -165,7 +165,10 @@ class GRPOLoss:
             why.append("negative weights cannot be folded into advantages")
         sequence = self.importance_sampling_level == "sequence"
         if sequence and any(w not in (0.0, 1.0) for d in batch.data for w in d.weights):
-            why.append("sequence ratios over fractional weights (a weighted mean) are not the built-in gspo (a mean over a 0/1 mask)")
+            why.append(
+                "sequence ratios over fractional weights (a weighted mean) are not the built-in gspo "
+                "(a mean over a 0/1 mask)"
+            )
         if why:
             return NoBuiltin("GRPOLoss: " + "; ".join(why))
         t = batch.to_tensors()

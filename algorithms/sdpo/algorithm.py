@@ -228,18 +228,24 @@ class SDPO(StaleRollouts, GRPO):
         needs += self.teacher_weights().requirements("teacher")
         kind = self._teacher_input()
         if kind == "full":
-            needs.append(Requirement(FullDistributions, "distillation_mode", (
-                f"'{self.distillation_mode}' (support: {self.distillation_topk_support}) needs the teacher's full "
-                "next-token distributions, which this backend does not return; use distillation_mode: topk_logits "
-                "with distillation_topk_support: teacher, or sampled_token")))  # fmt: skip
+            full = (
+                f"'{self.distillation_mode}' (support: {self.distillation_topk_support}) needs the teacher's "
+                "full next-token distributions, which this backend does not return; "
+                "use distillation_mode: topk_logits with distillation_topk_support: teacher, or sampled_token"
+            )
+            needs.append(Requirement(FullDistributions, "distillation_mode", full))
         elif kind == "topk":
-            needs.append(Requirement(Distributions, "distillation_mode", (
+            topk = (
                 "'topk_logits' needs the teacher's top-k next-token distributions, which this backend does not "
-                "return; use distillation_mode: sampled_token")))  # fmt: skip
+                "return; use distillation_mode: sampled_token"
+            )
+            needs.append(Requirement(Distributions, "distillation_mode", topk))
         if kind in ("full", "topk"):
-            needs.append(Requirement(LossLogits, "distillation_mode", (
-                f"'{self.distillation_mode}' trains on the student's logits, which this backend does not give a loss "
-                "(it returns per-token logprobs only); use distillation_mode: sampled_token")))  # fmt: skip
+            logits = (
+                f"'{self.distillation_mode}' trains on the student's logits, which this backend does not give "
+                "a loss (it returns per-token logprobs only); use distillation_mode: sampled_token"
+            )
+            needs.append(Requirement(LossLogits, "distillation_mode", logits))
         return needs
 
     def _teacher_input(self) -> str | None:

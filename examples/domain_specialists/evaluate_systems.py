@@ -203,11 +203,13 @@ def markdown(results: Mapping[str, Any]) -> str:
               f"({sum(t['specialists_cpu_s'].values()):.1f} CPU-s in all; each run's own training time: "
               + ", ".join(f"{d} {s:.1f} s" for d, s in t["specialists_train_wall_s"].items()) + ")",
               f"- ratio generalist / parallel specialists: **{t['ratio_generalist_over_parallel']:.2f}x** measured "
-              f"(ideal with one free core per process: ~{len(DOMAINS)}x; this machine has {results['meta'].get('cpu_count', '?')} cores)",
+              f"(ideal with one free core per process: ~{len(DOMAINS)}x; "
+              f"this machine has {results['meta'].get('cpu_count', '?')} cores)",
               f"- from the CPU-seconds (no contention): {t['ratio_cpu_estimate_3_free_cores']:.2f}x on 3 free cores, "
               f"{t['ratio_cpu_estimate_2_free_cores']:.2f}x on 2; the generalist did "
               f"{t['work_ratio_generalist_over_specialists']:.2f}x the specialists' total CPU work for the same samples",
-              f"- load average (1 min) during the generalist: before {lg['before_1min']}, mean {lg['mean_1min']}, max {lg['max_1min']}; "
+              f"- load average (1 min) during the generalist: before {lg['before_1min']}, "
+              f"mean {lg['mean_1min']}, max {lg['max_1min']}; "
               f"during the specialists: before {ls['before_1min']}, mean {ls['mean_1min']}, max {ls['max_1min']}",
               f"- not timed: starting the worker fork server ({t['warm_up_s']:.1f} s: torch and transformers imported once); "
               f"the test-set answers after training ({t['eval_wall_s']:.1f} s in all)", ""]

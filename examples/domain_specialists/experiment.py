@@ -460,7 +460,8 @@ def train_all(
         f"(load {os.getloadavg()[0]:.2f})" + (f"; then the model router: {scale.router_steps} SFT steps" if model_router else ""))
     gen, gen_t = run_concurrently({"generalist": gen_job})
     log(f"      trained in {gen_t['train_wall_s']:.1f} s (load avg 1 min: mean {gen_t['load']['mean_1min']}, "
-        f"max {gen_t['load']['max_1min']}); with evaluation{' and router' if model_router else ''} {gen_t['wall_s']:.1f} s")
+        f"max {gen_t['load']['max_1min']}); "
+        f"with evaluation{' and router' if model_router else ''} {gen_t['wall_s']:.1f} s")
 
     log(f"[2/2] specialists: {scale.sft_steps} SFT + {scale.grpo_steps} GRPO steps each, {len(DOMAINS)} processes "
         f"at once (load {os.getloadavg()[0]:.2f})")

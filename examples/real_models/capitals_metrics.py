@@ -1,7 +1,8 @@
 """Score the capitals skill of finished runs (or a model folder) three ways.
 
     python examples/real_models/capitals_metrics.py runs/smollm2_sft_json_s0 runs/smollm2_sdft_json_s0
-    python examples/real_models/capitals_metrics.py "$(python -c 'from tempering.plugins.models import smollm2; print(smollm2.smollm2_folder())')"
+    model="$(python -c 'from tempering.plugins.models import smollm2; print(smollm2.smollm2_folder())')"
+    python examples/real_models/capitals_metrics.py "$model"
 
 Each folder is evaluated once on the 30 held-out countries with ``tempering eval`` (greedy, 16
 tokens, written to ``FOLDER/evals/capitals``; a model folder's go to ``runs/base_capitals``).

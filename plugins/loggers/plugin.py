@@ -13,4 +13,5 @@ def register_loggers(register):
     register("trackio", "tempering.plugins.loggers.trackio_logger:TrackioLogger",
              description="trackio, local-first: metrics, config, rollout tables (extra: trackio)")
     register("mlflow", "tempering.plugins.loggers.mlflow_logger:MlflowLogger",
-             description="MLflow (a file store in the run folder by default): metrics, config, rollout tables (extra: mlflow)")
+             description=("MLflow (a file store in the run folder by default): metrics, config, "
+                          "rollout tables (extra: mlflow)"))

@@ -180,9 +180,10 @@ class MathAnswer:
 
     The reference is read as a number if it is one (``"3/4"``, ``"1,000"``, ``"\\frac{1}{2}"``,
     ``"x = 5"``, ``"12 cm"``), else from its own ``\\boxed{}`` or what follows its last
-    ``####`` (a GSM8K solution), else it is compared as text. A completion without any answer scores ``wrong`` (the model did not answer; that is
-    not a reward failure); a missing ``answer_key`` raises. ``info`` carries what was extracted;
-a wrong answer's feedback says what was expected and what was extracted (:meth:`feedback`).
+    ``####`` (a GSM8K solution), else it is compared as text. A completion without any answer
+    scores ``wrong`` (the model did not answer; that is not a reward failure); a missing
+    ``answer_key`` raises. ``info`` carries what was extracted; a wrong answer's feedback says
+    what was expected and what was extracted (:meth:`feedback`).
 
     ``extract``: auto | boxed | last_number. ``percent``: strip | fraction | either.
     """

@@ -9,8 +9,9 @@ One endpoint does the work, ``POST /score``::
 with one entry per sample: a sample whose reward raised, timed out or returned NaN gets
 ``reward: null`` and its error, and the others are still scored (the request succeeds with
 200). ``feedbacks`` holds each scored sample's feedback in words (the reward's
-``RewardResult.feedback``, see :mod:`tempering.rollouts.feedback`) or null; a client that predates it
-ignores it, and a server that predates it sends none. A malformed request is a 400, a body over ``max_body`` bytes a 413.
+``RewardResult.feedback``, see :mod:`tempering.rollouts.feedback`) or null; a client that
+predates it ignores it, and a server that predates it sends none. A malformed request is a 400,
+a body over ``max_body`` bytes a 413.
 ``GET /health`` answers ``{"status": "ok", ...}``.
 
 Access: with a shared-secret ``token`` (``--token`` or ``$TEMPERING_REWARD_TOKEN``) every request

@@ -110,8 +110,8 @@ def translate(tinker: Any, err: BaseException, what: str, training: bool = False
         if attempts is None:
             return TinkerServiceError(f"Tinker could not {what}: {kind} persisted after the SDK's own retries ({detail}); try again later")
         return TinkerServiceError(
-            f"Tinker could not {what}: {kind} persisted over {attempts} attempt(s) ({detail}); raise backend.max_retries "
-            "or backend.retry_backoff, or try later"
+            f"Tinker could not {what}: {kind} persisted over {attempts} attempt(s) ({detail}); "
+            "raise backend.max_retries or backend.retry_backoff, or try later"
         )
     if isinstance(err, tinker.NotFoundError):
         return TinkerServiceError(f"Tinker found nothing to {what} with ({type(err).__name__}: {detail})")

@@ -64,7 +64,8 @@ def wait_for(fut: Any, what: str, timeout: float, warn_after: float, setting: st
                    "the service may be queueing it, or paused for capacity or rate limits, which the SDK waits out "
                    "without a word")  # fmt: skip
             warnings.warn(
-                f"Tinker: still waiting for {what} after {elapsed:.0f} s ({why}); giving up after {timeout:.0f} s ({setting})",
+                f"Tinker: still waiting for {what} after {elapsed:.0f} s ({why}); "
+                f"giving up after {timeout:.0f} s ({setting})",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -123,7 +124,10 @@ def diagnose(base_url: str | None, timeout: float = 5.0) -> str | None:
     except httpx.ConnectTimeout:
         return f"no connection within {timeout:.0f} s"
     except httpx.TimeoutException:
-        return f"no answer within {timeout:.0f} s (the server accepts connections but does not answer: frozen or overloaded)"
+        return (
+            f"no answer within {timeout:.0f} s "
+            "(the server accepts connections but does not answer: frozen or overloaded)"
+        )
     except httpx.HTTPError as err:
         return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
     if reply.status_code >= 500:
