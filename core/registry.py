@@ -106,6 +106,7 @@ class Component:
                     f"which cannot be loaded: {exc!r}. Reinstall or fix that plugin."
                 ) from exc
             self.target = obj
+            return obj
         return self.target
 
     @property
@@ -426,8 +427,8 @@ def factory_defaults(factory: Callable[..., Any]) -> dict[str, Any]:
         for f in dataclasses.fields(target):
             if f.default is not dataclasses.MISSING:
                 out[f.name] = f.default
-            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-                out[f.name] = f.default_factory()  # type: ignore[misc]
+            elif f.default_factory is not dataclasses.MISSING:
+                out[f.name] = f.default_factory()
         return out
     return {p.name: p.default for p in inspect.signature(factory).parameters.values() if p.default is not p.empty}
 
@@ -453,7 +454,9 @@ _SIMPLE = (int, float, bool, str)
 
 def _hint(owner: Any, name: str, annotation: Any) -> Any:
     """An omegaconf-friendly type for ``name``: the real hint when omegaconf can check it."""
-    target = owner.__init__ if isinstance(owner, type) and not dataclasses.is_dataclass(owner) else owner
+    # a plain class's config keys are its __init__'s parameters (``owner`` is Any: any class)
+    is_plain_class = isinstance(owner, type) and not dataclasses.is_dataclass(owner)
+    target = owner.__init__ if is_plain_class else owner
     try:
         annotation = typing.get_type_hints(target).get(name, annotation)
     except Exception:  # noqa: BLE001 - another annotation is unresolvable (a TYPE_CHECKING import)
@@ -473,20 +476,20 @@ def _omegaconf_type(t: Any) -> Any:
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(t) if a is not type(None)]
         if len(args) == 1 and args[0] in _SIMPLE:
-            return typing.Optional[args[0]]
+            return args[0] | None
     return Any
 
 
-def _default_of(f: dataclasses.Field) -> Any:  # type: ignore[type-arg]
+def _default_of(f: dataclasses.Field[Any]) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
     return dataclasses.MISSING
 
 
 def _make_schema(name: str, entries: list[tuple[str, Any, Any]]) -> type:
-    spec = []
+    spec: list[tuple[str, Any] | tuple[str, Any, Any]] = []
     for fname, ftype, default in entries:
         if default is dataclasses.MISSING:
             spec.append((fname, ftype))
@@ -555,8 +558,8 @@ def _is_plain(value: Any) -> bool:
     return is_plain_data(value, _is_omegaconf)
 
 
-def _is_required(f: dataclasses.Field) -> bool:  # type: ignore[type-arg]
-    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+def _is_required(f: dataclasses.Field[Any]) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 
 
 _default: Registry | None = None

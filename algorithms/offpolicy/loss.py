@@ -273,13 +273,16 @@ class PPOLoss(_RatioLoss):
     def _check(self) -> None:
         if not 0 <= self.clip_low_threshold <= 1 <= self.clip_high_threshold:
             raise ValueError(
-                f"PPOLoss: need 0 <= clip_low_threshold <= 1 <= clip_high_threshold, got {self.clip_low_threshold}, {self.clip_high_threshold}"
+                "PPOLoss: need 0 <= clip_low_threshold <= 1 <= clip_high_threshold, "
+                f"got {self.clip_low_threshold}, {self.clip_high_threshold}"
             )
 
     def _config(self) -> dict[str, float]:
         return {"clip_low_threshold": self.clip_low_threshold, "clip_high_threshold": self.clip_high_threshold}
 
-    def _loss(self, logprobs, ratio, adv, mask):  # type: ignore[no-untyped-def]
+    def _loss(
+        self, logprobs: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         lo, hi = self.clip_low_threshold, self.clip_high_threshold
         clipped = ((ratio > hi) & (adv > 0)) | ((ratio < lo) & (adv < 0))
         return ppo_loss(ratio, adv, mask, lo, hi), clipped
@@ -298,13 +301,16 @@ class CISPOLoss(_RatioLoss):
     def _check(self) -> None:
         if not 0 <= self.clip_low_threshold <= self.clip_high_threshold:
             raise ValueError(
-                f"{type(self).__name__}: need 0 <= low <= high, got {self.clip_low_threshold}, {self.clip_high_threshold}"
+                f"{type(self).__name__}: need 0 <= low <= high, "
+                f"got {self.clip_low_threshold}, {self.clip_high_threshold}"
             )
 
     def _config(self) -> dict[str, float]:
         return {"clip_low_threshold": self.clip_low_threshold, "clip_high_threshold": self.clip_high_threshold}
 
-    def _loss(self, logprobs, ratio, adv, mask):  # type: ignore[no-untyped-def]
+    def _loss(
+        self, logprobs: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         lo, hi = self.clip_low_threshold, self.clip_high_threshold
         return cispo_loss(logprobs, ratio, adv, mask, lo, hi), (ratio < lo) | (ratio > hi)
 
@@ -324,7 +330,9 @@ class TISLoss(_RatioLoss):
     def _config(self) -> dict[str, float]:
         return {"clip_low_threshold": 0.0, "clip_high_threshold": self.truncation}
 
-    def _loss(self, logprobs, ratio, adv, mask):  # type: ignore[no-untyped-def]
+    def _loss(
+        self, logprobs: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return tis_loss(logprobs, ratio, adv, mask, self.truncation), ratio > self.truncation
 
 

@@ -222,7 +222,9 @@ class SDFTLoss:
         """The ``(B, T)`` per-token divergence of the logit modes, before masking: computed at
         the positions ``batch["logits"]`` covers (``logit_positions``), 0 elsewhere
         (:func:`tempering.training.teacher.teacher_divergence`, shared with SDPO)."""
-        return teacher_divergence(logprobs, batch, self.mode, float(self.alpha), self.topk, self.add_tail, self.topk_support)
+        # __post_init__ sets alpha; null (the mode's default) can only come back by assignment
+        alpha = default_alpha(self.mode) if self.alpha is None else float(self.alpha)
+        return teacher_divergence(logprobs, batch, self.mode, alpha, self.topk, self.add_tail, self.topk_support)
 
     def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
         mask = batch[WEIGHTS]

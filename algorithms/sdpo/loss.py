@@ -227,9 +227,9 @@ class SDPOLoss:
         loss = aggregate_mean(per_token, mask, "seq_mean")
         with torch.no_grad():
             metrics["sdpo/distill_loss"] = float(per_token[on].mean())
-            teacher = batch.get(TEACHER_TOKEN_LOGPROBS)
-            if teacher is not None:
-                diff = (logprobs - teacher.to(logprobs.dtype))[on]
+            teacher_lp = batch.get(TEACHER_TOKEN_LOGPROBS)
+            if teacher_lp is not None:
+                diff = (logprobs - teacher_lp.to(logprobs.dtype))[on]
                 diff = diff[torch.isfinite(diff)]  # a token outside the teacher's top-k has no value
                 if diff.numel():
                     metrics["sdpo/teacher_kl"] = float(diff.mean())

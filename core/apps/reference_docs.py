@@ -22,6 +22,7 @@ import dataclasses
 import inspect
 import re
 import sys
+import types
 import typing
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -67,7 +68,9 @@ def type_name(t: Any) -> str:
     if t in (int, float, bool, str):
         return t.__name__
     args = [a for a in typing.get_args(t) if a is not type(None)]
-    if typing.get_origin(t) is typing.Union and len(args) == 1 and args[0] in (int, float, bool, str):
+    # typing.Optional[int] (a hand-written schema) or int | None (the schemas registry.py derives)
+    optional = typing.get_origin(t) in (typing.Union, types.UnionType)
+    if optional and len(args) == 1 and args[0] in (int, float, bool, str):
         return f"{args[0].__name__} \\| null"
     return "any"
 

@@ -152,7 +152,7 @@ class AsyncRollouts:
         self._resample: collections.deque[_Slot] = collections.deque()
         self._error: BaseException | None = None
         self._closed = False
-        self._counts = collections.Counter()  # resampled, sample_calls, ...
+        self._counts: collections.Counter[str] = collections.Counter()  # resampled, sample_calls, ...
         # oldest publication index of each chunk planned but not yet given its sampler: under
         # fixed staleness that publication must outlive the planner running ahead of it
         self._unpicked: collections.Counter[int] = collections.Counter()

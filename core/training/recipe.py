@@ -182,7 +182,8 @@ class Recipe:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], overrides: Iterable[str] = ()) -> Recipe:
-        cfg = resolve_recipe(_objects_to_placeholders(data, store := {}), overrides)
+        store: dict[str, Any] = {}  # placeholder -> the Python object it stands for
+        cfg = resolve_recipe(_objects_to_placeholders(data, store), overrides)
         cfg = _placeholders_to_objects(cfg, store)
         return cls(**cfg)
 

@@ -247,7 +247,12 @@ class LocalBackend:
 
     def drop_snapshot(self, name: str) -> Future[None]:
         """Forget a snapshot (no error if there is none)."""
-        return self._submit(self._snapshots.pop, str(name), None)
+        key = str(name)
+
+        def drop() -> None:
+            self._snapshots.pop(key, None)
+
+        return self._submit(drop)
 
     def snapshot_names(self) -> list[str]:
         """Names of the snapshots held (after all queued calls)."""

@@ -13,7 +13,7 @@ import dataclasses
 import inspect
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tempering.plugins.backends.local.model_source import quiet_loading, registered_builder, source_folder
@@ -91,7 +91,8 @@ def apply_lora(model: Any, cfg: Mapping[str, Any], seed: int) -> Any:
 
     config = LoraConfig(
         r=int(cfg["rank"]),
-        lora_alpha=float(cfg["alpha"]),
+        # peft annotates lora_alpha as int, but scales by lora_alpha / r: a float alpha is honoured
+        lora_alpha=cast(int, float(cfg["alpha"])),
         lora_dropout=float(cfg["dropout"]),
         target_modules=cfg["target_modules"],
         task_type="CAUSAL_LM",

@@ -150,8 +150,10 @@ def rng_state() -> dict[str, Any]:
     with contextlib.suppress(ImportError):
         import numpy as np
 
-        name, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
+        legacy = np.random.get_state()  # a tuple for numpy's global MT19937 (a dict for other generators)
+        if isinstance(legacy, tuple):
+            name, keys, pos, has_gauss, cached = legacy
+            state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
     return state
 
 

@@ -20,7 +20,7 @@ import contextlib
 import copy
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from tempering.plugins.backends.common import run_on
@@ -271,7 +271,9 @@ class _StopStrings(StoppingCriteria):
                 if any(s in text for s in self.stops):
                     self.done_at[i] = n
         done = [d is not None for d in self.done_at]
-        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+        # transformers annotates stopping criteria with torch.BoolTensor, a legacy tensor type
+        # that no torch function returns; its own criteria return a bool-dtype Tensor, as here
+        return cast(torch.BoolTensor, torch.tensor(done, dtype=torch.bool, device=input_ids.device))
 
 
 def _warpers(params: SamplingParams) -> list[LogitsProcessor]:

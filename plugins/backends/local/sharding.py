@@ -23,8 +23,9 @@ decoder layer's weights just for its forward and backward. What that means for t
   memory, unlike gathering the full weights for generation, which would not fit for a model
   larger than one device; the price is an all-gather per layer per generated token. The root
   unit, too, frees its gathered weights after each forward (FSDP's default keeps them), so an
-  in-place write (snapshot swap, checkpoint load) is never shadowed by a stale full copy. Asynchronous sampling clients (a second thread issuing forwards
-  concurrently with training) cannot keep that order and are refused.
+  in-place write (snapshot swap, checkpoint load) is never shadowed by a stale full copy.
+  Asynchronous sampling clients (a second thread issuing forwards concurrently with training)
+  cannot keep that order and are refused.
 * **Checkpoints** stay the single-file, single-process format: :func:`gather_state` builds full
   (unsharded) state dicts with ``torch.distributed.checkpoint.state_dict.get_state_dict`` on
   rank 0, and the optimizer state is re-keyed from parameter names to positions, which is what
@@ -40,10 +41,13 @@ shard, so a single-process or DDP run (which only clips gradients here) never lo
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
 import tempering.plugins.backends.local.distributed as distributed
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 PARALLEL_MODES = ("ddp", "fsdp")
 """``backend.parallel``: ``ddp`` replicates the model and all-reduces gradients (the default);
@@ -121,7 +125,7 @@ def shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
+def _is_dtensor(tensor: torch.Tensor) -> TypeGuard[DTensor]:
     """Whether ``tensor`` is a DTensor, without importing DTensor in a run that has none."""
     return hasattr(tensor, "device_mesh") and hasattr(tensor, "full_tensor")
 
@@ -147,11 +151,19 @@ def gather_state(
 
     options = _options(lora, cpu_offload=True)
     if optimizer is None:
-        return get_model_state_dict(model, options=options), None
-    weights, optim = get_state_dict(model, optimizer, options=options)
+        return _full_weights(get_model_state_dict(model, options=options)), None
+    model_state, optim = get_state_dict(model, optimizer, options=options)
+    weights = _full_weights(model_state)
     if not distributed.is_main():
         return weights, None
     return weights, _by_position(optim, names)
+
+
+def _full_weights(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """A model state dict gathered with ``full_state_dict=True``: plain tensors. The cast is
+    for torch's annotation, which gives every state dict's values as ``ValueType`` (DTensors,
+    sharded tensors and nested containers too), whatever the options."""
+    return cast(dict[str, torch.Tensor], state)
 
 
 def load_weights(model: Any, weights: Mapping[str, torch.Tensor], lora: bool) -> None:

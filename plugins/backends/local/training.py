@@ -59,7 +59,8 @@ class Trainer:
             logits = model_logits(model, tensors["input_ids"], tensors["attention_mask"])
             for i, d in enumerate(batch.data):
                 dist = next_token_distributions(logits[i, : len(d.target_tokens)], topk)
-                out.append(dist.cpu() if topk is None else (dist[0].cpu(), dist[1].cpu()))
+                # topk: a (values, ids) pair; else the full distributions, one tensor
+                out.append((dist[0].cpu(), dist[1].cpu()) if isinstance(dist, tuple) else dist.cpu())
         return out
 
     # ------------------------------------------------------------------ training

@@ -115,8 +115,13 @@ def custom_plan(loss: Any, batch: Batch, note: str) -> LossPlan:
     """``forward_backward_custom``: only ``target_tokens`` and ``weights`` reach the service."""
     if getattr(loss, "needs_logits", False):
         raise NotImplementedError(_logits_message(loss, note))
-    inputs = [{"target_tokens": list(d.target_tokens), "weights": [float(w) for w in d.weights]} for d in batch.data]
+    inputs = _token_weight_inputs(batch)
     return LossPlan("custom", None, inputs, note=note + "; runs as forward_backward_custom (one extra forward pass)")
+
+
+def _token_weight_inputs(batch: Batch) -> list[dict[str, list[Any]]]:
+    """Each row's ``target_tokens`` and ``weights``: what a custom loss and cross_entropy send."""
+    return [{"target_tokens": list(d.target_tokens), "weights": [float(w) for w in d.weights]} for d in batch.data]
 
 
 # ---------------------------------------------------------------------- losses a built-in computes
@@ -129,10 +134,10 @@ def _builtin_plan(loss: Any, builtin: BuiltinLoss, batch: Batch) -> LossPlan:
         if any(soft) and not all(soft):
             raise ValueError(f"{who}: either every row has {SOFT_IDS}/{SOFT_WEIGHTS} (soft targets) or none does")
         if all(soft):
-            inputs = [_soft_inputs(d, who) for d in batch.data]
-            return LossPlan(name, None, inputs, note=f"{who} as Tinker's cross_entropy with (N, K) soft targets (exact)")
-        inputs = [{"target_tokens": list(d.target_tokens), "weights": [float(w) for w in d.weights]} for d in batch.data]
-        return LossPlan(name, None, inputs, note=f"{who} as Tinker's cross_entropy (exact: a weighted sum)")
+            soft_rows = [_soft_inputs(d, who) for d in batch.data]
+            return LossPlan(name, None, soft_rows, note=f"{who} as Tinker's cross_entropy with (N, K) soft targets (exact)")
+        hard_rows = _token_weight_inputs(batch)
+        return LossPlan(name, None, hard_rows, note=f"{who} as Tinker's cross_entropy (exact: a weighted sum)")
     _require(batch, ("sampler_logprobs", "advantages"), f"{who} (Tinker's {name})")
     import torch
 
