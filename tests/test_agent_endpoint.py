@@ -286,3 +286,26 @@ def test_a_burst_of_concurrent_calls_is_answered_not_refused(served: Any) -> Non
     with ThreadPoolExecutor(max_workers=128) as pool:
         statuses = list(pool.map(one, range(128)))
     assert statuses == [200] * 128 and len(episode.calls) == 128
+
+
+def test_a_missing_extra_is_one_line_naming_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where openai / verifiers are not installed, a recipe that needs them fails validation
+    with the pip command, before anything trains."""
+    import importlib.util
+
+    from tempering.errors import ConfigError
+    from tempering.plugins.samplers import agent as agent_module
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(agent_module, "openai_missing", lambda: True)
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "verifiers" else find_spec(name, *a)
+    )
+    for spec, message in [
+        ({"name": "agent", "harness": "x:y"}, "sampler: the agent sampler gives harnesses an openai.AsyncOpenAI client, "
+                                              "and openai is not installed: pip install 'tempering[openai]'"),
+        ({"name": "verifiers", "id": "vf_sums"}, "sampler.id: verifiers is not installed: pip install 'tempering[verifiers]'"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError) as err:
+            get_registry().check("sampler", spec, "sampler", context=("context",))
+        assert str(err.value) == message
