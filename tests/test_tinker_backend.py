@@ -44,6 +44,7 @@ from tempering.algorithms.offpolicy import loss as offpolicy
 from tempering.algorithms.sdft.loss import ImportanceSamplingLoss, SDFTLoss, fold_normaliser
 from tempering.algorithms.sft.loss import CrossEntropyLoss
 from tempering.plugins.backends.tinker import backend as backend_module
+from tempering.plugins.backends.tinker import session as session_module
 from tempering.plugins.backends.tinker.backend import TinkerBackend
 from tempering.plugins.backends.tinker.builtin_losses import builtin_loss
 from tempering.plugins.backends.tinker.errors import (
@@ -496,8 +497,8 @@ def test_failed_sampling_is_retried_with_backoff(server, monkeypatch):
     """A sample the service fails (RequestFailedError, category server) is sent again; the SDK
     itself does not retry those."""
     delays = []
-    monkeypatch.setattr(backend_module.time, "sleep", delays.append)
-    monkeypatch.setattr(backend_module.random, "uniform", lambda a, b: 1.0)
+    monkeypatch.setattr(session_module.time, "sleep", delays.append)  # the session's retry loop waits
+    monkeypatch.setattr(session_module.random, "uniform", lambda a, b: 1.0)
     backend = make_backend(server, retry_backoff=0.5)
     server.faults.fail("Sample", times=2)
     groups = backend.sample([PROMPT], 2, SamplingParams(max_tokens=2)).result()

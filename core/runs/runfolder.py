@@ -75,9 +75,10 @@ def read_progress(output_dir: str) -> dict[str, Any] | None:
 
 
 def write_json(path: str, data: Mapping[str, Any]) -> None:
-    """Write ``data`` atomically: a crash never leaves half a file."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
+    """Write ``data`` atomically: a crash never leaves half a file, and two processes writing
+    the same file (a shared checkpoint index) never write into each other's temporary file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=2)
     os.replace(tmp, path)
