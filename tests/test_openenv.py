@@ -238,6 +238,23 @@ def test_the_turns_text_as_the_action(servers: dict[str, str], renderer: Any) ->
 
 
 @needs_openenv
+def test_an_openenv_server_through_trls_environment_factory(servers: dict[str, str]) -> None:
+    """The same server as a TRL environment (tempering.plugins.interop.trl): the action is TRL's
+    tool, each call one step; the server's rewards are the episode's."""
+    from transformers.utils import get_json_schema
+
+    from tempering.plugins.interop import trl as tt
+
+    guess = tt.environment_factory("openenv", url=servers["guess"], reset_keys=["target"], observation_field="hint")
+    env = guess()
+    assert env.reset(prompt=None, target=7) == "guess a number from 1 to 9"
+    assert get_json_schema(env.act)["function"]["parameters"]["properties"]["guess"]["type"] == "integer"
+    assert (env.act(guess=3), env.act(guess=7)) == ("higher", "right")
+    assert tt.environment_reward([[{"role": "assistant", "content": ""}]], [env]) == [1.0]
+    assert env.reset(prompt=None, target=2) == "guess a number from 1 to 9"  # the last episode's session closed
+
+
+@needs_openenv
 def test_grpo_trains_through_the_server(servers: dict[str, str], tmp_path: Any) -> None:
     """Two grpo steps on the tiny chat model (random: its turns do not parse, so each episode is
     one turn): every episode was a session on the server, reset with its example's target."""
