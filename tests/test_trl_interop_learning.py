@@ -19,7 +19,8 @@ import pytest
 
 #: Held-out accuracy TRL must add to the warmup's in 20 steps. Measured (seed 0, this 2-core
 #: machine): 33.0% -> 45.0% in this test and in the example (+12 points; training reward 0.13 ->
-#: 0.25), 33.0% -> 51.0% in an earlier scratch run; a run whose weights do not move gains exactly
+#: 0.25), 33.0% -> 51.0% in an earlier scratch run; seeds 1 and 2 in the example +20.7 and +32.7
+#: points (docs/agents.md); a run whose weights do not move gains exactly
 #: 0 (greedy evaluation of the same weights is deterministic). The test took 448 s at a load
 #: average of ~15 (four jobs on two cores): warmup ~200 s, TRL's 20 steps ~120 s.
 MIN_GAIN = 0.05
