@@ -138,6 +138,10 @@ class PolicyEndpoint:
     def __init__(self, model: ModelFn, renderer: Any, tokenizer: Any, limits: EndpointLimits) -> None:
         self.model, self.renderer, self.tokenizer, self.limits = model, renderer, tokenizer, limits
         self.token = secrets.token_urlsafe(32)
+        # Renderers and tokenizers are not promised to be thread-safe (a fast tokenizer whose
+        # settings change between calls raises "Already borrowed"): the request threads take
+        # turns for text work; they sample (the slow part) without it.
+        self._text_lock = threading.Lock()
         self._episodes: dict[str, EpisodeCalls] = {}
         self._lock = threading.Lock()
         self._server: _Server | None = None
@@ -228,12 +232,19 @@ class PolicyEndpoint:
         messages = check_chat_messages(request.get("messages"))
         tools = check_tools(request.get("tools"), request.get("tool_choice"))
         try:
-            prompt = self.renderer.render_prompt(messages, tools or None)
+            with self._text_lock:
+                prompt = self.renderer.render_prompt(messages, tools or None)
         except Exception as exc:  # noqa: BLE001 - a renderer's refusal is the request's problem
             raise RequestError(400, f"the messages cannot be rendered in the model's chat format: "
                                     f"{type(exc).__name__}: {exc}", "messages") from None  # fmt: skip
+        sampled = self._sample(episode, prompt.tokens, common)  # without the lock: batched with other episodes
+        with self._text_lock:
+            return self._chat_answer(episode, prompt, sampled, messages, tools, common)
+
+    def _chat_answer(self, episode: EpisodeCalls, prompt: Any, sampled: list[Completion], messages: list[dict[str, Any]],
+                     tools: list[dict[str, Any]], common: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
         choices, completions = [], []
-        for i, completion in enumerate(self._sample(episode, prompt.tokens, common)):
+        for i, completion in enumerate(sampled):
             completion, cut_text = cut_at_stop(completion, common["stop"], self.renderer.decode)
             response = parse_turn(prompt, completion)
             index = episode.add(Call(list(prompt.tokens), completion, response, messages, tools))
@@ -264,9 +275,16 @@ class PolicyEndpoint:
         for key in ("echo", "suffix"):
             if request.get(key):
                 raise RequestError(400, f"'{key}' is not supported by this endpoint", key)
-        prompt_ids = self._completion_prompt(request.get("prompt"))
+        with self._text_lock:
+            prompt_ids = self._completion_prompt(request.get("prompt"))
+        sampled = self._sample(episode, prompt_ids, common)  # without the lock: batched with other episodes
+        with self._text_lock:
+            return self._completion_answer(episode, prompt_ids, sampled, common)
+
+    def _completion_answer(self, episode: EpisodeCalls, prompt_ids: list[int], sampled: list[Completion],
+                           common: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
         choices, completions = [], []
-        for i, completion in enumerate(self._sample(episode, prompt_ids, common)):
+        for i, completion in enumerate(sampled):
             completion, cut_text = cut_at_stop(completion, common["stop"], self.renderer.decode)
             text = self.tokenizer.decode(completion.tokens, skip_special_tokens=True) if cut_text is None else cut_text
             response = ParsedResponse(text=text, raw=text)
