@@ -51,6 +51,11 @@ BUILTIN_DIST = "tempering"
 #: resolves its model name and validates ``model_kwargs`` against the model builder there, so a
 #: typo fails in a second instead of after a download. New components write ``check_config``.
 CHECK_HOOK = "check_params"
+#: A component as a recipe gives it: a registered name (``"local"``), a mapping of the name and
+#: its keys (``{"name": "local", "model": "tiny_llama"}``), or, from Python, the built object
+#: itself (a ``LocalBackend(...)``). The registry resolves the first two; the third is used as
+#: it is, so no narrower type fits.
+ComponentSpec = Any
 #: A factory may define ``config_blocks``, a mapping of its config keys that hold a nested block
 #: to the dataclass of that block (the local backend's ``{"lora": LoraParams}``): ``tempering
 #: show --resolved`` fills in the block's defaults and ``docs/reference.md`` lists its keys,

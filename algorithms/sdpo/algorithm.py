@@ -58,7 +58,7 @@ from tempering.training import teacher as shared
 from tempering.algorithms.grpo.algorithm import GRPO
 from tempering.algorithms.offpolicy.algorithm import StaleRollouts
 from tempering.errors import ConfigError
-from tempering.interfaces import Distributions, FullDistributions, LossLogits, RunContext
+from tempering.interfaces import Backend, Distributions, FullDistributions, LossLogits, RunContext
 from tempering.loss_contract import DISTILL_WEIGHTS, TEACHER_TOKEN_LOGPROBS, check_reads
 from tempering.rollouts.rollout import RolloutBatch
 from tempering.training.stage import Requirement
@@ -391,7 +391,7 @@ class SDPO(StaleRollouts, GRPO):
         }
         return out
 
-    def attach_teachers(self, backend: Any, batch: Batch, groups: list[Group], context: Any = None) -> dict[str, float]:
+    def attach_teachers(self, backend: Backend, batch: Batch, groups: list[Group], context: Any = None) -> dict[str, float]:
         """:meth:`build_teachers`, then score the teacher rows and put their values in the
         taught rows (:data:`tempering.training.teacher.TEACHER_KEYS`), placeholders in the others (a
         batch's rows carry the same keys; their distillation mask is 0). Returns the metrics."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tempering.errors import ConfigError
+from tempering.interfaces import Closeable
 from tempering.registry import get_registry
 from tempering.runs import rollout_log
 from tempering.runs.redact import REDACTED
@@ -130,7 +131,7 @@ def run_backend(run: RunDir, step: int | None = None, registry: Any = None) -> I
         backend.load(checkpoint["path"])
         yield backend, checkpoint
     finally:
-        if hasattr(backend, "close"):
+        if isinstance(backend, Closeable):
             backend.close()
 
 

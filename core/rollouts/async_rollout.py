@@ -45,6 +45,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tempering.interfaces import Backend
 from tempering.rollouts.data import ExampleStream
 from tempering.rollouts.rollout import RolloutBatch
 from tempering.rollouts.scoring import ScoreStats
@@ -71,7 +72,7 @@ class _Slot:
     attempts: int = 0
 
 
-def sampler_of(backend: Any) -> Future[Any]:
+def sampler_of(backend: Backend) -> Future[Any]:
     """A future of a sampler of the backend's current weights: ``backend.sampling_client()``
     when the backend has one, else the backend itself (which samples its live weights)."""
     make = getattr(backend, "sampling_client", None)
@@ -107,7 +108,7 @@ class AsyncRollouts:
 
     def __init__(
         self,
-        backend: Any,
+        backend: Backend,
         stream: ExampleStream,
         sampler: Any,
         *,

@@ -25,6 +25,7 @@ from typing import Any, cast
 import yaml
 
 from tempering.errors import ConfigError
+from tempering.registry import ComponentSpec
 
 
 @dataclass
@@ -34,7 +35,7 @@ class RecipeConfig:
     name: str = "recipe"
     seed: int = 0
     output_dir: str = "runs/${name}"
-    backend: Any = field(default_factory=lambda: {"name": "local"})
+    backend: ComponentSpec = field(default_factory=lambda: {"name": "local"})
     loggers: Any = field(default_factory=lambda: ["jsonl", "plot"])
     stages: Any = field(default_factory=list)
     #: Stop after this many optimizer steps in total (handy for smoke tests); null = no cap.

@@ -22,12 +22,13 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from tempering.runs import rollout_log, runfolder
 from tempering.training.config import load_yaml, resolve_recipe, stage_id
 from tempering.errors import ConfigError, RunStopped, StopRun  # StopRun, RunStopped: the recipe's API, kept importable here
-from tempering.registry import PluginOverrideWarning, Registry, get_registry
+from tempering.interfaces import Backend, Closeable
+from tempering.registry import ComponentSpec, PluginOverrideWarning, Registry, get_registry
 from tempering.runs.runfolder import PROGRESS_FILE, read_progress  # noqa: F401 - re-exported: the recipe's API
 import tempering
 from tempering.registry import params_schema
@@ -40,7 +41,7 @@ class RunContext:
     """What a stage sees: the shared backend, loggers, paths and the resume state."""
 
     registry: Registry
-    backend: Any
+    backend: Backend  # None only while the config is checked, before the backend is built
     config: dict[str, Any]
     output_dir: str
     loggers: list[Any]
@@ -166,7 +167,7 @@ class Recipe:
 
     name: str = "recipe"
     stages: Sequence[Any] = ()
-    backend: Any = field(default_factory=lambda: {"name": "local"})
+    backend: ComponentSpec = field(default_factory=lambda: {"name": "local"})
     loggers: Any = field(default_factory=lambda: ["jsonl", "plot"])
     seed: int = 0
     output_dir: str | None = None
@@ -202,7 +203,7 @@ class Recipe:
             "resume": self.resume,
         }
 
-    def run(self, registry: Registry | None = None, backend: Any = None) -> RunResult:
+    def run(self, registry: Registry | None = None, backend: Backend | None = None) -> RunResult:
         return run_recipe(self, registry=registry, backend=backend)
 
 
@@ -216,7 +217,7 @@ class RunResult:
     already_complete: bool = False
 
 
-def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Any = None) -> RunResult:
+def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Backend | None = None) -> RunResult:
     """Run every stage of ``recipe`` in order, resuming if its output folder has progress.
 
     The folder is locked for the run (:class:`tempering.runs.runfolder.RunLock`). ``resume: false``
@@ -277,13 +278,15 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Any = 
     finally:
         for logger in loggers:
             logger.close()
-        if owns_backend and hasattr(backend, "close"):
+        if owns_backend and isinstance(backend, Closeable):
             backend.close()  # finish queued calls, end remote sessions
         lock.release()
     return RunResult(out_dir, results, ctx.history, metadata, already_complete=already_complete)
 
 
-def check_recipe(cfg: Mapping[str, Any], registry: Registry | None = None, backend: Any = None) -> list[tuple[str, Any]]:
+def check_recipe(
+    cfg: Mapping[str, Any], registry: Registry | None = None, backend: Backend | None = None
+) -> list[tuple[str, Any]]:
     """The checks a run makes before it touches its output folder, on ``cfg`` (a
     :meth:`Recipe.to_dict`): the checkpoint keys, every stage built (its keys, components and
     values), the backend's name and keys (unless a built ``backend`` is given). Raises a
@@ -304,12 +307,15 @@ def check_recipe(cfg: Mapping[str, Any], registry: Registry | None = None, backe
     return stages
 
 
-def _check_stage_configs(registry: Registry, cfg: Mapping[str, Any], stages: Sequence[tuple[str, Any]], backend: Any) -> None:
+def _check_stage_configs(
+    registry: Registry, cfg: Mapping[str, Any], stages: Sequence[tuple[str, Any]], backend: Backend | None
+) -> None:
     """Every stage's config (values, enums, nested components; not its data, not what needs
     the backend) before anything else happens: a typo must not cost a model load, nor move an
     earlier run aside under ``--fresh``. The full check, data included, runs again once the
     backend is up and the finished stages are known."""
-    ctx = RunContext(registry, backend, dict(cfg), cfg["output_dir"], [], cfg["seed"])
+    # backend: None when the recipe builds its own (not yet built while only the config is checked)
+    ctx = RunContext(registry, cast(Backend, backend), dict(cfg), cfg["output_dir"], [], cfg["seed"])
     with config_only():
         for i, (sid, algorithm) in enumerate(stages):
             if hasattr(algorithm, "validate"):
