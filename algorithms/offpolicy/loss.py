@@ -260,7 +260,18 @@ class _RatioLoss:
 
 
 @dataclass
-class PPOLoss(_RatioLoss):
+class _ThresholdLoss(_RatioLoss):
+    """A ratio loss with Tinker's two thresholds, sent as its ``loss_fn_config``."""
+
+    clip_low_threshold: float = 0.0
+    clip_high_threshold: float = 4.0
+
+    def _config(self) -> dict[str, float]:
+        return {"clip_low_threshold": self.clip_low_threshold, "clip_high_threshold": self.clip_high_threshold}
+
+
+@dataclass
+class PPOLoss(_ThresholdLoss):
     """Tinker's ``ppo``: ``-sum(min(rho*A, clip(rho, clip_low_threshold, clip_high_threshold)*A))``.
 
     Defaults 0.8 / 1.2 (Tinker's). ``ratio/clipped_frac`` counts tokens where the clip binds
@@ -277,9 +288,6 @@ class PPOLoss(_RatioLoss):
                 f"got {self.clip_low_threshold}, {self.clip_high_threshold}"
             )
 
-    def _config(self) -> dict[str, float]:
-        return {"clip_low_threshold": self.clip_low_threshold, "clip_high_threshold": self.clip_high_threshold}
-
     def _loss(
         self, logprobs: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,7 +297,7 @@ class PPOLoss(_RatioLoss):
 
 
 @dataclass
-class CISPOLoss(_RatioLoss):
+class CISPOLoss(_ThresholdLoss):
     """Tinker's ``cispo``: ``-sum(sg(clip(rho, clip_low_threshold, clip_high_threshold)) * A * lp)``.
 
     Defaults 0.0 / 4.0 (Tinker's one-sided default: only large ratios are capped)."""
@@ -304,9 +312,6 @@ class CISPOLoss(_RatioLoss):
                 f"{type(self).__name__}: need 0 <= low <= high, "
                 f"got {self.clip_low_threshold}, {self.clip_high_threshold}"
             )
-
-    def _config(self) -> dict[str, float]:
-        return {"clip_low_threshold": self.clip_low_threshold, "clip_high_threshold": self.clip_high_threshold}
 
     def _loss(
         self, logprobs: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
