@@ -83,7 +83,7 @@ __all__ = [
     "NUM_ITEMS_IN_BATCH", "NoBuiltin", "POLICY_BUILTINS", "REF_LOGPROBS", "ROW_INPUTS", "SAMPLER_LOGPROBS",
     "SOFT_TARGET_IDS", "SOFT_TARGET_WEIGHTS", "StageAwareLoss", "TARGET_IDS", "TEACHER_LOGITS", "TEACHER_TOKEN_LOGPROBS",
     "TEACHER_TOPK_IDS", "TEACHER_TOPK_LOGPROBS", "WEIGHTS", "builtin_config", "builtin_of", "check_reads",
-    "for_stage", "loss_reads", "reads_input",
+    "for_stage", "loss_reads", "names_builtin", "reads_input",
 ]  # fmt: skip
 
 # --------------------------------------------------------------------------- batch inputs
@@ -245,6 +245,13 @@ def builtin_of(loss: Any, batch: Batch) -> BuiltinLoss | NoBuiltin:
     if isinstance(found, BuiltinLoss) and found.name not in BUILTIN_LOSSES:
         raise ValueError(f"{who} names the built-in {found.name!r}, which is not a built-in loss ({', '.join(BUILTIN_LOSSES)})")
     return found
+
+
+def names_builtin(loss: object) -> bool:
+    """Whether ``loss`` names a built-in statically (a ``tinker_builtin`` that is not None): it
+    is then a plain sum over tokens, as every built-in is, and a stage that folds a normaliser
+    into the advantages must fold it for this loss too."""
+    return getattr(loss, "tinker_builtin", None) is not None
 
 
 def builtin_config(loss: Any, name: str) -> dict[str, float] | None:

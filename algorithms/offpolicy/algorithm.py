@@ -28,6 +28,7 @@ from tempering.rlmath.aggregation import FOLD_AGGREGATIONS, fold_normaliser
 from tempering.types import Batch
 
 from tempering.algorithms.offpolicy.loss import AdvantageCap, OffPolicyObjective, _RatioLoss
+from tempering.loss_contract import names_builtin
 
 if TYPE_CHECKING:  # pragma: no cover
     from tempering.interfaces import RunContext
@@ -39,7 +40,7 @@ def sums_over_tokens(loss: Any) -> bool:
     """True for a loss that is a plain sum over tokens (every loss naming a Tinker built-in,
     and this package's losses), which needs its normaliser folded into the advantages; False
     for one that normalises itself (``grpo``'s aggregations)."""
-    return isinstance(loss, _RatioLoss) or getattr(loss, "tinker_builtin", None) is not None
+    return isinstance(loss, _RatioLoss) or names_builtin(loss)
 
 
 @dataclass
