@@ -262,6 +262,9 @@ def test_what_a_harness_may_return() -> None:
         read_result("5")
     with pytest.raises(ValueError, match="unknown keys"):
         read_result({"score": 1})
+    with pytest.raises(ValueError, match="not a finite number") as err:
+        read_result({"reward": float("nan")})
+    assert getattr(err.value, "cause", None) == "not_finite"
 
 
 def test_a_burst_of_concurrent_calls_is_answered_not_refused(served: Any) -> None:

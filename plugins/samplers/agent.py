@@ -36,7 +36,7 @@ import asyncio
 import functools
 import importlib.util
 import inspect
-import math
+import numbers
 import ssl
 import threading
 import time
@@ -52,7 +52,7 @@ from tempering.plugins.samplers.openai_endpoint import Call, EndpointLimits, Epi
 from tempering.rollouts.episode import ModelQueue
 from tempering.rollouts.feedback import feedback_of
 from tempering.rollouts.rollout import Rollout, SamplerContext
-from tempering.rollouts.scoring import ScoreStats
+from tempering.rollouts.scoring import ScoreStats, reward_number
 from tempering.rollouts.trajectory import Trajectory, Turn
 from tempering.runs.failures import debug, format_traceback, mark_failed
 from tempering.schema import Problem
@@ -241,9 +241,9 @@ class EndpointSampler:
             return sample, False
         try:
             reward, metrics, note = read_result(outcome.value)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError) as exc:  # RewardValueError (NaN, inf) says its own cause
             traj.stop = "error"
-            mark_failed(sample, "harness_error", f"harness: {exc}")
+            mark_failed(sample, getattr(exc, "cause", "harness_error"), f"harness: {exc}")
             return sample, False
         for k, v in metrics.items():
             traj.count(k, v)
@@ -252,9 +252,6 @@ class EndpointSampler:
             sample.feedback = note
         if reward is None:
             return sample, True
-        if math.isnan(reward):
-            mark_failed(sample, "nan_reward", "the harness returned NaN")
-            return sample, False
         sample.reward = reward
         self._warn_reward_unused()
         return sample, False
@@ -385,10 +382,10 @@ def read_result(value: Any) -> tuple[float | None, dict[str, float], str | None]
         return reward, metrics, str(feedback) if feedback else note
     if value is None:
         return None, {}, None
-    if isinstance(value, (int, float)):
-        return float(value), {}, feedback_of(value, "the harness")
-    raise TypeError(f"returned a {type(value).__name__}; return a number, None (the stage's reward scores) or "
-                    "{'reward': ..., 'metrics': {...}, 'feedback': ...}")  # fmt: skip
+    if isinstance(value, (str, bytes)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"returned a {type(value).__name__}; return a number, None (the stage's reward scores) or "
+                        "{'reward': ..., 'metrics': {...}, 'feedback': ...}")  # fmt: skip
+    return reward_number(value), {}, feedback_of(value, "the harness")
 
 
 def episode_rows(calls: Sequence[Call]) -> tuple[list[Segment], int]:
