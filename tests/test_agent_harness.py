@@ -41,8 +41,10 @@ from tempering.rollouts.rollout import SamplerContext, collect, rollout_metrics
 from tempering.rollouts.scoring import RewardRunner
 from tempering.types import Completion, SamplingParams
 
-pytest.importorskip("openai")
 pytestmark = pytest.mark.extras
+pytest.importorskip(
+    "openai", reason="openai is not installed (pip install 'tempering[openai]'): .ci/run runs this in its agents venv"
+)
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
           "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]  # fmt: skip
