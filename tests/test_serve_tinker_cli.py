@@ -62,9 +62,9 @@ def serve(tmp_path: Path, port: int, *extra: str) -> subprocess.Popen:
     ]
     proc = subprocess.Popen(cmd, env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     first = proc.stdout.readline()  # "serving acme/tiny-llama (tiny_llama) at http://..." once it listens
-    assert f"serving {NAME}" in first and f"127.0.0.1:{port}" in first, first + (
-        proc.stdout.read() if proc.poll() is not None else ""
-    )
+    if not (f"serving {NAME}" in first and f"127.0.0.1:{port}" in first):
+        proc.kill()
+        raise AssertionError(first + proc.communicate(timeout=T)[0])
     return proc
 
 

@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
             api_keys=keys,
             root=args.root or default_root(),
             session_timeout_seconds=args.session_timeout,
+            hold_seconds=20.0,  # a long poll (the SDK waits 45 s): fewer 'try_again' warnings in clients' logs
         )
     except ValueError as err:
         raise SystemExit(f"{err} (--api-key)") from err
