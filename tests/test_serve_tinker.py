@@ -251,3 +251,29 @@ def test_a_restart_keeps_checkpoints_and_never_leaves_a_client_waiting(monkeypat
 def test_binding_beyond_loopback_needs_an_api_key(tmp_path):
     with pytest.raises(ValueError, match="needs api_keys"):
         LocalTinkerServer(MODELS, host="0.0.0.0", root=str(tmp_path))
+
+
+# ---------------------------------------------------------------------- batched sampling
+def test_concurrent_samples_are_batched_while_the_model_is_busy(monkeypatch, tmp_path):
+    """``serve-tinker`` batches the requests that arrive while a generate call runs (a cookbook RL
+    step sends ``groups_per_batch`` at once); each still gets its own ``num_samples``, and a
+    seeded request is never batched."""
+    set_env(monkeypatch, tmp_path)
+    srv = start(tmp_path, batch_sampling=True)
+    try:
+        sampler = client(srv).create_sampling_client(base_model="tiny_llama")
+        params = types.SamplingParams(max_tokens=4, temperature=1.0)
+        prompts = [[1, 4, 5, 13], [1, 6, 7, 13, 2], [1, 8, 13], [1, 9, 9, 9, 13], [1, 4, 13], [1, 5, 6, 7, 8, 13]] * 3
+        futures = [sampler.sample(types.ModelInput.from_ints(p), 3, params) for p in prompts]
+        answers = [f.result(timeout=T) for f in futures]
+        assert all(len(a.sequences) == 3 and all(1 <= len(s.tokens) <= 4 for s in a.sequences) for a in answers)
+        [batcher] = [s._batcher for s in srv.service.samplers.values() if s._batcher is not None]
+        assert batcher.calls < len(prompts), batcher.calls  # some requests shared a call
+        seeded = [
+            sampler.sample(types.ModelInput.from_ints(prompts[0]), 2, types.SamplingParams(max_tokens=4, seed=7))
+            for _ in range(3)
+        ]
+        tokens = [[s.tokens for s in f.result(timeout=T).sequences] for f in seeded]
+        assert tokens[0] == tokens[1] == tokens[2]  # a seed gives the same samples whatever was queued
+    finally:
+        srv.stop()

@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
             root=args.root or default_root(),
             session_timeout_seconds=args.session_timeout,
             hold_seconds=20.0,  # a long poll (the SDK waits 45 s): fewer 'try_again' warnings in clients' logs
+            batch_sampling=True,  # a cookbook RL step sends groups_per_batch requests at once
         )
     except ValueError as err:
         raise SystemExit(f"{err} (--api-key)") from err

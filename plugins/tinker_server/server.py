@@ -227,7 +227,7 @@ class LocalTinkerServer:
             reused (a server started again on it knows its checkpoints); default: a temporary
             one, removed by :meth:`stop`.
         url_ttl_seconds: how long a signed download URL of external weights stays valid.
-        session_timeout_seconds / gap_timeout_seconds: see
+        session_timeout_seconds / gap_timeout_seconds / batch_sampling: see
             :class:`~tempering.plugins.tinker_server.service.LocalService`.
 
     Binding anything but a loopback address needs ``api_keys``: the server trains and samples
@@ -240,14 +240,14 @@ class LocalTinkerServer:
     def __init__(self, models: Mapping[str, ServedModel | Mapping[str, Any]] | None = None, *, host: str = "127.0.0.1",
                  port: int = 0, api_keys: set[str] | None = None, hold_seconds: float = 1.0, root: str | None = None,
                  url_ttl_seconds: float = 3600.0, session_timeout_seconds: float = 60.0,
-                 gap_timeout_seconds: float = 30.0) -> None:  # fmt: skip
+                 gap_timeout_seconds: float = 30.0, batch_sampling: bool = False) -> None:  # fmt: skip
         if not _is_loopback(host) and not api_keys:
             raise ValueError(f"serving on {host!r} (not loopback) needs api_keys: anyone who reaches the port could "
                              "train and sample; give a key (clients send it as TINKER_API_KEY)")  # fmt: skip
         self._own_root = root is None
         self.root = root or tempfile.mkdtemp(prefix="tempering-tinker-")
         self.service = LocalService(models if models is not None else DEFAULT_MODELS, self.root,
-                                    session_timeout_seconds, gap_timeout_seconds)  # fmt: skip
+                                    session_timeout_seconds, gap_timeout_seconds, batch_sampling)  # fmt: skip
         self.housekeeping: list[str] = []  # what the housekeeping thread did (expired sessions, given-up seq_ids)
         self._stopping = threading.Event()
         self._connections: set[socket.socket] = set()

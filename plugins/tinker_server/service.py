@@ -58,6 +58,7 @@ from tempering.plugins.backends.common import failed, resolved
 from tempering.plugins.backends.local.backend import LocalBackend, LocalSamplingClient
 from tempering.plugins.backends.local.checkpoint import kept_rng
 from tempering.plugins.backends.local.model_source import registered_builder
+from tempering.plugins.tinker_server.batching import SampleBatcher
 from tempering.plugins.tinker_server.builtin_losses import builtin_loss, check_builtin
 from tempering.plugins.tinker_server.registry import CheckpointRecord, Registry, RunRecord
 from tempering.plugins.tinker_server.stability import StabilityRecords, session_of
@@ -119,13 +120,24 @@ class Sampler:
     """The weights a sampling session samples: a frozen snapshot of a run, a run's inflight
     target, or a base model (``client=None``: the owner's live, never-trained weights)."""
 
+    #: Batch concurrent requests (:class:`~tempering.plugins.tinker_server.batching.SampleBatcher`);
+    #: set by the service (``batch_sampling``); off, each request is its own generate call.
+    batching = False
+
     def __init__(self, owner: LocalBackend, base_model: str, client: LocalSamplingClient | None = None,
                  snapshot: str | None = None, path: str | None = None) -> None:  # fmt: skip
         self.owner, self.base_model, self.client, self.snapshot, self.path = owner, base_model, client, snapshot, path
+        self._batcher: SampleBatcher | None = None
+        self._batcher_lock = threading.Lock()
 
     def sample(self, prompt: list[int], n: int, params: SamplingParams) -> Future[list[Any]]:
         target = self.client if self.client is not None else self.owner
-        return _then(target.sample([prompt], n, params), lambda groups: groups[0])
+        if not self.batching:
+            return _then(target.sample([prompt], n, params), lambda groups: groups[0])
+        with self._batcher_lock:
+            if self._batcher is None:
+                self._batcher = SampleBatcher(target.sample)
+        return self._batcher.sample(prompt, n, params)
 
     def score(self, prompt: list[int], topk: int = 0) -> Future[Any]:
         """Logprobs of each prompt token after the first (``topk``: the top-k pairs per position)."""
@@ -374,10 +386,13 @@ class LocalService:
         root: a folder for checkpoints, tokenizers and ``registry.json`` (reused across restarts).
         session_timeout_seconds: a session with no heartbeat and no request for this long expires.
         gap_timeout_seconds: how long a run's request waits for a missing earlier ``seq_id``.
+        batch_sampling: batch concurrent sampling requests while the model is busy (much faster
+            under a cookbook RL step; off, each request is one generate call, timing-independent).
     """
 
     def __init__(self, models: Mapping[str, ServedModel | Mapping[str, Any]], root: str,
-                 session_timeout_seconds: float = 60.0, gap_timeout_seconds: float = 30.0) -> None:  # fmt: skip
+                 session_timeout_seconds: float = 60.0, gap_timeout_seconds: float = 30.0,
+                 batch_sampling: bool = False) -> None:  # fmt: skip
         self.models = {
             name: spec if isinstance(spec, ServedModel) else ServedModel(**spec) for name, spec in models.items()
         }
@@ -401,6 +416,12 @@ class LocalService:
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-sample")
+        self.batch_sampling = bool(batch_sampling)
+
+    def _sampler(self, *args: Any) -> Sampler:
+        sampler = Sampler(*args)
+        sampler.batching = self.batch_sampling
+        return sampler
 
     # ------------------------------------------------------------------ checkpoints (views)
     @property
@@ -720,7 +741,7 @@ class LocalService:
                                                               user_metadata=req.user_metadata))  # fmt: skip
             return _then(
                 run.backend.sampling_client(),
-                lambda client: publish(Sampler(run.backend, run.base_model, client, name, path)),
+                lambda client: publish(self._sampler(run.backend, run.base_model, client, name, path)),
             )
 
         def publish(sampler: Sampler) -> dict[str, Any]:
@@ -809,7 +830,7 @@ class LocalService:
                 backend = self._backend(record.base_model, record.lora_rank, 0)
                 with _BUILDING, kept_rng():
                     backend.load(record.folder)
-                self.sampler_paths[path] = Sampler(backend, record.base_model, None, None, path)
+                self.sampler_paths[path] = self._sampler(backend, record.base_model, None, None, path)
             return self.sampler_paths[path]
 
     def create_sampling_session(self, req: Any) -> str:
@@ -819,7 +840,7 @@ class LocalService:
             self.samplers[session] = self._sampler_at(req.model_path)
         elif req.base_model:
             try:
-                self.samplers[session] = Sampler(self.base(req.base_model), req.base_model)
+                self.samplers[session] = self._sampler(self.base(req.base_model), req.base_model)
             except UserError as err:
                 raise Rejected(400, str(err)) from err
         else:
