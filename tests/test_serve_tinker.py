@@ -277,3 +277,18 @@ def test_concurrent_samples_are_batched_while_the_model_is_busy(monkeypatch, tmp
         assert tokens[0] == tokens[1] == tokens[2]  # a seed gives the same samples whatever was queued
     finally:
         srv.stop()
+
+
+def test_sampler_weights_outlive_the_session_that_saved_them(server):
+    """A finished session releases its runs' models; its saved sampler weights are then loaded
+    from disk for the next client (they were held by the released model)."""
+    first = client(server)
+    tc = first.create_lora_training_client(base_model="tiny_llama", rank=4)
+    train_step(tc)
+    path = tc.save_weights_for_sampler("kept").result(timeout=T).path
+    prompt = types.ModelInput.from_ints([1, 4, 5, 13])
+    before = tc.create_sampling_client(path).compute_logprobs(prompt).result(timeout=T)
+    server.service.finish(tc.model_id.split(":")[0], "success")  # what the SDK's close() sends
+    assert server.service.runs[tc.model_id].closed
+    after = client(server).create_sampling_client(model_path=path).compute_logprobs(prompt).result(timeout=T)
+    assert after == pytest.approx(before, abs=1e-5)

@@ -531,6 +531,9 @@ class LocalService:
             if session_of(model_id) == session_id and run.closed is None:
                 run.close(why)
                 run.backend.close()  # finishes what is running, then frees the worker
+                for path, sampler in list(self.sampler_paths.items()):
+                    if sampler.owner is run.backend:  # loaded again from disk when someone asks for it
+                        del self.sampler_paths[path]
                 self.registry.close_run(model_id, why)
                 closed.append(model_id)
         return closed
