@@ -340,3 +340,42 @@ def test_grpo_trains_on_exactly_what_the_harness_saw_tinker(tmp_path: Path, chat
                            "weights": [float(lp != 0.0) for lp in inputs["logprobs"]],
                            "logprobs": inputs["logprobs"]})  # fmt: skip
     check_trained_rows(datums, tmp_path)
+
+
+class Multiplier:
+    """A sampling client that solves the calculator task the intended way: ``mul`` with the
+    question's factors, then the tool's result as the answer."""
+
+    def __init__(self, renderer: Any) -> None:
+        self.renderer = renderer
+
+    def sample(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Future:
+        rows = []
+        for prompt in prompts:
+            text = self.renderer.decode(prompt)
+            if "<|tool|>" in text:
+                turn = {"role": "assistant", "content": text.rsplit("<|tool|>", 1)[1].split("<|", 1)[0]}
+            else:
+                a, b = text.split("<|user|>", 1)[1].split("<|", 1)[0].split("*")
+                turn = {"role": "assistant", "content": "",
+                        "tool_calls": [{"function": {"name": "mul", "arguments": {"a": int(a), "b": int(b)}}}]}  # fmt: skip
+            tokens = self.renderer.render_response(turn)[: params.max_tokens]
+            rows.append([Completion(list(prompt), tokens, [-0.5] * len(tokens), "stop")])
+        done: Future = Future()
+        done.set_result(rows)
+        return done
+
+
+def test_the_docs_example_harness_solves_the_calculator_task(renderer: Any) -> None:
+    """examples/agent_harness.py's ``run`` (docs/agents.md section 2), given a model that calls
+    ``mul`` right: every episode scores 1, in two calls that make one row."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    try:
+        rollout = collect(agent(renderer, harness="agent_harness:run", max_total_tokens=96), Multiplier(renderer),
+                          [{"question": "37*84", "answer": "3108"}, {"question": "12*11", "answer": "132"}], 2,
+                          SamplingParams(max_tokens=20))  # fmt: skip
+    finally:
+        sys.path.remove(str(Path(__file__).resolve().parents[1] / "examples"))
+    samples = [s for g in rollout.groups for s in g.samples]
+    assert [s.reward for s in samples] == [1.0] * 4 and not any(s.failed for s in samples)
+    assert all(len(s.trajectory.turns) == 2 and len(s.trajectory.segments) == 1 for s in samples)
