@@ -292,3 +292,44 @@ def test_sampler_weights_outlive_the_session_that_saved_them(server):
     assert server.service.runs[tc.model_id].closed
     after = client(server).create_sampling_client(model_path=path).compute_logprobs(prompt).result(timeout=T)
     assert after == pytest.approx(before, abs=1e-5)
+
+
+def test_a_large_request_is_split_into_micro_batches_with_the_same_result(server):
+    """A cookbook RL step sends hundreds of datums in one forward_backward: the server splits them
+    to bound memory (all of them at once was out of memory for SmolLM2); Tinker's losses are
+    sums over datums, so the loss, the per-datum logprobs and the step are the same."""
+    sc = client(server)
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints([1, 4 + i % 5, 5, 13, 6][: 3 + i % 3]),
+            loss_fn_inputs={"target_tokens": [4, 5, 13, 6, 7][: 3 + i % 3], "weights": [1.0] * (3 + i % 3)},
+        )
+        for i in range(7)
+    ]
+    results = []
+    for tokens in (10_000, 6):  # one call, then micro-batches of at most 6 padded tokens
+        server.service.micro_batch_tokens = tokens
+        tc = sc.create_lora_training_client(base_model="tiny_llama", rank=4)
+        out = tc.forward_backward(data, "cross_entropy").result(timeout=T)
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=T)
+        after = tc.forward(data, "cross_entropy").result(timeout=T).metrics["loss:sum"]
+        results.append((out.metrics["loss:sum"], [o["logprobs"].tolist() for o in out.loss_fn_outputs], after))
+    (loss_a, lp_a, after_a), (loss_b, lp_b, after_b) = results
+    assert loss_b == pytest.approx(loss_a, rel=1e-5) and after_b == pytest.approx(after_a, rel=1e-4)
+    assert [len(r) for r in lp_b] == [len(r) for r in lp_a]
+    assert all(x == pytest.approx(y, abs=1e-5) for a, b in zip(lp_a, lp_b) for x, y in zip(a, b))
+
+
+def test_micro_batches_keep_order_and_bound_padded_tokens():
+    from tempering.plugins.tinker_server.service import _micro_batches
+    from tempering.types import Datum
+
+    rows = [Datum(list(range(n)), list(range(n)), [1.0] * n) for n in (3, 3, 5, 2, 9, 1)]
+    for budget, expected in (
+        (8, [[3, 3], [5], [2], [9], [1]]),
+        (10, [[3, 3], [5, 2], [9], [1]]),
+        (1000, [[3, 3, 5, 2, 9, 1]]),
+    ):
+        parts = _micro_batches(rows, budget)
+        assert [[len(r.input_tokens) for r in p] for p in parts] == expected  # rows x longest <= budget, or one row
+        assert [r for p in parts for r in p] == rows

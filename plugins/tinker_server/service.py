@@ -417,6 +417,8 @@ class LocalService:
         self._ids = itertools.count(1)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-sample")
         self.batch_sampling = bool(batch_sampling)
+        #: padded tokens per forward/backward call (a request's datums are split to fit; see _micro_batches)
+        self.micro_batch_tokens = 2048
 
     def _sampler(self, *args: Any) -> Sampler:
         sampler = Sampler(*args)
@@ -609,11 +611,25 @@ class LocalService:
                 call.loss_fn_config,
                 lambda datum, targets: self.records.sampler_logprobs(datum, targets, session),
             )
-            if call.forward_only:
-                if loss.two_d:
-                    raise UserError("forward with (N, K) target_tokens is not supported by this server")
-                return _then(run.backend.logprobs(batch), lambda rows: self._score_forward(batch, loss, rows))
-            return _then(run.backend.forward_backward(batch, loss), lambda m: self._outputs(loss, m["loss"]))
+            if call.forward_only and loss.two_d:
+                raise UserError("forward with (N, K) target_tokens is not supported by this server")
+            parts = []  # micro-batches: the losses are sums over datums, so gradients accumulate exactly
+            for rows in _micro_batches(batch.data, self.micro_batch_tokens):
+                part, part_loss = Batch(rows), BuiltinLoss(loss.loss_fn, loss.config, loss.keys, loss.two_d)
+                if call.forward_only:
+                    parts.append(
+                        _then(
+                            run.backend.logprobs(part), lambda lp, b=part, pl=part_loss: self._score_forward(b, pl, lp)
+                        )
+                    )
+                else:
+                    parts.append(
+                        _then(
+                            run.backend.forward_backward(part, part_loss),
+                            lambda m, pl=part_loss: self._outputs(pl, m["loss"]),
+                        )
+                    )
+            return _then(_all(parts), _joined)
 
         return run.run(call.seq_id, go)
 
@@ -918,6 +934,29 @@ def _encrypt_folder(folder: str, recipients: list[str]) -> None:
             with open(plain + ".age", "wb") as fh:
                 fh.write(data)
             os.remove(plain)
+
+
+def _micro_batches(rows: list[Datum], max_tokens: int) -> list[list[Datum]]:
+    """Consecutive runs of rows whose padded size (rows x longest) stays within ``max_tokens``
+    (a row longer than that goes alone): what bounds the memory of one forward and backward --
+    the LM head's logits are ``tokens x vocabulary`` floats (SmolLM2: 49152 per token)."""
+    out: list[list[Datum]] = []
+    for row in rows:
+        if (
+            out
+            and (len(out[-1]) + 1) * max(len(row.input_tokens), *(len(r.input_tokens) for r in out[-1])) <= max_tokens
+        ):
+            out[-1].append(row)
+        else:
+            out.append([row])
+    return out
+
+
+def _joined(
+    parts: list[tuple[list[dict[str, np.ndarray]], dict[str, float]]],
+) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+    """The micro-batches' outputs in order, their losses summed."""
+    return [o for outputs, _ in parts for o in outputs], {"loss:sum": float(sum(m["loss:sum"] for _, m in parts))}
 
 
 def _all(futures: list[Future[Any]]) -> Future[list[Any]]:
