@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from tempering.rollouts.chat import ParsedResponse, assign_call_ids, check_messages
 from tempering.rollouts.feedback import feedback_of
+from tempering.rollouts.loop_thread import LoopThread
 from tempering.rollouts.trajectory import Trajectory, TrajectoryBuilder, Turn
 from tempering.runs.failures import debug, format_traceback
 from tempering.types import Completion, SamplingParams
@@ -76,21 +76,7 @@ class EnvironmentCalls:
     def __init__(self, timeout: float | None, key: str) -> None:
         self.timeout, self.key = timeout, key
         self.stuck = False  # a timed-out call still holds the loop: later calls would only wait too
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._serve, name="tempering-environment", daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-            tasks = asyncio.all_tasks(self.loop)
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-        finally:
-            self.loop.close()  # also drops its default executor without waiting for its threads
+        self.worker = LoopThread("tempering-environment")
 
     async def call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``await fn(*args)`` (or its plain value) on the episode's loop, within the timeout;
@@ -103,7 +89,7 @@ class EnvironmentCalls:
             value = fn(*args)
             return await value if inspect.isawaitable(value) else value
 
-        done = asyncio.run_coroutine_threadsafe(run(), self.loop)
+        done = self.worker.submit(run())
         try:
             return await asyncio.wait_for(asyncio.wrap_future(done), self.timeout)
         except TimeoutError:
@@ -117,7 +103,7 @@ class EnvironmentCalls:
 
     def close(self) -> None:
         """Stop the loop (once the thread is free: a blocked one stops when its call returns)."""
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.worker.close()
 
 
 class ModelQueue:

@@ -38,10 +38,9 @@ import importlib.util
 import inspect
 import numbers
 import ssl
-import threading
 import time
 import warnings
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +50,7 @@ from tempering.plugins.samplers.common import with_stops
 from tempering.plugins.samplers.openai_endpoint import Call, EndpointLimits, EpisodeCalls, PolicyEndpoint
 from tempering.rollouts.episode import ModelQueue
 from tempering.rollouts.feedback import feedback_of
+from tempering.rollouts.loop_thread import LoopThread
 from tempering.rollouts.rollout import Rollout, SamplerContext
 from tempering.rollouts.scoring import ScoreStats, reward_number
 from tempering.rollouts.trajectory import Trajectory, Turn
@@ -77,31 +77,15 @@ class Outcome:
     traceback: str | None = None
 
 
-class LoopThread:
-    """An event loop of its own in a daemon thread: harness code runs there, so a harness that
-    blocks cannot freeze the sampler's loop (which batches every episode's model calls)."""
+class HarnessThread(LoopThread):
+    """The loop thread harness code runs on (:class:`~tempering.rollouts.loop_thread.LoopThread`),
+    with a bounded wait: a harness that blocks cannot freeze the sampler's loop (which batches
+    every episode's model calls), and one that hangs is cut off."""
 
     def __init__(self, name: str = "tempering-harness") -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self.thread.start()
+        super().__init__(name)
 
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-            tasks = asyncio.all_tasks(self.loop)
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-        finally:
-            self.loop.close()
-
-    def submit(self, coro: Awaitable[Any]) -> Future[Any]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
-
-    async def run(self, coro: Awaitable[Any], timeout: float | None, what: str) -> Any:
+    async def run(self, coro: Coroutine[Any, Any, Any], timeout: float | None, what: str) -> Any:
         """``await coro`` on this thread's loop within ``timeout`` seconds (None = no limit);
         :class:`HarnessTimeout` naming ``what`` past it (the coroutine is cancelled)."""
         done = self.submit(coro)
@@ -110,10 +94,6 @@ class LoopThread:
         except (TimeoutError, asyncio.TimeoutError):
             done.cancel()
             raise HarnessTimeout(f"{what} did not return within {timeout:g} s") from None
-
-    def close(self) -> None:
-        """Stop the loop (a thread blocked in harness code stops once that code returns)."""
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 def load_harness(target: Any, path: str) -> Callable[..., Any]:
@@ -317,7 +297,7 @@ class AgentSampler(EndpointSampler):
             async with gate:
                 queue.join(1)
                 episode = endpoint.open_episode(key)
-                runner = LoopThread()
+                runner = HarnessThread()
                 try:
                     coro = run_harness(
                         self._harness, episode.base_url, endpoint.token, dict(example), self.harness_timeout

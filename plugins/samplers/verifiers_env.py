@@ -32,7 +32,7 @@ from functools import lru_cache
 from typing import Any
 
 from tempering.errors import ConfigError
-from tempering.plugins.samplers.agent import EndpointSampler, LoopThread, Outcome, guarded
+from tempering.plugins.samplers.agent import EndpointSampler, HarnessThread, Outcome, guarded
 from tempering.plugins.samplers.openai_endpoint import MODEL_NAME, EpisodeCalls, PolicyEndpoint
 from tempering.rollouts.episode import ModelQueue
 from tempering.schema import Problem
@@ -164,7 +164,7 @@ class VerifiersSampler(EndpointSampler):
             async with self._env.serving():
                 return list(await asyncio.gather(*(one(gate, ep, dict(ex)) for ep, (_, ex) in zip(episodes, jobs))))
 
-        runner = LoopThread("tempering-verifiers")
+        runner = HarnessThread("tempering-verifiers")
         waves = math.ceil(len(jobs) / max(1, gate_size))
         limit = None if self.harness_timeout is None else self.harness_timeout * waves + 60.0
         try:
