@@ -89,6 +89,13 @@ def register_recipes(register: Register) -> None:
     a dict), so ``tempering run NAME`` can find it."""
 
 
+@hookspec
+def register_harnesses(register: Register) -> None:
+    """Register agent harnesses: ``async def run(client, example)`` functions that play one
+    episode against the policy's OpenAI-compatible endpoint (the ``agent`` sampler's
+    ``harness:``), returning the episode's reward, ``None``, or ``{"reward": ...}``."""
+
+
 #: component kind -> hook name. The single source of truth for the kinds.
 KINDS: dict[str, str] = {
     "backend": "register_backends",
@@ -103,5 +110,6 @@ KINDS: dict[str, str] = {
     "recipe": "register_recipes",
     "environment": "register_environments",
     "renderer": "register_renderers",
+    "harness": "register_harnesses",
 }
 

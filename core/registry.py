@@ -312,7 +312,7 @@ class Registry:
             listing = ", ".join(
                 f"{n} ({'/'.join(sorted({c.plugin.dist for c in self._components[kind][n]}))})" for n in known
             )
-            lines.append(f"Known {kind}s: {listing}.")
+            lines.append(f"Known {plural(kind)}: {listing}.")
         else:
             lines.append(f"No {kind} is registered.")
         failed = [p for p in self.plugins if p.error]
@@ -379,6 +379,11 @@ class Registry:
 
 def _is_omegaconf(obj: Any) -> bool:
     return type(obj).__module__.startswith("omegaconf")
+
+
+def plural(kind: str) -> str:
+    """``rewards``, ``harnesses``: a kind's name in the plural, for messages."""
+    return kind + ("es" if kind.endswith(("s", "sh", "ch", "x")) else "s")
 
 
 def split_spec(spec: Any, path: str) -> tuple[str, dict[str, Any]]:

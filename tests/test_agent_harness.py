@@ -33,6 +33,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from tempering.hookspecs import hookimpl
 from tempering.plugins.samplers.agent import episode_rows
 from tempering.plugins.samplers.openai_endpoint import Call
 from tempering.registry import get_registry
@@ -253,6 +254,38 @@ def test_bad_sampler_keys_are_one_line_before_anything_runs(keys: dict[str, Any]
     with pytest.raises(ConfigError) as err:
         get_registry().check("sampler", {"name": "agent", **keys}, "sampler", context=("context",))
     assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+
+
+class HarnessPlugin:
+    """A third party's plugin that registers a harness by name, as an entry point would."""
+
+    @staticmethod
+    @hookimpl
+    def register_harnesses(register: Any) -> None:
+        register("calc_demo", "test_agent_harness:by_stage", description="answers once; the stage scores")
+
+
+def test_a_registered_harness_is_named_like_any_component(renderer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``harness: calc_demo`` (and ``dist:calc_demo``) resolves through the registry; a name
+    nothing registers is one line naming the kind's known names, before anything runs."""
+    from tempering import registry as registry_module
+    from tempering.errors import ConfigError
+    from tempering.testing import make_registry
+
+    monkeypatch.setattr(registry_module, "_default", make_registry(HarnessPlugin, dist="acme-agents"))
+
+    def seven(completion: str, example: dict[str, Any]) -> float:
+        return float(completion == "7")
+
+    for name in ("calc_demo", "acme-agents:calc_demo"):
+        rollout = collect(agent(renderer, seven, harness=name), Scripted(renderer), [{"q": "1?"}], 2,
+                          SamplingParams(max_tokens=8))  # fmt: skip
+        assert [s.reward for s in rollout.groups[0].samples] == [1.0, 1.0]
+    with pytest.raises(ConfigError) as err:
+        get_registry().check("sampler", {"name": "agent", "harness": "calc_dmeo"}, "sampler", context=("context",))
+    text = str(err.value)
+    assert text.startswith("sampler.harness: ") and "calc_demo" in text and "module:function" in text, text
+    assert "\n" not in text
 
 
 # --------------------------------------------------------------------------- grpo, for real

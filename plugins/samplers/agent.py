@@ -45,9 +45,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from tempering.errors import ConfigError
+from tempering.errors import ConfigError, UnknownComponentError
 from tempering.plugins.samplers.common import with_stops
 from tempering.plugins.samplers.openai_endpoint import Call, EndpointLimits, EpisodeCalls, PolicyEndpoint
+from tempering.registry import get_registry
 from tempering.rollouts.episode import ModelQueue
 from tempering.rollouts.feedback import feedback_of
 from tempering.rollouts.loop_thread import LoopThread
@@ -97,16 +98,43 @@ class HarnessThread(LoopThread):
 
 
 def load_harness(target: Any, path: str) -> Callable[..., Any]:
-    """The harness ``target`` names: ``module:function`` (imported with the working folder on
-    ``sys.path``), or a callable given from Python. Any failure is one :class:`ConfigError`."""
+    """The harness ``target`` names: a registered harness (``register_harnesses``, an entry-point
+    plugin's: ``name`` or ``dist:name``), ``module:function`` (imported with the working folder
+    on ``sys.path``; tried first when that module exists), or a callable given from Python. Any
+    failure is one :class:`ConfigError`."""
     if callable(target):
         return target
     from tempering.plugins.rewards.python import load_function
 
+    module, sep, _ = target.partition(":") if isinstance(target, str) else ("", "", "")
+    if isinstance(target, str) and not (sep and _importable(module)):
+        registry = get_registry()
+        try:
+            found = registry.get("harness", target).load()
+        except UnknownComponentError as exc:
+            if not sep:  # not module:function either: one line, the registry's first and the known names
+                known = ", ".join(registry.names("harness")) or "none"
+                raise ConfigError(f"{str(exc).splitlines()[0]} Registered harnesses: {known}; or give "
+                                  "'module:function', an async def run(client, example)", path) from None  # fmt: skip
+        else:
+            if not callable(found):
+                raise ConfigError(f"the registered harness '{target}' is a {type(found).__name__}, not a function", path)
+            return found
     fn = load_function(target, path)
     if not callable(fn):
         raise ConfigError(f"'{target}' is a {type(fn).__name__}, not a function", path)
     return fn
+
+
+def _importable(module: str) -> bool:
+    """Whether ``module`` can be found (the working folder included, as ``load_function`` looks)."""
+    from tempering.plugins.rewards.python import working_folder_on_path
+
+    working_folder_on_path()
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def openai_missing() -> bool:
@@ -250,8 +278,8 @@ class EndpointSampler:
 
 @dataclass
 class AgentSampler(EndpointSampler):
-    """Config keys: ``harness`` (``module:function``, required: ``async def run(client,
-    example)``), and the endpoint samplers' ``harness_timeout``, ``max_concurrent``,
+    """Config keys: ``harness`` (required: an ``async def run(client, example)``, as a registered
+    harness name -- a plugin's ``register_harnesses`` -- or ``module:function``), and the endpoint samplers' ``harness_timeout``, ``max_concurrent``,
     ``max_total_tokens``, ``max_n``, ``batch_wait`` (:class:`EndpointSampler`)."""
 
     harness: Any = None
