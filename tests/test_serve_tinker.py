@@ -171,6 +171,10 @@ def test_rest_routes_the_cookbook_reads(server):
     assert {c.tinker_path for c in rc.list_user_checkpoints().result(timeout=T).checkpoints} == {state, sampler}
     rc.publish_checkpoint_from_tinker_path(state).result(timeout=T)
     assert rc.list_checkpoints(tc.model_id).result(timeout=T).checkpoints[0].public
+    began = time.monotonic()
+    with pytest.raises(tinker.BadRequestError, match="already public"):
+        rc.publish_checkpoint_from_tinker_path(state).result(timeout=T)  # at once, not after 5 minutes of retries
+    assert time.monotonic() - began < 5
     rc.delete_checkpoint_from_tinker_path(sampler).result(timeout=T)
     assert [c.tinker_path for c in rc.list_checkpoints(tc.model_id).result(timeout=T).checkpoints] == [state]
 

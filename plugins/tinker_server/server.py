@@ -465,7 +465,8 @@ class LocalTinkerServer:
                 return 404, *_json({"detail": f"no checkpoint tinker://{m.group(1)}/{m.group(2)}"})
             if m.group(3) == "publish":
                 if record.public == (method == "POST"):
-                    return 409, *_json(
+                    # 400, not the service's 409: the SDK retries a 409 for five minutes whatever the headers say
+                    return 400, *_json(
                         {"detail": f"the checkpoint is already {'public' if record.public else 'private'}"}
                     )
                 record.public = method == "POST"
