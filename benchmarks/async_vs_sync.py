@@ -58,11 +58,21 @@ def run_config(label: str, stage: dict[str, Any], args: argparse.Namespace) -> d
     reward = ProcessPoolReward(reward=burn_exact_match, workers=args.workers, timeout=60.0)
     backend = LocalBackend(model="tiny_llama", num_threads=1, seed=0)
     common = {
-        "dataset": data, "reward": reward, "steps": args.steps, "prompts_per_step": args.prompts,
-        "group_size": args.group_size, "max_tokens": 4, "optimizer": {"learning_rate": 1e-4},
-    }  # fmt: skip
-    recipe = Recipe(name=label, output_dir=os.path.join(args.out, label.replace(" ", "_").replace("=", "")),
-                    loggers=[], resume=False, stages=[{**common, **stage}])  # fmt: skip
+        "dataset": data,
+        "reward": reward,
+        "steps": args.steps,
+        "prompts_per_step": args.prompts,
+        "group_size": args.group_size,
+        "max_tokens": 4,
+        "optimizer": {"learning_rate": 1e-4},
+    }
+    recipe = Recipe(
+        name=label,
+        output_dir=os.path.join(args.out, label.replace(" ", "_").replace("=", "")),
+        loggers=[],
+        resume=False,
+        stages=[{**common, **stage}],
+    )
     t0 = time.perf_counter()
     try:
         result = recipe.run(backend=backend)
@@ -107,8 +117,10 @@ def main() -> None:
     args = parser.parse_args()
 
     print(f"load average before: {os.getloadavg()}  cpus: {os.cpu_count()}  python {sys.version.split()[0]}")
-    print(f"{args.prompts} prompts x {args.group_size} samples per step, reward burns {args.burn_ms} ms/sample "
-          f"in {args.workers} worker process(es), {args.steps} steps ({args.warmup} warm-up left out)")  # fmt: skip
+    print(
+        f"{args.prompts} prompts x {args.group_size} samples per step, reward burns {args.burn_ms} ms/sample "
+        f"in {args.workers} worker process(es), {args.steps} steps ({args.warmup} warm-up left out)"
+    )
     off = {"name": "offpolicy", "loss": "clipped_is", "groups_per_sample": args.groups_per_sample}
     configs = {
         "grpo": ("sync grpo", {"name": "grpo", "loss": {"name": "grpo", "loss_type": "dapo"}, "log_kl": False}),
@@ -123,8 +135,11 @@ def main() -> None:
             label, stage = configs[key]
             res = run_config(label, stage, args)
             runs[key].append(res)
-            print(f"  round {r + 1}: {label:10s} {res['step_s']:.3f} s/step (median {res['step_s_median']:.3f}) "
-                  f"load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+            print(
+                f"  round {r + 1}: {label:10s} {res['step_s']:.3f} s/step (median {res['step_s_median']:.3f}) "
+                f"load {os.getloadavg()[0]:.2f}",
+                flush=True,
+            )
     results = []
     for key in chosen:
         rs = runs[key]
@@ -136,8 +151,10 @@ def main() -> None:
     if base is not None:
         s, t = base["sample_s"], base["train_s"]
         ideal = (s + t) / max(s, t)
-        print(f"sync phases: sample+reward S = {s:.3f} s (sampling {base['sampling_only_s']:.3f} + reward "
-              f"{base['reward_only_s']:.3f}), train T = {t:.3f} s -> ideal speedup (S+T)/max(S,T) = {ideal:.2f}x")
+        print(
+            f"sync phases: sample+reward S = {s:.3f} s (sampling {base['sampling_only_s']:.3f} + reward "
+            f"{base['reward_only_s']:.3f}), train T = {t:.3f} s -> ideal speedup (S+T)/max(S,T) = {ideal:.2f}x"
+        )
     print(
         f"{'config':10s} {'s/step':>8s} {'speedup':>8s} {'of ideal gain':>13s} "
         f"{'staleness':>9s} {'trainer wait':>12s} {'train':>7s}"
@@ -147,8 +164,10 @@ def main() -> None:
         frac = (speed - 1) / (ideal - 1) if base and ideal > 1 else float("nan")
         stale = f"{r['staleness']:.2f}" if "staleness" in r else "-"
         wait = f"{r['wait_s']:.3f}" if "wait_s" in r else "-"
-        print(f"{r['label']:10s} {r['step_s']:8.3f} {speed:7.2f}x {frac:12.0%} {stale:>9s} {wait:>12s} "
-              f"{r['train_s']:7.3f}   rounds: {', '.join(f'{x:.3f}' for x in r['rounds'])}")  # fmt: skip
+        print(
+            f"{r['label']:10s} {r['step_s']:8.3f} {speed:7.2f}x {frac:12.0%} {stale:>9s} {wait:>12s} "
+            f"{r['train_s']:7.3f}   rounds: {', '.join(f'{x:.3f}' for x in r['rounds'])}"
+        )
         r["speedup"], r["fraction_of_ideal_gain"] = speed, frac
     print(f"\nload average after: {os.getloadavg()}")
     if args.json:

@@ -42,8 +42,17 @@ class Outcome:
 def run_one(recipe: str, seed: int, out: Path, overrides: list[str]) -> Outcome:
     folder = out / f"{recipe}_seed{seed}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TEMPERING_PROGRESS": "0"}
-    cmd = [sys.executable, "-m", "tempering", "run", recipe, f"seed={seed}", f"output_dir={folder}",
-           "loggers=[jsonl]", *overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tempering",
+        "run",
+        recipe,
+        f"seed={seed}",
+        f"output_dir={folder}",
+        "loggers=[jsonl]",
+        *overrides,
+    ]
     t0 = time.perf_counter()
     with open(out / f"{recipe}_seed{seed}.log", "w", encoding="utf-8") as log:
         rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
@@ -85,8 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, "
-          f"python {platform.python_version()}, jobs {args.jobs}", flush=True)  # fmt: skip
+    print(
+        f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, "
+        f"python {platform.python_version()}, jobs {args.jobs}",
+        flush=True,
+    )
     plan = [(r, s) for r in args.recipes for s in args.seeds]
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         outcomes = list(pool.map(lambda rs: run_one(rs[0], rs[1], out, args.overrides), plan))
@@ -94,15 +106,24 @@ def main(argv: list[str] | None = None) -> int:
     print(fmt.format("recipe", "seed", "rc", "warmup steps", "warmup accuracy", "final accuracy", "wall s"))
     for o in outcomes:
         cells = [o.warmup_steps, o.warmup_accuracy, o.final_accuracy]
-        print(fmt.format(o.recipe, o.seed, o.returncode, *("-" if c is None else f"{c:.3f}" if isinstance(c, float)
-                                                          else c for c in cells), f"{o.wall_s:.0f}"))  # fmt: skip
+        print(
+            fmt.format(
+                o.recipe,
+                o.seed,
+                o.returncode,
+                *("-" if c is None else f"{c:.3f}" if isinstance(c, float) else c for c in cells),
+                f"{o.wall_s:.0f}",
+            )
+        )
     print("ranges over seeds:")
     for recipe in args.recipes:
         mine = [o for o in outcomes if o.recipe == recipe]
-        print(f"  {recipe}: warmup stops at step {span([o.warmup_steps for o in mine], 'g')}, "
-              f"held-out accuracy {span([o.warmup_accuracy for o in mine], '.1%')} after the warmup, "
-              f"{span([o.final_accuracy for o in mine], '.1%')} at the end; "
-              f"{span([o.wall_s for o in mine], '.0f')} s each")  # fmt: skip
+        print(
+            f"  {recipe}: warmup stops at step {span([o.warmup_steps for o in mine], 'g')}, "
+            f"held-out accuracy {span([o.warmup_accuracy for o in mine], '.1%')} after the warmup, "
+            f"{span([o.final_accuracy for o in mine], '.1%')} at the end; "
+            f"{span([o.wall_s for o in mine], '.0f')} s each"
+        )
     return 0 if all(o.returncode == 0 for o in outcomes) else 1
 
 

@@ -70,15 +70,18 @@ def main(argv: list[str] | None = None) -> int:
     from tempering.types import SamplingParams
 
     print(f"load average at start: {os.getloadavg()}  cpus: {os.cpu_count()}")
-    backend = LocalBackend(model="tiny_llama", model_kwargs={"chat": True, "max_position_embeddings": 512},
-                           seed=0, num_threads=1)  # fmt: skip
+    backend = LocalBackend(
+        model="tiny_llama", model_kwargs={"chat": True, "max_position_embeddings": 512}, seed=0, num_threads=1
+    )
     renderer = TinyChat(backend.tokenizer)
     reg = get_registry()
     context = SamplerContext(backend.tokenizer, lambda: renderer, None, reg.build, reg.factory)
     episodes = EnvironmentSampler(environment=lambda: Chatter(args.turns), max_turns=args.turns, context=context)
     single = completion_sampler(backend.tokenizer, None)
-    examples = [{"prompt": f"what is {i}*{i + 7}?", "messages": [{"role": "user", "content": f"what is {i}*{i + 7}?"}]}
-                for i in range(args.prompts)]  # fmt: skip
+    examples = [
+        {"prompt": f"what is {i}*{i + 7}?", "messages": [{"role": "user", "content": f"what is {i}*{i + 7}?"}]}
+        for i in range(args.prompts)
+    ]
     sides = {
         "single": (single, SamplingParams(max_tokens=args.turns * args.max_tokens, temperature=1.0, seed=1)),
         "episodes": (episodes, SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=1)),
@@ -97,11 +100,15 @@ def main(argv: list[str] | None = None) -> int:
             results[name].append(n / dt)
             tokens[name].append(n)
     backend.close()
-    print(f"{args.prompts} prompts x {args.group} samples; episodes: {args.turns} turns x <= {args.max_tokens} tokens; "
-          f"single: one turn of <= {args.turns * args.max_tokens} tokens; {args.rounds} rounds, alternating")  # fmt: skip
+    print(
+        f"{args.prompts} prompts x {args.group} samples; episodes: {args.turns} turns x <= {args.max_tokens} tokens; "
+        f"single: one turn of <= {args.turns * args.max_tokens} tokens; {args.rounds} rounds, alternating"
+    )
     for name in sides:
-        print(f"  {name:9s} {statistics.median(results[name]):9.0f} tokens/s (median; rounds "
-              f"{', '.join(f'{x:.0f}' for x in results[name])}), {statistics.median(tokens[name]):.0f} tokens/round")
+        print(
+            f"  {name:9s} {statistics.median(results[name]):9.0f} tokens/s (median; rounds "
+            f"{', '.join(f'{x:.0f}' for x in results[name])}), {statistics.median(tokens[name]):.0f} tokens/round"
+        )
     ratio = statistics.median(results["episodes"]) / statistics.median(results["single"])
     print(f"ratio episodes/single (tokens/s): {ratio:.2f}")
     print(f"load average at end: {os.getloadavg()}")

@@ -151,8 +151,15 @@ def build_backend(name: str, args: argparse.Namespace) -> Any:
     lora = {"rank": args.lora, "alpha": 2 * args.lora} if args.lora else None
     common = {"lora": lora, "device": args.device, "dtype": args.dtype, "num_threads": args.threads, "threaded": False}
     if name == "qwen3":
-        return LocalBackend(model="tiny_qwen3", model_kwargs={"hidden_size": args.qwen3_hidden,
-                            "intermediate_size": 2 * args.qwen3_hidden, "max_position_embeddings": 8192}, **common)  # fmt: skip
+        return LocalBackend(
+            model="tiny_qwen3",
+            model_kwargs={
+                "hidden_size": args.qwen3_hidden,
+                "intermediate_size": 2 * args.qwen3_hidden,
+                "max_position_embeddings": 8192,
+            },
+            **common,
+        )
     if name == "smollm2":
         from tempering.plugins.models.smollm2 import smollm2
 
@@ -205,8 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smollm2-layers", type=int, default=4, help="keep SmolLM2's first N of 30 layers")
     p.add_argument("--qwen3-hidden", type=int, default=128, help="tiny_qwen3's width (Qwen3-0.6B: 1024)")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
-    p.add_argument("--max-gb", type=float, default=6.0,
-                   help="skip the old path where its float32 (rows, T, V) tensors would need more (GiB)")
+    p.add_argument(
+        "--max-gb",
+        type=float,
+        default=6.0,
+        help="skip the old path where its float32 (rows, T, V) tensors would need more (GiB)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--json", default=None)
@@ -231,8 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models:
         backend = build_backend(name, args)
         vocab = backend.model.config.vocab_size
-        print(f"{name}: {describe(backend)}; {args.dtype}, {args.device}, "
-              f"{'LoRA r=' + str(args.lora) if args.lora else 'full FT'}", flush=True)  # fmt: skip
+        print(
+            f"{name}: {describe(backend)}; {args.dtype}, {args.device}, "
+            f"{'LoRA r=' + str(args.lora) if args.lora else 'full FT'}",
+            flush=True,
+        )
         for j, length in enumerate(args.lengths):
             batch = rl_batch(args.rows, length, args.completion, vocab, seed=length)
             # the old path holds ~4 float32 (rows, T, V) tensors at once (logits, log-softmax, their gradients)
@@ -245,7 +259,13 @@ def main(argv: list[str] | None = None) -> int:
                     backend.model.zero_grad(set_to_none=True)
                     if i or j:
                         runs[path].append(measured)
-            row: dict[str, Any] = {"model": name, "vocab": vocab, "T": length, "rows": args.rows, "old_estimate_gib": old_estimate}
+            row: dict[str, Any] = {
+                "model": name,
+                "vocab": vocab,
+                "T": length,
+                "rows": args.rows,
+                "old_estimate_gib": old_estimate,
+            }
             for path, values in runs.items():
                 row[f"{path}_wall"] = statistics.median(w for w, _, _ in values)
                 row[f"{path}_s"] = statistics.median(c if device.type == "cpu" else w for w, c, _ in values)
@@ -259,11 +279,15 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     cpu_time = "CPU time of this process (all threads): steadier than wall time on a shared machine"
-    print(f"torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} CPUs; rows {args.rows}, "
-          f"completion {args.completion:.0%} of each row; medians of {args.repeats} calls, peak = max; time = "
-          f"{cpu_time if device.type == 'cpu' else 'wall'}")  # fmt: skip
-    print(f"load average (1/5/15 min) at start {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}, "
-          f"at end {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}; whole run {time.perf_counter() - t_start:.0f} s")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} CPUs; rows {args.rows}, "
+        f"completion {args.completion:.0%} of each row; medians of {args.repeats} calls, peak = max; time = "
+        f"{cpu_time if device.type == 'cpu' else 'wall'}"
+    )
+    print(
+        f"load average (1/5/15 min) at start {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}, "
+        f"at end {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}; whole run {time.perf_counter() - t_start:.0f} s"
+    )
     print()
     print("| model | vocab | T | peak old | peak new | new/old | time old | time new | new/old |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -271,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['model']} | {r['vocab']:,} | {r['T']} | " + " | ".join(cells(r, markdown=True)) + " |")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"args": vars(args), "load_start": load_start, "load_end": load_end, "results": results}, fh, indent=2)
+            json.dump(
+                {"args": vars(args), "load_start": load_start, "load_end": load_end, "results": results}, fh, indent=2
+            )
     return 0
 
 

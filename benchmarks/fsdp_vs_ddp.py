@@ -46,8 +46,18 @@ def launch(args: argparse.Namespace) -> None:
     """Run this file under torchrun and print the table rank 0 left behind."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-               __file__, *sys.argv[1:], "--out", out]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(args.nproc),
+            __file__,
+            *sys.argv[1:],
+            "--out",
+            out,
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
         load_start = os.getloadavg()
         subprocess.run(cmd, env=env, check=True)
@@ -123,17 +133,23 @@ def report(result: dict[str, Any], args: argparse.Namespace, load_start: tuple, 
         return statistics.median(xs), q[2] - q[0]
 
     kind = "LoRA r=8" if args.lora else "full fine-tuning"
-    print(f"\n{result['world']} gloo ranks, tiny_llama {result['params']:,} params, {kind}, "
-          f"{args.rows} rows/rank, {args.steps} steps per side after {args.warmup} warmup")  # fmt: skip
+    print(
+        f"\n{result['world']} gloo ranks, tiny_llama {result['params']:,} params, {kind}, "
+        f"{args.rows} rows/rank, {args.steps} steps per side after {args.warmup} warmup"
+    )
     print(f"{'':6} {'median ms':>10} {'IQR ms':>8} {'weights+Adam held per rank':>28}")
     med = {}
     for mode in ("ddp", "fsdp"):
         med[mode], iqr = stats(result["times"][mode])
         print(f"{mode:6} {1e3 * med[mode]:10.1f} {1e3 * iqr:8.1f} {result['held'][mode] / 2**20:24.2f} MiB")
-    print(f"ratio fsdp/ddp step time: {med['fsdp'] / med['ddp']:.2f}x; "
-          f"memory held fsdp/ddp: {result['held']['fsdp'] / result['held']['ddp']:.2f}x")  # fmt: skip
-    print(f"load average (1/5/15 min) at start {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}, "
-          f"at end {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}")  # fmt: skip
+    print(
+        f"ratio fsdp/ddp step time: {med['fsdp'] / med['ddp']:.2f}x; "
+        f"memory held fsdp/ddp: {result['held']['fsdp'] / result['held']['ddp']:.2f}x"
+    )
+    print(
+        f"load average (1/5/15 min) at start {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}, "
+        f"at end {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -37,14 +37,33 @@ def measure(engine: str, args: argparse.Namespace) -> dict[str, Any]:
     from tempering.types import SamplingParams
 
     smol = args.model == "smollm2"
-    model_kwargs = {} if smol else {"hidden_size": args.hidden, "num_layers": args.layers, "num_heads": args.hidden // 32,
-                                    "intermediate_size": 2 * args.hidden, "max_position_embeddings": 128}  # fmt: skip
+    model_kwargs = (
+        {}
+        if smol
+        else {
+            "hidden_size": args.hidden,
+            "num_layers": args.layers,
+            "num_heads": args.hidden // 32,
+            "intermediate_size": 2 * args.hidden,
+            "max_position_embeddings": 128,
+        }
+    )
     options = {"max_model_len": 512 if smol else 128, "kv_cache_space_gib": 1, "enforce_eager": args.eager}
     extra = {"vllm": options} if engine == "vllm" else {}
-    backend = LocalBackend(model=args.model, model_kwargs=model_kwargs, num_threads=args.threads, seed=0,
-                           engine=engine, device=args.device, dtype=args.dtype, **extra)  # fmt: skip
-    prompts = [chat_prompt(backend.tokenizer, i) if smol else backend.tokenizer.encode(f"{i}+{3 * i + 1}=")
-               for i in range(args.prompts)]  # fmt: skip
+    backend = LocalBackend(
+        model=args.model,
+        model_kwargs=model_kwargs,
+        num_threads=args.threads,
+        seed=0,
+        engine=engine,
+        device=args.device,
+        dtype=args.dtype,
+        **extra,
+    )
+    prompts = [
+        chat_prompt(backend.tokenizer, i) if smol else backend.tokenizer.encode(f"{i}+{3 * i + 1}=")
+        for i in range(args.prompts)
+    ]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0)
     t0 = time.perf_counter()
     backend.sample(prompts, args.samples, params).result()
@@ -57,8 +76,13 @@ def measure(engine: str, args: argparse.Namespace) -> dict[str, Any]:
         lengths += [len(c.tokens) for g in groups for c in g]
         rates.append(sum(len(c.tokens) for g in groups for c in g) / elapsed)
     backend.close()
-    return {"engine": engine, "first_call_s": first, "tokens_per_s": statistics.median(rates), "rounds": rates,
-            "mean_len": statistics.mean(lengths)}  # fmt: skip
+    return {
+        "engine": engine,
+        "first_call_s": first,
+        "tokens_per_s": statistics.median(rates),
+        "rounds": rates,
+        "mean_len": statistics.mean(lengths),
+    }
 
 
 TOPICS = ["the sea", "a lost key", "winter", "a robot", "bread", "a long train journey", "a garden", "the moon"]
@@ -86,14 +110,22 @@ def main() -> None:
     args = parser.parse_args()
 
     print(f"load average before: {os.getloadavg()}  cpus: {os.cpu_count()}  python {sys.version.split()[0]}")
-    model = "SmolLM2-135M-Instruct" if args.model == "smollm2" else f"tiny Llama hidden {args.hidden} x {args.layers} layers"
-    print(f"{args.prompts} prompts x {args.samples} samples x up to {args.max_tokens} tokens, {model}, "
-          f"{args.device}/{args.dtype}, {args.rounds} timed rounds after a warm-up")  # fmt: skip
+    model = (
+        "SmolLM2-135M-Instruct"
+        if args.model == "smollm2"
+        else f"tiny Llama hidden {args.hidden} x {args.layers} layers"
+    )
+    print(
+        f"{args.prompts} prompts x {args.samples} samples x up to {args.max_tokens} tokens, {model}, "
+        f"{args.device}/{args.dtype}, {args.rounds} timed rounds after a warm-up"
+    )
     results = [measure("generate", args), measure("vllm", args)]
     print(f"\n{'engine':9s} {'tokens/s':>9s} {'first call':>10s} {'mean len':>8s}   rounds (tokens/s)")
     for r in results:
-        print(f"{r['engine']:9s} {r['tokens_per_s']:9.0f} {r['first_call_s']:9.1f}s {r['mean_len']:8.1f}   "
-              f"{', '.join(f'{x:.0f}' for x in r['rounds'])}")  # fmt: skip
+        print(
+            f"{r['engine']:9s} {r['tokens_per_s']:9.0f} {r['first_call_s']:9.1f}s {r['mean_len']:8.1f}   "
+            f"{', '.join(f'{x:.0f}' for x in r['rounds'])}"
+        )
     ratio = results[1]["tokens_per_s"] / results[0]["tokens_per_s"]
     print(f"vllm / generate throughput: {ratio:.2f}x")
     print(f"\nload average after: {os.getloadavg()}")

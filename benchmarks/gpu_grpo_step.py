@@ -29,8 +29,14 @@ import tempfile
 import time
 from typing import Any
 
-QWEN3_1_7B = {"hidden_size": 2048, "num_layers": 28, "num_heads": 16, "num_kv_heads": 8, "intermediate_size": 6144,
-              "max_position_embeddings": 4096}  # fmt: skip
+QWEN3_1_7B = {
+    "hidden_size": 2048,
+    "num_layers": 28,
+    "num_heads": 16,
+    "num_kv_heads": 8,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 4096,
+}
 
 
 def run_variant(args: argparse.Namespace, lora: dict[str, Any] | None, out: str) -> dict[str, float]:
@@ -41,23 +47,50 @@ def run_variant(args: argparse.Namespace, lora: dict[str, Any] | None, out: str)
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    backend = {"name": "local", "model": args.model, "model_kwargs": args.model_kwargs, "device": args.device,
-               "dtype": args.dtype, "lora": lora, "sample_batch_size": args.prompts * args.group}  # fmt: skip
-    stage = {"name": "grpo", "dataset": {"name": "arithmetic"}, "reward": "exact_match", "steps": args.steps,
-             "prompts_per_step": args.prompts, "group_size": args.group, "max_tokens": args.max_tokens,
-             "temperature": 1.0, "log_kl": False, "drop_zero_variance": False,
-             "loss": {"name": "grpo", "loss_type": "dapo", "beta": 0.0},
-             "optimizer": {"learning_rate": 1e-5}}  # fmt: skip
+    backend = {
+        "name": "local",
+        "model": args.model,
+        "model_kwargs": args.model_kwargs,
+        "device": args.device,
+        "dtype": args.dtype,
+        "lora": lora,
+        "sample_batch_size": args.prompts * args.group,
+    }
+    stage = {
+        "name": "grpo",
+        "dataset": {"name": "arithmetic"},
+        "reward": "exact_match",
+        "steps": args.steps,
+        "prompts_per_step": args.prompts,
+        "group_size": args.group,
+        "max_tokens": args.max_tokens,
+        "temperature": 1.0,
+        "log_kl": False,
+        "drop_zero_variance": False,
+        "loss": {"name": "grpo", "loss_type": "dapo", "beta": 0.0},
+        "optimizer": {"learning_rate": 1e-5},
+    }
     t0 = time.perf_counter()
-    Recipe(name="gpu_grpo_step", backend=backend, stages=[stage], loggers=["jsonl"], output_dir=out,
-           checkpoint_minutes=0, keep_checkpoints=1).run()  # fmt: skip
+    Recipe(
+        name="gpu_grpo_step",
+        backend=backend,
+        stages=[stage],
+        loggers=["jsonl"],
+        output_dir=out,
+        checkpoint_minutes=0,
+        keep_checkpoints=1,
+    ).run()
     wall = time.perf_counter() - t0
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"step_time"' in line]
     steps = [r for r in rows if "reward/mean" in r][1:]  # the first step warms up kernels and allocators
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else float("nan")
-    return {"step_s": statistics.median(r["step_time"] for r in steps),
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps),
-            "peak_gib": peak, "wall_s": wall, "mean_len": statistics.median(r["completion/mean_len"] for r in steps)}  # fmt: skip
+    return {
+        "step_s": statistics.median(r["step_time"] for r in steps),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps),
+        "peak_gib": peak,
+        "wall_s": wall,
+        "mean_len": statistics.median(r["completion/mean_len"] for r in steps),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,9 +101,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--model", default="tiny_qwen3", help="a registered model builder: tiny_qwen3 (random, built in code) or smollm2")
-    p.add_argument("--model-kwargs", type=json.loads, default=None, metavar="JSON",
-                   help="the builder's arguments (default: Qwen3-1.7B's shape for tiny_qwen3, none otherwise)")
+    p.add_argument(
+        "--model",
+        default="tiny_qwen3",
+        help="a registered model builder: tiny_qwen3 (random, built in code) or smollm2",
+    )
+    p.add_argument(
+        "--model-kwargs",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="the builder's arguments (default: Qwen3-1.7B's shape for tiny_qwen3, none otherwise)",
+    )
     p.add_argument("--variants", default="lora,full", help="comma-separated: lora (rank 32), full")
     args = p.parse_args(argv)
     if args.steps < 2:
@@ -80,20 +122,28 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    print(f"torch {torch.__version__}, device {args.device}"
-          + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else "")
-          + f", dtype {args.dtype}, model {args.model} {json.dumps(args.model_kwargs)}", flush=True)  # fmt: skip
+    print(
+        f"torch {torch.__version__}, device {args.device}"
+        + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else "")
+        + f", dtype {args.dtype}, model {args.model} {json.dumps(args.model_kwargs)}",
+        flush=True,
+    )
     variants = {"lora": {"rank": 32, "alpha": 64}, "full": None}
     results = {}
     with tempfile.TemporaryDirectory(prefix="gpu_grpo_") as tmp:
         for name in args.variants.split(","):
             results[name] = r = run_variant(args, variants[name], os.path.join(tmp, name))
-            print(f"{name:>5}: step {r['step_s']:.2f} s (median of {args.steps - 1}), {r['tokens_per_s']:.0f} generated "
-                  f"tokens/s, mean completion {r['mean_len']:.1f} tokens, peak {r['peak_gib']:.1f} GiB, "
-                  f"wall {r['wall_s']:.0f} s", flush=True)  # fmt: skip
+            print(
+                f"{name:>5}: step {r['step_s']:.2f} s (median of {args.steps - 1}), {r['tokens_per_s']:.0f} generated "
+                f"tokens/s, mean completion {r['mean_len']:.1f} tokens, peak {r['peak_gib']:.1f} GiB, "
+                f"wall {r['wall_s']:.0f} s",
+                flush=True,
+            )
     if {"lora", "full"} <= set(results):
-        print(f"lora / full: step time {results['lora']['step_s'] / results['full']['step_s']:.2f}x, "
-              f"peak memory {results['lora']['peak_gib'] / results['full']['peak_gib']:.2f}x")  # fmt: skip
+        print(
+            f"lora / full: step time {results['lora']['step_s'] / results['full']['step_s']:.2f}x, "
+            f"peak memory {results['lora']['peak_gib'] / results['full']['peak_gib']:.2f}x"
+        )
     return 0
 
 

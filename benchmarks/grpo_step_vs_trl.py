@@ -166,7 +166,12 @@ def lora_params(args: argparse.Namespace) -> dict[str, Any] | None:
     task_type="CAUSAL_LM")``: :func:`trl_peft_config` is the same config for TRL."""
     if not args.lora:
         return None
-    return {"rank": args.lora, "alpha": args.lora_alpha or 2.0 * args.lora, "dropout": 0.0, "target_modules": "all-linear"}
+    return {
+        "rank": args.lora,
+        "alpha": args.lora_alpha or 2.0 * args.lora,
+        "dropout": 0.0,
+        "target_modules": "all-linear",
+    }
 
 
 def trl_peft_config(args: argparse.Namespace) -> Any:
@@ -175,8 +180,13 @@ def trl_peft_config(args: argparse.Namespace) -> Any:
         return None
     from peft import LoraConfig
 
-    return LoraConfig(r=params["rank"], lora_alpha=params["alpha"], lora_dropout=params["dropout"],
-                      target_modules=params["target_modules"], task_type="CAUSAL_LM")  # fmt: skip
+    return LoraConfig(
+        r=params["rank"],
+        lora_alpha=params["alpha"],
+        lora_dropout=params["dropout"],
+        target_modules=params["target_modules"],
+        task_type="CAUSAL_LM",
+    )
 
 
 def trainable_count(model: Any) -> int:
@@ -191,8 +201,9 @@ def exact_match(completion: str, answer: str) -> float:
 class Ours:
     """A GRPO stage's ``train_step`` on a LocalBackend, set up the way ``Stage.run`` sets it up."""
 
-    def __init__(self, args: argparse.Namespace, examples: list[dict[str, Any]], out_dir: str, log_kl: bool,
-                 kl_every: int = 10) -> None:  # fmt: skip
+    def __init__(
+        self, args: argparse.Namespace, examples: list[dict[str, Any]], out_dir: str, log_kl: bool, kl_every: int = 10
+    ) -> None:
         from tempering.algorithms.grpo.algorithm import GRPO
         from tempering.plugins.backends.local.backend import LocalBackend
         from tempering.registry import get_registry
@@ -200,18 +211,34 @@ class Ours:
         from tempering.training.stage import OptimizerConfig
 
         registry = get_registry()
-        self.backend = LocalBackend(model=args.model, model_kwargs=args.model_kwargs, seed=0, num_threads=args.threads,
-                                    device=args.device, dtype=args.dtype, lora=lora_params(args))  # fmt: skip
+        self.backend = LocalBackend(
+            model=args.model,
+            model_kwargs=args.model_kwargs,
+            seed=0,
+            num_threads=args.threads,
+            device=args.device,
+            dtype=args.dtype,
+            lora=lora_params(args),
+        )
         self.ctx = RunContext(registry, self.backend, {}, out_dir, [], 0)  # no loggers, no checkpoints
         self.grpo = GRPO(
-            dataset=examples, reward=lambda text, ex: exact_match(text, ex["answer"]), advantage="group_norm",
+            dataset=examples,
+            reward=lambda text, ex: exact_match(text, ex["answer"]),
+            advantage="group_norm",
             loss={"name": "grpo", "loss_type": "dapo", "beta": 0.0, "epsilon_low": 0.2, "epsilon_high": 0.2},
-            steps=args.warmup + args.steps, prompts_per_step=args.prompts, group_size=args.group,
-            max_tokens=args.max_tokens, temperature=1.0, optimizer={"learning_rate": args.lr},
-            log_kl=log_kl, kl_every=kl_every, renderer="raw",  # the prompt text as it is, as TRL gets it
-        )  # fmt: skip
-        self.grpo._optimizer = OptimizerConfig(learning_rate=args.lr, beta1=0.9, beta2=0.95, eps=1e-8,
-                                               weight_decay=0.0, grad_clip_norm=1.0)  # fmt: skip
+            steps=args.warmup + args.steps,
+            prompts_per_step=args.prompts,
+            group_size=args.group,
+            max_tokens=args.max_tokens,
+            temperature=1.0,
+            optimizer={"learning_rate": args.lr},
+            log_kl=log_kl,
+            kl_every=kl_every,
+            renderer="raw",  # the prompt text as it is, as TRL gets it
+        )
+        self.grpo._optimizer = OptimizerConfig(
+            learning_rate=args.lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, grad_clip_norm=1.0
+        )
         self.grpo.setup(self.ctx, {})  # what Stage.run does before the first step (incl. the KL reference)
         self.timer = ModelTimer()
         instrument(self.backend.model, self.timer)
@@ -244,8 +271,9 @@ class Ours:
         return StepRecord(dt, t.generate, t.forward, t.backward, self._opt_seconds, tokens, t.decode_steps)
 
 
-def build_trl(args: argparse.Namespace, examples: list[dict[str, Any]], model_dir: str, out_dir: str,
-              on_step: Callable[[], None]):  # fmt: skip
+def build_trl(
+    args: argparse.Namespace, examples: list[dict[str, Any]], model_dir: str, out_dir: str, on_step: Callable[[], None]
+):
     """A TRL 1.16 GRPOTrainer whose one optimizer step is one generation batch of
     ``prompts x group`` completions, plus the callback that times its steps."""
     import trl
@@ -255,22 +283,50 @@ def build_trl(args: argparse.Namespace, examples: list[dict[str, Any]], model_di
     assert trl.__version__.startswith("1.16"), f"this benchmark targets TRL 1.16, found {trl.__version__}"
     rows = args.prompts * args.group
     config = trl.GRPOConfig(
-        output_dir=os.path.join(out_dir, "trl_out"), report_to="none", save_strategy="no", disable_tqdm=True,
-        use_cpu=args.device == "cpu", bf16=args.dtype == "bfloat16", fp16=False, seed=0, dataloader_num_workers=0,
+        output_dir=os.path.join(out_dir, "trl_out"),
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        use_cpu=args.device == "cpu",
+        bf16=args.dtype == "bfloat16",
+        fp16=False,
+        seed=0,
+        dataloader_num_workers=0,
         model_init_kwargs={"dtype": args.dtype},
-        per_device_train_batch_size=rows, gradient_accumulation_steps=1, num_generations=args.group,
+        per_device_train_batch_size=rows,
+        gradient_accumulation_steps=1,
+        num_generations=args.group,
         # generation_batch_size / steps_per_generation left unset: TRL derives steps_per_generation =
         # gradient_accumulation_steps = 1 and generation_batch_size = rows (asserted below).
-        num_iterations=1, max_completion_length=args.max_tokens, pad_to_multiple_of=None,
-        temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0, use_vllm=False,
-        loss_type="dapo", beta=0.0, epsilon=0.2, scale_rewards="group", mask_truncated_completions=False,
-        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
-        adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
-        max_steps=args.warmup + args.steps, logging_steps=10**6, log_completions=False,
+        num_iterations=1,
+        max_completion_length=args.max_tokens,
+        pad_to_multiple_of=None,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        repetition_penalty=1.0,
+        use_vllm=False,
+        loss_type="dapo",
+        beta=0.0,
+        epsilon=0.2,
+        scale_rewards="group",
+        mask_truncated_completions=False,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch",
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_epsilon=1e-8,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        max_steps=args.warmup + args.steps,
+        logging_steps=10**6,
+        log_completions=False,
         # TRL's GRPOConfig turns activation checkpointing on by default (recomputing the forward in
         # backward to save memory); we never do, so by default it is off here too: same compute.
         gradient_checkpointing=args.trl_gradient_checkpointing,
-    )  # fmt: skip
+    )
     assert (config.steps_per_generation, config.generation_batch_size) == (1, rows), (
         config.steps_per_generation,
         config.generation_batch_size,
@@ -283,7 +339,11 @@ def build_trl(args: argparse.Namespace, examples: list[dict[str, Any]], model_di
     dataset = Dataset.from_list([{"prompt": e["prompt"], "answer": e["answer"]} for e in examples])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     trainer = trl.GRPOTrainer(
-        model=model_dir, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer,
+        model=model_dir,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
         peft_config=trl_peft_config(args),
     )
     assert next(trainer.model.parameters()).dtype == getattr(torch, args.dtype)
@@ -352,8 +412,11 @@ def summary(recs: list[StepRecord]) -> dict[str, Any]:
     shares = [r.overhead / r.seconds for r in recs]
     med, lo, hi = median_iqr(shares)
     out["overhead_share"] = {"median": med, "q1": lo, "q3": hi}
-    out["tokens"] = {"median": statistics.median(r.tokens for r in recs), "min": min(r.tokens for r in recs),
-                     "max": max(r.tokens for r in recs)}  # fmt: skip
+    out["tokens"] = {
+        "median": statistics.median(r.tokens for r in recs),
+        "min": min(r.tokens for r in recs),
+        "max": max(r.tokens for r in recs),
+    }
     out["decode_steps"] = statistics.median(r.decode_steps for r in recs)
     out["steps"] = [r.__dict__ for r in recs]
     return out
@@ -390,18 +453,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=8, help="max completion tokens")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--threads", type=int, default=1, help="torch threads (both sides, one process)")
-    p.add_argument("--trl-gradient-checkpointing", action="store_true",
-                   help="leave TRL's default gradient_checkpointing=True on (more compute on TRL's side)")
-    p.add_argument("--no-log-kl", dest="with_log_kl", action="store_false",
-                   help="skip the 'ours default' and 'ours kl/step' columns (KL logging: extra reference forwards)")
+    p.add_argument(
+        "--trl-gradient-checkpointing",
+        action="store_true",
+        help="leave TRL's default gradient_checkpointing=True on (more compute on TRL's side)",
+    )
+    p.add_argument(
+        "--no-log-kl",
+        dest="with_log_kl",
+        action="store_false",
+        help="skip the 'ours default' and 'ours kl/step' columns (KL logging: extra reference forwards)",
+    )
     p.add_argument("--json", default=None, help="also write the raw per-step numbers here")
     p.add_argument("--model", default="tiny_llama", help="a registered model builder (tiny_llama, tiny_qwen3, ...)")
-    p.add_argument("--model-kwargs", type=json.loads, default={}, metavar="JSON",
-                   help='its keys, e.g. \'{"hidden_size": 2048, "num_layers": 28}\' (a Qwen3-1.7B shape: benchmarks/gpu_check.sh)')
+    p.add_argument(
+        "--model-kwargs",
+        type=json.loads,
+        default={},
+        metavar="JSON",
+        help='its keys, e.g. \'{"hidden_size": 2048, "num_layers": 28}\' (a Qwen3-1.7B shape: benchmarks/gpu_check.sh)',
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda (both sides)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute (both sides)")
-    p.add_argument("--lora", type=int, default=0, metavar="RANK",
-                   help="train a LoRA adapter of this rank on both sides (all linear layers, dropout 0); 0: full FT")
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute (both sides)"
+    )
+    p.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="RANK",
+        help="train a LoRA adapter of this rank on both sides (all linear layers, dropout 0); 0: full FT",
+    )
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
     args = p.parse_args(argv)
 
@@ -474,43 +556,83 @@ def main(argv: list[str] | None = None) -> int:
     w = 34
     print()
     versions = f"transformers {sys.modules['transformers'].__version__}, torch {torch.__version__}"
-    print(f"GRPO step, ours vs TRL {sys.modules['trl'].__version__} ({versions}, {args.threads} thread(s), "
-          f"{os.cpu_count()} CPUs)")  # fmt: skip
+    print(
+        f"GRPO step, ours vs TRL {sys.modules['trl'].__version__} ({versions}, {args.threads} thread(s), "
+        f"{os.cpu_count()} CPUs)"
+    )
     tuning = f"LoRA r={args.lora} alpha={lora_params(args)['alpha']:g}" if args.lora else "full FT"
-    print(f"model {args.model} ({n_params / 1e6:.2f}M params, {tuning}: {n_trainable / 1e6:.2f}M trainable, "
-          f"{args.dtype}, {args.device}); per step {args.prompts} prompts x "
-          f"{args.group} completions = {rows} rows, max {args.max_tokens} tokens, lr {args.lr}, dapo, beta 0; "
-          f"TRL gradient_checkpointing={args.trl_gradient_checkpointing}")  # fmt: skip
-    print(f"{args.warmup} warmup + {args.steps} measured steps per side, interleaved (TRL step, then ours); "
-          "medians [IQR]")  # fmt: skip
-    print(f"load average (1/5/15 min) at start {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}, "
-          f"at end {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}")  # fmt: skip
+    print(
+        f"model {args.model} ({n_params / 1e6:.2f}M params, {tuning}: {n_trainable / 1e6:.2f}M trainable, "
+        f"{args.dtype}, {args.device}); per step {args.prompts} prompts x "
+        f"{args.group} completions = {rows} rows, max {args.max_tokens} tokens, lr {args.lr}, dapo, beta 0; "
+        f"TRL gradient_checkpointing={args.trl_gradient_checkpointing}"
+    )
+    print(
+        f"{args.warmup} warmup + {args.steps} measured steps per side, interleaved (TRL step, then ours); medians [IQR]"
+    )
+    print(
+        f"load average (1/5/15 min) at start {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}, "
+        f"at end {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}"
+    )
     print()
     print(f"{'':32}" + "".join(f"{c:>{w}}" for c in cols))
-    for key, label in (("seconds", "step"), ("generate", "  generate"), ("forward", "  forward (outside generate)"),
-                       ("backward", "  backward"), ("optimizer", "  optimizer step (clip+AdamW)"),
-                       ("overhead", "  overhead = step - model")):  # fmt: skip
+    for key, label in (
+        ("seconds", "step"),
+        ("generate", "  generate"),
+        ("forward", "  forward (outside generate)"),
+        ("backward", "  backward"),
+        ("optimizer", "  optimizer step (clip+AdamW)"),
+        ("overhead", "  overhead = step - model"),
+    ):
         print(f"{label:32}" + "".join(f"{fmt(res[c][key]):>{w}}" for c in cols))
     print(f"{'overhead share':32}" + "".join(f"{fmt(res[c]['overhead_share'], 100, '%'):>{w}}" for c in cols))
-    print(f"{'completion tokens / step':32}" + "".join(
-        f"{res[c]['tokens']['median']:>{w - 16}.0f} [{res[c]['tokens']['min']}-{res[c]['tokens']['max']}]".rjust(w)
-        for c in cols))  # fmt: skip
+    print(
+        f"{'completion tokens / step':32}"
+        + "".join(
+            f"{res[c]['tokens']['median']:>{w - 16}.0f} [{res[c]['tokens']['min']}-{res[c]['tokens']['max']}]".rjust(w)
+            for c in cols
+        )
+    )
     print(f"{'generate width (new positions)':32}" + "".join(f"{res[c]['decode_steps']:>{w}.0f}" for c in cols))
     print()
     for name in sides:
         med, lo, hi = pair[name]
-        print(f"ratio {name}/TRL (median step times): {ratios[name]:.3f}   (per interleaved pair: median {med:.3f}, "
-              f"IQR {lo:.3f}-{hi:.3f}; mean step times: {mean_ratios[name]:.3f}; target <= 1.0)")  # fmt: skip
+        print(
+            f"ratio {name}/TRL (median step times): {ratios[name]:.3f}   (per interleaved pair: median {med:.3f}, "
+            f"IQR {lo:.3f}-{hi:.3f}; mean step times: {mean_ratios[name]:.3f}; target <= 1.0)"
+        )
     print(f"TRL loop between timed steps (data fetch, logging): median {between_med * 1000:.1f} ms, not counted above")
     print(f"TRL trainer setup {trl_setup:.1f} s (incl. import trl); whole run {time.perf_counter() - t_start:.1f} s")
     if args.json:
-        keys = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
-                "generation_batch_size", "steps_per_generation", "num_iterations", "max_completion_length",
-                "loss_type", "beta", "learning_rate", "gradient_checkpointing")  # fmt: skip
+        keys = (
+            "per_device_train_batch_size",
+            "gradient_accumulation_steps",
+            "num_generations",
+            "generation_batch_size",
+            "steps_per_generation",
+            "num_iterations",
+            "max_completion_length",
+            "loss_type",
+            "beta",
+            "learning_rate",
+            "gradient_checkpointing",
+        )
         with open(args.json, "w") as fh:
-            json.dump({"args": vars(args), "load_start": load_start, "load_end": load_end, "results": res,
-                       "ratios": ratios, "mean_ratios": mean_ratios, "trl_between_steps": between,
-                       "trl_config": {k: getattr(config, k) for k in keys}}, fh, indent=2, default=str)  # fmt: skip
+            json.dump(
+                {
+                    "args": vars(args),
+                    "load_start": load_start,
+                    "load_end": load_end,
+                    "results": res,
+                    "ratios": ratios,
+                    "mean_ratios": mean_ratios,
+                    "trl_between_steps": between,
+                    "trl_config": {k: getattr(config, k) for k in keys},
+                },
+                fh,
+                indent=2,
+                default=str,
+            )
     return 0
 
 

@@ -124,8 +124,10 @@ def main() -> None:
         pool.close()
 
     ideal = args.n * args.ms / 1000
-    print(f"rewards_bench: {args.n} samples x {args.ms:.0f} ms CPU-bound reward, {cores} cores, "
-          f"{pool.workers} pool workers, best of {args.repeats}")
+    print(
+        f"rewards_bench: {args.n} samples x {args.ms:.0f} ms CPU-bound reward, {cores} cores, "
+        f"{pool.workers} pool workers, best of {args.repeats}"
+    )
     print(f"  {'mode':<44} {'seconds':>8} {'ratio':>22}")
     print(f"  {'sequential (inline)':<44} {seq:8.3f} {'1.00x (ideal ' + format(ideal, '.2f') + ' s)':>22}")
     print(f"  {'process pool':<44} {par:8.3f} {format(seq / par, '.2f') + 'x faster than seq':>22}")
@@ -137,12 +139,31 @@ def main() -> None:
         print(f"  {'  streamed, scored as they arrive':<44} {stream:8.3f} {stream_cell:>22}")
         print(f"  {'  streamed vs after-batch':<44} {'':>8} {format(after / stream, '.2f') + 'x faster':>22}")
     if args.json:
-        print(json.dumps({
-            "n": args.n, "ms": args.ms, "cores": cores, "workers": pool.workers, "sequential_s": seq, "pool_s": par,
-            "pool_speedup": seq / par,
-            "arrivals": [{"gap_ms": g * 1000, "after_batch_s": a, "after_first_s": af, "streamed_s": s,
-                          "streamed_first_s": sf, "streamed_speedup": a / s} for g, a, af, s, sf in rows],
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "n": args.n,
+                    "ms": args.ms,
+                    "cores": cores,
+                    "workers": pool.workers,
+                    "sequential_s": seq,
+                    "pool_s": par,
+                    "pool_speedup": seq / par,
+                    "arrivals": [
+                        {
+                            "gap_ms": g * 1000,
+                            "after_batch_s": a,
+                            "after_first_s": af,
+                            "streamed_s": s,
+                            "streamed_first_s": sf,
+                            "streamed_speedup": a / s,
+                        }
+                        for g, a, af, s, sf in rows
+                    ],
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

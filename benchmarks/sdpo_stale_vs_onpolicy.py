@@ -51,8 +51,12 @@ async def slow_exact_match(completion: str, example: dict[str, Any]) -> Any:
     return ExactMatch()(completion, example)
 
 
-STALE = {"max_steps_off_policy": 3, "loss": {"name": "clipped_is"}, "distillation_is_clip": 2.0,
-         "distillation_is_clip_low": 0.5}  # fmt: skip
+STALE = {
+    "max_steps_off_policy": 3,
+    "loss": {"name": "clipped_is"},
+    "distillation_is_clip": 2.0,
+    "distillation_is_clip_low": 0.5,
+}
 
 
 def run_one(config: str, seed: int, steps: int, concurrency: int) -> dict[str, Any]:
@@ -73,8 +77,15 @@ def run_one(config: str, seed: int, steps: int, concurrency: int) -> dict[str, A
     evals = [h["eval/accuracy"] for h in result.history if "eval/accuracy" in h and h.get("stage") == "rl"]
     keys = ("step_time", "time/rollout", "time/wait_rollouts", "time/train", "time/teacher", "offpolicy/staleness_mean")
     mean = {k: statistics.mean(r[k] for r in rows) for k in keys if all(k in r for r in rows)}
-    return {"config": config, "seed": seed, "rl_seconds": sum(r["step_time"] for r in rows), "steps": len(rows),
-            "before_rl": evals[-2], "after_rl": evals[-1], **{f"mean {k}": v for k, v in mean.items()}}  # fmt: skip
+    return {
+        "config": config,
+        "seed": seed,
+        "rl_seconds": sum(r["step_time"] for r in rows),
+        "steps": len(rows),
+        "before_rl": evals[-2],
+        "after_rl": evals[-1],
+        **{f"mean {k}": v for k, v in mean.items()},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,8 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for seed in args.seeds:
         for config in ("on-policy", "stale"):
-            cmd = [sys.executable, __file__, "--child", config, str(seed), "--steps", str(args.steps),
-                   "--concurrency", str(args.concurrency)]  # fmt: skip
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                config,
+                str(seed),
+                "--steps",
+                str(args.steps),
+                "--concurrency",
+                str(args.concurrency),
+            ]
             t0 = time.perf_counter()
             out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             if out.returncode:
@@ -107,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     for seed in args.seeds:
         base = next(r for r in rows if r["seed"] == seed and r["config"] == "on-policy")
         for r in (x for x in rows if x["seed"] == seed):
-            print(f"| {seed} | {r['config']} | {r['rl_seconds']:.1f} | {base['rl_seconds'] / r['rl_seconds']:.2f}x | "
-                  f"{r['before_rl']:.3f} | {r['after_rl']:.3f} | {r.get('mean offpolicy/staleness_mean', 0.0):.2f} |")
+            print(
+                f"| {seed} | {r['config']} | {r['rl_seconds']:.1f} | {base['rl_seconds'] / r['rl_seconds']:.2f}x | "
+                f"{r['before_rl']:.3f} | {r['after_rl']:.3f} | {r.get('mean offpolicy/staleness_mean', 0.0):.2f} |"
+            )
         s, t = base.get("mean time/rollout", 0.0), base["mean time/train"] + base.get("mean time/teacher", 0.0)
         if s and t:
             ideal = (s + t) / max(s, t)

@@ -28,8 +28,16 @@ from typing import Any
 os.environ.setdefault("TEMPERING_PROGRESS", "0")
 
 #: The sdpo stage's own keys, dropped for the GRPO run.
-SDPO_ONLY = ("distillation_mode", "distillation_alpha", "distillation_weight", "teacher", "use_successful_as_teacher",
-             "include_environment_feedback", "reprompt_template", "feedback_template")  # fmt: skip
+SDPO_ONLY = (
+    "distillation_mode",
+    "distillation_alpha",
+    "distillation_weight",
+    "teacher",
+    "use_successful_as_teacher",
+    "include_environment_feedback",
+    "reprompt_template",
+    "feedback_template",
+)
 
 
 def recipe(algo: str, seed: int, out: str, steps: int, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -58,10 +66,14 @@ def run_one(algo: str, seed: int, steps: int, overrides: dict[str, Any]) -> dict
         evals = [h for h in result.history if "eval/accuracy" in h and h.get("stage") == "rl"]
         rl = [h for h in result.history if "reward/mean" in h]
         return {  # the RL stage evaluates at its start (= after the warmup), every 10 steps and at the end
-            "algo": algo, "seed": seed, "after_warmup": evals[0]["eval/accuracy"],
-            "after_rl": evals[-1]["eval/accuracy"], "evals": [round(h["eval/accuracy"], 3) for h in evals],
-            "train_reward_last10": statistics.mean(h["reward/mean"] for h in rl[-10:]), "seconds": time.perf_counter() - t0,
-        }  # fmt: skip
+            "algo": algo,
+            "seed": seed,
+            "after_warmup": evals[0]["eval/accuracy"],
+            "after_rl": evals[-1]["eval/accuracy"],
+            "evals": [round(h["eval/accuracy"], 3) for h in evals],
+            "train_reward_last10": statistics.mean(h["reward/mean"] for h in rl[-10:]),
+            "seconds": time.perf_counter() - t0,
+        }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     rows = []
     for seed in args.seeds:
-        for algo in ([args.only] if args.only else ["sdpo", "grpo"]):
+        for algo in [args.only] if args.only else ["sdpo", "grpo"]:
             cmd = [sys.executable, __file__, "--child", algo, str(seed), "--steps", str(args.steps), "--set", args.set]
             out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             if out.returncode:
@@ -92,13 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     print("| algo | seed | held-out after warmup | after RL | change | train reward (last 10 steps) | seconds |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['algo']} | {r['seed']} | {r['after_warmup']:.3f} | {r['after_rl']:.3f} | "
-              f"{r['after_rl'] - r['after_warmup']:+.3f} | {r['train_reward_last10']:.3f} | {r['seconds']:.0f} |")
+        print(
+            f"| {r['algo']} | {r['seed']} | {r['after_warmup']:.3f} | {r['after_rl']:.3f} | "
+            f"{r['after_rl'] - r['after_warmup']:+.3f} | {r['train_reward_last10']:.3f} | {r['seconds']:.0f} |"
+        )
     for algo in sorted({r["algo"] for r in rows}):
         ours = [r for r in rows if r["algo"] == algo]
-        print(f"{algo}: after RL mean {statistics.mean(r['after_rl'] for r in ours):.3f} "
-              f"(range {min(r['after_rl'] for r in ours):.3f}-{max(r['after_rl'] for r in ours):.3f}), change mean "
-              f"{statistics.mean(r['after_rl'] - r['after_warmup'] for r in ours):+.3f}")
+        print(
+            f"{algo}: after RL mean {statistics.mean(r['after_rl'] for r in ours):.3f} "
+            f"(range {min(r['after_rl'] for r in ours):.3f}-{max(r['after_rl'] for r in ours):.3f}), change mean "
+            f"{statistics.mean(r['after_rl'] - r['after_warmup'] for r in ours):+.3f}"
+        )
     return 0
 
 

@@ -112,4 +112,3 @@ KINDS: dict[str, str] = {
     "renderer": "register_renderers",
     "harness": "register_harnesses",
 }
-

@@ -78,13 +78,42 @@ if TYPE_CHECKING:  # pragma: no cover
     from tempering.types import Batch
 
 __all__ = [
-    "ADVANTAGES", "ATTENTION_MASK", "BACKEND_INPUTS", "BUILTIN_LOSSES", "BuiltinLoss", "CLIPPED_BUILTINS",
-    "DISTILL_WEIGHTS", "DPO_SLOT", "DeclaresBuiltin", "INPUT_IDS", "LOGITS", "LOGIT_POSITIONS", "LossSetup",
-    "NUM_ITEMS_IN_BATCH", "NoBuiltin", "POLICY_BUILTINS", "REF_LOGPROBS", "ROW_INPUTS", "SAMPLER_LOGPROBS",
-    "SOFT_TARGET_IDS", "SOFT_TARGET_WEIGHTS", "StageAwareLoss", "TARGET_IDS", "TEACHER_LOGITS", "TEACHER_TOKEN_LOGPROBS",
-    "TEACHER_TOPK_IDS", "TEACHER_TOPK_LOGPROBS", "WEIGHTS", "builtin_config", "builtin_of", "check_reads",
-    "for_stage", "loss_reads", "names_builtin", "reads_input",
-]  # fmt: skip
+    "ADVANTAGES",
+    "ATTENTION_MASK",
+    "BACKEND_INPUTS",
+    "BUILTIN_LOSSES",
+    "BuiltinLoss",
+    "CLIPPED_BUILTINS",
+    "DISTILL_WEIGHTS",
+    "DPO_SLOT",
+    "DeclaresBuiltin",
+    "INPUT_IDS",
+    "LOGITS",
+    "LOGIT_POSITIONS",
+    "LossSetup",
+    "NUM_ITEMS_IN_BATCH",
+    "NoBuiltin",
+    "POLICY_BUILTINS",
+    "REF_LOGPROBS",
+    "ROW_INPUTS",
+    "SAMPLER_LOGPROBS",
+    "SOFT_TARGET_IDS",
+    "SOFT_TARGET_WEIGHTS",
+    "StageAwareLoss",
+    "TARGET_IDS",
+    "TEACHER_LOGITS",
+    "TEACHER_TOKEN_LOGPROBS",
+    "TEACHER_TOPK_IDS",
+    "TEACHER_TOPK_LOGPROBS",
+    "WEIGHTS",
+    "builtin_config",
+    "builtin_of",
+    "check_reads",
+    "for_stage",
+    "loss_reads",
+    "names_builtin",
+    "reads_input",
+]
 
 # --------------------------------------------------------------------------- batch inputs
 # A row's own fields (``Datum``), as Batch.to_tensors names them.
@@ -241,9 +270,13 @@ def builtin_of(loss: Any, batch: Batch) -> BuiltinLoss | NoBuiltin:
         name = getattr(loss, "tinker_builtin", None)
         if not name:
             return NoBuiltin(f"{who} names no built-in loss (tinker_builtin is None)")
-        found = BuiltinLoss(str(name), builtin_config(loss, str(name)), note=f"{who} as the built-in {name} (its tinker_builtin)")
+        found = BuiltinLoss(
+            str(name), builtin_config(loss, str(name)), note=f"{who} as the built-in {name} (its tinker_builtin)"
+        )
     if isinstance(found, BuiltinLoss) and found.name not in BUILTIN_LOSSES:
-        raise ValueError(f"{who} names the built-in {found.name!r}, which is not a built-in loss ({', '.join(BUILTIN_LOSSES)})")
+        raise ValueError(
+            f"{who} names the built-in {found.name!r}, which is not a built-in loss ({', '.join(BUILTIN_LOSSES)})"
+        )
     return found
 
 
@@ -266,7 +299,10 @@ def builtin_config(loss: Any, name: str) -> dict[str, float] | None:
         return {str(k): float(v) for k, v in dict(explicit).items()} or None
     if name not in CLIPPED_BUILTINS:
         return None
-    for low, high, as_ratio in (("clip_low_threshold", "clip_high_threshold", True), ("epsilon_low", "epsilon_high", False)):
+    for low, high, as_ratio in (
+        ("clip_low_threshold", "clip_high_threshold", True),
+        ("epsilon_low", "epsilon_high", False),
+    ):
         lo, hi = getattr(loss, low, None), getattr(loss, high, None)
         if lo is not None and hi is not None:
             lo, hi = (float(lo), float(hi)) if as_ratio else (1.0 - float(lo), 1.0 + float(hi))

@@ -180,12 +180,16 @@ class Registry:
 
     def _fail(self, info: PluginInfo) -> None:
         self.plugins.append(info)
-        what = (f"plugin '{info.name}' ({info.dist} {info.version}, entry point '{info.module}') "
-                f"failed to load: {info.error}.")
+        what = (
+            f"plugin '{info.name}' ({info.dist} {info.version}, entry point '{info.module}') "
+            f"failed to load: {info.error}."
+        )
         fix = f"fix or uninstall it, or exclude it with {ENV_LOAD}"
         if self.strict:  # nothing else loads after this: say so, and how to load the rest anyway
-            raise PluginError(f"{what} Strict mode ({ENV_STRICT}=1) stops at a broken plugin; {fix}, "
-                              f"or unset {ENV_STRICT} to load the other plugins without it.")
+            raise PluginError(
+                f"{what} Strict mode ({ENV_STRICT}=1) stops at a broken plugin; {fix}, "
+                f"or unset {ENV_STRICT} to load the other plugins without it."
+            )
         warnings.warn(f"tempering: {what} The other plugins keep working; {fix}.", RuntimeWarning, stacklevel=3)
 
     def add_plugin(self, plugin: object, info: PluginInfo | None = None) -> PluginInfo:
@@ -261,8 +265,10 @@ class Registry:
                 others = [c for c in comps if c is not chosen]
                 replaced = " and ".join(f"{c.plugin.dist} {c.plugin.version}" for c in others)
                 pins = " or ".join(f"'{c.qualified}'" for c in others)
-                lines.append(f"tempering: plugin {chosen.plugin.dist} {chosen.plugin.version} overrides {chosen.kind} "
-                             f"'{name}' of {replaced} (override=True); name {pins} to use the replaced one")
+                lines.append(
+                    f"tempering: plugin {chosen.plugin.dist} {chosen.plugin.version} overrides {chosen.kind} "
+                    f"'{name}' of {replaced} (override=True); name {pins} to use the replaced one"
+                )
         return lines
 
     @staticmethod
@@ -350,8 +356,10 @@ class Registry:
             return functools.partial(factory, **kwargs, **context)
         if callable(spec):
             return spec
-        raise ConfigError(f"expected a registered {kind} name, a mapping with 'name:', or a class; got {type(spec).__name__}",
-                          path or kind)  # fmt: skip
+        raise ConfigError(
+            f"expected a registered {kind} name, a mapping with 'name:', or a class; got {type(spec).__name__}",
+            path or kind,
+        )
 
     def check(self, kind: str, spec: Any, path: str = "", context: Iterable[str] = ()) -> None:
         """Validate ``spec`` (its name, keys and the factory's ``check_params``) without building
@@ -411,7 +419,9 @@ def params_schema(factory: Callable[..., Any], exclude: Iterable[str] = ()) -> t
     """
     if dataclasses.is_dataclass(factory) and isinstance(factory, type):
         fields = [f for f in dataclasses.fields(factory) if f.init and f.name not in set(exclude)]
-        return _make_schema(factory.__name__, [(f.name, _hint(factory, f.name, f.type), _default_of(f)) for f in fields])
+        return _make_schema(
+            factory.__name__, [(f.name, _hint(factory, f.name, f.type), _default_of(f)) for f in fields]
+        )
     params = getattr(factory, "Params", None)
     if dataclasses.is_dataclass(params):
         return params  # type: ignore[return-value]

@@ -47,8 +47,16 @@ from typing import Any, NamedTuple
 
 from tempering.errors import ConfigError
 
-__all__ = ["CHECK_CONFIG", "Problem", "check_config_at", "choice_message", "config_problems", "field_values", "one_of",
-           "raise_problems"]  # fmt: skip
+__all__ = [
+    "CHECK_CONFIG",
+    "Problem",
+    "check_config_at",
+    "choice_message",
+    "config_problems",
+    "field_values",
+    "one_of",
+    "raise_problems",
+]
 
 #: The name of a component's check (see the module docstring).
 CHECK_CONFIG = "check_config"

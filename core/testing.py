@@ -132,7 +132,9 @@ class FakeBackend:
         self.adam: list[AdamParams] = []
         self.snapshots: list[str] = []
 
-    def sample(self, prompts: list[list[int]], num_samples: int, params: SamplingParams) -> Future[list[list[Completion]]]:
+    def sample(
+        self, prompts: list[list[int]], num_samples: int, params: SamplingParams
+    ) -> Future[list[list[Completion]]]:
         out = []
         for prompt in prompts:
             text = self.tokenizer.decode(prompt)
@@ -140,14 +142,21 @@ class FakeBackend:
             for i in range(num_samples):
                 completion = self.complete(text, i)[: params.max_tokens]
                 tokens = self.tokenizer(completion, add_special_tokens=False)["input_ids"]
-                row.append(Completion(list(prompt), tokens, [self.logprob] * len(tokens), "stop", completion,
-                                      policy_version=self.step, temperature=params.temperature))
+                row.append(
+                    Completion(
+                        list(prompt),
+                        tokens,
+                        [self.logprob] * len(tokens),
+                        "stop",
+                        completion,
+                        policy_version=self.step,
+                        temperature=params.temperature,
+                    )
+                )
             out.append(row)
         return _done(out)
 
-    def logprobs(
-        self, batch: Batch, reference: bool = False, weights: str | None = None
-    ) -> Future[list[list[float]]]:
+    def logprobs(self, batch: Batch, reference: bool = False, weights: str | None = None) -> Future[list[list[float]]]:
         if weights is not None and weights not in self.snapshots:
             raise KeyError(f"FakeBackend: no weight snapshot named '{weights}' (have: {sorted(self.snapshots)})")
         return _done([[self.logprob if w else 0.0 for w in d.weights] for d in batch.data])

@@ -86,7 +86,9 @@ class Segment:
 
     @classmethod
     def from_completion(cls, completion: Completion) -> Segment:
-        seg = cls(list(completion.prompt_tokens), [0.0] * len(completion.prompt_tokens), [0.0] * len(completion.prompt_tokens))
+        seg = cls(
+            list(completion.prompt_tokens), [0.0] * len(completion.prompt_tokens), [0.0] * len(completion.prompt_tokens)
+        )
         seg.extend(list(completion.tokens), 1.0, completion.logprobs)
         return seg
 
@@ -94,7 +96,9 @@ class Segment:
     def num_sampled(self) -> int:
         return sum(1 for w in self.weights if w)
 
-    def to_datum(self, advantage: float | None = None, weight: float = 1.0, logprobs: bool = True, **extra: Any) -> Datum:
+    def to_datum(
+        self, advantage: float | None = None, weight: float = 1.0, logprobs: bool = True, **extra: Any
+    ) -> Datum:
         """The shifted training row: sampled positions get ``weight`` and ``advantage``;
         ``logprobs=False`` leaves ``sampler_logprobs`` out (supervised rows have none)."""
         w = [weight if x else 0.0 for x in self.weights[1:]]

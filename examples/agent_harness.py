@@ -20,9 +20,18 @@ from typing import Any
 
 import openai
 
-MUL = {"type": "function", "function": {"name": "mul", "description": "Multiply two integers.",
-       "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                      "required": ["a", "b"]}}}  # fmt: skip
+MUL = {
+    "type": "function",
+    "function": {
+        "name": "mul",
+        "description": "Multiply two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
 
 
 async def run(client: openai.AsyncOpenAI, example: dict[str, Any]) -> float:
@@ -36,8 +45,13 @@ async def run(client: openai.AsyncOpenAI, example: dict[str, Any]) -> float:
         message = out.choices[0].message
         if not message.tool_calls:
             return float((message.content or "").strip() == example["answer"])
-        messages.append({"role": "assistant", "content": message.content or "",
-                         "tool_calls": [call.model_dump() for call in message.tool_calls]})  # fmt: skip
+        messages.append(
+            {
+                "role": "assistant",
+                "content": message.content or "",
+                "tool_calls": [call.model_dump() for call in message.tool_calls],
+            }
+        )
         for call in message.tool_calls:
             try:
                 args = json.loads(call.function.arguments)

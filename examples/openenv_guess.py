@@ -52,8 +52,9 @@ def make_app() -> Any:
             super().__init__()
             self.target, self.tries = 5, 0
 
-        def reset(self, seed: int | None = None, episode_id: str | None = None, target: int = 5,
-                  **kwargs: Any) -> GuessObservation:  # fmt: skip
+        def reset(
+            self, seed: int | None = None, episode_id: str | None = None, target: int = 5, **kwargs: Any
+        ) -> GuessObservation:
             self.target, self.tries = int(target), 0
             return GuessObservation(hint="guess a number from 1 to 9")
 
@@ -95,15 +96,42 @@ def train(url: str, out: str, steps: int) -> dict[str, Any]:
     os.makedirs(out, exist_ok=True)
     with open(data, "w") as f:
         f.writelines(json.dumps({"prompt": "find the number", "target": 1 + i % 9}) + "\n" for i in range(64))
-    recipe = Recipe.from_dict({
-        "name": "openenv_guess", "seed": 0, "output_dir": os.path.join(out, "run"), "loggers": ["jsonl"],
-        "backend": {"name": "local", "model": "tiny_llama", "num_threads": 1,
-                    "model_kwargs": {"chat": True, "max_position_embeddings": 256}},
-        "stages": [{"id": "rl", "name": "grpo", "renderer": "tiny_chat", "steps": steps, "prompts_per_step": 4,
-                    "group_size": 4, "max_tokens": 16, "dataset": {"name": "jsonl", "path": data},
-                    "sampler": {"name": "environment", "max_turns": 3, "environment": {
-                        "name": "openenv", "url": url, "reset_keys": ["target"], "observation_field": "hint"}}}],
-    })  # fmt: skip
+    recipe = Recipe.from_dict(
+        {
+            "name": "openenv_guess",
+            "seed": 0,
+            "output_dir": os.path.join(out, "run"),
+            "loggers": ["jsonl"],
+            "backend": {
+                "name": "local",
+                "model": "tiny_llama",
+                "num_threads": 1,
+                "model_kwargs": {"chat": True, "max_position_embeddings": 256},
+            },
+            "stages": [
+                {
+                    "id": "rl",
+                    "name": "grpo",
+                    "renderer": "tiny_chat",
+                    "steps": steps,
+                    "prompts_per_step": 4,
+                    "group_size": 4,
+                    "max_tokens": 16,
+                    "dataset": {"name": "jsonl", "path": data},
+                    "sampler": {
+                        "name": "environment",
+                        "max_turns": 3,
+                        "environment": {
+                            "name": "openenv",
+                            "url": url,
+                            "reset_keys": ["target"],
+                            "observation_field": "hint",
+                        },
+                    },
+                }
+            ],
+        }
+    )
     return dict(recipe.run().stages["rl"])
 
 

@@ -51,8 +51,13 @@ def warmup(out: str, seed: int = 0) -> dict[str, Any]:
     hf = os.path.join(out, "warmup_hf")
     shutil.rmtree(hf, ignore_errors=True)
     export_run(run, hf)
-    return {"run": run, "hf": hf, "accuracy": result.stages["warmup"]["eval/accuracy"],
-            "steps": progress["global_step"] if progress else None, "seconds": time.perf_counter() - t0}  # fmt: skip
+    return {
+        "run": run,
+        "hf": hf,
+        "accuracy": result.stages["warmup"]["eval/accuracy"],
+        "steps": progress["global_step"] if progress else None,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def held_out_accuracy(model_dir: str, out: str) -> float:
@@ -79,15 +84,34 @@ def train_trl(model_dir: str, out: str, steps: int, seed: int = 0) -> dict[str, 
     tokenizer = tt.tiny_chat_template(AutoTokenizer.from_pretrained(model_dir))
     rows = Dataset.from_list([{"question": r["question"], "answer": r["answer"]} for r in tool_use("train")])
     args = GRPOConfig(
-        output_dir=out, use_cpu=True, seed=seed, max_steps=steps, logging_steps=1, report_to=[], save_strategy="no",
-        per_device_train_batch_size=128, num_generations=8,  # 16 prompts x 8 rollouts, as the recipe
-        max_completion_length=48, max_tool_calling_iterations=2,  # a correct episode's completion is 27 tokens
-        learning_rate=5e-4, lr_scheduler_type="constant", warmup_steps=0, temperature=1.0,
-        loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=0.0,
-    )  # fmt: skip
-    trainer = GRPOTrainer(model=model, processing_class=tokenizer, args=args, train_dataset=rows,
-                          environment_factory=tt.environment_factory("calculator"),
-                          reward_funcs=[tt.environment_reward])  # fmt: skip
+        output_dir=out,
+        use_cpu=True,
+        seed=seed,
+        max_steps=steps,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        per_device_train_batch_size=128,
+        num_generations=8,  # 16 prompts x 8 rollouts, as the recipe
+        max_completion_length=48,
+        max_tool_calling_iterations=2,  # a correct episode's completion is 27 tokens
+        learning_rate=5e-4,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        temperature=1.0,
+        loss_type="dapo",
+        epsilon=0.2,
+        epsilon_high=0.28,
+        beta=0.0,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=tokenizer,
+        args=args,
+        train_dataset=rows,
+        environment_factory=tt.environment_factory("calculator"),
+        reward_funcs=[tt.environment_reward],
+    )
     t0 = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - t0
@@ -95,8 +119,12 @@ def train_trl(model_dir: str, out: str, steps: int, seed: int = 0) -> dict[str, 
     trainer.save_model(saved)
     tokenizer.save_pretrained(saved)
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    return {"model": saved, "rewards": rewards, "seconds": seconds,
-            "accuracy": held_out_accuracy(saved, os.path.join(out, "eval"))}  # fmt: skip
+    return {
+        "model": saved,
+        "rewards": rewards,
+        "seconds": seconds,
+        "accuracy": held_out_accuracy(saved, os.path.join(out, "eval")),
+    }
 
 
 def train_tempering(warm: dict[str, Any], out: str, steps: int) -> dict[str, Any]:
@@ -105,8 +133,9 @@ def train_tempering(warm: dict[str, Any], out: str, steps: int) -> dict[str, Any
 
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(warm["run"], out)
-    recipe = find_recipe("tool_use", [f"output_dir={out}", "loggers=[jsonl]", f"stages.rl.steps={steps}",
-                                      "stages.rl.eval.every=0"])  # fmt: skip
+    recipe = find_recipe(
+        "tool_use", [f"output_dir={out}", "loggers=[jsonl]", f"stages.rl.steps={steps}", "stages.rl.eval.every=0"]
+    )
     t0 = time.perf_counter()
     result = recipe.run()
     seconds = time.perf_counter() - t0
@@ -129,8 +158,10 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     for name, r in (("TRL GRPOTrainer + environment_factory", trl), ("tempering grpo stage", ours)):
         first, last = sum(r["rewards"][:5]) / 5, sum(r["rewards"][-5:]) / 5
-        print(f"| {name} | {warm['accuracy']:.1%} | {r['accuracy']:.1%} | {r['accuracy'] - warm['accuracy']:+.1%} "
-              f"| {first:.2f} / {last:.2f} | {r['seconds']:.0f} s |")  # fmt: skip
+        print(
+            f"| {name} | {warm['accuracy']:.1%} | {r['accuracy']:.1%} | {r['accuracy'] - warm['accuracy']:+.1%} "
+            f"| {first:.2f} / {last:.2f} | {r['seconds']:.0f} s |"
+        )
 
 
 if __name__ == "__main__":

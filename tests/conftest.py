@@ -117,6 +117,7 @@ def rejects_before_training(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     is the run folder) with one ``key=value`` override exits 2 with exactly one line starting
     ``tempering: error: <message>``, and nothing was trained or written."""
     from tempering.apps import cli
+
     def check(recipe: str, override: str, message: str) -> None:
         path = tmp_path / "bad.yaml"
         path.write_text(recipe.format(out=tmp_path / "run"), encoding="utf-8")

@@ -58,7 +58,10 @@ def main(out: str) -> None:
     metrics = backend.forward_backward(Batch(rank_rows(rank, backend.tokenizer)), SumLoss(NORMALISER)).result()
     step = backend.optim_step(ADAM).result()
     params = {n: p.detach().clone() for n, p in backend.model.named_parameters() if p.requires_grad}
-    torch.save({"params": params, "loss": metrics["loss"], "grad_norm": step["grad_norm"]}, os.path.join(out, f"params_rank{rank}.pt"))
+    torch.save(
+        {"params": params, "loss": metrics["loss"], "grad_norm": step["grad_norm"]},
+        os.path.join(out, f"params_rank{rank}.pt"),
+    )
     backend.save(os.path.join(out, "ckpt"), extra={"written_by_world": distributed.world_size()})
     backend.close()
     torch.distributed.destroy_process_group()

@@ -42,16 +42,22 @@ def set_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("TINKER_PROJECT_ID", raising=False)
 
 
-def start_server(monkeypatch: pytest.MonkeyPatch, models: dict[str, Any] | None = None, **kwargs: Any) -> LocalTinkerServer:
+def start_server(
+    monkeypatch: pytest.MonkeyPatch, models: dict[str, Any] | None = None, **kwargs: Any
+) -> LocalTinkerServer:
     """A started server (``tiny_llama`` at :data:`MODEL_KWARGS` unless ``models``), and
     ``TINKER_BASE_URL`` pointing at it."""
-    server = LocalTinkerServer(models or {"tiny_llama": ServedModel("tiny_llama", MODEL_KWARGS)}, hold_seconds=0.5, **kwargs)
+    server = LocalTinkerServer(
+        models or {"tiny_llama": ServedModel("tiny_llama", MODEL_KWARGS)}, hold_seconds=0.5, **kwargs
+    )
     server.start()
     monkeypatch.setenv("TINKER_BASE_URL", server.url)
     return server
 
 
-def serve(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, models: dict[str, Any] | None = None) -> Iterator[LocalTinkerServer]:
+def serve(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, models: dict[str, Any] | None = None
+) -> Iterator[LocalTinkerServer]:
     """The body of a test module's ``server`` fixture (``yield from serve(monkeypatch, tmp_path)``):
     the environment, a started server, and at the end every backend closed and the server stopped."""
     set_env(monkeypatch, tmp_path)

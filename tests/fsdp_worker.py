@@ -82,11 +82,18 @@ def run(mode: str, out: str) -> None:
     resumed_weights = full_weights(resumed)
     resumed.close()
     if rank == 0:
-        torch.save({
-            "history": history, "weights": weights, "start_lp": start_lp, "ref_lp": ref_lp,
-            "start_snapshot_lp": start_snapshot_lp,
-            "resumed_history": resumed_history, "resumed_weights": resumed_weights,
-        }, os.path.join(out, f"{mode}.pt"))  # fmt: skip
+        torch.save(
+            {
+                "history": history,
+                "weights": weights,
+                "start_lp": start_lp,
+                "ref_lp": ref_lp,
+                "start_snapshot_lp": start_snapshot_lp,
+                "resumed_history": resumed_history,
+                "resumed_weights": resumed_weights,
+            },
+            os.path.join(out, f"{mode}.pt"),
+        )
     distributed.barrier()
 
 

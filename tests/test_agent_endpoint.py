@@ -22,8 +22,16 @@ from tempering.registry import get_registry
 from tempering.rollouts.chat import ParsedResponse
 from tempering.types import Completion
 
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
-          "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +96,10 @@ def served(renderer: Any) -> Any:
 def test_a_tool_call_comes_back_in_openai_form_and_every_call_is_recorded(served: Any, renderer: Any) -> None:
     _endpoint, episode, client, model = served([call_add(2, 3), {"role": "assistant", "content": "5"}])
     messages = [{"role": "user", "content": "2+3?"}]
-    first = client.post("/chat/completions", json={"model": "policy", "messages": messages, "tools": TOOLS,
-                                                   "logprobs": True, "return_token_ids": True}).json()  # fmt: skip
+    first = client.post(
+        "/chat/completions",
+        json={"model": "policy", "messages": messages, "tools": TOOLS, "logprobs": True, "return_token_ids": True},
+    ).json()
     [choice] = first["choices"]
     assert choice["finish_reason"] == "tool_calls"
     [tool_call] = choice["message"]["tool_calls"]
@@ -100,8 +110,11 @@ def test_a_tool_call_comes_back_in_openai_form_and_every_call_is_recorded(served
     )
     assert [t["logprob"] for t in choice["logprobs"]["content"]] == [-0.25] * len(sampled)
     assert first["system_fingerprint"] == "tempering-policy-v7"
-    assert first["usage"] == {"prompt_tokens": len(first["prompt_token_ids"]), "completion_tokens": len(sampled),
-                              "total_tokens": len(first["prompt_token_ids"]) + len(sampled)}  # fmt: skip
+    assert first["usage"] == {
+        "prompt_tokens": len(first["prompt_token_ids"]),
+        "completion_tokens": len(sampled),
+        "total_tokens": len(first["prompt_token_ids"]) + len(sampled),
+    }
 
     messages += [choice["message"], {"role": "tool", "tool_call_id": "call_0_0", "content": "5"}]
     second = client.post("/chat/completions", json={"model": "x", "messages": messages, "tools": TOOLS}).json()
@@ -145,20 +158,55 @@ def test_n_stop_strings_and_text_completions(served: Any, renderer: Any) -> None
     [
         ({"messages": []}, "messages", "messages must be a non-empty list"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0]", "role must be one of"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content", "only text parts"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content",
+            "only text parts",
+        ),
         ({"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream", "streaming is not supported"),
-        ({"messages": [{"role": "user", "content": "x"}], "temperature": 0.3}, "temperature", "the stage's temperature 1"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "temperature": 0.3},
+            "temperature",
+            "the stage's temperature 1",
+        ),
         ({"messages": [{"role": "user", "content": "x"}], "n": 99}, "n", "n must be an integer between 1 and 8"),
-        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens", "max_tokens must be an integer >= 1"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+            "max_tokens",
+            "max_tokens must be an integer >= 1",
+        ),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs", "not supported"),
-        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice", "use 'auto' or 'none'"),
-        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]", "must be {type: function"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+            "tool_choice",
+            "use 'auto' or 'none'",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "tools[0]",
+            "must be {type: function",
+        ),
         ({"messages": [{"role": "user", "content": "x"}], "stop": [1, 2]}, "stop", "stop must be"),
-        ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": "{oops"}}]}]},
-         "messages[0].tool_calls", "is malformed"),
-        ({"messages": [{"role": "user", "content": "x" * 200}]}, "messages", "leaves no room within the context budget"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [{"function": {"name": "add", "arguments": "{oops"}}],
+                    }
+                ]
+            },
+            "messages[0].tool_calls",
+            "is malformed",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x" * 200}]},
+            "messages",
+            "leaves no room within the context budget",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_request_is_an_openai_style_400_with_the_reason(served: Any, body: dict, param: str, reason: str) -> None:
     _endpoint, episode, client, model = served([{"role": "assistant", "content": "1"}], max_total_tokens=100)
     response = client.post("/chat/completions", json=body)
@@ -200,8 +248,11 @@ def test_the_endpoint_is_loopback_only_token_guarded_per_episode_and_gone_after(
         assert other.token != endpoint.token and len(endpoint.token) >= 40  # a fresh random token per server
     finally:
         other.close()
-    wrong_episode = httpx.post(episode.base_url.rsplit("/", 2)[0] + "/0123456789abcdef/v1/chat/completions", json=body,
-                               headers={"Authorization": f"Bearer {endpoint.token}"})  # fmt: skip
+    wrong_episode = httpx.post(
+        episode.base_url.rsplit("/", 2)[0] + "/0123456789abcdef/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {endpoint.token}"},
+    )
     assert wrong_episode.status_code == 404 and wrong_episode.json()["error"]["code"] == "episode_not_found"
     assert client.post("/chat/completions", json=body).status_code == 200
     endpoint.end_episode(episode)
@@ -219,8 +270,12 @@ def test_a_model_that_does_not_answer_is_a_504_within_the_timeout(renderer: Any)
 
     with PolicyEndpoint(never, renderer, renderer.tokenizer, EndpointLimits(max_tokens=4, timeout=0.3)) as endpoint:
         episode = endpoint.open_episode(0)
-        response = httpx.post(f"{episode.base_url}/chat/completions", json={"messages": [{"role": "user", "content": "x"}]},
-                              headers={"Authorization": f"Bearer {endpoint.token}"}, timeout=10)  # fmt: skip
+        response = httpx.post(
+            f"{episode.base_url}/chat/completions",
+            json={"messages": [{"role": "user", "content": "x"}]},
+            headers={"Authorization": f"Bearer {endpoint.token}"},
+            timeout=10,
+        )
     assert response.status_code == 504 and "did not answer within 0.3 s" in response.json()["error"]["message"]
     assert not episode.calls
 
@@ -280,8 +335,12 @@ def test_a_burst_of_concurrent_calls_is_answered_not_refused(served: Any) -> Non
     def one(_: int) -> int:
         conn = http.client.HTTPConnection("127.0.0.1", int(endpoint.url.rsplit(":", 1)[1]), timeout=30)
         try:
-            conn.request("POST", f"/{episode.slug}/v1/chat/completions", json.dumps(body),
-                         {"Authorization": f"Bearer {endpoint.token}", "Content-Type": "application/json"})  # fmt: skip
+            conn.request(
+                "POST",
+                f"/{episode.slug}/v1/chat/completions",
+                json.dumps(body),
+                {"Authorization": f"Bearer {endpoint.token}", "Content-Type": "application/json"},
+            )
             return conn.getresponse().status
         finally:
             conn.close()
@@ -305,10 +364,16 @@ def test_a_missing_extra_is_one_line_naming_the_install(monkeypatch: pytest.Monk
         importlib.util, "find_spec", lambda name, *a: None if name == "verifiers" else find_spec(name, *a)
     )
     for spec, message in [
-        ({"name": "agent", "harness": "x:y"}, "sampler: the agent sampler gives harnesses an openai.AsyncOpenAI client, "
-                                              "and openai is not installed: pip install 'tempering[openai]'"),
-        ({"name": "verifiers", "id": "vf_sums"}, "sampler.id: verifiers is not installed: pip install 'tempering[verifiers]'"),
-    ]:  # fmt: skip
+        (
+            {"name": "agent", "harness": "x:y"},
+            "sampler: the agent sampler gives harnesses an openai.AsyncOpenAI client, "
+            "and openai is not installed: pip install 'tempering[openai]'",
+        ),
+        (
+            {"name": "verifiers", "id": "vf_sums"},
+            "sampler.id: verifiers is not installed: pip install 'tempering[verifiers]'",
+        ),
+    ]:
         with pytest.raises(ConfigError) as err:
             get_registry().check("sampler", spec, "sampler", context=("context",))
         assert str(err.value) == message

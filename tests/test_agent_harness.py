@@ -47,8 +47,16 @@ pytest.importorskip(
     "openai", reason="openai is not installed (pip install 'tempering[openai]'): .ci/run runs this in its agents venv"
 )
 
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
-          "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+        },
+    }
+]
 TINY_CHAT = {
     "chat": True,
     "hidden_size": 32,
@@ -65,8 +73,9 @@ _LOCK = threading.Lock()
 
 async def ask(client: Any, messages: list[dict[str, Any]], seen: list[Any], **kw: Any) -> Any:
     """One chat call that asks for the token ids and logprobs, noted in ``seen``."""
-    out = await client.chat.completions.create(model="policy", messages=messages, logprobs=True,
-                                               extra_body={"return_token_ids": True}, **kw)  # fmt: skip
+    out = await client.chat.completions.create(
+        model="policy", messages=messages, logprobs=True, extra_body={"return_token_ids": True}, **kw
+    )
     choice = out.choices[0]
     seen.append((list(out.prompt_token_ids), list(choice.token_ids), [t.logprob for t in choice.logprobs.content]))
     return choice.message
@@ -121,8 +130,15 @@ class Scripted:
         rows = []
         for prompt in prompts:
             text = self.renderer.decode(prompt)
-            turn = ({"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}
-                    if text.endswith("?<|assistant|>") else {"role": "assistant", "content": "5" if "<|tool|>5" in text else "7"})  # fmt: skip
+            turn = (
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}],
+                }
+                if text.endswith("?<|assistant|>")
+                else {"role": "assistant", "content": "5" if "<|tool|>5" in text else "7"}
+            )
             tokens = self.renderer.render_response(turn)[: params.max_tokens]
             rows.append([Completion(list(prompt), tokens, [-0.5] * len(tokens), "stop", policy_version=4)])
         done: Future = Future()
@@ -134,10 +150,12 @@ def agent(renderer: Any, reward: Any = None, **keys: Any) -> Any:
     """The registered ``agent`` sampler, built the way a stage builds it."""
     reg = get_registry()
     context = SamplerContext(
-        renderer.tokenizer, lambda: renderer, RewardRunner(reward) if reward is not None else None,
+        renderer.tokenizer,
+        lambda: renderer,
+        RewardRunner(reward) if reward is not None else None,
         build=lambda kind, spec, key: reg.build(kind, spec, key),
         factory=lambda kind, spec, key: reg.factory(kind, spec, f"sampler.{key}"),
-    )  # fmt: skip
+    )
     return reg.build("sampler", {"name": "agent", **keys}, "sampler", context=context)
 
 
@@ -145,12 +163,18 @@ def test_rows_are_the_sampled_tokens_one_per_context(renderer: Any) -> None:
     SEEN.clear()
     model = Scripted(renderer)
     examples = [{"q": "2+3?"}, {"q": "1+4?"}]
-    rollout = collect(agent(renderer, harness="test_agent_harness:edit_harness"), model, examples, 2,
-                      SamplingParams(max_tokens=24))  # fmt: skip
+    rollout = collect(
+        agent(renderer, harness="test_agent_harness:edit_harness"), model, examples, 2, SamplingParams(max_tokens=24)
+    )
     samples = [s for g in rollout.groups for s in g.samples]
     assert len(samples) == 4 and not any(s.failed for s in samples)
-    call_tokens = renderer.render_response({"role": "assistant", "content": "", "tool_calls": [
-        {"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]})  # fmt: skip
+    call_tokens = renderer.render_response(
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}],
+        }
+    )
     for s in samples:
         [seen] = [e for e in SEEN[s.example["q"]] if True][:1]
         calls = [Call(p, Completion(p, t, lp, "stop"), ParsedResponse()) for p, t, lp in seen]
@@ -212,13 +236,18 @@ async def by_stage(client: Any, example: dict[str, Any]) -> None:
         ("junk", "harness_error", "harness: returned a str"),
         ("bad_request", "harness_error", "the stage's temperature 1"),
     ],
-)  # fmt: skip
+)
 def test_a_failing_harness_is_counted_with_its_cause_never_raised(
     renderer: Any, harness: str, cause: str, error: str
 ) -> None:
     t0 = time.perf_counter()
-    rollout = collect(agent(renderer, harness=f"test_agent_harness:{harness}", harness_timeout=1), Scripted(renderer),
-                      [{"q": "1?"}], 2, SamplingParams(max_tokens=8))  # fmt: skip
+    rollout = collect(
+        agent(renderer, harness=f"test_agent_harness:{harness}", harness_timeout=1),
+        Scripted(renderer),
+        [{"q": "1?"}],
+        2,
+        SamplingParams(max_tokens=8),
+    )
     assert time.perf_counter() - t0 < 10
     metrics = rollout_metrics(rollout.groups)
     assert metrics["reward/failed"] == 2.0 and metrics[f"failed/{cause}"] == 2.0
@@ -231,8 +260,13 @@ def test_a_harness_that_returns_none_is_scored_by_the_stage_reward(renderer: Any
     def digits(completion: str, example: dict[str, Any]) -> float:
         return float(completion == "7")
 
-    rollout = collect(agent(renderer, digits, harness="test_agent_harness:by_stage"), Scripted(renderer), [{"q": "1?"}], 2,
-                      SamplingParams(max_tokens=8))  # fmt: skip
+    rollout = collect(
+        agent(renderer, digits, harness="test_agent_harness:by_stage"),
+        Scripted(renderer),
+        [{"q": "1?"}],
+        2,
+        SamplingParams(max_tokens=8),
+    )
     assert [s.reward for s in rollout.groups[0].samples] == [1.0, 1.0]
 
 
@@ -243,11 +277,14 @@ def test_a_harness_that_returns_none_is_scored_by_the_stage_reward(renderer: Any
         ({"harness": "no_such_module_xyz:run"}, "sampler.harness: cannot import 'no_such_module_xyz:run'"),
         ({"harness": "test_agent_harness:nothing"}, "sampler.harness: module 'test_agent_harness' has no 'nothing'"),
         ({"harness": "test_agent_harness:TOOLS"}, "sampler.harness: 'test_agent_harness:TOOLS' is a list"),
-        ({"harness": "test_agent_harness:ask"}, "sampler.harness: 'test_agent_harness:ask' must take (client, example)"),
+        (
+            {"harness": "test_agent_harness:ask"},
+            "sampler.harness: 'test_agent_harness:ask' must take (client, example)",
+        ),
         ({"harness": "test_agent_harness:silent", "harness_timeout": 0}, "sampler.harness_timeout: must be > 0"),
         ({"harness": "test_agent_harness:silent", "max_concurrent": 0}, "sampler.max_concurrent: must be >= 1"),
     ],
-)  # fmt: skip
+)
 def test_bad_sampler_keys_are_one_line_before_anything_runs(keys: dict[str, Any], message: str) -> None:
     from tempering.errors import ConfigError
 
@@ -278,8 +315,9 @@ def test_a_registered_harness_is_named_like_any_component(renderer: Any, monkeyp
         return float(completion == "7")
 
     for name in ("calc_demo", "acme-agents:calc_demo"):
-        rollout = collect(agent(renderer, seven, harness=name), Scripted(renderer), [{"q": "1?"}], 2,
-                          SamplingParams(max_tokens=8))  # fmt: skip
+        rollout = collect(
+            agent(renderer, seven, harness=name), Scripted(renderer), [{"q": "1?"}], 2, SamplingParams(max_tokens=8)
+        )
         assert [s.reward for s in rollout.groups[0].samples] == [1.0, 1.0]
     with pytest.raises(ConfigError) as err:
         get_registry().check("sampler", {"name": "agent", "harness": "calc_dmeo"}, "sampler", context=("context",))
@@ -291,12 +329,26 @@ def test_a_registered_harness_is_named_like_any_component(renderer: Any, monkeyp
 # --------------------------------------------------------------------------- grpo, for real
 def recipe(tmp_path: Path, **backend: Any) -> dict[str, Any]:
     return {
-        "name": "agent", "output_dir": str(tmp_path), "loggers": ["jsonl"], "seed": 0, **backend,
-        "stages": [{"id": "rl", "name": "grpo", "steps": 2, "prompts_per_step": 2, "group_size": 3, "max_tokens": 6,
-                    "dataset": [{"q": f"{a}+{b}?"} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]],
-                    "loss": {"name": "grpo", "loss_type": "dapo"}, "optimizer": {"learning_rate": 1e-2},
-                    "sampler": {"name": "agent", "harness": "test_agent_harness:edit_harness", "max_total_tokens": 120}}],
-    }  # fmt: skip
+        "name": "agent",
+        "output_dir": str(tmp_path),
+        "loggers": ["jsonl"],
+        "seed": 0,
+        **backend,
+        "stages": [
+            {
+                "id": "rl",
+                "name": "grpo",
+                "steps": 2,
+                "prompts_per_step": 2,
+                "group_size": 3,
+                "max_tokens": 6,
+                "dataset": [{"q": f"{a}+{b}?"} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]],
+                "loss": {"name": "grpo", "loss_type": "dapo"},
+                "optimizer": {"learning_rate": 1e-2},
+                "sampler": {"name": "agent", "harness": "test_agent_harness:edit_harness", "max_total_tokens": 120},
+            }
+        ],
+    }
 
 
 def check_trained_rows(datums: list[Any], out: Path) -> None:
@@ -337,8 +389,10 @@ def test_grpo_trains_on_exactly_what_the_harness_saw_local(tmp_path: Path) -> No
     forward_backward = backend.forward_backward
 
     def spy(batch: Any, *args: Any, **kwargs: Any) -> Any:
-        datums.extend({"input": d.input_tokens, "target": d.target_tokens, "weights": d.weights,
-                       "logprobs": d.sampler_logprobs} for d in batch.data)  # fmt: skip
+        datums.extend(
+            {"input": d.input_tokens, "target": d.target_tokens, "weights": d.weights, "logprobs": d.sampler_logprobs}
+            for d in batch.data
+        )
         return forward_backward(batch, *args, **kwargs)
 
     backend.forward_backward = spy  # type: ignore[method-assign]
@@ -369,9 +423,14 @@ def test_grpo_trains_on_exactly_what_the_harness_saw_tinker(tmp_path: Path, chat
         for datum in fb.data:
             row = plain_datum(datum)
             inputs = row["loss_fn_inputs"]
-            datums.append({"input": row["model_input"], "target": inputs["target_tokens"],
-                           "weights": [float(lp != 0.0) for lp in inputs["logprobs"]],
-                           "logprobs": inputs["logprobs"]})  # fmt: skip
+            datums.append(
+                {
+                    "input": row["model_input"],
+                    "target": inputs["target_tokens"],
+                    "weights": [float(lp != 0.0) for lp in inputs["logprobs"]],
+                    "logprobs": inputs["logprobs"],
+                }
+            )
     check_trained_rows(datums, tmp_path)
 
 
@@ -390,8 +449,11 @@ class Multiplier:
                 turn = {"role": "assistant", "content": text.rsplit("<|tool|>", 1)[1].split("<|", 1)[0]}
             else:
                 a, b = text.split("<|user|>", 1)[1].split("<|", 1)[0].split("*")
-                turn = {"role": "assistant", "content": "",
-                        "tool_calls": [{"function": {"name": "mul", "arguments": {"a": int(a), "b": int(b)}}}]}  # fmt: skip
+                turn = {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"function": {"name": "mul", "arguments": {"a": int(a), "b": int(b)}}}],
+                }
             tokens = self.renderer.render_response(turn)[: params.max_tokens]
             rows.append([Completion(list(prompt), tokens, [-0.5] * len(tokens), "stop")])
         done: Future = Future()
@@ -404,9 +466,13 @@ def test_the_docs_example_harness_solves_the_calculator_task(renderer: Any) -> N
     ``mul`` right: every episode scores 1, in two calls that make one row."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     try:
-        rollout = collect(agent(renderer, harness="agent_harness:run", max_total_tokens=96), Multiplier(renderer),
-                          [{"question": "37*84", "answer": "3108"}, {"question": "12*11", "answer": "132"}], 2,
-                          SamplingParams(max_tokens=20))  # fmt: skip
+        rollout = collect(
+            agent(renderer, harness="agent_harness:run", max_total_tokens=96),
+            Multiplier(renderer),
+            [{"question": "37*84", "answer": "3108"}, {"question": "12*11", "answer": "132"}],
+            2,
+            SamplingParams(max_tokens=20),
+        )
     finally:
         sys.path.remove(str(Path(__file__).resolve().parents[1] / "examples"))
     samples = [s for g in rollout.groups for s in g.samples]

@@ -84,8 +84,9 @@ def warmup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_grpo_through_an_openai_harness_raises_heldout_accuracy(warmup: dict[str, Any], tmp_path: Path) -> None:
     out = tmp_path / "rl"
     shutil.copytree(warmup["output_dir"], out)
-    recipe = find_recipe("tool_use", [f"output_dir={out}", "loggers=[jsonl]", f"stages.rl.steps={RL_STEPS}",
-                                      "stages.rl.eval.every=0"])  # fmt: skip
+    recipe = find_recipe(
+        "tool_use", [f"output_dir={out}", "loggers=[jsonl]", f"stages.rl.steps={RL_STEPS}", "stages.rl.eval.every=0"]
+    )
     rl = next(s for s in recipe.stages if s.get("id") == "rl")
     rl["sampler"] = dict(AGENT)
     rl["eval"]["sampler"] = dict(AGENT)
@@ -96,8 +97,10 @@ def test_grpo_through_an_openai_harness_raises_heldout_accuracy(warmup: dict[str
     evals = [r for r in every if r.get("stage") == "rl" and "eval/accuracy" in r]
     sft_acc, rl_acc = evals[0]["eval/accuracy"], result.stages["rl"]["eval/accuracy"]
     rows = [r for r in every if r.get("stage") == "rl" and "reward/mean" in r]
-    print(f"agent harness: held-out accuracy after SFT ({warmup['steps']} steps) {sft_acc:.3f}, "
-          f"after {RL_STEPS} RL steps {rl_acc:.3f}; reward per step {[round(r['reward/mean'], 3) for r in rows]}")  # fmt: skip
+    print(
+        f"agent harness: held-out accuracy after SFT ({warmup['steps']} steps) {sft_acc:.3f}, "
+        f"after {RL_STEPS} RL steps {rl_acc:.3f}; reward per step {[round(r['reward/mean'], 3) for r in rows]}"
+    )
     assert 0.3 <= sft_acc <= 0.7
     assert rl_acc >= sft_acc + MIN_GAIN, (
         f"GRPO through the harness should clearly beat SFT ({rl_acc:.3f} vs {sft_acc:.3f})"

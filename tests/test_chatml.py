@@ -22,12 +22,44 @@ from tempering.rollouts.trajectory import TrajectoryBuilder
 from tempering.training.evaluate import completion_sampler
 from tempering.types import SamplingParams
 
-ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}  # fmt: skip
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
 USER = [{"role": "user", "content": "What is 2+3?"}]
 IM_START, IM_END, NL = 1, 2, 198
 #: "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-SMOL_SYSTEM = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2, 198]
+SMOL_SYSTEM = [
+    1,
+    9690,
+    198,
+    2683,
+    359,
+    253,
+    5356,
+    5646,
+    11173,
+    3365,
+    3511,
+    308,
+    34519,
+    28,
+    7018,
+    411,
+    407,
+    19712,
+    8182,
+    2,
+    198,
+]
 #: "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
 USER_TURN = [1, 4093, 198, 1780, 314, 216, 34, 27, 35, 47, 2, 198, 1, 520, 9531, 198]
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
@@ -77,12 +109,24 @@ def test_auto_picks_chatml_for_smollm2_and_it_stops_at_im_end(smol, chatml):
     assert chatml.prefix_preserving and chatml.supports_tools
 
 
-@pytest.mark.parametrize("conversation", [
-    USER,
-    [{"role": "system", "content": "Be brief."}, *USER],
-    [*USER, {"role": "assistant", "content": "It is 5."}, {"role": "user", "content": "And 12345 * 6? naïve café, 東京!"}],
-    [*USER, {"role": "assistant", "content": "Let me add."}, {"role": "tool", "content": "5"}, {"role": "user", "content": "so?"}],
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "conversation",
+    [
+        USER,
+        [{"role": "system", "content": "Be brief."}, *USER],
+        [
+            *USER,
+            {"role": "assistant", "content": "It is 5."},
+            {"role": "user", "content": "And 12345 * 6? naïve café, 東京!"},
+        ],
+        [
+            *USER,
+            {"role": "assistant", "content": "Let me add."},
+            {"role": "tool", "content": "5"},
+            {"role": "user", "content": "so?"},
+        ],
+    ],
+)
 def test_plain_conversations_are_the_ids_of_the_models_own_template(smol, chatml, conversation):
     template = smol.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert chatml.render_prompt(conversation).tokens == list(template)
@@ -94,9 +138,14 @@ def test_the_default_system_prompt_is_the_templates_and_an_option(smol, chatml):
     assert build(smol, system_prompt=None).render_prompt(USER).tokens == USER_TURN
     assert build(smol, system_prompt="").render_prompt(USER).tokens == USER_TURN
     own = build(smol, system_prompt="Be brief.")
-    assert own.decode(own.render_prompt(USER).tokens).startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
+    assert own.decode(own.render_prompt(USER).tokens).startswith(
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+    )
     # a conversation's own system message replaces the default
-    assert chatml.render_prompt([{"role": "system", "content": "Be brief."}, *USER]).tokens == own.render_prompt(USER).tokens
+    assert (
+        chatml.render_prompt([{"role": "system", "content": "Be brief."}, *USER]).tokens
+        == own.render_prompt(USER).tokens
+    )
 
 
 def test_tools_are_declared_in_the_system_turn(smol, chatml):
@@ -112,7 +161,9 @@ def test_tools_are_declared_in_the_system_turn(smol, chatml):
         f"{instruction}<|im_end|>\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
     )
     bare = build(smol, system_prompt=None)
-    assert bare.decode(bare.render_prompt(USER, [ADD]).tokens).startswith(f"<|im_start|>system\n{instruction}<|im_end|>\n")
+    assert bare.decode(bare.render_prompt(USER, [ADD]).tokens).startswith(
+        f"<|im_start|>system\n{instruction}<|im_end|>\n"
+    )
 
 
 def test_markers_typed_in_text_stay_text(chatml):
@@ -135,12 +186,24 @@ def test_sampled_turns_parse_into_text_and_calls(smol, chatml):
     assert prompt.parse(sampled(smol, "<think>hm</think>5")).text == "<think>hm</think>5"
 
 
-@pytest.mark.parametrize("text, error", [
-    ('<tool_call>\n{"name": "add", "arguments": {"a": 2,}}\n</tool_call>', "tool call 0: not JSON (Expecting property name"),
-    ('<tool_call>\n{"arguments": {"a": 2}}\n</tool_call>', 'tool call 0: expected {"name": "...", "arguments": {...}}'),
-    ('<tool_call>\n{"name": "add", "arguments": [2, 3]}\n</tool_call>', "tool call 0: tool call arguments must be a JSON object"),
-    ('<tool_call>\n{"name": "add", "arguments": {"a": 2}}', "a <tool_call> without its </tool_call>"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        (
+            '<tool_call>\n{"name": "add", "arguments": {"a": 2,}}\n</tool_call>',
+            "tool call 0: not JSON (Expecting property name",
+        ),
+        (
+            '<tool_call>\n{"arguments": {"a": 2}}\n</tool_call>',
+            'tool call 0: expected {"name": "...", "arguments": {...}}',
+        ),
+        (
+            '<tool_call>\n{"name": "add", "arguments": [2, 3]}\n</tool_call>',
+            "tool call 0: tool call arguments must be a JSON object",
+        ),
+        ('<tool_call>\n{"name": "add", "arguments": {"a": 2}}', "a <tool_call> without its </tool_call>"),
+    ],
+)
 def test_malformed_calls_are_parse_errors_not_exceptions(smol, chatml, text, error):
     parsed = chatml.render_prompt(USER, [ADD]).parse(sampled(smol, text))
     assert parsed.parse_error.startswith(error) and "\n" not in parsed.parse_error and parsed.tool_calls == []
@@ -163,7 +226,9 @@ def test_an_episode_with_tool_calls_is_one_row_extended_by_every_prompt(smol, ch
         assert parsed.parse_error is None
         assign_call_ids(parsed.tool_calls, i)
         messages += [parsed.to_message(), *[tool_message(c, str(sum(c.arguments.values()))) for c in parsed.tool_calls]]
-        after = chatml.render_prompt(messages if parsed.tool_calls else [*messages, {"role": "user", "content": "thanks"}], [ADD])
+        after = chatml.render_prompt(
+            messages if parsed.tool_calls else [*messages, {"role": "user", "content": "thanks"}], [ADD]
+        )
         assert after.tokens[: len(prompt.tokens) + len(turn)] == [*prompt.tokens, *turn]
     assert builder.splits == 0 and len(builder.segments) == 1
     [row] = builder.segments
@@ -171,7 +236,9 @@ def test_an_episode_with_tool_calls_is_one_row_extended_by_every_prompt(smol, ch
     # the row is exactly what render_training makes of the transcript
     [trained] = chatml.render_training(messages, [ADD])
     assert trained.tokens == row.tokens and trained.weights == row.weights
-    assert chatml.decode(row.tokens).endswith("<|im_start|>tool\n10<|im_end|>\n<|im_start|>assistant\nIt is 10.<|im_end|>")
+    assert chatml.decode(row.tokens).endswith(
+        "<|im_start|>tool\n10<|im_end|>\n<|im_start|>assistant\nIt is 10.<|im_end|>"
+    )
 
 
 def test_the_probe_every_renderer_is_measured_with_finds_chatml_prefix_preserving(chatml):
@@ -189,14 +256,23 @@ def test_a_turn_sampled_off_the_canonical_form_starts_a_new_row(smol, chatml):
     builder = TrajectoryBuilder()
     builder.observe(prompt.tokens)
     builder.act(turn)
-    builder.observe(chatml.render_prompt([*USER, parsed.to_message(), tool_message(parsed.tool_calls[0], "5")], [ADD]).tokens)
+    builder.observe(
+        chatml.render_prompt([*USER, parsed.to_message(), tool_message(parsed.tool_calls[0], "5")], [ADD]).tokens
+    )
     assert builder.splits == 1  # history writes the call canonically: never a row with ids the model did not see
 
 
 def test_render_training_weighs_assistant_tokens_and_honours_weight_zero(chatml):
-    conversation = [*USER, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
-        "name": "add", "arguments": '{"a": 2, "b": 3}'}}]}, {"role": "tool", "content": "5"},
-        {"role": "assistant", "content": "It is 5."}]  # fmt: skip
+    conversation = [
+        *USER,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}],
+        },
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "It is 5."},
+    ]
     [row] = chatml.render_training(conversation, [ADD])
     assert weighted(chatml, row) == [CALL + "<|im_end|>", "It is 5.<|im_end|>"]
     prompt = chatml.render_prompt(USER, [ADD]).tokens
@@ -236,11 +312,29 @@ def test_qwen3_on_smollm2_and_chatml_on_qwen3(smol):
 
     with pytest.raises(ConfigError) as err:
         build(smol, "qwen3")
-    assert "\n" not in str(err.value) and "renderer 'qwen3' needs the token ids of tml-renderers' Qwen3Tokenizer" in str(err.value)
+    assert "\n" not in str(
+        err.value
+    ) and "renderer 'qwen3' needs the token ids of tml-renderers' Qwen3Tokenizer" in str(err.value)
     # Qwen's vocabulary is ChatML too: chatml renders it (no template, so no default system prompt)
     qwen = build(qwen3_tokenizer())
     assert qwen.stop() == [151645] and qwen.system_prompt is None
-    assert qwen.render_prompt(USER).tokens == [151644, 872, 198, 3838, 374, 220, 17, 10, 18, 30, 151645, 198, 151644, 77091, 198]
+    assert qwen.render_prompt(USER).tokens == [
+        151644,
+        872,
+        198,
+        3838,
+        374,
+        220,
+        17,
+        10,
+        18,
+        30,
+        151645,
+        198,
+        151644,
+        77091,
+        198,
+    ]
 
 
 # ------------------------------------------------------------------------- text prompts in a stage with a chat renderer
@@ -257,7 +351,12 @@ class Recorder:
 
         self.calls.append(([list(p) for p in prompts], list(params.stop)))
         done: Future[Any] = Future()
-        done.set_result([[Completion(list(p), list(self.reply), [0.0] * len(self.reply), "stop") for _ in range(n)] for p in prompts])
+        done.set_result(
+            [
+                [Completion(list(p), list(self.reply), [0.0] * len(self.reply), "stop") for _ in range(n)]
+                for p in prompts
+            ]
+        )
         return done
 
 
@@ -265,7 +364,9 @@ def test_a_text_prompt_is_a_user_turn_with_a_chat_renderer_and_raw_text_with_ren
     example = {"prompt": "What is 2+3?", "answer": "5"}
     for renderer in ("chatml", "auto"):
         client = Recorder(smol, sampled(smol, "5"))
-        [group] = collect(completion_sampler(smol, None, renderer), client, [example], 1, SamplingParams(max_tokens=4)).groups
+        [group] = collect(
+            completion_sampler(smol, None, renderer), client, [example], 1, SamplingParams(max_tokens=4)
+        ).groups
         assert client.calls == [([SMOL_SYSTEM + USER_TURN], [IM_END])]
         assert group.samples[0].completion.text == "5"  # parsed back through the renderer
     client = Recorder(smol, [37, IM_END])
@@ -301,21 +402,51 @@ def test_stages_render_text_prompts_and_answers_as_turns(smol, tmp_path):
     inner = backend.sample
     backend.sample = lambda prompts, n, params: seen.extend(prompts) or inner(prompts, n, params)
     data = [{"prompt": "What is 2+3?", "answer": "5", "chosen": "5", "rejected": "6"}]
-    stages = [{"id": "sft", "name": "sft", "steps": 1, "batch_size": 1, "dataset": data},
-              {"id": "dpo", "name": "dpo", "steps": 1, "batch_size": 1, "dataset": data, "reference": "precomputed",
-               "reference_model": "base"},
-              {"id": "rl", "name": "grpo", "steps": 1, "prompts_per_step": 1, "group_size": 2, "max_tokens": 16, "dataset": data},
-              {"id": "raw", "name": "grpo", "steps": 1, "prompts_per_step": 1, "group_size": 2, "max_tokens": 16,
-               "dataset": data, "renderer": "raw"}]  # fmt: skip
+    stages = [
+        {"id": "sft", "name": "sft", "steps": 1, "batch_size": 1, "dataset": data},
+        {
+            "id": "dpo",
+            "name": "dpo",
+            "steps": 1,
+            "batch_size": 1,
+            "dataset": data,
+            "reference": "precomputed",
+            "reference_model": "base",
+        },
+        {
+            "id": "rl",
+            "name": "grpo",
+            "steps": 1,
+            "prompts_per_step": 1,
+            "group_size": 2,
+            "max_tokens": 16,
+            "dataset": data,
+        },
+        {
+            "id": "raw",
+            "name": "grpo",
+            "steps": 1,
+            "prompts_per_step": 1,
+            "group_size": 2,
+            "max_tokens": 16,
+            "dataset": data,
+            "renderer": "raw",
+        },
+    ]
     result = Recipe(name="t", output_dir=str(tmp_path), loggers=[], stages=stages).run(backend=backend)
     sft, dpo, rl, raw = backend.batches
     chatml = build(smol)
     [row] = chatml.render_training([*USER, {"role": "assistant", "content": "5"}])
     assert [[*d.input_tokens, d.target_tokens[-1]] for d in sft.data] == [row.tokens]
-    assert [[*d.input_tokens, d.target_tokens[-1]] for d in dpo.data] == [row.tokens, [*row.tokens[:-2], 38, IM_END]]  # "6"
+    assert [[*d.input_tokens, d.target_tokens[-1]] for d in dpo.data] == [
+        row.tokens,
+        [*row.tokens[:-2], 38, IM_END],
+    ]  # "6"
     assert seen == [SMOL_SYSTEM + USER_TURN, [1780, 314, 216, 34, 27, 35, 47]]
     assert [[*d.input_tokens, d.target_tokens[-1]] for d in rl.data] == [[*SMOL_SYSTEM, *USER_TURN, 37, IM_END]] * 2
-    assert [[*d.input_tokens, d.target_tokens[-1]] for d in raw.data] == [[1780, 314, 216, 34, 27, 35, 47, 37, IM_END]] * 2
+    assert [[*d.input_tokens, d.target_tokens[-1]] for d in raw.data] == [
+        [1780, 314, 216, 34, 27, 35, 47, 37, IM_END]
+    ] * 2
     assert [h["reward/mean"] for h in result.history if "reward/mean" in h][0] == 1.0  # "5<|im_end|>" parsed to "5"
 
 
@@ -329,10 +460,34 @@ def test_sdft_teachers_see_the_demonstration_in_the_same_format_as_the_student(s
     row = {"prompt": "What is 2+3?", "demonstration": "5"}
     sample = Sample({"prompt": row["prompt"]}, Completion([], [37, IM_END], [0.0, 0.0], "stop"))
     sdft.student_sampler = completion_sampler(smol, None, "auto")
-    assert sdft.teacher_prefix(None, row, sample) == [*SMOL_SYSTEM, 1, 4093, 198, 1780, 314, 216, 34, 27, 35, 47, 407, 591,
-                                                      42, 216, 37, 2, 198, 1, 520, 9531, 198]  # "...2+3? Hint: 5" as the user turn
+    assert sdft.teacher_prefix(None, row, sample) == [
+        *SMOL_SYSTEM,
+        1,
+        4093,
+        198,
+        1780,
+        314,
+        216,
+        34,
+        27,
+        35,
+        47,
+        407,
+        591,
+        42,
+        216,
+        37,
+        2,
+        198,
+        1,
+        520,
+        9531,
+        198,
+    ]  # "...2+3? Hint: 5" as the user turn
     sdft.student_sampler = completion_sampler(smol, None, "raw")
-    assert sdft.teacher_prefix(SimpleNamespace(tokenizer=smol), row, sample) == smol("What is 2+3? Hint: 5")["input_ids"]
+    assert (
+        sdft.teacher_prefix(SimpleNamespace(tokenizer=smol), row, sample) == smol("What is 2+3? Hint: 5")["input_ids"]
+    )
 
 
 def test_renderer_raw_in_a_stage_with_chat_messages_is_a_config_error(smol, tmp_path):
@@ -341,10 +496,18 @@ def test_renderer_raw_in_a_stage_with_chat_messages_is_a_config_error(smol, tmp_
 
     backend = FakeBackend()
     backend.tokenizer = smol
-    stage = {"name": "grpo", "steps": 1, "prompts_per_step": 1, "group_size": 2, "renderer": "raw",
-             "dataset": [{"messages": USER, "answer": "5"}]}  # fmt: skip
+    stage = {
+        "name": "grpo",
+        "steps": 1,
+        "prompts_per_step": 1,
+        "group_size": 2,
+        "renderer": "raw",
+        "dataset": [{"messages": USER, "answer": "5"}],
+    }
     with pytest.raises(ConfigError) as err:
         Recipe(name="t", output_dir=str(tmp_path), loggers=[], stages=[stage]).run(backend=backend)
-    assert str(err.value) == ("stages[0].renderer: raw sends text prompts as they are, but this stage has chat messages to "
-                              "render (a 'messages' dataset or an environment); name the model's chat renderer, or auto")
+    assert str(err.value) == (
+        "stages[0].renderer: raw sends text prompts as they are, but this stage has chat messages to "
+        "render (a 'messages' dataset or an environment); name the model's chat renderer, or auto"
+    )
     assert backend.batches == []  # nothing trained

@@ -98,7 +98,8 @@ def test_a_misspelt_model_kwargs_key_is_one_line_with_its_path(recipe, capsys, f
     rc, err = run_cli(capsys, "run", recipe, "backend.model_kwargs.hiden_size=64")
     assert rc == 2
     assert one_error_line(err).startswith(
-        "backend.model_kwargs.hiden_size: unknown key 'hiden_size'. Did you mean 'hidden_size'? Valid keys: chars, ")
+        "backend.model_kwargs.hiden_size: unknown key 'hiden_size'. Did you mean 'hidden_size'? Valid keys: chars, "
+    )
 
 
 def test_model_kwargs_values_are_type_checked_against_the_builder(fresh_registry):
@@ -117,7 +118,8 @@ def test_an_unknown_model_name_fails_at_once_saying_what_it_is_not(fresh_registr
         "backend.model: 'tiny_lama' is not a registered model builder (did you mean 'tiny_llama'?), not an "
         "existing folder, and the Hugging Face hub could not be reached to look it up (ConnectionError: [Errno -2] "
         "Name or service not known); fix the name, or download the model and set HF_HUB_OFFLINE=1. "
-        "Model builders: gguf, smollm2, tiny_llama, tiny_qwen, tiny_qwen3")
+        "Model builders: gguf, smollm2, tiny_llama, tiny_qwen, tiny_qwen3"
+    )
     # built directly: the same check, and the hub is asked once per name, not once per check
     with pytest.raises(ConfigError, match=r"^backend.model: 'tiny_lama' is not a registered model builder"):
         LocalBackend(model="tiny_lama")
@@ -126,12 +128,18 @@ def test_an_unknown_model_name_fails_at_once_saying_what_it_is_not(fresh_registr
 
 def test_an_unknown_model_name_offline_is_not_looked_up(fresh_registry, no_hub, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ConfigError, match=r"^backend\.model: 'org/no-such-model' is not a registered model builder, not "
-                                          r"an existing folder, and not in the Hugging Face cache \(HF_HUB_OFFLINE is "
-                                          r"set, so the hub was not asked\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^backend\.model: 'org/no-such-model' is not a registered model builder, not "
+        r"an existing folder, and not in the Hugging Face cache \(HF_HUB_OFFLINE is "
+        r"set, so the hub was not asked\)",
+    ):
         fresh_registry.check("backend", {"name": "local", "model": "org/no-such-model"}, "backend")
-    with pytest.raises(ConfigError, match=r"'\./runs/x/final' is not a registered model builder, not an existing "
-                                          r"folder, and not a Hugging Face hub id either"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'\./runs/x/final' is not a registered model builder, not an existing "
+        r"folder, and not a Hugging Face hub id either",
+    ):
         fresh_registry.check("backend", {"name": "local", "model": "./runs/x/final"}, "backend")
     assert no_hub == []
 
@@ -164,7 +172,8 @@ def test_a_folder_is_a_model_only_with_a_config(fresh_registry, no_hub, tmp_path
 def test_lora_and_dtype_errors_name_the_key_and_suggest(recipe, capsys, fresh_registry):
     rc, err = run_cli(capsys, "run", recipe, "backend.lora.rnk=8")
     assert rc == 2 and one_error_line(err) == (
-        "backend.lora.rnk: unknown key 'rnk'. Did you mean 'rank'? Valid keys: alpha, dropout, rank, target_modules")
+        "backend.lora.rnk: unknown key 'rnk'. Did you mean 'rank'? Valid keys: alpha, dropout, rank, target_modules"
+    )
     with pytest.raises(ConfigError, match=r"^backend\.lora: expected a mapping such as \{rank: 8\}"):
         fresh_registry.check("backend", {"name": "local", "lora": 8}, "backend")
     with pytest.raises(ConfigError, match=r"^backend\.dtype: unknown dtype 'fp8'; choose one of bfloat16, float16"):
@@ -182,17 +191,30 @@ def test_an_unknown_backend_name_from_the_cli_has_its_path(recipe, capsys, fresh
 
 
 # ----------------------------------------------------------------------------- YAML and the command line
-@pytest.mark.parametrize(("text", "expected"), [
-    ("name: x\nstages:\n\t- {name: grpo}\n",
-     "bad.yaml:3:1: a tab character; YAML indents with spaces only (replace the tabs with spaces)"),
-    ("name: x\nstages: [\n",
-     "bad.yaml:3:1: while parsing a flow node: expected the node content, but found '<stream end>'"),
-    ("name: x\nstages:\n  - name: grpo\n   steps: 3\n",
-     ("bad.yaml:4:4: while parsing a block collection: expected <block end>, but found "
-      "'<block mapping start>' (check this line's indentation, and quote values that contain ': ')")),
-    ("name: x\nstages: [{name: grpo, steps: 2, steps: 3}]\n",
-     "bad.yaml:2:33: duplicate key 'steps' (first on line 2); keep one"),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "name: x\nstages:\n\t- {name: grpo}\n",
+            "bad.yaml:3:1: a tab character; YAML indents with spaces only (replace the tabs with spaces)",
+        ),
+        (
+            "name: x\nstages: [\n",
+            "bad.yaml:3:1: while parsing a flow node: expected the node content, but found '<stream end>'",
+        ),
+        (
+            "name: x\nstages:\n  - name: grpo\n   steps: 3\n",
+            (
+                "bad.yaml:4:4: while parsing a block collection: expected <block end>, but found "
+                "'<block mapping start>' (check this line's indentation, and quote values that contain ': ')"
+            ),
+        ),
+        (
+            "name: x\nstages: [{name: grpo, steps: 2, steps: 3}]\n",
+            "bad.yaml:2:33: duplicate key 'steps' (first on line 2); keep one",
+        ),
+    ],
+)
 def test_yaml_errors_are_one_line_with_file_line_and_column(tmp_path, capsys, monkeypatch, text, expected):
     monkeypatch.chdir(tmp_path)
     Path("bad.yaml").write_text(text, encoding="utf-8")
@@ -207,7 +229,9 @@ def test_options_may_follow_the_recipe_and_overrides(recipe, capsys, fresh_regis
     args = cli.parse_args(cli.build_parser(), ["run", recipe, "a=1", "--fresh", "b=2", "--output-dir", "o", "c=3"])
     assert (args.overrides, args.fresh, args.output_dir) == (["a=1", "b=2", "c=3"], True, "o")
     rc, err = run_cli(capsys, "run", recipe, "--fersh")
-    assert rc == 2 and err.strip().endswith("tempering run: error: unrecognized arguments: --fersh (did you mean --fresh?)")
+    assert rc == 2 and err.strip().endswith(
+        "tempering run: error: unrecognized arguments: --fersh (did you mean --fresh?)"
+    )
 
 
 # ----------------------------------------------------------------------------- registry errors
@@ -217,7 +241,7 @@ def _conflicting_exact_match() -> Registry:
     class Other:
         @hookimpl
         def register_rewards(self, register):
-            register("exact_match", lambda: (lambda completion, example: 0.0))
+            register("exact_match", lambda: lambda completion, example: 0.0)
 
     reg.add_plugin(Other(), PluginInfo("other", "other-pkg", "1.0", "other"))
     return reg
@@ -226,9 +250,12 @@ def _conflicting_exact_match() -> Registry:
 def test_a_conflict_names_the_key_that_asked_for_it(clean_plugin_env):
     # an SFT stage's eval names no reward; its default (exact_match) hit a shadowing plugin and the
     # error named no key at all
-    with pytest.raises(PluginError, match=r"^stages\[0\]\.eval\.reward\.name: reward 'exact_match' is registered by "
-                                          r"two packages: 'tempering' .* and 'other-pkg' \(1\.0\)\. Pin one with "
-                                          r"'tempering:exact_match'"):
+    with pytest.raises(
+        PluginError,
+        match=r"^stages\[0\]\.eval\.reward\.name: reward 'exact_match' is registered by "
+        r"two packages: 'tempering' .* and 'other-pkg' \(1\.0\)\. Pin one with "
+        r"'tempering:exact_match'",
+    ):
         _conflicting_exact_match().check("reward", "exact_match", "stages[0].eval.reward")
 
 
@@ -237,8 +264,10 @@ def test_strict_plugin_mode_is_one_line_without_a_false_promise(fake_dist, monke
     monkeypatch.setenv(ENV_STRICT, "1")
     rc, err = run_cli(capsys, "plugins")
     line = one_error_line(err)
-    assert rc == 2 and line.startswith("plugin 'broken' (fake-broken 1.0, entry point 'fake_broken_plugin') failed to "
-                                       "load: RuntimeError: plugin exploded at import. Strict mode")
+    assert rc == 2 and line.startswith(
+        "plugin 'broken' (fake-broken 1.0, entry point 'fake_broken_plugin') failed to "
+        "load: RuntimeError: plugin exploded at import. Strict mode"
+    )
     assert "keep working" not in line and "unset TEMPERING_STRICT_PLUGINS" in line
     monkeypatch.delenv(ENV_STRICT)
     with pytest.warns(RuntimeWarning, match="^tempering: plugin 'broken' .* The other plugins keep working"):
@@ -276,26 +305,43 @@ def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 def test_a_recipe_names_a_users_reward_explicitly(user_module, fresh_registry):
     fn = fresh_registry.build("reward", {"name": "python", "function": f"{user_module}:length"}, "stages[0].reward")
     assert fn("abcd", {}) == 4.0
-    bound = fresh_registry.build("reward", {"name": "python", "function": f"{user_module}:length",
-                                            "params": {"scale": 0.5}}, "stages[0].reward")
+    bound = fresh_registry.build(
+        "reward", {"name": "python", "function": f"{user_module}:length", "params": {"scale": 0.5}}, "stages[0].reward"
+    )
     assert bound("abcd", {}) == 2.0 and bound.__name__ == "length"
-    judge = fresh_registry.build("reward", {"name": "python", "function": f"{user_module}:Judge",
-                                            "params": {"strict": True}}, "stages[0].reward")
+    judge = fresh_registry.build(
+        "reward", {"name": "python", "function": f"{user_module}:Judge", "params": {"strict": True}}, "stages[0].reward"
+    )
     assert judge("x", {}) == 1.0
 
 
-@pytest.mark.parametrize(("spec", "expected"), [
-    ({"function": "no_such_mod_xyz:f"}, (r"^stages\[1\]\.reward\.function: cannot import 'no_such_mod_xyz:f': No "
-                                         r"module named 'no_such_mod_xyz' \(looked in the working folder .* and the")),
-    ({"function": "{mod}:lenght"}, r"^stages\[1\]\.reward\.function: module '{mod}' has no 'lenght'$"),
-    ({"function": "{mod}"}, r"^stages\[1\]\.reward\.function: expected 'module:function' \(e\.g\. my_rewards:score\)"),
-    ({"function": "{mod}:QUARTER"}, r"^stages\[1\]\.reward\.function: expected a function or class, got a float$"),
-    ({"function": "{mod}:Judge", "params": {"strct": True}},
-     r"^stages\[1\]\.reward\.params\.strct: unknown key 'strct'\. Did you mean 'strict'\?"),
-    ({"function": "{mod}:length", "params": {"scal": 2}},
-     r"^stages\[1\]\.reward\.params: the reward function does not take these params"),
-    ({}, r"^stages\[1\]\.reward\.function: missing required key 'function'$"),
-])
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        (
+            {"function": "no_such_mod_xyz:f"},
+            (
+                r"^stages\[1\]\.reward\.function: cannot import 'no_such_mod_xyz:f': No "
+                r"module named 'no_such_mod_xyz' \(looked in the working folder .* and the"
+            ),
+        ),
+        ({"function": "{mod}:lenght"}, r"^stages\[1\]\.reward\.function: module '{mod}' has no 'lenght'$"),
+        (
+            {"function": "{mod}"},
+            r"^stages\[1\]\.reward\.function: expected 'module:function' \(e\.g\. my_rewards:score\)",
+        ),
+        ({"function": "{mod}:QUARTER"}, r"^stages\[1\]\.reward\.function: expected a function or class, got a float$"),
+        (
+            {"function": "{mod}:Judge", "params": {"strct": True}},
+            r"^stages\[1\]\.reward\.params\.strct: unknown key 'strct'\. Did you mean 'strict'\?",
+        ),
+        (
+            {"function": "{mod}:length", "params": {"scal": 2}},
+            r"^stages\[1\]\.reward\.params: the reward function does not take these params",
+        ),
+        ({}, r"^stages\[1\]\.reward\.function: missing required key 'function'$"),
+    ],
+)
 def test_python_reward_errors_are_checked_before_building(user_module, fresh_registry, spec, expected):
     spec = {k: v.format(mod=user_module) if isinstance(v, str) else v for k, v in spec.items()}
     with pytest.raises(ConfigError, match=expected.format(mod=user_module)):
@@ -306,8 +352,12 @@ def test_a_python_reward_trains_from_yaml(user_module, tmp_path, fresh_registry)
     from tempering.training.recipe import Recipe
 
     path = tmp_path / "r.yaml"
-    path.write_text(RECIPE.format(out=tmp_path / "run").replace(
-        "reward: exact_match", f"reward: {{name: python, function: '{user_module}:Judge'}}"), encoding="utf-8")
+    path.write_text(
+        RECIPE.format(out=tmp_path / "run").replace(
+            "reward: exact_match", f"reward: {{name: python, function: '{user_module}:Judge'}}"
+        ),
+        encoding="utf-8",
+    )
     result = Recipe.from_yaml(str(path)).run()
     [row] = [r for r in result.history if r["stage"] == "rl"]
     assert row["reward/mean"] == pytest.approx(0.5)

@@ -33,8 +33,18 @@ from tempering.registry import get_registry
 from tempering.testing import FakeBackend
 from tempering.training.recipe import Recipe
 
-ALL = (WeightSnapshots, EmaWeights, SamplingClients, Distributions, FullDistributions, LossOnTrainingForward,
-       LossLogits, Exportable, DownloadableWeights, Closeable)  # fmt: skip
+ALL = (
+    WeightSnapshots,
+    EmaWeights,
+    SamplingClients,
+    Distributions,
+    FullDistributions,
+    LossOnTrainingForward,
+    LossLogits,
+    Exportable,
+    DownloadableWeights,
+    Closeable,
+)
 
 
 def capabilities(backend: object) -> set[type]:
@@ -80,6 +90,7 @@ def test_local_backend_fits_the_protocols():
 
 def test_tinker_backend_fits_the_protocols(monkeypatch, tmp_path):
     import tinker  # noqa: F401 - a dev dependency: missing is a failure, not a skip
+
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from fake_tinker import close_backends, make_backend, serve
 
@@ -90,7 +101,13 @@ def test_tinker_backend_fits_the_protocols(monkeypatch, tmp_path):
         assert isinstance(backend, Backend)
         # ema_update and full distributions are methods that raise a clear error: its
         # ``capabilities`` mapping turns them off
-        assert capabilities(backend) == {WeightSnapshots, SamplingClients, Distributions, DownloadableWeights, Closeable}
+        assert capabilities(backend) == {
+            WeightSnapshots,
+            SamplingClients,
+            Distributions,
+            DownloadableWeights,
+            Closeable,
+        }
         assert isinstance(backend, EmaWeights) and not supports(backend, EmaWeights)
     finally:
         close_backends()
@@ -119,26 +136,41 @@ ROWS = [{"prompt": f"{i}+{i}=", "demonstration": str(2 * i), "chosen": "1", "rej
 
 def test_a_missing_capability_is_one_line_at_the_stage_key_before_training(tmp_path):
     backend = FakeBackend()
-    message = stage_error(tmp_path / "a", {"name": "sdft", "dataset": ROWS, "teacher": "ema",
-                                            "loss": {"name": "sdft", "mode": "sampled_token"}}, backend)  # fmt: skip
-    assert message == ("stages[0].teacher: 'ema' needs a backend that averages weights (ema_update, e.g. local); "
-                       "use teacher: stage_start, base or live")  # fmt: skip
+    message = stage_error(
+        tmp_path / "a",
+        {"name": "sdft", "dataset": ROWS, "teacher": "ema", "loss": {"name": "sdft", "mode": "sampled_token"}},
+        backend,
+    )
+    assert message == (
+        "stages[0].teacher: 'ema' needs a backend that averages weights (ema_update, e.g. local); "
+        "use teacher: stage_start, base or live"
+    )
     assert backend.step == 0 and backend.batches == [] and backend.snapshots == []
 
     class NoSnapshots(FakeBackend):
         snapshot = None  # type: ignore[assignment]  # a method set to None: not there
 
     message = stage_error(tmp_path / "b", {"name": "dpo", "dataset": ROWS}, NoSnapshots())
-    assert message.startswith("stages[0].reference_model: 'stage_start' with reference 'live' needs a backend with "
-                              "weight snapshots") and "\n" not in message  # fmt: skip
+    assert (
+        message.startswith(
+            "stages[0].reference_model: 'stage_start' with reference 'live' needs a backend with weight snapshots"
+        )
+        and "\n" not in message
+    )
 
 
 def test_grpo_falls_back_to_the_base_reference_without_snapshots(tmp_path):
     class NoSnapshots(FakeBackend):
         snapshot = None  # type: ignore[assignment]
 
-    stage = {"name": "grpo", "dataset": [{"prompt": "1+1=", "answer": "2"}] * 4, "steps": 1, "prompts_per_step": 2,
-             "group_size": 2, "eval": {"at_start": False}}  # fmt: skip
+    stage = {
+        "name": "grpo",
+        "dataset": [{"prompt": "1+1=", "answer": "2"}] * 4,
+        "steps": 1,
+        "prompts_per_step": 2,
+        "group_size": 2,
+        "eval": {"at_start": False},
+    }
     recipe = Recipe(name="g", output_dir=str(tmp_path), loggers=[], stages=[stage])
     with pytest.warns(RuntimeWarning, match="reference: this backend cannot snapshot weights"):
         recipe.run(backend=NoSnapshots())

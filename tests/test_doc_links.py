@@ -43,8 +43,11 @@ def anchors(path: Path) -> set[str]:
 
 
 def links(path: Path) -> list[str]:
-    return [t for t in LINK.findall(without_code(path.read_text(encoding="utf-8")))
-            if not re.match(r"^[a-z][a-z0-9+.-]*:", t)]  # fmt: skip  (http:, https:, mailto:)
+    return [
+        t
+        for t in LINK.findall(without_code(path.read_text(encoding="utf-8")))
+        if not re.match(r"^[a-z][a-z0-9+.-]*:", t)
+    ]  # (http:, https:, mailto:)
 
 
 def test_the_slugs_are_githubs() -> None:
@@ -55,7 +58,7 @@ def test_the_slugs_are_githubs() -> None:
 
 
 def test_the_link_finder_finds_links() -> None:
-    page = "[a](docs/x.md) `[b](no.md)` ![c](img.png \"t\") [d](https://e.org) [e](#top)\n```\n[f](g.md)\n```\n"
+    page = '[a](docs/x.md) `[b](no.md)` ![c](img.png "t") [d](https://e.org) [e](#top)\n```\n[f](g.md)\n```\n'
     found = [t for t in LINK.findall(without_code(page)) if not re.match(r"^[a-z][a-z0-9+.-]*:", t)]
     assert found == ["docs/x.md", "img.png", "#top"]
 

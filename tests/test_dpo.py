@@ -76,7 +76,10 @@ def test_sequence_sums_ignore_masked_values():
     "kw, expected",
     [
         ({"beta": 0.1}, -(logsig(0.15) + logsig(0.2)) / 2),
-        ({"beta": 0.5, "label_smoothing": 0.2}, sum(-0.8 * logsig(0.5 * d) - 0.2 * logsig(-0.5 * d) for d in (1.5, 2)) / 2),
+        (
+            {"beta": 0.5, "label_smoothing": 0.2},
+            sum(-0.8 * logsig(0.5 * d) - 0.2 * logsig(-0.5 * d) for d in (1.5, 2)) / 2,
+        ),
         (
             {"beta": 0.5, "loss_type": "robust", "label_smoothing": 0.2},
             sum((0.8 * -logsig(0.5 * d) + 0.2 * logsig(-0.5 * d)) / 0.6 for d in (1.5, 2)) / 2,
@@ -118,7 +121,12 @@ def test_loss_gradient_by_hand_and_reference_gets_none():
 
 def test_loss_config_and_layout_errors():
     assert isinstance(DPOLoss(), Loss)
-    for bad in ({"loss_type": "hinge"}, {"beta": 0.0}, {"label_smoothing": 0.5}, {"loss_type": "ipo", "label_smoothing": 0.1}):
+    for bad in (
+        {"loss_type": "hinge"},
+        {"beta": 0.0},
+        {"label_smoothing": 0.5},
+        {"loss_type": "ipo", "label_smoothing": 0.1},
+    ):
         with pytest.raises(ValueError):
             DPOLoss(**bad)
     lp, b = hand_batch()
@@ -167,7 +175,14 @@ ORACLE_CASES = {
         {"loss_type": "sigmoid_sft", "beta": 0.1, "sft_weight": 0.5},
     ),
 }
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected")
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+)
 
 
 def _trl_loss(trl, tmp_path, model, ref_model, tokenizer, rows, trl_kwargs, peft_config=None, adapter=None):
@@ -177,13 +192,21 @@ def _trl_loss(trl, tmp_path, model, ref_model, tokenizer, rows, trl_kwargs, peft
     from datasets import Dataset
 
     args = trl.DPOConfig(
-        output_dir=str(tmp_path / "trl"), bf16=False, use_cpu=True, report_to="none",
-        per_device_train_batch_size=len(rows), **trl_kwargs,
-    )  # fmt: skip
+        output_dir=str(tmp_path / "trl"),
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        per_device_train_batch_size=len(rows),
+        **trl_kwargs,
+    )
     trainer = trl.DPOTrainer(
-        model=model, ref_model=ref_model, args=args, train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer, peft_config=peft_config,
-    )  # fmt: skip
+        model=model,
+        ref_model=ref_model,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
     if adapter is not None:
         params = dict(trainer.model.named_parameters())
         assert set(adapter) <= set(params), sorted(set(adapter) - set(params))[:3]
@@ -234,8 +257,13 @@ def test_loss_matches_trl_dpo_trainer(trl, tmp_path, case, lora):
     if lora:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
-                                 target_modules="all-linear", task_type="CAUSAL_LM")  # fmt: skip
+        peft_config = LoraConfig(
+            r=LORA["rank"],
+            lora_alpha=LORA["alpha"],
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        )
         adapter = {n: p.detach().clone() for n, p in ours.model.named_parameters() if p.requires_grad}
         policy, ref_model = tiny_llama(**SMALL, seed=0)[0], None
     else:
@@ -249,8 +277,10 @@ def test_loss_matches_trl_dpo_trainer(trl, tmp_path, case, lora):
     assert [tuple(map(list, t)) for t in our_tokens] == [tuple(map(list, t)) for t in trl_tokens]
     diffs = {"loss": abs(out["loss"] - trl_loss)} | {k: abs(out[k] - trl_metrics[k]) for k in METRICS}
     grad_diff = max((our_grads[n] - trl_grads[n]).abs().max().item() for n in trl_grads)
-    print(f"{case}/{'lora' if lora else 'full'}: loss {out['loss']:.8f} vs TRL {trl_loss:.8f}; max |diff| "
-          f"loss/metrics {max(diffs.values()):.1e}, grads {grad_diff:.1e}")  # fmt: skip
+    print(
+        f"{case}/{'lora' if lora else 'full'}: loss {out['loss']:.8f} vs TRL {trl_loss:.8f}; max |diff| "
+        f"loss/metrics {max(diffs.values()):.1e}, grads {grad_diff:.1e}"
+    )
     assert set(our_grads) == set(trl_grads)
     assert abs(out["rewards/chosen"]) > 1e-3 and abs(out["rewards/rejected"]) > 1e-3  # policy != reference
     assert max(diffs.values()) < 1e-5, diffs
@@ -266,10 +296,20 @@ def test_first_loss_is_ln2_at_init_like_trl(trl, tmp_path):
     assert trl_loss == pytest.approx(LN2, abs=1e-6)
     for reference in ("live", "precomputed"):
         res = Recipe(
-            name="ln2", output_dir=str(tmp_path / reference), loggers=[], backend=backend_spec(),
-            stages=[{"name": "dpo", "steps": 1, "batch_size": 8, "reference": reference,
-                     "dataset": {"name": "synthetic_preferences", "size": 8}}],
-        ).run()  # fmt: skip
+            name="ln2",
+            output_dir=str(tmp_path / reference),
+            loggers=[],
+            backend=backend_spec(),
+            stages=[
+                {
+                    "name": "dpo",
+                    "steps": 1,
+                    "batch_size": 8,
+                    "reference": reference,
+                    "dataset": {"name": "synthetic_preferences", "size": 8},
+                }
+            ],
+        ).run()
         first = res.history[0]
         assert first["loss"] == pytest.approx(LN2, abs=1e-6), reference
         assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
@@ -279,11 +319,27 @@ def test_first_loss_is_ln2_at_init_like_trl(trl, tmp_path):
 def _dpo_recipe(tmp_path, name, dpo_kwargs, warmup_steps=0, steps=4, **top):
     stages = []
     if warmup_steps:
-        stages.append({"id": "warmup", "name": "sft", "steps": warmup_steps, "batch_size": 16,
-                       "optimizer": {"learning_rate": 1e-2}, "dataset": {"name": "arithmetic", "size": 64}})  # fmt: skip
-    stages.append({"id": "pref", "name": "dpo", "steps": steps, "batch_size": 8,
-                   "optimizer": {"learning_rate": 1e-2}, "dataset": {"name": "synthetic_preferences", "size": 32},
-                   **dpo_kwargs})  # fmt: skip
+        stages.append(
+            {
+                "id": "warmup",
+                "name": "sft",
+                "steps": warmup_steps,
+                "batch_size": 16,
+                "optimizer": {"learning_rate": 1e-2},
+                "dataset": {"name": "arithmetic", "size": 64},
+            }
+        )
+    stages.append(
+        {
+            "id": "pref",
+            "name": "dpo",
+            "steps": steps,
+            "batch_size": 8,
+            "optimizer": {"learning_rate": 1e-2},
+            "dataset": {"name": "synthetic_preferences", "size": 32},
+            **dpo_kwargs,
+        }
+    )
     return Recipe(name=name, output_dir=str(tmp_path / name), loggers=[], backend=backend_spec(), stages=stages, **top)
 
 
@@ -305,10 +361,16 @@ def test_stage_start_reference_after_an_sft_stage(tmp_path, reference):
     """After SFT the backend's base reference is the untrained model, so DPO starts far from
     ln 2; with ``reference_model: stage_start`` (the default) the reference is the SFT model:
     exactly ln 2."""
-    start = _dpo_recipe(tmp_path, f"start_{reference}", {"reference": reference, "reference_model": "stage_start"},
-                        warmup_steps=5, steps=3).run()  # fmt: skip
-    base = _dpo_recipe(tmp_path, f"base_{reference}", {"reference": reference, "reference_model": "base"},
-                       warmup_steps=5, steps=1).run()  # fmt: skip
+    start = _dpo_recipe(
+        tmp_path,
+        f"start_{reference}",
+        {"reference": reference, "reference_model": "stage_start"},
+        warmup_steps=5,
+        steps=3,
+    ).run()
+    base = _dpo_recipe(
+        tmp_path, f"base_{reference}", {"reference": reference, "reference_model": "base"}, warmup_steps=5, steps=1
+    ).run()
     s, b = _losses(start), _losses(base)
     assert s[0] == pytest.approx(LN2, abs=1e-6)
     assert abs(b[0] - LN2) > 1e-3
@@ -316,8 +378,12 @@ def test_stage_start_reference_after_an_sft_stage(tmp_path, reference):
 
 
 def test_stage_config_errors_name_the_key(tmp_path):
-    for bad, match in (({"reference": "cached"}, r"stages\[0\].reference"), ({"reference_model": "x"}, "reference_model"),
-                       ({"batch_size": 0}, "batch_size"), ({"loss": {"name": "dpo", "bta": 0.1}}, r"stages\[0\].loss.bta")):  # fmt: skip
+    for bad, match in (
+        ({"reference": "cached"}, r"stages\[0\].reference"),
+        ({"reference_model": "x"}, "reference_model"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"loss": {"name": "dpo", "bta": 0.1}}, r"stages\[0\].loss.bta"),
+    ):
         with pytest.raises(ConfigError, match=match):
             _dpo_recipe(tmp_path, "bad", bad).run()
     # checked before an earlier stage trains
@@ -334,7 +400,9 @@ def held_out_metrics(backend: LocalBackend, rows, beta: float) -> dict[str, floa
     for d, lp in zip(batch.data, backend.logprobs(batch, reference=True).result()):
         d.extra["ref_logprobs"] = lp
     tensors = batch.to_tensors(backend.pad_token_id)
-    policy = torch.tensor([lp + [0.0] * (tensors["weights"].shape[1] - len(lp)) for lp in backend.logprobs(batch).result()])
+    policy = torch.tensor(
+        [lp + [0.0] * (tensors["weights"].shape[1] - len(lp)) for lp in backend.logprobs(batch).result()]
+    )
     return DPOLoss(beta=beta)(policy, tensors).metrics
 
 
@@ -344,20 +412,32 @@ def test_margin_grows_on_a_tiny_preference_task(tmp_path):
     test_rows = synthetic_preferences(split="test", size=200)
     before = held_out_metrics(backend, test_rows, 0.1)
     res = Recipe(
-        name="margin", output_dir=str(tmp_path / "margin"), loggers=[],
-        stages=[{"name": "dpo", "steps": 60, "batch_size": 16, "optimizer": {"learning_rate": 3e-3},
-                 "loss": {"name": "dpo", "beta": 0.1}, "dataset": {"name": "synthetic_preferences", "size": 256}}],
-    ).run(backend=backend)  # fmt: skip
+        name="margin",
+        output_dir=str(tmp_path / "margin"),
+        loggers=[],
+        stages=[
+            {
+                "name": "dpo",
+                "steps": 60,
+                "batch_size": 16,
+                "optimizer": {"learning_rate": 3e-3},
+                "loss": {"name": "dpo", "beta": 0.1},
+                "dataset": {"name": "synthetic_preferences", "size": 256},
+            }
+        ],
+    ).run(backend=backend)
     after = held_out_metrics(backend, test_rows, 0.1)
     rows = [r for r in res.history if "rewards/margins" in r]
     first, last = rows[0], rows[-10:]
     margin = sum(r["rewards/margins"] for r in last) / len(last)
     acc = sum(r["rewards/accuracies"] for r in last) / len(last)
     loss = sum(r["loss"] for r in last) / len(last)
-    print(f"DPO 60 steps: train margin {first['rewards/margins']:.3f} -> {margin:.3f}, accuracy -> {acc:.2f}, "
-          f"loss {first['loss']:.4f} -> {loss:.4f}; held-out margin {before['rewards/margins']:.3f} -> "
-          f"{after['rewards/margins']:.3f}, "
-          f"accuracy {before['rewards/accuracies']:.2f} -> {after['rewards/accuracies']:.2f}")  # fmt: skip
+    print(
+        f"DPO 60 steps: train margin {first['rewards/margins']:.3f} -> {margin:.3f}, accuracy -> {acc:.2f}, "
+        f"loss {first['loss']:.4f} -> {loss:.4f}; held-out margin {before['rewards/margins']:.3f} -> "
+        f"{after['rewards/margins']:.3f}, "
+        f"accuracy {before['rewards/accuracies']:.2f} -> {after['rewards/accuracies']:.2f}"
+    )
     assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-6) and first["loss"] == pytest.approx(LN2, abs=1e-6)
     assert before["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
     assert margin > 0.2 and acc > 0.6 and loss < LN2 - 0.1

@@ -21,16 +21,25 @@ class ScoresItself(Environment):
 
 
 def stage(**over):
-    return {"id": "rl", "name": "grpo", "steps": 2, "prompts_per_step": 2, "group_size": 2, "max_tokens": 8,
-            "dataset": [{"prompt": "1+2?", "answer": "3"}], "sampler": {"name": "environment", "environment": ScoresItself},
-            **over}
+    return {
+        "id": "rl",
+        "name": "grpo",
+        "steps": 2,
+        "prompts_per_step": 2,
+        "group_size": 2,
+        "max_tokens": 8,
+        "dataset": [{"prompt": "1+2?", "answer": "3"}],
+        "sampler": {"name": "environment", "environment": ScoresItself},
+        **over,
+    }
 
 
 def run(tmp_path, **over):
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        Recipe.from_dict({"name": "p", "output_dir": str(tmp_path), "loggers": ["jsonl"],
-                          "stages": [stage(**over)]}).run(backend=backend(chat=True))  # fmt: skip
+        Recipe.from_dict(
+            {"name": "p", "output_dir": str(tmp_path), "loggers": ["jsonl"], "stages": [stage(**over)]}
+        ).run(backend=backend(chat=True))
     return [str(w.message) for w in seen if "is not used" in str(w.message)]
 
 

@@ -68,8 +68,9 @@ class SlowGroupScore(Adder):
 
 def test_a_hanging_group_score_fails_its_group_naming_the_key(renderer):
     t0 = time.perf_counter()
-    [group], metrics, _, _ = roll(renderer, SlowGroupScore, {"1+2?": [say("3")]}, [{"q": "1+2?", "answer": "3"}],
-                                  group_size=2, env_timeout=0.5)  # fmt: skip
+    [group], metrics, _, _ = roll(
+        renderer, SlowGroupScore, {"1+2?": [say("3")]}, [{"q": "1+2?", "answer": "3"}], group_size=2, env_timeout=0.5
+    )
     assert time.perf_counter() - t0 < 8.0
     assert [s.failed for s in group.samples] == [True, True]
     assert "group_reward() did not return within 0.5 s" in metrics["first_error/env_timeout"]

@@ -43,7 +43,11 @@ def renderer() -> Any:
 
 def call(name: str, **arguments: Any) -> dict[str, Any]:
     """An assistant turn calling one tool."""
-    return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}],
+    }
 
 
 def say(text: str) -> dict[str, Any]:
@@ -96,19 +100,35 @@ def sampler(renderer: Any, environment: Any, reward: Any = None, **keys: Any) ->
     """The registered ``environment`` sampler, built the way a stage builds it."""
     reg = get_registry()
     context = SamplerContext(
-        renderer.tokenizer, lambda: renderer, RewardRunner(reward) if reward is not None else None,
+        renderer.tokenizer,
+        lambda: renderer,
+        RewardRunner(reward) if reward is not None else None,
         build=lambda kind, spec, key: reg.build(kind, spec, key),
         factory=lambda kind, spec, key: reg.factory(kind, spec, f"sampler.{key}"),
-    )  # fmt: skip
+    )
     return reg.build("sampler", {"name": "environment", "environment": environment, **keys}, "sampler", context=context)
 
 
-def roll(renderer: Any, environment: Any, script: dict[str, list[Any]], examples: list[dict[str, Any]],
-         group_size: int = 1, max_tokens: int = 40, seed: int | None = None, reward: Any = None, **keys: Any):  # fmt: skip
+def roll(
+    renderer: Any,
+    environment: Any,
+    script: dict[str, list[Any]],
+    examples: list[dict[str, Any]],
+    group_size: int = 1,
+    max_tokens: int = 40,
+    seed: int | None = None,
+    reward: Any = None,
+    **keys: Any,
+):
     """Play ``examples`` x ``group_size`` episodes; returns (groups, metrics, model, rollout)."""
     model = ScriptedModel(renderer, script)
-    rollout = collect(sampler(renderer, environment, reward, **keys), model, examples, group_size,
-                      SamplingParams(max_tokens=max_tokens, seed=seed))  # fmt: skip
+    rollout = collect(
+        sampler(renderer, environment, reward, **keys),
+        model,
+        examples,
+        group_size,
+        SamplingParams(max_tokens=max_tokens, seed=seed),
+    )
     return rollout.groups, rollout_metrics(rollout.groups), model, rollout
 
 
@@ -171,7 +191,12 @@ def test_an_episode_is_reset_steps_cleanup_and_its_row_is_token_exact(renderer):
     # one training row: every token the model saw, weight 1 and the sampler's logprob exactly on the sampled ones
     [row] = traj.segments
     assert row.tokens == second + sampled[1] == renderer.render_prompt(traj.messages, traj.tools).tokens[:-1]
-    expected = [0.0] * len(first) + [1.0] * len(sampled[0]) + [0.0] * (len(second) - len(first) - len(sampled[0])) + [1.0] * len(sampled[1])
+    expected = (
+        [0.0] * len(first)
+        + [1.0] * len(sampled[0])
+        + [0.0] * (len(second) - len(first) - len(sampled[0]))
+        + [1.0] * len(sampled[1])
+    )
     assert row.weights == expected
     assert row.logprobs == [-0.5 * w for w in expected]
     assert metrics["env/tool_calls"] == 1.0 and metrics["env/turns_mean"] == 2.0 and metrics["env/stop/done"] == 1.0
@@ -181,19 +206,32 @@ def test_an_episode_is_reset_steps_cleanup_and_its_row_is_token_exact(renderer):
 def test_cleanup_runs_after_reset_or_step_raises_and_only_those_episodes_fail(renderer):
     log: list = []
     script = {q: [call("add", a=2, b=2), say("4")] for q in ("a?", "b?", "c?", "d?")}
-    examples = [{"q": "a?", "answer": "4", "fail": "reset"}, {"q": "b?", "answer": "4", "fail": "step"},
-                {"q": "c?", "answer": "4"}, {"q": "d?", "answer": "4", "fail": "cleanup"}]  # fmt: skip
+    examples = [
+        {"q": "a?", "answer": "4", "fail": "reset"},
+        {"q": "b?", "answer": "4", "fail": "step"},
+        {"q": "c?", "answer": "4"},
+        {"q": "d?", "answer": "4", "fail": "cleanup"},
+    ]
     groups, metrics, model, _ = roll(renderer, logged(log), script, examples, group_size=2)
     assert [(env.q, env.events) for env in log] == [
-        ("a?", ["reset", "cleanup"]), ("a?", ["reset", "cleanup"]), ("b?", ["reset", "step", "cleanup"]),
-        ("b?", ["reset", "step", "cleanup"]), *[(q, ["reset", "step", "step", "cleanup"]) for q in ("c?", "c?", "d?", "d?")],
+        ("a?", ["reset", "cleanup"]),
+        ("a?", ["reset", "cleanup"]),
+        ("b?", ["reset", "step", "cleanup"]),
+        ("b?", ["reset", "step", "cleanup"]),
+        *[(q, ["reset", "step", "step", "cleanup"]) for q in ("c?", "c?", "d?", "d?")],
     ]  # one instance per episode, and cleanup always last
     a, b, c, d = groups
-    assert [(s.failed, s.error, s.trajectory.stop) for s in a.samples] == [(True, "episode: RuntimeError: boom in reset", "error")] * 2
-    assert [(s.failed, s.error, s.trajectory.stop) for s in b.samples] == [(True, "episode: ValueError: boom in step", "error")] * 2
+    assert [(s.failed, s.error, s.trajectory.stop) for s in a.samples] == [
+        (True, "episode: RuntimeError: boom in reset", "error")
+    ] * 2
+    assert [(s.failed, s.error, s.trajectory.stop) for s in b.samples] == [
+        (True, "episode: ValueError: boom in step", "error")
+    ] * 2
     assert [(s.failed, s.reward, s.trajectory.stop) for s in c.samples] == [(False, 1.0, "done")] * 2
     # a cleanup that raises is counted and shown, the episode keeps its reward
-    assert [(s.failed, s.reward, s.trajectory.errors) for s in d.samples] == [(False, 1.0, ["cleanup: OSError: boom in cleanup"])] * 2
+    assert [(s.failed, s.reward, s.trajectory.errors) for s in d.samples] == [
+        (False, 1.0, ["cleanup: OSError: boom in cleanup"])
+    ] * 2
     assert metrics["reward/failed"] == 4.0
     assert metrics["first_error"] == "episode: RuntimeError: boom in reset"
     assert metrics["env/cleanup_errors"] == 2.0
@@ -201,7 +239,16 @@ def test_cleanup_runs_after_reset_or_step_raises_and_only_those_episodes_fail(re
     # the failed episodes are kept out of the loss: their rows (b's) have weight 0, the others weight 1
     batch, info = build_group_batch(groups, get_registry().build("advantage", "group_norm", "advantage"))
     assert info["reward/mean"] == 1.0
-    assert [len(s.segments()) for g in groups for s in g.samples] == [0, 0, 1, 1, 1, 1, 1, 1]  # a reset that raised left no row
+    assert [len(s.segments()) for g in groups for s in g.samples] == [
+        0,
+        0,
+        1,
+        1,
+        1,
+        1,
+        1,
+        1,
+    ]  # a reset that raised left no row
     assert [max(d.weights) for d in batch.data] == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
     # the failing episodes did not hold the others up: two batched model calls in all
     assert [len(c["prompts"]) for c in model.calls] == [6, 4]
@@ -214,7 +261,9 @@ def test_bad_sampler_keys_fail_with_their_path(renderer):
         sampler(renderer, Adder, on_max_turns="drop")
     with pytest.raises(ConfigError, match=r"^sampler\.max_turns: must be >= 1, got 0"):
         sampler(renderer, Adder, max_turns=0)
-    with pytest.raises(ConfigError, match=r"^sampler\.environment: the environment sampler needs 'environment: <registered name>'"):
+    with pytest.raises(
+        ConfigError, match=r"^sampler\.environment: the environment sampler needs 'environment: <registered name>'"
+    ):
         sampler(renderer, None)
     with pytest.raises(UnknownComponentError, match=r"^sampler\.environment\.name: unknown environment 'adder'\."):
         sampler(renderer, "adder")
@@ -235,14 +284,24 @@ def test_tool_schema_comes_from_the_typed_documented_function():
 
     built = Tool.from_function(convert, timeout=2.0)
     assert (built.name, built.timeout) == ("convert", 2.0)
-    assert built.spec() == {"type": "function", "function": {
-        "name": "convert", "description": "Convert a length between units.",
-        "parameters": {"type": "object", "properties": {
-            "value": {"type": "number", "description": "the length"},
-            "unit": {"type": "string", "description": "its unit"},
-            "to": {"type": "string", "description": "the unit wanted"},
-            "exact": {"type": "boolean", "description": "whether to keep every digit"}},
-            "required": ["value", "unit"]}}}  # fmt: skip
+    assert built.spec() == {
+        "type": "function",
+        "function": {
+            "name": "convert",
+            "description": "Convert a length between units.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "value": {"type": "number", "description": "the length"},
+                    "unit": {"type": "string", "description": "its unit"},
+                    "to": {"type": "string", "description": "the unit wanted"},
+                    "exact": {"type": "boolean", "description": "whether to keep every digit"},
+                },
+                "required": ["value", "unit"],
+            },
+        },
+    }
+
     # on an environment: the @tool methods, bound, in definition order, with @tool's name and timeout
     class Env(Environment):
         @tool(name="plus", timeout=0.5)
@@ -267,8 +326,11 @@ def test_a_tool_without_docstring_args_is_refused_when_built():
         """Does something."""
         return a
 
-    with pytest.raises(ValueError, match=r"^tool test_a_tool_without_docstring_args_is_refused_when_built\.<locals>\.undocumented: "
-                       r".*no description for the argument 'a'\. Give it type hints and a Google-style docstring"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"^tool test_a_tool_without_docstring_args_is_refused_when_built\.<locals>\.undocumented: "
+        r".*no description for the argument 'a'\. Give it type hints and a Google-style docstring",
+    ):
         Tool.from_function(undocumented)
 
     class Env(Environment):
@@ -276,7 +338,10 @@ def test_a_tool_without_docstring_args_is_refused_when_built():
         def lookup(self, word: str) -> str:
             return word
 
-    with pytest.raises(ValueError, match=r"^tool .*<locals>\.Env\.lookup: Cannot generate JSON schema for lookup because it has no docstring"):
+    with pytest.raises(
+        ValueError,
+        match=r"^tool .*<locals>\.Env\.lookup: Cannot generate JSON schema for lookup because it has no docstring",
+    ):
         Env().tools()
 
 
@@ -300,7 +365,9 @@ def test_sync_and_async_tools_are_called_alike():
         return [word] * n
 
     async def main():
-        return await asyncio.gather(Tool.from_function(slow_upper).call({"word": "ab"}), Tool.from_function(pair).call({"word": "x", "n": 2}))
+        return await asyncio.gather(
+            Tool.from_function(slow_upper).call({"word": "ab"}), Tool.from_function(pair).call({"word": "x", "n": 2})
+        )
 
     up, rep = asyncio.run(main())
     assert (up.content, up.error, up.timed_out) == ("AB", None, False)
@@ -345,15 +412,37 @@ class Faulty(Environment):
 @pytest.mark.parametrize(
     "turn, seen, metric, first_error",
     [
-        (call("explode", x=7), "valueerror: cannot explode 7", "env/tool_errors", "tool explode raised ValueError: cannot explode 7"),
+        (
+            call("explode", x=7),
+            "valueerror: cannot explode 7",
+            "env/tool_errors",
+            "tool explode raised ValueError: cannot explode 7",
+        ),
         (call("hang", x=1), "tool hang timed out after 0.2s", "env/tool_timeouts", "tool hang timed out after 0.2s"),
-        (call("sleepy", x=1), "tool sleepy timed out after 0.2s", "env/tool_timeouts", "tool sleepy timed out after 0.2s"),
-        (call("nope", x=1), "unknown tool 'nope' (tools: explode, hang, sleepy)", "env/tool_errors",
-         "unknown tool 'nope' (tools: explode, hang, sleepy)"),
-        (call("explode", x=1, y=2), "bad arguments for explode: got an unexpected keyword argument 'y'", "env/tool_errors",
-         "bad arguments for explode: got an unexpected keyword argument 'y'"),
-        (call("explode"), "bad arguments for explode: missing a required argument: 'x'", "env/tool_errors",
-         "bad arguments for explode: missing a required argument: 'x'"),
+        (
+            call("sleepy", x=1),
+            "tool sleepy timed out after 0.2s",
+            "env/tool_timeouts",
+            "tool sleepy timed out after 0.2s",
+        ),
+        (
+            call("nope", x=1),
+            "unknown tool 'nope' (tools: explode, hang, sleepy)",
+            "env/tool_errors",
+            "unknown tool 'nope' (tools: explode, hang, sleepy)",
+        ),
+        (
+            call("explode", x=1, y=2),
+            "bad arguments for explode: got an unexpected keyword argument 'y'",
+            "env/tool_errors",
+            "bad arguments for explode: got an unexpected keyword argument 'y'",
+        ),
+        (
+            call("explode"),
+            "bad arguments for explode: missing a required argument: 'x'",
+            "env/tool_errors",
+            "bad arguments for explode: missing a required argument: 'x'",
+        ),
     ],
     ids=["raises", "async-timeout", "sync-timeout", "unknown", "bad-arg", "missing-arg"],
 )
@@ -396,24 +485,32 @@ def test_an_episodes_feedback_joins_its_turns_tool_errors_and_the_stage_rewards_
     from tempering.plugins.rewards.basic import ExactMatch
 
     script = {"go": [call("explode", x=7), call("explode", x=8), say("41")]}
-    [group], _metrics, _, _rollout = roll(renderer, Coached, script, [{"prompt": "go", "answer": "42"}], reward=ExactMatch())
+    [group], _metrics, _, _rollout = roll(
+        renderer, Coached, script, [{"prompt": "go", "answer": "42"}], reward=ExactMatch()
+    )
     [sample] = group.samples
     assert (sample.reward, sample.failed, sample.trajectory.stop) == (0.0, False, "done")
-    assert sample.feedback == ("tool explode raised ValueError: cannot explode 7\nturn 1: 1 call(s)\n"
-                               "tool explode raised ValueError: cannot explode 8\nturn 2: 1 call(s)\n"
-                               "turn 3: 0 call(s)\nexpected '42', got '41'")  # fmt: skip
+    assert sample.feedback == (
+        "tool explode raised ValueError: cannot explode 7\nturn 1: 1 call(s)\n"
+        "tool explode raised ValueError: cannot explode 8\nturn 2: 1 call(s)\n"
+        "turn 3: 0 call(s)\nexpected '42', got '41'"
+    )
     assert "feedback" not in sample.reward_info
 
 
 def test_running_out_of_turns_and_the_calculators_own_score_are_feedback(renderer):
-    [group], *_ = roll(renderer, Faulty, {"go": [call("hang", x=1)] * 2}, [{"prompt": "go"}], max_turns=1,
-                       reward=lambda text, ex: 1.0)  # fmt: skip
+    [group], *_ = roll(
+        renderer, Faulty, {"go": [call("hang", x=1)] * 2}, [{"prompt": "go"}], max_turns=1, reward=lambda text, ex: 1.0
+    )
     assert group.samples[0].feedback == "tool hang timed out after 0.2s\nno final answer within max_turns=1 turns"
     script = {"6*7": [call("mul", a=6, b=7), say("24")], "6*8": [say("46")], "6*9": [call("mul", a=6, b=9), say("54")]}
     examples = [{"question": q, "answer": a} for q, a in zip(script, ("42", "48", "54"))]
     groups, *_ = roll(renderer, "calculator", script, examples)
     assert [g.samples[0].feedback for g in groups] == [
-        "expected '42', got '24'; the last tool result was '42'", "expected '48', got '46'; mul was never called", None]
+        "expected '42', got '24'; the last tool result was '42'",
+        "expected '48', got '46'; mul was never called",
+        None,
+    ]
     assert [g.samples[0].reward for g in groups] == [0.0, 0.0, 1.0]
 
 
@@ -421,13 +518,19 @@ def test_running_out_of_turns_and_the_calculators_own_score_are_feedback(rendere
 def test_a_malformed_tool_call_parses_to_a_parse_error(renderer):
     tokens = [renderer.call_id, *renderer._text("add(1,2)"), renderer.eos_id]
     parsed = renderer.render_prompt([{"role": "user", "content": "x"}]).parse(tokens)
-    assert parsed == ParsedResponse(text="", tool_calls=[], parse_error="malformed tool call 'add(1,2)': arguments must be named (key=value)",
-                                    raw="<|call|>add(1,2)<eos>")  # fmt: skip
-    bad_json = renderer.parse([*renderer._text("hi"), renderer.call_id, *renderer._text("add(a=1,b=)"), renderer.eos_id])
+    assert parsed == ParsedResponse(
+        text="",
+        tool_calls=[],
+        parse_error="malformed tool call 'add(1,2)': arguments must be named (key=value)",
+        raw="<|call|>add(1,2)<eos>",
+    )
+    bad_json = renderer.parse(
+        [*renderer._text("hi"), renderer.call_id, *renderer._text("add(a=1,b=)"), renderer.eos_id]
+    )
     assert (bad_json.text, bad_json.parse_error) == ("hi", "malformed tool call 'add(a=1,b=)': not a call expression")
 
 
-@pytest.mark.parametrize("written", ["""find(q='say "hi"')""", '''find(q="it's")''', '''find(q="""a"b'c""")'''])
+@pytest.mark.parametrize("written", ["""find(q='say "hi"')""", """find(q="it's")""", '''find(q="""a"b'c""")'''])
 def test_a_call_the_model_wrote_re_renders_as_it_wrote_it(renderer, written):
     """A call re-rendered into the next prompt keeps the model's quoting: JSON's ``\\"`` escape
     would need a backslash, which the tiny alphabet lacks (the episode then failed with the
@@ -437,6 +540,7 @@ def test_a_call_the_model_wrote_re_renders_as_it_wrote_it(renderer, written):
     assert parsed.parse_error is None
     message = {"role": "assistant", "content": "", "tool_calls": [c.to_openai() for c in parsed.tool_calls]}
     assert renderer.render_response(message) == tokens
+
 
 class Strict(Adder):
     parse_errors = "end"
@@ -453,7 +557,13 @@ def test_parse_errors_end_the_episode_or_are_fed_back(renderer):
 
     [group], metrics, _, _ = roll(renderer, Strict, script, example)
     [s] = group.samples
-    assert (s.trajectory.stop, len(s.trajectory.turns), s.reward, s.failed, s.masked) == ("parse_error", 1, 0.0, False, False)
+    assert (s.trajectory.stop, len(s.trajectory.turns), s.reward, s.failed, s.masked) == (
+        "parse_error",
+        1,
+        0.0,
+        False,
+        False,
+    )
     assert metrics["env/parse_errors"] == 1.0 and metrics["env/stop/parse_error"] == 1.0
     said = "the turn could not be parsed: malformed tool call 'add(1,2)': arguments must be named (key=value)"
     assert s.feedback == said
@@ -462,8 +572,10 @@ def test_parse_errors_end_the_episode_or_are_fed_back(renderer):
     [s] = group.samples
     assert (s.trajectory.stop, len(s.trajectory.turns), s.reward) == ("done", 3, 1.0)
     assert s.feedback == said  # fed back to the model, and feedback for the learner too
-    feedback = ("Your last message could not be parsed (malformed tool call 'add(1,2)': arguments must be named "
-                "(key=value)). Try again.")  # fmt: skip
+    feedback = (
+        "Your last message could not be parsed (malformed tool call 'add(1,2)': arguments must be named "
+        "(key=value)). Try again."
+    )
     assert s.trajectory.turns[0].observation == [{"role": "user", "content": feedback}]
     assert renderer.decode(model.calls[1]["prompts"][0]).endswith(f"<|user|>{feedback.lower()}<|assistant|>")
     assert metrics["env/parse_errors"] == 1.0 and metrics["env/stop/done"] == 1.0
@@ -499,11 +611,17 @@ class Looper(Adder):
 @pytest.mark.parametrize("action", ["zero", "mask"])
 def test_max_turns_zeroes_or_masks_the_episode(renderer, action):
     script = {"loop": [call("add", a=1, b=1)] * 3, "once": [call("add", a=1, b=1), say("2")]}
-    groups, metrics, model, _ = roll(renderer, Looper, script, [{"q": "loop"}, {"q": "once"}], max_turns=3, on_max_turns=action)
+    groups, metrics, model, _ = roll(
+        renderer, Looper, script, [{"q": "loop"}, {"q": "once"}], max_turns=3, on_max_turns=action
+    )
     loop, once = (g.samples[0] for g in groups)
     assert [len(loop.trajectory.turns), loop.trajectory.stop] == [3, "max_turns"]
     assert (loop.reward, loop.masked, loop.failed) == ((0.0, False, False) if action == "zero" else (0.0, True, False))
-    assert (once.reward, once.masked, once.trajectory.stop) == (0.5, False, "done")  # 0.25 + 0.25, summed over its turns
+    assert (once.reward, once.masked, once.trajectory.stop) == (
+        0.5,
+        False,
+        "done",
+    )  # 0.25 + 0.25, summed over its turns
     assert metrics["env/masked"] == (1.0 if action == "mask" else 0.0)
     assert metrics["env/stop/max_turns"] == 0.5 and metrics["env/stop/done"] == 0.5
     assert [len(c["prompts"]) for c in model.calls] == [2, 2, 1]
@@ -524,7 +642,9 @@ def test_the_context_budget_ends_the_episode(renderer, action):
 
     # (a) the budget cuts the first turn 2 tokens short: the turn is kept (its tokens were sampled), the episode ends
     budget = len(first_prompt) + first_turn - 2
-    [group], metrics, model, _ = roll(renderer, Adder, script, example, max_total_tokens=budget, on_context_limit=action)
+    [group], metrics, model, _ = roll(
+        renderer, Adder, script, example, max_total_tokens=budget, on_context_limit=action
+    )
     [s] = group.samples
     assert model.calls[0]["params"].max_tokens == first_turn - 2
     assert (s.trajectory.stop, len(s.trajectory.turns), len(s.trajectory.segments[0].tokens)) == ("context", 1, budget)
@@ -533,7 +653,9 @@ def test_the_context_budget_ends_the_episode(renderer, action):
     assert metrics["env/stop/context"] == 1.0 and metrics["env/masked"] == float(action == "mask")
 
     # (b) the first turn fits exactly, the second prompt alone fills the budget: no second turn
-    [group], metrics, model, _ = roll(renderer, Adder, script, example, max_total_tokens=len(second_prompt), on_context_limit=action)
+    [group], metrics, model, _ = roll(
+        renderer, Adder, script, example, max_total_tokens=len(second_prompt), on_context_limit=action
+    )
     [s] = group.samples
     assert (s.trajectory.stop, len(s.trajectory.turns), len(model.calls)) == ("context", 1, 1)
     assert s.trajectory.segments[0].tokens == second_prompt
@@ -572,7 +694,9 @@ def test_a_group_reward_is_added_to_each_episodes_reward(renderer):
     [group], _, _, _ = roll(renderer, Ranked, script, [{"q": "1+2?", "answer": "3"}], group_size=3)
     assert [s.reward for s in group.samples] == [2.0, 0.0, 0.0]  # own (1, 0, 0) + group (1, 0, 0)
 
-    [group], _, _, _ = roll(renderer, Ranked, script, [{"q": "1+2?"}], group_size=3, reward=lambda text, ex: float(len(text)))
+    [group], _, _, _ = roll(
+        renderer, Ranked, script, [{"q": "1+2?"}], group_size=3, reward=lambda text, ex: float(len(text))
+    )
     assert [s.reward for s in group.samples] == [2.0, 2.0, 3.0]  # stage reward (1, 2, 3) + group (1, 0, 0)
 
     class Broken(Adder):
@@ -587,7 +711,11 @@ def test_a_group_reward_is_added_to_each_episodes_reward(renderer):
 # --------------------------------------------------------------------------- batching (ModelQueue)
 def test_episodes_share_one_sample_call_per_turn_in_lockstep_and_reproducibly(renderer):
     # three examples x two episodes, ending after 1, 2 and 3 turns
-    script = {"a": [say("1")], "b": [call("add", a=1, b=1), say("2")], "c": [call("add", a=1, b=1), call("add", a=2, b=1), say("3")]}
+    script = {
+        "a": [say("1")],
+        "b": [call("add", a=1, b=1), say("2")],
+        "c": [call("add", a=1, b=1), call("add", a=2, b=1), say("3")],
+    }
     examples = [{"q": "a"}, {"q": "b"}, {"q": "c"}]
 
     def run_once():
@@ -624,14 +752,21 @@ SLOW_TOOL_S = 2.0
 def test_batch_wait_lets_a_request_go_without_waiting_for_a_slow_tool(renderer, batch_wait):
     # the slow tool takes 2 s: the fast episode's two turns (each within batch_wait) come first
     # even on a loaded machine, where a 0.5 s tool raced them
-    script = {"slow": [call("wait", s=SLOW_TOOL_S), say("ok")], "fast": [call("add", a=1, b=1), call("add", a=2, b=2), say("4")]}
+    script = {
+        "slow": [call("wait", s=SLOW_TOOL_S), say("ok")],
+        "fast": [call("add", a=1, b=1), call("add", a=2, b=2), say("4")],
+    }
     model = ScriptedModel(renderer, script)
 
     async def play():
         queue = ModelQueue(model, SamplingParams(max_tokens=40, stop=renderer.stop()), batch_wait=batch_wait)
         queue.join(2)
-        return await asyncio.gather(*(run_episode(SlowOrFast(), {"q": q}, renderer, queue, i, EpisodeLimits(), 40)
-                                      for i, q in enumerate(["slow", "fast"])))  # fmt: skip
+        return await asyncio.gather(
+            *(
+                run_episode(SlowOrFast(), {"q": q}, renderer, queue, i, EpisodeLimits(), 40)
+                for i, q in enumerate(["slow", "fast"])
+            )
+        )
 
     t0 = time.perf_counter()
     (slow, _), (fast, _) = asyncio.run(play())
@@ -664,10 +799,19 @@ class TwoTurns(WithAdd):
         return StepResult(reward=sum(c.isdigit() for c in text) / max(len(text), 1), done=True)
 
 
-TINY_CHAT = {"chat": True, "hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "max_position_embeddings": 128}
+TINY_CHAT = {
+    "chat": True,
+    "hidden_size": 32,
+    "num_layers": 1,
+    "num_heads": 2,
+    "intermediate_size": 64,
+    "max_position_embeddings": 128,
+}
 
 
-@pytest.mark.parametrize("stage", [{"name": "grpo"}, {"name": "offpolicy", "max_steps_off_policy": 2}], ids=["grpo", "offpolicy"])
+@pytest.mark.parametrize(
+    "stage", [{"name": "grpo"}, {"name": "offpolicy", "max_steps_off_policy": 2}], ids=["grpo", "offpolicy"]
+)
 def test_rl_stages_train_through_the_environment_sampler(tmp_path, stage):
     from tempering.plugins.backends.local.backend import LocalBackend
     from tempering.training.recipe import Recipe
@@ -675,12 +819,26 @@ def test_rl_stages_train_through_the_environment_sampler(tmp_path, stage):
     backend = LocalBackend(model="tiny_llama", model_kwargs=TINY_CHAT, num_threads=1)
     before = {k: v.clone() for k, v in backend.model.state_dict().items()}
     questions = [{"q": f"{a}+{b}?", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
-    recipe = Recipe.from_dict({
-        "name": "env", "output_dir": str(tmp_path), "loggers": ["jsonl"],
-        "stages": [{**stage, "id": "rl", "steps": 2, "prompts_per_step": 2, "group_size": 4, "max_tokens": 6,
-                    "dataset": questions, "optimizer": {"learning_rate": 1e-2},
-                    "sampler": {"name": "environment", "environment": TwoTurns, "max_turns": 3}}],
-    })  # fmt: skip
+    recipe = Recipe.from_dict(
+        {
+            "name": "env",
+            "output_dir": str(tmp_path),
+            "loggers": ["jsonl"],
+            "stages": [
+                {
+                    **stage,
+                    "id": "rl",
+                    "steps": 2,
+                    "prompts_per_step": 2,
+                    "group_size": 4,
+                    "max_tokens": 6,
+                    "dataset": questions,
+                    "optimizer": {"learning_rate": 1e-2},
+                    "sampler": {"name": "environment", "environment": TwoTurns, "max_turns": 3},
+                }
+            ],
+        }
+    )
     recipe.run(backend=backend)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r and "env/turns_mean" in r]
@@ -717,10 +875,11 @@ def test_the_example_environment_in_the_docs_runs(renderer):
     exec(code.split("```")[0], namespace)  # our own documentation
     lookup = namespace["Lookup"]
     value = (12 * 7919) % 1000
-    script = {"value of k12?": [call("get", key="k12"), say(str(value))],
-              "value of k7?": [call("get", key="k99"), say("0")]}  # fmt: skip
-    groups, metrics, _, _ = roll(renderer, lambda: lookup(table_size=50), script,
-                                 [{"key": "k12"}, {"key": "k7"}])  # fmt: skip
+    script = {
+        "value of k12?": [call("get", key="k12"), say(str(value))],
+        "value of k7?": [call("get", key="k99"), say("0")],
+    }
+    groups, metrics, _, _ = roll(renderer, lambda: lookup(table_size=50), script, [{"key": "k12"}, {"key": "k7"}])
     good, bad = (g.samples[0] for g in groups)
     assert good.reward == 1.0 and good.trajectory.messages[2]["content"] == str(value)
     assert bad.reward == 0.0 and bad.trajectory.messages[2]["content"] == "Error: KeyError: 'k99'"

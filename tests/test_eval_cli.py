@@ -100,34 +100,58 @@ def test_eval_of_a_run_reproduces_its_own_final_evaluation(tmp_path: Path) -> No
     assert final["step"] == SFT_STEPS + RL_STEPS and got["source"]["global_step"] == final["step"]
     m = got["metrics"]
     assert m["samples"] == final["eval/n"] == 8
-    assert m["reward/mean"] == pytest.approx(final["eval/reward"]) and m["accuracy"] == pytest.approx(final["eval/accuracy"])
+    assert m["reward/mean"] == pytest.approx(final["eval/reward"]) and m["accuracy"] == pytest.approx(
+        final["eval/accuracy"]
+    )
     assert m["env/tool_calls"] == final["eval/tool_calls"]
-    logged = {r["group"]: r for r in lines(run / "rollouts.jsonl") if r["kind"] == "eval" and r["step"] == final["step"]}
+    logged = {
+        r["group"]: r for r in lines(run / "rollouts.jsonl") if r["kind"] == "eval" and r["step"] == final["step"]
+    }
     mine = {r["group"]: r for r in lines(tmp_path / "ev" / "rollouts.jsonl")}
     assert logged and all(mine[g]["messages"] == r["messages"] for g, r in logged.items())
 
     # the exported model, evaluated as a model folder on the same episodes: the same numbers
     assert cli.main(["export", str(run), "--to", str(tmp_path / "hf")]) == 0
     episodes = "{name: environment, environment: calculator, max_turns: 3, max_total_tokens: 96}"
-    assert cli.main(["eval", str(tmp_path / "hf"), "--dataset", "{name: tool_use, split: test, size: 8}",
-                     "--sampler", episodes, "--max-tokens", "20", "--out", str(tmp_path / "ev2")]) == 0  # fmt: skip
+    assert (
+        cli.main(
+            [
+                "eval",
+                str(tmp_path / "hf"),
+                "--dataset",
+                "{name: tool_use, split: test, size: 8}",
+                "--sampler",
+                episodes,
+                "--max-tokens",
+                "20",
+                "--out",
+                str(tmp_path / "ev2"),
+            ]
+        )
+        == 0
+    )
     again = json.loads((tmp_path / "ev2" / "eval.json").read_text())["metrics"]
     assert again["reward/mean"] == m["reward/mean"] and again["env/tool_calls"] == m["env/tool_calls"]
     assert [r["messages"] for r in lines(tmp_path / "ev2" / "rollouts.jsonl")] == [
-        r["messages"] for r in lines(tmp_path / "ev" / "rollouts.jsonl")]
+        r["messages"] for r in lines(tmp_path / "ev" / "rollouts.jsonl")
+    ]
 
 
 def test_eval_errors_are_one_line_and_come_before_a_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
     run = small_run()
     assert cli.main(["eval", run, "--dataset", "{name: arithmatic}"]) == 2
     assert "tempering: error: --dataset.name: unknown dataset 'arithmatic'. Did you mean 'arithmetic'?" in (
-        capsys.readouterr().err)
+        capsys.readouterr().err
+    )
     assert cli.main(["eval", run, "--reward", "{name: exact_match, answr_key: x}"]) == 2
     assert "--reward.answr_key: unknown key 'answr_key'. Did you mean 'answer_key'?" in capsys.readouterr().err
     assert cli.main(["eval", run, "--samples", "0"]) == 2
     assert "tempering: error: --samples: must be >= 1, got 0" in capsys.readouterr().err
     assert cli.main(["eval", run, "--step", "7"]) == 2
-    assert f"--step: no checkpoint at step 7 in '{run}'; kept: {SFT_STEPS}, {SFT_STEPS + RL_STEPS}" in capsys.readouterr().err
+    assert (
+        f"--step: no checkpoint at step 7 in '{run}'; kept: {SFT_STEPS}, {SFT_STEPS + RL_STEPS}"
+        in capsys.readouterr().err
+    )
 
 
 # --------------------------------------------------------------------------- inspect_ai
@@ -147,15 +171,27 @@ def test_an_inspect_task_evaluates_a_run_through_the_bridge(tmp_path: Path) -> N
 
     run = small_run()
     tasks = tool_use("test", size=4)
-    task = Task(dataset=[Sample(input=t["question"], target=t["answer"]) for t in tasks], solver=generate(), scorer=exact())
-    [log] = inspect_eval(task, model=f"tempering/{run}", model_args={"step": SFT_STEPS}, log_dir=str(tmp_path),
-                         display="none", max_tokens=20, temperature=0.0)  # fmt: skip
+    task = Task(
+        dataset=[Sample(input=t["question"], target=t["answer"]) for t in tasks], solver=generate(), scorer=exact()
+    )
+    [log] = inspect_eval(
+        task,
+        model=f"tempering/{run}",
+        model_args={"step": SFT_STEPS},
+        log_dir=str(tmp_path),
+        display="none",
+        max_tokens=20,
+        temperature=0.0,
+    )
     assert log.status == "success", log.error
     got = {s.input: s.output.completion for s in log.samples}
 
     with run_backend(RunDir(run), step=SFT_STEPS) as (backend, _):
-        spec = EvalSpec(dataset=[{"messages": [{"role": "user", "content": t["question"]}]} for t in tasks],
-                        renderer="tiny_chat", max_tokens=20)  # fmt: skip
+        spec = EvalSpec(
+            dataset=[{"messages": [{"role": "user", "content": t["question"]}]} for t in tasks],
+            renderer="tiny_chat",
+            max_tokens=20,
+        )
         records = evaluate_policy(backend, spec).records
     want = {r["example"]["messages"][0]["content"]: r["completion"] for r in records}
     assert got == want and len(got) == 4

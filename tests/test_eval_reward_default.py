@@ -18,10 +18,19 @@ EVAL = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}, {"
 
 
 def run(tmp_path, **stage: Any) -> list[dict[str, Any]]:
-    spec = {"id": "rl", "name": "grpo", "steps": 1, "prompts_per_step": 2, "group_size": 2, "max_tokens": 2,
-            "dataset": {"name": "arithmetic", "size": 8}, **stage}  # fmt: skip
-    Recipe.from_dict({"name": "ev", "output_dir": str(tmp_path), "loggers": ["jsonl"], "backend": TINY,
-                      "stages": [spec]}).run()  # fmt: skip
+    spec = {
+        "id": "rl",
+        "name": "grpo",
+        "steps": 1,
+        "prompts_per_step": 2,
+        "group_size": 2,
+        "max_tokens": 2,
+        "dataset": {"name": "arithmetic", "size": 8},
+        **stage,
+    }
+    Recipe.from_dict(
+        {"name": "ev", "output_dir": str(tmp_path), "loggers": ["jsonl"], "backend": TINY, "stages": [spec]}
+    ).run()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "eval/reward" in r]
 

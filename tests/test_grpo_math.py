@@ -258,10 +258,17 @@ def oracle(tmp_path_factory):
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
     config = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-        pad_token_id=0, bos_token_id=1, eos_token_id=1,
-    )  # fmt: skip
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=1,
+    )
     path = tmp_path_factory.mktemp("tiny_llama")
     with torch.random.fork_rng():  # a fixed model without touching other tests' global RNG
         torch.manual_seed(0)
@@ -271,14 +278,23 @@ def oracle(tmp_path_factory):
 
     def make(**kwargs):
         args = trl.GRPOConfig(
-            output_dir=str(path / "out"), bf16=False, use_cpu=True, report_to="none",
-            per_device_train_batch_size=6, num_generations=2, gradient_accumulation_steps=1,
-            max_completion_length=TRL_MAX_COMPLETION_LENGTH, **kwargs,
-        )  # fmt: skip
+            output_dir=str(path / "out"),
+            bf16=False,
+            use_cpu=True,
+            report_to="none",
+            per_device_train_batch_size=6,
+            num_generations=2,
+            gradient_accumulation_steps=1,
+            max_completion_length=TRL_MAX_COMPLETION_LENGTH,
+            **kwargs,
+        )
         trainer = trl.GRPOTrainer(
-            model=str(path), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-            args=args, train_dataset=dataset, processing_class=tokenizer,
-        )  # fmt: skip
+            model=str(path),
+            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop; one micro-batch per step
         return trainer
@@ -344,11 +360,15 @@ def test_loss_matches_trl_compute_loss(oracle, case):
     adv = torch.tensor(ROW_ADVANTAGES)
 
     inputs = {
-        "prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids),
-        "completion_ids": completion_ids, "completion_mask": cmask,
-        "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
+        "prompt_ids": prompt_ids,
+        "prompt_mask": torch.ones_like(prompt_ids),
+        "completion_ids": completion_ids,
+        "completion_mask": cmask,
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
         "num_items_in_batch": cmask.sum(),
-    }  # fmt: skip
+    }
     model.zero_grad(set_to_none=True)
     trl_loss = trainer._compute_loss(model, inputs)
     trl_loss.backward()
@@ -380,16 +400,23 @@ def test_loss_matches_trl_compute_loss(oracle, case):
     loss_diff = abs(out.loss.item() - trl_loss.item())
     grad_diff = max((a - b).abs().max().item() for a, b in zip(our_grads, trl_grads))
     grad_scale = max(b.abs().max().item() for b in trl_grads)
-    print(f"{case}: loss {out.loss.item():.8f} vs TRL {trl_loss.item():.8f}: |d| {loss_diff:.1e}, grads: "
-          f"max|d| {grad_diff:.1e}, max|g| {grad_scale:.1e}")  # fmt: skip
+    print(
+        f"{case}: loss {out.loss.item():.8f} vs TRL {trl_loss.item():.8f}: |d| {loss_diff:.1e}, grads: "
+        f"max|d| {grad_diff:.1e}, max|g| {grad_scale:.1e}"
+    )
     assert loss_diff < 1e-5
     assert grad_scale > 1e-3  # a real gradient flows ...
     assert grad_diff < 1e-4 * grad_scale  # ... and it is TRL's, parameter by parameter
 
     # The test data must exercise clipping (both sides) and both advantage signs.
     assert out.metrics["clip_ratio/low_mean"] > 0 and out.metrics["clip_ratio/high_mean"] > 0
-    for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
-                "clip_ratio/high_max"):  # fmt: skip
+    for key in (
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+        "clip_ratio/low_min",
+        "clip_ratio/high_max",
+    ):
         assert out.metrics[key] == pytest.approx(trl_metrics[key], abs=1e-6), key
     if loss_fn.beta:
         assert out.metrics["kl"] == pytest.approx(trl_metrics["kl"], rel=1e-5)

@@ -12,8 +12,12 @@ import torch
 from tempering.registry import get_registry
 from tempering.training.recipe import Recipe, read_progress
 
-TINY = {"name": "local", "model": "tiny_llama", "num_threads": 1,
-        "model_kwargs": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}}
+TINY = {
+    "name": "local",
+    "model": "tiny_llama",
+    "num_threads": 1,
+    "model_kwargs": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64},
+}
 
 
 def partial_credit(completion: str, example: dict) -> float:
@@ -26,13 +30,23 @@ def partial_credit(completion: str, example: dict) -> float:
 def _recipe(out: Path, **over) -> Recipe:
     stages = [
         {"id": "warmup", "name": "sft", "steps": 3, "batch_size": 8, "optimizer": {"learning_rate": 1e-2}},
-        {"id": "rl", "name": "grpo", "steps": 3, "prompts_per_step": 4, "group_size": 4, "max_tokens": 4,
-         "optimizer": {"learning_rate": 1e-2}, "reward": over.pop("reward", partial_credit),
-         "kl_every": over.pop("kl_every", 10), **over.pop("rl", {}),
-         "eval": {"dataset": {"name": "arithmetic", "split": "test", "size": 8}, "max_tokens": 4}},
+        {
+            "id": "rl",
+            "name": "grpo",
+            "steps": 3,
+            "prompts_per_step": 4,
+            "group_size": 4,
+            "max_tokens": 4,
+            "optimizer": {"learning_rate": 1e-2},
+            "reward": over.pop("reward", partial_credit),
+            "kl_every": over.pop("kl_every", 10),
+            **over.pop("rl", {}),
+            "eval": {"dataset": {"name": "arithmetic", "split": "test", "size": 8}, "max_tokens": 4},
+        },
     ]
-    return Recipe.from_dict({"name": "t", "output_dir": str(out), "backend": TINY, "loggers": ["jsonl", "plot"],
-                             "stages": stages, **over})
+    return Recipe.from_dict(
+        {"name": "t", "output_dir": str(out), "backend": TINY, "loggers": ["jsonl", "plot"], "stages": stages, **over}
+    )
 
 
 def _weights(backend) -> torch.Tensor:
@@ -44,9 +58,21 @@ def test_grpo_stage_logs_the_promised_metrics(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r["stage"] == "rl" and "reward/mean" in r]
     assert len(rl) == 3
-    for key in ("reward/mean", "accuracy", "loss", "kl_ref", "step_time", "tokens_per_s", "time/sample",
-                "time/reward", "time/train", "grad_norm", "clip_ratio/region_mean", "reward/failed",
-                "completion/mean_len"):
+    for key in (
+        "reward/mean",
+        "accuracy",
+        "loss",
+        "kl_ref",
+        "step_time",
+        "tokens_per_s",
+        "time/sample",
+        "time/reward",
+        "time/train",
+        "grad_norm",
+        "clip_ratio/region_mean",
+        "reward/failed",
+        "completion/mean_len",
+    ):
         assert key in rl[0], key
     assert all(math.isfinite(r["loss"]) for r in rl)
     assert rl[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # the reference is the stage's start
@@ -115,7 +141,10 @@ def test_failing_reward_is_counted_and_masked_not_fatal(tmp_path: Path) -> None:
     rl = [r for r in rows if r["stage"] == "rl" and "reward/failed" in r]
     assert len(rl) == 3
     assert sum(r["reward/failed"] for r in rl) == 1 / 3 * 3 * 16
-    assert {r["first_error"] for r in rl} <= {"RuntimeError: judge unreachable", "reward returned nan (not a finite number)"}
+    assert {r["first_error"] for r in rl} <= {
+        "RuntimeError: judge unreachable",
+        "reward returned nan (not a finite number)",
+    }
 
 
 def test_interrupted_staged_run_resumes_to_the_same_weights(tmp_path: Path) -> None:
@@ -140,7 +169,14 @@ def test_interrupted_staged_run_resumes_to_the_same_weights(tmp_path: Path) -> N
 def test_missing_dataset_column_is_a_config_error_with_its_path(tmp_path: Path) -> None:
     from tempering.errors import ConfigError
 
-    recipe = Recipe.from_dict({"name": "t", "output_dir": str(tmp_path), "backend": TINY, "loggers": [],
-                               "stages": [{"name": "sft", "steps": 1, "completion_key": "solution"}]})
+    recipe = Recipe.from_dict(
+        {
+            "name": "t",
+            "output_dir": str(tmp_path),
+            "backend": TINY,
+            "loggers": [],
+            "stages": [{"name": "sft", "steps": 1, "completion_key": "solution"}],
+        }
+    )
     with pytest.raises(ConfigError, match=r"^stages\[0\]\.completion_key: rows have no 'solution'"):
         recipe.run()

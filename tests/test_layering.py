@@ -47,7 +47,11 @@ def _imports(path: Path, module: str) -> set[str]:
 
 def _modules() -> dict[str, Path]:
     found = {}
-    for top, prefix in (("core", "tempering"), ("algorithms", "tempering.algorithms"), ("plugins", "tempering.plugins")):
+    for top, prefix in (
+        ("core", "tempering"),
+        ("algorithms", "tempering.algorithms"),
+        ("plugins", "tempering.plugins"),
+    ):
         for path in (ROOT / top).rglob("*.py"):
             parts = list(path.relative_to(ROOT / top).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -71,13 +75,21 @@ def _graph() -> dict[str, set[str]]:
 
 
 def _layer(module: str) -> str:
-    return "algorithms" if module.startswith("tempering.algorithms") else "plugins" if module.startswith("tempering.plugins") else "core"
+    return (
+        "algorithms"
+        if module.startswith("tempering.algorithms")
+        else "plugins"
+        if module.startswith("tempering.plugins")
+        else "core"
+    )
 
 
 def test_no_upward_imports():
     """core imports neither plugins nor algorithms; plugins and algorithms not each other."""
     allowed = {"core": {"core"}, "algorithms": {"core", "algorithms"}, "plugins": {"core", "plugins"}}
-    wrong = sorted(f"{a} -> {b}" for a, targets in _graph().items() for b in targets if _layer(b) not in allowed[_layer(a)])
+    wrong = sorted(
+        f"{a} -> {b}" for a, targets in _graph().items() for b in targets if _layer(b) not in allowed[_layer(a)]
+    )
     assert wrong == []
 
 
@@ -136,6 +148,16 @@ def test_core_subpackages_import_only_downward():
 def test_the_core_is_in_subpackages_by_purpose():
     """A newcomer finds a module by its purpose: the top level holds only the public contracts."""
     top = sorted(p.stem for p in (ROOT / "core").glob("*.py"))
-    assert top == ["__init__", "__main__", "errors", "hookspecs", "interfaces", "loss_contract",
-                   "registry", "schema", "testing", "types"]  # fmt: skip
+    assert top == [
+        "__init__",
+        "__main__",
+        "errors",
+        "hookspecs",
+        "interfaces",
+        "loss_contract",
+        "registry",
+        "schema",
+        "testing",
+        "types",
+    ]
     assert {p.name for p in (ROOT / "core").iterdir() if (p / "__init__.py").exists()} == {*CORE_ORDER, "recipes"}

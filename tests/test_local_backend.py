@@ -64,7 +64,9 @@ def sft_rows(backend: LocalBackend, texts: list[str]) -> list[Datum]:
     return rows
 
 
-def completion_logprobs(backend: LocalBackend, completions: list[Completion], reference: bool = False) -> list[list[float]]:
+def completion_logprobs(
+    backend: LocalBackend, completions: list[Completion], reference: bool = False
+) -> list[list[float]]:
     """A separate forward pass's logprobs of each completion's own tokens."""
     rows = [Datum.from_completion(c) for c in completions]
     scored = backend.logprobs(Batch(rows), reference=reference).result()
@@ -380,9 +382,15 @@ def test_data_parallel_step_averages_gradients_across_ranks(tmp_path: Path) -> N
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
     cmd = [
         # --standalone: torchrun picks its own free rendezvous port (no pick-then-bind race)
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(TESTS / "ddp_worker.py"), str(tmp_path),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(TESTS / "ddp_worker.py"),
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"params_rank{r}.pt", weights_only=True) for r in (0, 1)]

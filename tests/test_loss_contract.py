@@ -42,7 +42,9 @@ def stage_error(tmp_path: Path, stage: dict) -> str:
 
 def test_a_loss_reading_what_its_stage_does_not_provide_fails_at_validation(tmp_path):
     message = stage_error(tmp_path / "a", {"name": "offpolicy", "dataset": ROWS, "loss": "dpo"})
-    assert message.startswith("stages[0].loss: the DPOLoss loss reads ref_logprobs, which a 'offpolicy' stage's batches")
+    assert message.startswith(
+        "stages[0].loss: the DPOLoss loss reads ref_logprobs, which a 'offpolicy' stage's batches"
+    )
     message = stage_error(tmp_path / "b", {"name": "sft", "dataset": ROWS, "completion_key": "answer", "loss": "grpo"})
     assert message.startswith("stages[0].loss: the GRPOLoss loss reads advantages, which a 'sft' stage's batches")
 
@@ -93,7 +95,7 @@ def test_sdft_declares_its_inputs_teacher_and_builtin(tmp_path):
         TEACHER_TOKEN_LOGPROBS,
         TEACHER_TOPK_IDS,
         TEACHER_TOPK_LOGPROBS,
-    )  # fmt: skip
+    )
     from tempering.training.teacher import TEACHER_KEYS, TeacherNeeds, teacher_needs
 
     assert TEACHER_KEYS == (TEACHER_TOKEN_LOGPROBS, TEACHER_LOGITS, TEACHER_TOPK_LOGPROBS, TEACHER_TOPK_IDS)
@@ -102,7 +104,9 @@ def test_sdft_declares_its_inputs_teacher_and_builtin(tmp_path):
     assert token.reads == ImportanceSamplingLoss.reads == {WEIGHTS, SAMPLER_LOGPROBS, ADVANTAGES}
     assert full.reads == {WEIGHTS, LOGITS, TEACHER_LOGITS} == SDFTLoss().reads  # student support: the full teacher
     assert topk.reads == {WEIGHTS, LOGITS, TEACHER_TOPK_LOGPROBS, TEACHER_TOPK_IDS}
-    assert token.teacher_needs == TeacherNeeds("token", 100, "token_mean") and topk.teacher_needs == TeacherNeeds("topk", 4)
+    assert token.teacher_needs == TeacherNeeds("token", 100, "token_mean") and topk.teacher_needs == TeacherNeeds(
+        "topk", 4
+    )
     assert teacher_needs(ImportanceSamplingLoss()) == TeacherNeeds()  # declares none: the sampled-token default
     stage = SDFT()
     for loss in (token, full, topk, ImportanceSamplingLoss()):  # what the stage prepares covers what each reads
@@ -111,32 +115,65 @@ def test_sdft_declares_its_inputs_teacher_and_builtin(tmp_path):
 
     batch = Batch([Datum([1, 2, 3], [2, 3, 4], [0.0, 1.0, 1.0], [0.0, -0.5, -0.2], [0.0, 1.0, 1.0])])
     found = builtin_of(token, batch)
-    assert isinstance(found, BuiltinLoss) and (found.name, found.config, found.coefficients) == ("importance_sampling", None, None)
-    assert builtin_of(full, batch) == NoBuiltin("Use mode: sampled_token (Tinker's importance_sampling) for SDFT on Tinker.")
+    assert isinstance(found, BuiltinLoss) and (found.name, found.config, found.coefficients) == (
+        "importance_sampling",
+        None,
+        None,
+    )
+    assert builtin_of(full, batch) == NoBuiltin(
+        "Use mode: sampled_token (Tinker's importance_sampling) for SDFT on Tinker."
+    )
 
     rows = [{"prompt": f"{i}+{i}=", "demonstration": str(2 * i)} for i in range(4)]
     message = stage_error(tmp_path / "a", {"name": "sdft", "dataset": rows, "teacher": "live", "loss": "dpo"})
     assert message.startswith("stages[0].loss: the DPOLoss loss reads ref_logprobs, which a 'sdft' stage's batches")
-    message = stage_error(tmp_path / "b", {"name": "sdft", "dataset": rows, "teacher": "live",
-                                           "loss": {"name": "sdft", "mode": "full_logits"}})  # fmt: skip
-    assert message == ("stages[0].loss.mode: 'full_logits' needs the teacher's full next-token distributions, which "
-                       "this backend does not return; use mode: sampled_token")  # fmt: skip
+    message = stage_error(
+        tmp_path / "b",
+        {"name": "sdft", "dataset": rows, "teacher": "live", "loss": {"name": "sdft", "mode": "full_logits"}},
+    )
+    assert message == (
+        "stages[0].loss.mode: 'full_logits' needs the teacher's full next-token distributions, which "
+        "this backend does not return; use mode: sampled_token"
+    )
 
     class TopK(FakeBackend):  # the teacher's top-k, but no logits for the loss (as Tinker)
         def distributions(self, batch, reference=False, weights=None, topk=None):
             raise AssertionError("validation must refuse the stage first")
 
     with pytest.raises(ConfigError) as err:
-        Recipe(name="c", output_dir=str(tmp_path / "c"), loggers=[],
-               stages=[{"name": "sdft", "dataset": rows, "teacher": "live", "loss": "sdft"}]).run(backend=TopK())  # fmt: skip
-    assert str(err.value) == ("stages[0].loss: the SDFTLoss loss trains on the student's logits, which this backend "
-                              "does not give a loss (it returns per-token logprobs only); use mode: sampled_token "
-                              "(Tinker's importance_sampling)")  # fmt: skip
-    message = stage_error(tmp_path / "d", {"name": "sdft", "dataset": rows, "teacher": "live",
-                                           "loss": {"name": "sdft", "mode": "topk_logits", "topk_support": "teacher"}})  # fmt: skip
+        Recipe(
+            name="c",
+            output_dir=str(tmp_path / "c"),
+            loggers=[],
+            stages=[{"name": "sdft", "dataset": rows, "teacher": "live", "loss": "sdft"}],
+        ).run(backend=TopK())
+    assert str(err.value) == (
+        "stages[0].loss: the SDFTLoss loss trains on the student's logits, which this backend "
+        "does not give a loss (it returns per-token logprobs only); use mode: sampled_token "
+        "(Tinker's importance_sampling)"
+    )
+    message = stage_error(
+        tmp_path / "d",
+        {
+            "name": "sdft",
+            "dataset": rows,
+            "teacher": "live",
+            "loss": {"name": "sdft", "mode": "topk_logits", "topk_support": "teacher"},
+        },
+    )
     assert message.startswith("stages[0].loss.mode: 'topk_logits' needs the teacher's top-k")
     with pytest.raises(ConfigError) as err:
-        Recipe(name="c", output_dir=str(tmp_path / "e"), loggers=[],
-               stages=[{"name": "sdft", "dataset": rows, "teacher": "live",
-                        "loss": {"name": "sdft", "mode": "topk_logits", "topk_support": "teacher"}}]).run(backend=TopK())  # fmt: skip
+        Recipe(
+            name="c",
+            output_dir=str(tmp_path / "e"),
+            loggers=[],
+            stages=[
+                {
+                    "name": "sdft",
+                    "dataset": rows,
+                    "teacher": "live",
+                    "loss": {"name": "sdft", "mode": "topk_logits", "topk_support": "teacher"},
+                }
+            ],
+        ).run(backend=TopK())
     assert str(err.value).startswith("stages[0].loss.mode: 'topk_logits' trains on the student's logits")

@@ -81,8 +81,12 @@ def loss_and_grad(loss, lp, batch):
         # CISPO 0/4: coefficient rho: -(1.5*1*ln1.5 + 0.5*-2*ln0.5 + 1.1*.5*ln1.1) = -1.3537662
         (CISPOLoss(), -(1.5 * LN(1.5) + 1.0 * LN(2.0) + 0.55 * LN(1.1)), [0.0, -1.5, 1.0, -0.55], 0.0),
         # CISPO 0.8/1.2: coefficients (1.2, 0.8, 1.1)
-        (CISPOLoss(clip_low_threshold=0.8, clip_high_threshold=1.2),
-         -(1.2 * LN(1.5) + 1.6 * LN(2.0) + 0.55 * LN(1.1)), [0.0, -1.2, 1.6, -0.55], 2 / 3),
+        (
+            CISPOLoss(clip_low_threshold=0.8, clip_high_threshold=1.2),
+            -(1.2 * LN(1.5) + 1.6 * LN(2.0) + 0.55 * LN(1.1)),
+            [0.0, -1.2, 1.6, -0.55],
+            2 / 3,
+        ),
         # TIS C=1.2: coefficients (1.2, 0.5, 1.1)
         (TISLoss(truncation=1.2), -(1.2 * LN(1.5) + 1.0 * LN(2.0) + 0.55 * LN(1.1)), [0.0, -1.2, 1.0, -0.55], 1 / 3),
     ],
@@ -123,24 +127,41 @@ def test_sequence_level_ratio_hand_computed():
 
 def test_builtins_and_their_thresholds():
     assert (PPOLoss().tinker_builtin, PPOLoss().tinker_loss_fn_config) == (
-        "ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})  # fmt: skip
+        "ppo",
+        {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    )
     assert (CISPOLoss().tinker_builtin, CISPOLoss().tinker_loss_fn_config) == (
-        "cispo", {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0})  # fmt: skip
+        "cispo",
+        {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+    )
     assert (TISLoss(truncation=3.0).tinker_builtin, TISLoss(truncation=3.0).tinker_loss_fn_config) == (
-        "cispo", {"clip_low_threshold": 0.0, "clip_high_threshold": 3.0})  # fmt: skip
+        "cispo",
+        {"clip_low_threshold": 0.0, "clip_high_threshold": 3.0},
+    )
     assert ClippedISLoss().tinker_builtin == "ppo" and ClippedISLoss().advantage_cap == 3.0
     assert PPOLoss().advantage_cap is None
     matched = OffPolicyObjective(PPOLoss(), temperature=0.7)
     assert matched.needs_logits and matched.tinker_builtin is None
     plain = OffPolicyObjective(CISPOLoss())
-    assert not plain.needs_logits and plain.tinker_builtin == "cispo" and plain.tinker_loss_fn_config["clip_high_threshold"] == 4.0
-    for bad in (lambda: PPOLoss(clip_low_threshold=1.1), lambda: CISPOLoss(clip_low_threshold=2, clip_high_threshold=1),
-                lambda: TISLoss(truncation=0), lambda: PPOLoss(level="word"), lambda: PPOLoss(advantage_cap=-1)):  # fmt: skip
+    assert (
+        not plain.needs_logits
+        and plain.tinker_builtin == "cispo"
+        and plain.tinker_loss_fn_config["clip_high_threshold"] == 4.0
+    )
+    for bad in (
+        lambda: PPOLoss(clip_low_threshold=1.1),
+        lambda: CISPOLoss(clip_low_threshold=2, clip_high_threshold=1),
+        lambda: TISLoss(truncation=0),
+        lambda: PPOLoss(level="word"),
+        lambda: PPOLoss(advantage_cap=-1),
+    ):
         with pytest.raises(ValueError):
             bad()
 
 
-def tinker_builtin_loss(name: str, config: dict, rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def tinker_builtin_loss(
+    name: str, config: dict, rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+) -> torch.Tensor:
     """Tinker's documented formulas (docs tinker/losses: importance-sampling, ppo, cispo),
     literally, per datum (``target_logprobs``, ``sampling_logprobs``, ``advantages``; no mask),
     summed over the batch."""
@@ -165,9 +186,18 @@ def tinker_builtin_loss(name: str, config: dict, rows: list[tuple[torch.Tensor, 
     return total
 
 
-@pytest.mark.parametrize("loss", [PPOLoss(), PPOLoss(clip_high_threshold=1.28), CISPOLoss(), TISLoss(), ClippedISLoss(),
-                                  CISPOLoss(clip_low_threshold=0.5, clip_high_threshold=1.5)],
-                         ids=["ppo", "ppo-dapo", "cispo", "tis", "clipped_is", "cispo-custom"])  # fmt: skip
+@pytest.mark.parametrize(
+    "loss",
+    [
+        PPOLoss(),
+        PPOLoss(clip_high_threshold=1.28),
+        CISPOLoss(),
+        TISLoss(),
+        ClippedISLoss(),
+        CISPOLoss(clip_low_threshold=0.5, clip_high_threshold=1.5),
+    ],
+    ids=["ppo", "ppo-dapo", "cispo", "tis", "clipped_is", "cispo-custom"],
+)
 def test_each_loss_is_its_tinker_builtin_exactly(loss):
     """On a batch as the stage prepares it (normaliser folded in, A = q = 0 off the mask, as the
     Tinker backend sends it), our loss equals the built-in's documented formula: value and
@@ -269,8 +299,12 @@ def test_cap_advantages_and_running_mean_hand_computed():
 
 def test_prepare_advantages_caps_then_folds():
     stage = OffPolicyRL(aggregation="token_mean")
-    batch = Batch([Datum([1, 2, 3], [2, 3, 4], [0, 1, 1], [0, -1, -1], [0.0, 2.0, 2.0]),
-                   Datum([1, 2], [2, 3], [0, 1], [0, -1], [0.0, -1.0])])  # fmt: skip
+    batch = Batch(
+        [
+            Datum([1, 2, 3], [2, 3, 4], [0, 1, 1], [0, -1, -1], [0.0, 2.0, 2.0]),
+            Datum([1, 2], [2, 3], [0, 1], [0, -1], [0.0, -1.0]),
+        ]
+    )
     metrics = stage.prepare_advantages(batch, AdvantageCap(multiple=1.0))
     # |A| = 2, 2, 1 -> mean 5/3 = cap; 2 -> 5/3; then / N = 3 tokens
     assert batch.data[0].advantages == pytest.approx([0.0, 5 / 9, 5 / 9])
@@ -462,9 +496,20 @@ EXAMPLES = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(40)]
 
 def drive(backend, *, k, fixed=False, steps=6, per_batch=3, chunk=2, pause=0.0, **kwargs):
     """A trainer loop without a model: take each batch, 'step', publish new weights."""
-    ro = AsyncRollouts(backend, ExampleStream(EXAMPLES, seed=0), completion_sampler(backend.tokenizer, RewardRunner(length_reward)), group_size=3,
-                       groups_per_batch=per_batch, params=SamplingParams(max_tokens=3), max_steps_off_policy=k,
-                       groups_per_sample=chunk, fixed_staleness=fixed, seed=5, last_batch=steps, **kwargs)  # fmt: skip
+    ro = AsyncRollouts(
+        backend,
+        ExampleStream(EXAMPLES, seed=0),
+        completion_sampler(backend.tokenizer, RewardRunner(length_reward)),
+        group_size=3,
+        groups_per_batch=per_batch,
+        params=SamplingParams(max_tokens=3),
+        max_steps_off_policy=k,
+        groups_per_sample=chunk,
+        fixed_staleness=fixed,
+        seed=5,
+        last_batch=steps,
+        **kwargs,
+    )
     batches = []
     ro.start(sampler_of(backend))
     try:
@@ -508,7 +553,9 @@ def test_fixed_staleness_is_exactly_k_and_reproducible():
         assert [v for v, _, _ in backend.calls] == [max(0, b - 2) for b in range(6) for _ in (0, 1)]
         assert batches[-1].metrics["offpolicy/resampled_total"] == 0
     assert backends[0].calls == backends[1].calls  # same versions, prompt counts and seeds
-    texts = [[[s.completion.text for s in g.samples] + [g.example["prompt"]] for rb in b for g in rb.groups] for b, _ in runs]
+    texts = [
+        [[s.completion.text for s in g.samples] + [g.example["prompt"]] for rb in b for g in rb.groups] for b, _ in runs
+    ]
     assert texts[0] == texts[1]
     # slot order, one example per slot, examples in stream order: batch b holds slots 3b..3b+2
     assert [g.group_id for rb in runs[0][0] for g in rb.groups] == list(range(18))
@@ -538,8 +585,16 @@ def test_rewards_stream_per_sample_call_not_per_batch():
         return float(len(completion))
 
     backend = VersionedFake(on_sample=on_sample)
-    ro = AsyncRollouts(backend, ExampleStream(EXAMPLES), completion_sampler(backend.tokenizer, RewardRunner(reward)), group_size=2, groups_per_batch=3,
-                       params=SamplingParams(max_tokens=3), max_steps_off_policy=0, groups_per_sample=1)  # fmt: skip
+    ro = AsyncRollouts(
+        backend,
+        ExampleStream(EXAMPLES),
+        completion_sampler(backend.tokenizer, RewardRunner(reward)),
+        group_size=2,
+        groups_per_batch=3,
+        params=SamplingParams(max_tokens=3),
+        max_steps_off_policy=0,
+        groups_per_sample=1,
+    )
     ro.start(sampler_of(backend))
     try:
         rb = ro.next_batch(0, timeout=30)
@@ -579,8 +634,15 @@ def test_failed_rewards_keep_their_place():
         return 1.0
 
     backend = VersionedFake()
-    ro = AsyncRollouts(backend, ExampleStream(EXAMPLES), completion_sampler(backend.tokenizer, RewardRunner(flaky)), group_size=3, groups_per_batch=2,
-                       params=SamplingParams(max_tokens=3), max_steps_off_policy=1)  # fmt: skip
+    ro = AsyncRollouts(
+        backend,
+        ExampleStream(EXAMPLES),
+        completion_sampler(backend.tokenizer, RewardRunner(flaky)),
+        group_size=3,
+        groups_per_batch=2,
+        params=SamplingParams(max_tokens=3),
+        max_steps_off_policy=1,
+    )
     ro.start(sampler_of(backend))
     try:
         rb = ro.next_batch(0, timeout=20)
@@ -592,8 +654,16 @@ def test_failed_rewards_keep_their_place():
 
 # --------------------------------------------------------------------------- the stage
 def stage_cfg(**kw):
-    cfg = {"name": "offpolicy", "steps": 4, "prompts_per_step": 2, "group_size": 3, "max_tokens": 3,
-           "dataset": {"name": "arithmetic", "size": 20}, "reward": "exact_match", "max_steps_off_policy": 1}  # fmt: skip
+    cfg = {
+        "name": "offpolicy",
+        "steps": 4,
+        "prompts_per_step": 2,
+        "group_size": 3,
+        "max_tokens": 3,
+        "dataset": {"name": "arithmetic", "size": 20},
+        "reward": "exact_match",
+        "max_steps_off_policy": 1,
+    }
     cfg.update(kw)
     return cfg
 
@@ -613,8 +683,19 @@ def test_stage_logs_staleness_ratio_and_ess(tmp_path, fresh_registry):
     result = run_stage(tmp_path, fresh_registry, backend, max_steps_off_policy=2, fixed_staleness=True, steps=5)
     rows = [h for h in result.history if "reward/mean" in h]
     assert [r["offpolicy/staleness_mean"] for r in rows] == [0, 1, 2, 2, 2]
-    for key in ("ratio/mean", "ratio/max", "ratio/clipped_frac", "is/ess", "is/ess_seq", "advantage/capped_frac",
-                "offpolicy/resampled", "offpolicy/queued_groups", "time/wait_rollouts", "time/train", "step_time"):  # fmt: skip
+    for key in (
+        "ratio/mean",
+        "ratio/max",
+        "ratio/clipped_frac",
+        "is/ess",
+        "is/ess_seq",
+        "advantage/capped_frac",
+        "offpolicy/resampled",
+        "offpolicy/queued_groups",
+        "time/wait_rollouts",
+        "time/train",
+        "step_time",
+    ):
         assert all(key in r for r in rows), key
     assert all(r["reward/mean"] == pytest.approx(1 / 3) for r in rows)
     # advantages reached the loss token-mean folded: per batch, sum |A| * N = sum over tokens of |A_raw|
@@ -640,9 +721,13 @@ def test_stage_folds_the_normaliser_only_for_sum_losses(tmp_path, fresh_registry
 
 
 def test_stage_config_errors_name_the_key(tmp_path, fresh_registry):
-    for kw, key in [({"sync_every": 3}, "sync_every"), ({"max_steps_off_policy": -1}, "max_steps_off_policy"),
-                    ({"fixed_staleness": True, "max_steps_off_policy": 2, "sync_every": 2}, "fixed_staleness"),
-                    ({"aggregation": "mean"}, "aggregation"), ({"loss": "ppo_typo"}, "loss")]:  # fmt: skip
+    for kw, key in [
+        ({"sync_every": 3}, "sync_every"),
+        ({"max_steps_off_policy": -1}, "max_steps_off_policy"),
+        ({"fixed_staleness": True, "max_steps_off_policy": 2, "sync_every": 2}, "fixed_staleness"),
+        ({"aggregation": "mean"}, "aggregation"),
+        ({"loss": "ppo_typo"}, "loss"),
+    ]:
         with pytest.raises((ConfigError, KeyError)) as err:
             run_stage(tmp_path, fresh_registry, VersionedFake(), **kw)
         assert f"stages[0].{key}" in str(err.value), err.value
@@ -662,8 +747,13 @@ def test_interrupted_stage_resumes_at_the_next_examples(tmp_path, fresh_registry
     full = VersionedFake(complete=answers_right)
     run_stage(tmp_path, fresh_registry, full, name="full", fixed_staleness=True)
     part = VersionedFake(complete=answers_right)
-    recipe = Recipe(name="part", output_dir=str(tmp_path / "part"), loggers=[], stages=[stage_cfg(fixed_staleness=True)],
-                    max_total_steps=2)  # fmt: skip
+    recipe = Recipe(
+        name="part",
+        output_dir=str(tmp_path / "part"),
+        loggers=[],
+        stages=[stage_cfg(fixed_staleness=True)],
+        max_total_steps=2,
+    )
     recipe.run(fresh_registry, part)
     assert read_progress(str(tmp_path / "part"))["global_step"] == 2
     resumed = VersionedFake(complete=answers_right)

@@ -33,8 +33,14 @@ def backend() -> LocalBackend:
 def sft_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     out = tmp_path_factory.mktemp("offpolicy_sft")
     b = backend()
-    stage = {"name": "sft", "dataset": {"name": "arithmetic", "split": "train"}, "steps": 300, "batch_size": 64,
-             "optimizer": {"learning_rate": 5e-3, "warmup_steps": 20}, "eval": {**EVAL, "at_start": False}}  # fmt: skip
+    stage = {
+        "name": "sft",
+        "dataset": {"name": "arithmetic", "split": "train"},
+        "steps": 300,
+        "batch_size": 64,
+        "optimizer": {"learning_rate": 5e-3, "warmup_steps": 20},
+        "eval": {**EVAL, "at_start": False},
+    }
     Recipe(name="sft", output_dir=str(out / "run"), loggers=[], resume=False, stages=[stage]).run(backend=b)
     path = b.save(str(out / "ckpt"))
     b.close()
@@ -45,13 +51,24 @@ def rl_run(tmp_path: Path, checkpoint: str, name: str, loss: str) -> dict:
     b = backend()
     b.load(checkpoint)
     stage = {
-        "name": "offpolicy", "dataset": {"name": "arithmetic", "split": "train"}, "reward": "exact_match",
-        "loss": loss, "steps": 30, "prompts_per_step": 32, "group_size": 8, "max_tokens": 4,
-        "optimizer": {"learning_rate": 1e-3}, "max_steps_off_policy": 3, "fixed_staleness": True,
-        "groups_per_sample": 8, "eval": EVAL,
-    }  # fmt: skip
+        "name": "offpolicy",
+        "dataset": {"name": "arithmetic", "split": "train"},
+        "reward": "exact_match",
+        "loss": loss,
+        "steps": 30,
+        "prompts_per_step": 32,
+        "group_size": 8,
+        "max_tokens": 4,
+        "optimizer": {"learning_rate": 1e-3},
+        "max_steps_off_policy": 3,
+        "fixed_staleness": True,
+        "groups_per_sample": 8,
+        "eval": EVAL,
+    }
     try:
-        result = Recipe(name=name, output_dir=str(tmp_path / name), loggers=[], resume=False, stages=[stage]).run(backend=b)
+        result = Recipe(name=name, output_dir=str(tmp_path / name), loggers=[], resume=False, stages=[stage]).run(
+            backend=b
+        )
     finally:
         b.close()
     rows = [h for h in result.history if "reward/mean" in h]

@@ -67,8 +67,9 @@ def guess_app() -> Any:
             super().__init__()
             self.target, self.tries, self._state = 5, 0, State(step_count=0)
 
-        def reset(self, seed: int | None = None, episode_id: str | None = None, target: int = 5,
-                  **kwargs: Any) -> GuessObservation:  # fmt: skip
+        def reset(
+            self, seed: int | None = None, episode_id: str | None = None, target: int = 5, **kwargs: Any
+        ) -> GuessObservation:
             self.target, self.tries = int(target), 0
             RESETS.append(self.target)
             return GuessObservation(hint="guess a number from 1 to 9", reward=0.0)
@@ -171,9 +172,13 @@ def play(
     renderer: Any, env: dict[str, Any], examples: list[dict[str, Any]], turns: dict[str, list[dict[str, Any]]]
 ) -> list[Any]:
     reg = get_registry()
-    context = SamplerContext(renderer.tokenizer, lambda: renderer, None,
-                             build=lambda kind, spec, key: reg.build(kind, spec, key),
-                             factory=lambda kind, spec, key: reg.factory(kind, spec, key))  # fmt: skip
+    context = SamplerContext(
+        renderer.tokenizer,
+        lambda: renderer,
+        None,
+        build=lambda kind, spec, key: reg.build(kind, spec, key),
+        factory=lambda kind, spec, key: reg.factory(kind, spec, key),
+    )
     sampler = reg.build(
         "sampler", {"name": "environment", "environment": env, "max_turns": 4}, "sampler", context=context
     )
@@ -264,16 +269,44 @@ def test_grpo_trains_through_the_server(servers: dict[str, str], tmp_path: Any) 
 
     data = tmp_path / "tasks.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"game {i}", "target": 1 + i % 9}) + "\n" for i in range(8)))
-    recipe = Recipe.from_dict({
-        "name": "openenv_grpo", "seed": 0, "output_dir": str(tmp_path / "run"), "loggers": ["jsonl"],
-        "backend": {"name": "local", "model": "tiny_llama", "num_threads": 1,
-                    "model_kwargs": {"chat": True, "hidden_size": 32, "num_layers": 1, "num_heads": 2,
-                                     "intermediate_size": 64, "max_position_embeddings": 256}},
-        "stages": [{"id": "rl", "name": "grpo", "renderer": "tiny_chat", "steps": 2, "prompts_per_step": 2,
-                    "group_size": 2, "max_tokens": 12, "dataset": {"name": "jsonl", "path": str(data)},
-                    "sampler": {"name": "environment", "max_turns": 2, "environment": {
-                        "name": "openenv", "url": servers["guess"], "reset_keys": ["target"]}}}],
-    })  # fmt: skip
+    recipe = Recipe.from_dict(
+        {
+            "name": "openenv_grpo",
+            "seed": 0,
+            "output_dir": str(tmp_path / "run"),
+            "loggers": ["jsonl"],
+            "backend": {
+                "name": "local",
+                "model": "tiny_llama",
+                "num_threads": 1,
+                "model_kwargs": {
+                    "chat": True,
+                    "hidden_size": 32,
+                    "num_layers": 1,
+                    "num_heads": 2,
+                    "intermediate_size": 64,
+                    "max_position_embeddings": 256,
+                },
+            },
+            "stages": [
+                {
+                    "id": "rl",
+                    "name": "grpo",
+                    "renderer": "tiny_chat",
+                    "steps": 2,
+                    "prompts_per_step": 2,
+                    "group_size": 2,
+                    "max_tokens": 12,
+                    "dataset": {"name": "jsonl", "path": str(data)},
+                    "sampler": {
+                        "name": "environment",
+                        "max_turns": 2,
+                        "environment": {"name": "openenv", "url": servers["guess"], "reset_keys": ["target"]},
+                    },
+                }
+            ],
+        }
+    )
     before = len(RESETS)
     recipe.run()
     assert len(RESETS) - before == 2 * 2 * 2  # steps x prompts x group

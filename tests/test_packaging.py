@@ -105,8 +105,11 @@ print(json.dumps({
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "TEMPERING_LOAD_PLUGINS", "TEMPERING_STRICT_PLUGINS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "TEMPERING_LOAD_PLUGINS", "TEMPERING_STRICT_PLUGINS")
+    }
     env.update(extra)
     return env
 
@@ -132,9 +135,23 @@ def installs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             shutil.copy2(path, src / name)
     target = root / "site"
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--disable-pip-version-check",
-         "-q", "--target", str(target), str(src)],
-        capture_output=True, text=True, timeout=300, env=_clean_env(),
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "-q",
+            "--target",
+            str(target),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_clean_env(),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     empty = root / "cwd"  # run from an empty folder: nothing of the checkout is importable by accident

@@ -19,7 +19,9 @@ DOC = ROOT / "docs" / "writing-a-plugin.md"
 
 def example(tmp_path: Path) -> Path:
     text = DOC.read_text(encoding="utf-8")
-    blocks = [b for b in re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M) if b.startswith("# algorithm example")]
+    blocks = [
+        b for b in re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M) if b.startswith("# algorithm example")
+    ]
     assert len(blocks) == 1
     path = tmp_path / "reinforce_example.py"
     path.write_text(blocks[0], encoding="utf-8")
@@ -28,16 +30,23 @@ def example(tmp_path: Path) -> Path:
 
 def run(tmp_path: Path, code: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TEMPERING_PROGRESS": "0"}
-    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_the_documented_algorithm_trains(tmp_path: Path) -> None:
     path = example(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TEMPERING_PROGRESS": "0"}
-    proc = subprocess.run([sys.executable, path.name], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, path.name], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "['reinforce_loo'] -> runs/reinforce_example" in proc.stdout, proc.stdout
-    rows = [json.loads(line) for line in (tmp_path / "runs" / "reinforce_example" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "runs" / "reinforce_example" / "metrics.jsonl").read_text().splitlines()
+    ]
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(0.0 <= r["reinforce/moving_rows"] <= 1.0 and r["skipped"] == 0.0 for r in steps)
@@ -45,10 +54,16 @@ def test_the_documented_algorithm_trains(tmp_path: Path) -> None:
     assert "reinforce_loo" in json.dumps(meta)
 
 
-@pytest.mark.parametrize(("loss", "message"), [
-    ("{'name': 'reinforce', 'aggregation': 'grp'}", r"stages\[0\]\.loss\.aggregation: must be one of .*Did you mean 'grpo'\?$"),
-    ("'dpo'", r"stages\[0\]\.loss: the DPOLoss loss reads"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("loss", "message"),
+    [
+        (
+            "{'name': 'reinforce', 'aggregation': 'grp'}",
+            r"stages\[0\]\.loss\.aggregation: must be one of .*Did you mean 'grpo'\?$",
+        ),
+        ("'dpo'", r"stages\[0\]\.loss: the DPOLoss loss reads"),
+    ],
+)
 def test_its_config_is_checked_like_a_builtin(tmp_path: Path, loss: str, message: str) -> None:
     example(tmp_path)
     code = f"""

@@ -19,14 +19,20 @@ TEMPLATE_SRC = ROOT / "examples" / "plugin_template" / "src"
 def test_the_documented_dataset_example_runs(tmp_path: Path) -> None:
     text = DOC.read_text(encoding="utf-8")
     assert "\n## Datasets\n" in text
-    blocks = [b for b in re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M) if b.startswith("# datasets example")]
+    blocks = [
+        b for b in re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M) if b.startswith("# datasets example")
+    ]
     assert len(blocks) == 1
     (tmp_path / "example.py").write_text(blocks[0], encoding="utf-8")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TEMPERING_PROGRESS": "0"}
-    proc = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "['multi', 'single', 'warmup'] -> runs/datasets_example" in proc.stdout, proc.stdout
-    rows = [json.loads(line) for line in (tmp_path / "runs" / "datasets_example" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "runs" / "datasets_example" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert {r.get("stage") for r in rows} >= {"warmup", "single", "multi"} or len(rows) >= 6
 
 
@@ -47,5 +53,9 @@ def test_the_template_dataset_rows_have_the_documented_shapes(tmp_path: Path) ->
     assert t["messages"][2]["tool_call_id"] == call["id"] and t["messages"][2]["name"] == "convert"
     assert t["tools"] == [s.spec() for s in UnitConverter().tools()]
     p = unit_questions("pairs", 3)[0]
-    assert p["chosen"][0]["role"] == "assistant" and p["rejected"][0]["role"] == "assistant" and p["chosen"] != p["rejected"]
+    assert (
+        p["chosen"][0]["role"] == "assistant"
+        and p["rejected"][0]["role"] == "assistant"
+        and p["chosen"] != p["rejected"]
+    )
     assert unit_questions("tasks", 5, seed=1) == unit_questions("tasks", 5, seed=1)

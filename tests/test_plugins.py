@@ -29,8 +29,12 @@ from tempering.registry import ENV_LOAD, ENV_STRICT, Registry
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "examples" / "plugin_template"
 DIST = "tempering-plugin-template"
-TEMPLATE_COMPONENTS = {("reward", "length_penalty"), ("advantage", "rank"), ("environment", "unit_converter"),
-                       ("dataset", "unit_questions")}
+TEMPLATE_COMPONENTS = {
+    ("reward", "length_penalty"),
+    ("advantage", "rank"),
+    ("environment", "unit_converter"),
+    ("dataset", "unit_questions"),
+}
 
 
 # --------------------------------------------------------------------------- the template package
@@ -42,9 +46,22 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     shutil.copytree(TEMPLATE, src, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build", ".pytest_cache"))
     site = root / "site"
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--disable-pip-version-check",
-         "-q", "--target", str(site), str(src)],
-        capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "-q",
+            "--target",
+            str(site),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (site / "tempering_plugin_template" / "plugin.py").exists()
@@ -53,16 +70,18 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"site": site, "src": src, "work": work}
 
 
-def run_with_template(template: dict[str, Path], args: list[str], load: str | None = None,
-                      timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_with_template(
+    template: dict[str, Path], args: list[str], load: str | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     """Run ``python ARGS`` with the installed template importable, from a scratch folder."""
     env = {k: v for k, v in os.environ.items() if k not in (ENV_LOAD, ENV_STRICT)}
     env["PYTHONPATH"] = str(template["site"])
     env["TEMPERING_PROGRESS"] = "0"
     if load is not None:
         env[ENV_LOAD] = load
-    return subprocess.run([sys.executable, *args], cwd=template["work"], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *args], cwd=template["work"], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def run_script(template: dict[str, Path], code: str, **kw: object) -> subprocess.CompletedProcess[str]:
@@ -73,13 +92,16 @@ def run_script(template: dict[str, Path], code: str, **kw: object) -> subprocess
 
 def test_plugins_command_lists_the_template_with_its_package(template):
     # The real command, as a user types it; plugin modules must not import torch to list themselves.
-    proc = run_script(template, """
+    proc = run_script(
+        template,
+        """
         import sys
         from tempering.apps.cli import main
         rc = main(["plugins"])
         print("torch imported:", "torch" in sys.modules)
         sys.exit(rc)
-    """)
+    """,
+    )
     out = proc.stdout
     assert re.search(rf"^template\s+{DIST}\s+0\.1\.0\s+ok$", out, re.M), out
     assert re.search(rf"^reward\s+length_penalty\s+{DIST} 0\.1\.0\s+1 up to max_chars", out, re.M), out
@@ -94,14 +116,23 @@ def test_plugins_command_lists_the_template_with_its_package(template):
     data = json.loads(proc.stdout)
     ours = {(c["kind"], c["name"]) for c in data["components"] if c["package"] == DIST}
     assert ours == TEMPLATE_COMPONENTS
-    assert all(c["plugin"] == "template" and c["version"] == "0.1.0" and not c["conflict"]
-               for c in data["components"] if c["package"] == DIST)
+    assert all(
+        c["plugin"] == "template" and c["version"] == "0.1.0" and not c["conflict"]
+        for c in data["components"]
+        if c["package"] == DIST
+    )
     [plugin] = [p for p in data["plugins"] if p["dist"] == DIST]
-    assert plugin["name"] == "template" and plugin["module"] == "tempering_plugin_template.plugin" and plugin["error"] is None
+    assert (
+        plugin["name"] == "template"
+        and plugin["module"] == "tempering_plugin_template.plugin"
+        and plugin["error"] is None
+    )
 
 
 def test_load_plugins_env_selects_external_plugins(template):
-    proc = run_script(template, """
+    proc = run_script(
+        template,
+        """
         import json, os
         from tempering.registry import Registry
         out = {}
@@ -117,15 +148,22 @@ def test_load_plugins_env_selects_external_plugins(template):
                 "builtins": sorted(c.kind + ":" + c.name for c in reg.components() if c.plugin.dist == "tempering"),
             }
         print(json.dumps(out))
-    """)
+    """,
+    )
     out = json.loads(proc.stdout)
     loaded = ["advantage:rank", "dataset:unit_questions", "environment:unit_converter", "reward:length_penalty"]
     assert {k: v["ours"] for k, v in out.items()} == {
-        "''": [], "'template'": loaded, "'tempering-plugin-template'": loaded,
-        "'tempering_plugin_template'": loaded, "'someone-else'": [], "None": loaded,
+        "''": [],
+        "'template'": loaded,
+        "'tempering-plugin-template'": loaded,
+        "'tempering_plugin_template'": loaded,
+        "'someone-else'": [],
+        "None": loaded,
     }
     builtins = out["None"]["builtins"]
-    assert {"reward:exact_match", "algorithm:grpo", "algorithm:sft", "advantage:group_norm", "backend:local"} <= set(builtins)
+    assert {"reward:exact_match", "algorithm:grpo", "algorithm:sft", "advantage:group_norm", "backend:local"} <= set(
+        builtins
+    )
     assert all(v["builtins"] == builtins for v in out.values())  # the selection never hides built-ins
 
     # and through the CLI
@@ -248,8 +286,11 @@ def probe(template: dict[str, Path], request: pytest.FixtureRequest) -> dict[str
     out = template["work"] / "probe"
     # train on the local backend only when its (slow) test is selected
     local = any(item.name == "test_template_components_train_on_the_local_backend" for item in request.session.items)
-    proc = run_with_template(template, ["-c", PROBE, str(out), str(template["work"] / "probe.json"),
-                                        str(template["src"]), "1" if local else "0"], timeout=300)
+    proc = run_with_template(
+        template,
+        ["-c", PROBE, str(out), str(template["work"] / "probe.json"), str(template["src"]), "1" if local else "0"],
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads((template["work"] / "probe.json").read_text())
     results["own_tests"]["stdout"] = proc.stdout
@@ -381,7 +422,9 @@ def test_same_name_from_two_packages_is_an_error_naming_both(fake_dist, capsys, 
 
 
 def test_override_replaces_a_builtin_and_pinning_still_reaches_it(fake_dist):
-    fake_dist("fake-override", """
+    fake_dist(
+        "fake-override",
+        """
         from tempering import hookimpl
 
         def always_one(completion, example):
@@ -390,7 +433,8 @@ def test_override_replaces_a_builtin_and_pinning_still_reaches_it(fake_dist):
         @hookimpl
         def register_rewards(register):
             register("exact_match", lambda: always_one, override=True)
-    """)
+    """,
+    )
     reg = Registry()
     assert reg.conflicts() == []
     assert reg.get("reward", "exact_match").plugin.dist == "fake-override"
@@ -399,15 +443,20 @@ def test_override_replaces_a_builtin_and_pinning_still_reaches_it(fake_dist):
 
 
 def test_shadowing_a_builtin_without_override_is_a_conflict(fake_dist):
-    fake_dist("fake-shadow", """
+    fake_dist(
+        "fake-shadow",
+        """
         from tempering import hookimpl
 
         @hookimpl
         def register_rewards(register):
             register("exact_match", lambda completion, example: 1.0)
-    """)
+    """,
+    )
     reg = Registry()
-    with pytest.raises(PluginError, match=r"registered by two packages: 'fake-shadow' \(1\.0\) and 'tempering' \(0\.1\.0\)"):
+    with pytest.raises(
+        PluginError, match=r"registered by two packages: 'fake-shadow' \(1\.0\) and 'tempering' \(0\.1\.0\)"
+    ):
         reg.get("reward", "exact_match")
 
 
@@ -437,21 +486,30 @@ def test_a_plugin_that_fails_to_import_warns_and_the_rest_keep_working(fake_dist
     [failed] = [p for p in reg.plugins if p.error]
     assert (failed.name, failed.dist, failed.version) == ("broken", "fake-broken", "0.3")
 
-    with pytest.raises(UnknownComponentError, match=r"Note: these plugins failed to load and may provide it: "
-                                                    r"fake-broken:broken \(ModuleNotFoundError"):
+    with pytest.raises(
+        UnknownComponentError,
+        match=r"Note: these plugins failed to load and may provide it: "
+        r"fake-broken:broken \(ModuleNotFoundError",
+    ):
         reg.get("reward", "from_the_broken_one")
 
     monkeypatch.setattr("tempering.registry._default", reg)
     assert cli.main(["plugins"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^broken\s+fake-broken\s+0\.3\s+FAILED: ModuleNotFoundError: No module named "
-                     r"'not_a_real_module_xyz'$", out, re.M), out
+    assert re.search(
+        r"^broken\s+fake-broken\s+0\.3\s+FAILED: ModuleNotFoundError: No module named "
+        r"'not_a_real_module_xyz'$",
+        out,
+        re.M,
+    ), out
 
 
 def test_strict_mode_makes_a_broken_plugin_an_error(fake_dist, monkeypatch):
     fake_dist("fake-broken", "raise RuntimeError('plugin exploded at import')\n", ep_name="broken")
     monkeypatch.setenv(ENV_STRICT, "1")
-    with pytest.raises(PluginError, match=r"plugin 'broken' \(fake-broken 1\.0, .*RuntimeError: plugin exploded at import"):
+    with pytest.raises(
+        PluginError, match=r"plugin 'broken' \(fake-broken 1\.0, .*RuntimeError: plugin exploded at import"
+    ):
         Registry()
     monkeypatch.delenv(ENV_STRICT)
     with pytest.raises(PluginError, match="plugin exploded at import"):
@@ -461,21 +519,29 @@ def test_strict_mode_makes_a_broken_plugin_an_error(fake_dist, monkeypatch):
 
 
 def test_a_hook_that_raises_is_reported_once(fake_dist):
-    fake_dist("fake-raising", """
+    fake_dist(
+        "fake-raising",
+        """
         from tempering import hookimpl
 
         @hookimpl
         def register_rewards(register):
             register("before_the_error", lambda completion, example: 0.0)
             raise RuntimeError("boom")
-    """, ep_name="raising")
-    with pytest.warns(RuntimeWarning, match=r"plugin 'raising' .*failed to load: register_rewards raised RuntimeError: boom"):
+    """,
+        ep_name="raising",
+    )
+    with pytest.warns(
+        RuntimeWarning, match=r"plugin 'raising' .*failed to load: register_rewards raised RuntimeError: boom"
+    ):
         reg = Registry()
     assert [p.error for p in reg.plugins if p.dist == "fake-raising"] == ["register_rewards raised RuntimeError: boom"]
 
 
 def test_a_misspelt_hook_is_a_failure_not_silence(fake_dist, monkeypatch):
-    fake_dist("fake-typo", """
+    fake_dist(
+        "fake-typo",
+        """
         from tempering import hookimpl
 
         @hookimpl
@@ -485,7 +551,9 @@ def test_a_misspelt_hook_is_a_failure_not_silence(fake_dist, monkeypatch):
         @hookimpl
         def register_advantages(register):
             register("typo_advantage", lambda rewards, group_ids: rewards)
-    """, ep_name="typo")
+    """,
+        ep_name="typo",
+    )
     fake_dist("fake-good", GOOD)
     with pytest.warns(RuntimeWarning) as record:
         reg = Registry()
@@ -503,13 +571,17 @@ def test_a_misspelt_hook_is_a_failure_not_silence(fake_dist, monkeypatch):
 
 
 def test_a_hook_with_the_wrong_argument_name_is_a_failure(fake_dist):
-    fake_dist("fake-args", """
+    fake_dist(
+        "fake-args",
+        """
         from tempering import hookimpl
 
         @hookimpl
         def register_rewards(reg):
             reg("x", lambda completion, example: 0.0)
-    """, ep_name="args")
+    """,
+        ep_name="args",
+    )
     with pytest.warns(RuntimeWarning, match=r"plugin 'args' .*invalid hook: .*register_rewards"):
         reg = Registry()
     assert "x" not in reg.names("reward")
@@ -529,25 +601,31 @@ def test_registering_the_same_plugin_twice_is_reported(fresh_registry):
 # --------------------------------------------------------------------------- the CLI's errors
 def _yaml_recipe(tmp_path: Path) -> Path:
     path = tmp_path / "recipe.yaml"
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         name: cli_demo
-        output_dir: {tmp_path / 'out'}
+        output_dir: {tmp_path / "out"}
         stages:
           - {{id: warmup, name: sft, steps: 10}}
           - {{id: rl, name: grpo, steps: 10, reward: exact_match}}
-    """), encoding="utf-8")
+    """),
+        encoding="utf-8",
+    )
     return path
 
 
-@pytest.mark.parametrize("override, message", [
-    ("stages.rl.steps", "override 'stages.rl.steps' is not of the form key=value (e.g. stages.rl.steps=10)"),
-    ("=3", "override '=3' has an empty key"),
-    ("stages.nope.steps=3", "stages.nope: no item 'nope' in this list; use an index or one of: warmup, rl"),
-    ("stages.7.steps=3", "stages.7: index 7 out of range (the list has 2 items)"),
-    ("seed.x=1", "seed.x: cannot set 'seed.x': 'seed' is a value (0), not a mapping"),
-    ("sed=1", "sed: unknown top-level key 'sed'. Did you mean 'seed'?"),
-    ("seed=abc", "seed: Value 'abc' of type 'str' could not be converted to Integer"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("stages.rl.steps", "override 'stages.rl.steps' is not of the form key=value (e.g. stages.rl.steps=10)"),
+        ("=3", "override '=3' has an empty key"),
+        ("stages.nope.steps=3", "stages.nope: no item 'nope' in this list; use an index or one of: warmup, rl"),
+        ("stages.7.steps=3", "stages.7: index 7 out of range (the list has 2 items)"),
+        ("seed.x=1", "seed.x: cannot set 'seed.x': 'seed' is a value (0), not a mapping"),
+        ("sed=1", "sed: unknown top-level key 'sed'. Did you mean 'seed'?"),
+        ("seed=abc", "seed: Value 'abc' of type 'str' could not be converted to Integer"),
+    ],
+)
 def test_cli_bad_overrides_print_one_line_and_exit_2(fresh_registry, tmp_path, capsys, override, message):
     path = _yaml_recipe(tmp_path)
     path.write_text(path.read_text().replace("name: cli_demo", "name: cli_demo\nseed: 0"), encoding="utf-8")
@@ -560,6 +638,7 @@ def test_cli_bad_overrides_print_one_line_and_exit_2(fresh_registry, tmp_path, c
 
 def test_cli_overrides_reach_the_recipe(fresh_registry, tmp_path, monkeypatch, capsys):
     from tempering.training import recipe as recipe_module
+
     ran = []
 
     def fake_run(self, registry=None, backend=None):
@@ -568,8 +647,17 @@ def test_cli_overrides_reach_the_recipe(fresh_registry, tmp_path, monkeypatch, c
 
     monkeypatch.setattr(recipe_module.Recipe, "run", fake_run)
     path = _yaml_recipe(tmp_path)
-    args = ["run", str(path), "stages.rl.steps=3", "stages.0.steps=4", "stages.1.reward.answer_key=sum",
-            "seed=7", "--output-dir", str(tmp_path / "elsewhere"), "--fresh"]
+    args = [
+        "run",
+        str(path),
+        "stages.rl.steps=3",
+        "stages.0.steps=4",
+        "stages.1.reward.answer_key=sum",
+        "seed=7",
+        "--output-dir",
+        str(tmp_path / "elsewhere"),
+        "--fresh",
+    ]
     assert cli.main(args) == 0
     [recipe] = ran
     assert [s["steps"] for s in recipe.stages] == [4, 3]
@@ -581,8 +669,14 @@ def test_cli_overrides_reach_the_recipe(fresh_registry, tmp_path, monkeypatch, c
 
 def test_cli_unknown_recipe_is_one_line_listing_known_ones(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in (ENV_LOAD, ENV_STRICT)}
-    proc = subprocess.run([sys.executable, "-m", "tempering", "run", "nonexistent"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tempering", "run", "nonexistent"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert proc.stdout == ""
     lines = proc.stderr.splitlines()
@@ -616,7 +710,9 @@ def test_unknown_config_keys_fail_with_their_path(fresh_registry, tmp_path):
 
     with pytest.raises(ConfigError) as err:
         Recipe.from_dict({"stages": [{"name": "grpo"}], "sed": 3})
-    assert err.value.path == "sed" and str(err.value).startswith("sed: unknown top-level key 'sed'. Did you mean 'seed'?")
+    assert err.value.path == "sed" and str(err.value).startswith(
+        "sed: unknown top-level key 'sed'. Did you mean 'seed'?"
+    )
 
     # inside a stage -- and in a later stage, before the earlier one trains
     err = _run_until_config_error(fresh_registry, tmp_path, [{"name": "sft", "steps": 1}, {"name": "grpo", "stepz": 3}])
@@ -625,11 +721,13 @@ def test_unknown_config_keys_fail_with_their_path(fresh_registry, tmp_path):
     assert "reward" in str(err).partition("Valid keys: ")[2].split(", ")
 
     # inside a component nested in a stage
-    err = _run_until_config_error(fresh_registry, tmp_path, [
-        {"name": "grpo", "id": "rl", "reward": {"name": "exact_match", "answr_key": "sum"}}])
+    err = _run_until_config_error(
+        fresh_registry, tmp_path, [{"name": "grpo", "id": "rl", "reward": {"name": "exact_match", "answr_key": "sum"}}]
+    )
     assert err.path == "stages[0].reward.answr_key"
-    assert str(err).startswith("stages[0].reward.answr_key: unknown key 'answr_key'. Did you mean 'answer_key'? "
-                               "Valid keys: answer_key, ")
+    assert str(err).startswith(
+        "stages[0].reward.answr_key: unknown key 'answr_key'. Did you mean 'answer_key'? Valid keys: answer_key, "
+    )
 
     # inside a stage's optimizer block
     err = _run_until_config_error(fresh_registry, tmp_path, [{"name": "grpo", "optimizer": {"learnig_rate": 1e-3}}])
@@ -645,7 +743,9 @@ def test_unknown_config_keys_fail_with_their_path(fresh_registry, tmp_path):
 def test_every_hook_and_env_var_is_documented():
     from tempering import hookspecs
 
-    docs = {name: (REPO / "docs" / name).read_text(encoding="utf-8") for name in ("architecture.md", "writing-a-plugin.md")}
+    docs = {
+        name: (REPO / "docs" / name).read_text(encoding="utf-8") for name in ("architecture.md", "writing-a-plugin.md")
+    }
     for kind, hook in hookspecs.KINDS.items():
         assert callable(getattr(hookspecs, hook)) and getattr(hookspecs, hook).__doc__
         for name, text in docs.items():
@@ -659,23 +759,32 @@ def test_a_default_never_conflicts_with_a_plugin_the_user_did_not_name(fake_dist
     """A plugin shadowing ``exact_match`` (without override) must not break a recipe that never
     wrote ``exact_match``: the eval's and RL stages' default reward is the built-in, pinned.
     Naming it is still a conflict to resolve."""
-    fake_dist("fake-shadow-em", """
+    fake_dist(
+        "fake-shadow-em",
+        """
         from tempering import hookimpl
 
         @hookimpl
         def register_rewards(register):
             register("exact_match", lambda: (lambda completion, example: 0.5))
-    """)
+    """,
+    )
     from tempering.registry import get_registry
     from tempering.training.recipe import Recipe
 
     monkeypatch.setattr("tempering.registry._default", Registry())
-    tiny = {"name": "local", "model": "tiny_llama", "num_threads": 1,
-            "model_kwargs": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "intermediate_size": 32}}
+    tiny = {
+        "name": "local",
+        "model": "tiny_llama",
+        "num_threads": 1,
+        "model_kwargs": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "intermediate_size": 32},
+    }
     ev = {"dataset": {"name": "arithmetic", "split": "test", "size": 4}, "max_tokens": 3}
     stage = {"name": "sft", "steps": 1, "batch_size": 4, "dataset": {"name": "arithmetic", "size": 8}, "eval": ev}
     result = Recipe(name="d", output_dir=str(tmp_path / "a"), loggers=[], backend=tiny, stages=[stage]).run()
     assert "eval/accuracy" in result.stages["sft"]
     named = {**stage, "eval": {**ev, "reward": "exact_match"}}
-    with pytest.raises(PluginError, match=r"^stages\[0\]\.eval\.reward\.name: reward 'exact_match' is registered by two"):
+    with pytest.raises(
+        PluginError, match=r"^stages\[0\]\.eval\.reward\.name: reward 'exact_match' is registered by two"
+    ):
         Recipe(name="d", output_dir=str(tmp_path / "b"), loggers=[], backend=tiny, stages=[named]).run(get_registry())

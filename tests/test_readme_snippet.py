@@ -22,8 +22,9 @@ def test_the_readme_python_example_learns_and_says_where_its_output_is(tmp_path:
     script = tmp_path / "snippet.py"
     script.write_text(blocks[0], encoding="utf-8")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TEMPERING_PROGRESS": "0"}
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = re.search(r"mean reward (\d\.\d\d) at step 1, (\d\.\d\d) at step 20", proc.stdout)
     assert m, proc.stdout

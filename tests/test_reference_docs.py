@@ -26,7 +26,8 @@ def builtins() -> Registry:
 
 def test_the_checked_in_reference_is_what_the_schemas_say(builtins: Registry) -> None:
     assert DOC.read_text(encoding="utf-8") == reference_docs.render(builtins), (
-        "docs/reference.md is stale: run `python -m tempering.apps.reference_docs --write` and commit it")
+        "docs/reference.md is stale: run `python -m tempering.apps.reference_docs --write` and commit it"
+    )
 
 
 def documented(text: str) -> dict[tuple[str, str], list[str]]:
@@ -47,7 +48,13 @@ def documented(text: str) -> dict[tuple[str, str], list[str]]:
 def test_every_documented_key_is_what_the_validator_accepts(builtins: Registry) -> None:
     """Cross-check with the validator's own error: an unknown key lists the valid ones."""
     tables = documented(DOC.read_text(encoding="utf-8"))
-    comps = [c for k in reference_docs.ORDER if k != "recipe" for c in builtins.components(k) if c.plugin.dist == BUILTIN_DIST]
+    comps = [
+        c
+        for k in reference_docs.ORDER
+        if k != "recipe"
+        for c in builtins.components(k)
+        if c.plugin.dist == BUILTIN_DIST
+    ]
     assert {(c.kind, c.name) for c in comps} == set(tables)  # every built-in component has a section
     for comp in comps:
         context = reference_docs.RUNTIME.get(comp.kind, ())
@@ -65,7 +72,9 @@ def test_every_documented_key_is_what_the_validator_accepts(builtins: Registry) 
 
 def test_check_mode_fails_on_a_stale_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     stale = tmp_path / "reference.md"
-    stale.write_text(DOC.read_text(encoding="utf-8").replace("| `group_size` | int | `8` |", "| `group_size` | int | `4` |"))
+    stale.write_text(
+        DOC.read_text(encoding="utf-8").replace("| `group_size` | int | `8` |", "| `group_size` | int | `4` |")
+    )
     monkeypatch.setattr(reference_docs, "DOC", stale)
     assert reference_docs.main(["--check"]) == 1
     stale.write_text(DOC.read_text(encoding="utf-8"))

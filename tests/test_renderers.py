@@ -19,8 +19,18 @@ from tempering.registry import get_registry
 from tempering.rollouts.chat import ToolCall, assign_call_ids, tool_message
 from tempering.rollouts.renderer import Renderer, default_renderer_name
 
-ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}  # fmt: skip
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
 USER = [{"role": "user", "content": "what is 2+3?"}]
 
 
@@ -28,7 +38,9 @@ def build(name: str, tokenizer: Any = None, **keys: Any) -> Any:
     return get_registry().build("renderer", {"name": name, **keys}, "renderer", tokenizer=tokenizer)
 
 
-def add_call(a: int, b: int, call_id: str | None = None, text: str = "", reasoning: str | None = None) -> dict[str, Any]:
+def add_call(
+    a: int, b: int, call_id: str | None = None, text: str = "", reasoning: str | None = None
+) -> dict[str, Any]:
     call = {"type": "function", "function": {"name": "add", "arguments": json.dumps({"a": a, "b": b})}}
     msg = {"role": "assistant", "content": text, "tool_calls": [{**call, **({"id": call_id} if call_id else {})}]}
     return {**msg, "reasoning_content": reasoning} if reasoning else msg
@@ -69,25 +81,50 @@ def test_qwen3_parses_text_tool_calls_and_reasoning(qwen):
     text = prompt.parse(emitted(qwen, "It is 5.", "<|im_end|>"))
     assert (text.text, text.tool_calls, text.reasoning, text.parse_error) == ("It is 5.", [], None, None)
     assert text.raw == "It is 5.<|im_end|>"
-    calls = prompt.parse(emitted(qwen, "Let me add.\n", *CALL_23, "\n", "<tool_call>",
-                                 '\n{"name": "add", "arguments": {"a": "x", "b": [1]}}\n', "</tool_call>", "<|im_end|>"))  # fmt: skip
+    calls = prompt.parse(
+        emitted(
+            qwen,
+            "Let me add.\n",
+            *CALL_23,
+            "\n",
+            "<tool_call>",
+            '\n{"name": "add", "arguments": {"a": "x", "b": [1]}}\n',
+            "</tool_call>",
+            "<|im_end|>",
+        )
+    )
     assert calls.text == "Let me add." and calls.parse_error is None
-    assert [(c.name, c.arguments) for c in calls.tool_calls] == [("add", {"a": 2, "b": 3}), ("add", {"a": "x", "b": [1]})]
+    assert [(c.name, c.arguments) for c in calls.tool_calls] == [
+        ("add", {"a": 2, "b": 3}),
+        ("add", {"a": "x", "b": [1]}),
+    ]
     assert all(c.id for c in calls.tool_calls)  # the format's own ids, kept for the tool messages
-    thinking = build("qwen3").render_prompt(USER).parse(emitted(qwen, "<think>", "\nFirst add.\n", "</think>", "\n\nIt is 5.", "<|im_end|>"))
+    thinking = (
+        build("qwen3")
+        .render_prompt(USER)
+        .parse(emitted(qwen, "<think>", "\nFirst add.\n", "</think>", "\n\nIt is 5.", "<|im_end|>"))
+    )
     assert (thinking.reasoning, thinking.text) == ("First add.", "It is 5.")
     # markup typed as ordinary text is text: only a model emitting the special tokens calls a tool
-    literal = prompt.parse(qwen.lib_tokenizer.encode_ordinary('<tool_call>{"name": "add"}</tool_call>') + emitted(qwen, "<|im_end|>"))
+    literal = prompt.parse(
+        qwen.lib_tokenizer.encode_ordinary('<tool_call>{"name": "add"}</tool_call>') + emitted(qwen, "<|im_end|>")
+    )
     assert literal.tool_calls == [] and literal.text == '<tool_call>{"name": "add"}</tool_call>'
 
 
-@pytest.mark.parametrize("parts, error", [
-    (["<tool_call>", '\n{"name": "add", "arguments": {"a": 2,}}\n', "</tool_call>", "<|im_end|>"], "trailing comma"),
-    (["<tool_call>", '\n{"arguments": {"a": 2}}\n', "</tool_call>", "<|im_end|>"], "Expected string 'name'"),
-    (["<tool_call>", '\n{"name": "add", "arguments": {"a": 2}}\n', "<|im_end|>"], "unterminated_content"),
-    (["It is"], "unterminated_content (Detail: stream ended"),
-    (["hi", "<|im_end|>", "more"], "tokens after im_end"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "parts, error",
+    [
+        (
+            ["<tool_call>", '\n{"name": "add", "arguments": {"a": 2,}}\n', "</tool_call>", "<|im_end|>"],
+            "trailing comma",
+        ),
+        (["<tool_call>", '\n{"arguments": {"a": 2}}\n', "</tool_call>", "<|im_end|>"], "Expected string 'name'"),
+        (["<tool_call>", '\n{"name": "add", "arguments": {"a": 2}}\n', "<|im_end|>"], "unterminated_content"),
+        (["It is"], "unterminated_content (Detail: stream ended"),
+        (["hi", "<|im_end|>", "more"], "tokens after im_end"),
+    ],
+)
 def test_qwen3_malformed_turns_are_parse_errors_not_exceptions(qwen, parts, error):
     tokens = emitted(qwen, *parts)
     parsed = qwen.render_prompt(USER, [ADD]).parse(tokens)
@@ -102,10 +139,21 @@ def test_tml_parse_survives_ids_outside_the_vocabulary(qwen):
 
 def test_a_declared_string_argument_stays_a_string():
     # Nemotron 3 writes string arguments bare; "123" must not come back as the number 123
-    schema = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {
-        "type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "integer"}}}}}  # fmt: skip
-    turn = {"role": "assistant", "content": "", "tool_calls": [{"id": "c0", "type": "function",
-            "function": {"name": "f", "arguments": {"code": "123", "n": 4}}}]}  # fmt: skip
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "description": "d",
+            "parameters": {"type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "integer"}}},
+        },
+    }
+    turn = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c0", "type": "function", "function": {"name": "f", "arguments": {"code": "123", "n": 4}}}
+        ],
+    }
     r = build("nemotron3")
     prompt = r.render_prompt(USER, [schema])
     sampled = r.render_training([*USER, turn], [schema])[-1].tokens[len(prompt.tokens) :]
@@ -113,12 +161,18 @@ def test_a_declared_string_argument_stays_a_string():
     assert prompt.parse(sampled).tool_calls[0].arguments == {"code": "123", "n": 4}
 
 
-@pytest.mark.parametrize("name, stop", [
-    ("qwen3", ["<|im_end|>"]), ("qwen3_instruct", ["<|im_end|>"]),
-    ("deepseek_v3", ["<｜end▁of▁sentence｜>"]), ("kimi_k2", ["<|im_end|>"]),
-    ("glm_5", ["<|endoftext|>", "<|user|>", "<|observation|>"]), ("gpt_oss", ["<|return|>", "<|call|>", "<|endoftext|>"]),
-    ("nemotron3", ["<|im_end|>"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, stop",
+    [
+        ("qwen3", ["<|im_end|>"]),
+        ("qwen3_instruct", ["<|im_end|>"]),
+        ("deepseek_v3", ["<｜end▁of▁sentence｜>"]),
+        ("kimi_k2", ["<|im_end|>"]),
+        ("glm_5", ["<|endoftext|>", "<|user|>", "<|observation|>"]),
+        ("gpt_oss", ["<|return|>", "<|call|>", "<|endoftext|>"]),
+        ("nemotron3", ["<|im_end|>"]),
+    ],
+)
 def test_stop_ids_are_explicit_and_the_formats_turn_end_tokens(name, stop):
     r = build(name)
     assert isinstance(r, Renderer) and r.name == name
@@ -130,16 +184,24 @@ def test_qwen3_stop_id_is_the_real_im_end(qwen):
 
 
 def test_render_training_weighs_exactly_the_assistant_tokens(qwen):
-    conversation = [*USER, add_call(2, 3, "functions.add:0"), {"role": "tool", "tool_call_id": "functions.add:0", "content": "5"},
-                    {"role": "assistant", "content": "It is 5."}]  # fmt: skip
+    conversation = [
+        *USER,
+        add_call(2, 3, "functions.add:0"),
+        {"role": "tool", "tool_call_id": "functions.add:0", "content": "5"},
+        {"role": "assistant", "content": "It is 5."},
+    ]
     [row] = qwen.render_training(conversation, [ADD])
-    assert weighted(qwen, row) == ['<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>',
-                                   "It is 5.<|im_end|>"]  # fmt: skip
+    assert weighted(qwen, row) == [
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>',
+        "It is 5.<|im_end|>",
+    ]
     prompt = qwen.render_prompt(conversation[:1], [ADD]).tokens
     assert row.tokens[: len(prompt)] == prompt and set(row.weights[: len(prompt)]) == {0.0}
     # Qwen3 with thinking rewrites history (drops reasoning): one row per turn, each turn trained once
     thinking = build("qwen3")
-    rows = thinking.render_training([*conversation[:3], {"role": "assistant", "content": "It is 5.", "reasoning_content": "Done."}], [ADD])
+    rows = thinking.render_training(
+        [*conversation[:3], {"role": "assistant", "content": "It is 5.", "reasoning_content": "Done."}], [ADD]
+    )
     assert [weighted(thinking, r) for r in rows] == [
         ['<think>\n\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'],
         ["<think>\nDone.\n</think>\n\nIt is 5.<|im_end|>"],
@@ -149,11 +211,16 @@ def test_render_training_weighs_exactly_the_assistant_tokens(qwen):
 def test_tool_call_arguments_may_be_json_text_or_a_dict(qwen):
     as_dict = add_call(2, 3)
     as_dict["tool_calls"][0]["function"]["arguments"] = {"a": 2, "b": 3}
-    assert qwen.render_training([*USER, as_dict], [ADD])[0].tokens == qwen.render_training([*USER, add_call(2, 3)], [ADD])[0].tokens
+    assert (
+        qwen.render_training([*USER, as_dict], [ADD])[0].tokens
+        == qwen.render_training([*USER, add_call(2, 3)], [ADD])[0].tokens
+    )
 
 
 def test_an_option_the_family_refuses_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"renderer: tml-renderers' GptOss refuses .*reasoning effort must be low, medium, or high"):
+    with pytest.raises(
+        ConfigError, match=r"renderer: tml-renderers' GptOss refuses .*reasoning effort must be low, medium, or high"
+    ):
         build("gpt_oss", reasoning_effort="extreme")
 
 
@@ -192,7 +259,10 @@ def prefix_probe(r: Any) -> dict[str, bool]:
             continue
         parsed = prompt.parse(sampled)
         same = (parsed.text, parsed.reasoning, [(c.name, c.arguments) for c in parsed.tool_calls]) == (
-            turn["content"], turn.get("reasoning_content"), [("add", {"a": 2, "b": 3})] * len(turn.get("tool_calls", [])))
+            turn["content"],
+            turn.get("reasoning_content"),
+            [("add", {"a": 2, "b": 3})] * len(turn.get("tool_calls", [])),
+        )
         if parsed.parse_error or not same:
             continue
         assign_call_ids(parsed.tool_calls, 0)
@@ -205,11 +275,14 @@ def prefix_probe(r: Any) -> dict[str, bool]:
 #: Formats on the Qwen3.5 vocabulary (248k tokens), whose tokenizer takes ~15 s to load.
 QWEN3_5 = {"qwen3_5", "qwen3_8"}
 VARIANTS = [(name, {}) for name in TML_FAMILIES if name not in QWEN3_5] + [
-    ("kimi_k2", {"strip_thinking_from_history": False}), ("kimi_k2_5", {"strip_thinking_from_history": False}),
-    ("qwen3", {"strip_thinking_from_history": False}), ("deepseek_v3_1", {"thinking": True}),
-    ("deepseek_v4", {"thinking_mode": "chat"}), ("nemotron3", {"strip_thinking_from_history": False}),
+    ("kimi_k2", {"strip_thinking_from_history": False}),
+    ("kimi_k2_5", {"strip_thinking_from_history": False}),
+    ("qwen3", {"strip_thinking_from_history": False}),
+    ("deepseek_v3_1", {"thinking": True}),
+    ("deepseek_v4", {"thinking_mode": "chat"}),
+    ("nemotron3", {"strip_thinking_from_history": False}),
     ("gpt_oss", {"reasoning_effort": "low", "current_date": "2025-01-01"}),
-]  # fmt: skip
+]
 
 
 def check_prefix_flag(name: str, keys: dict[str, Any]) -> None:
@@ -227,7 +300,12 @@ def test_prefix_preserving_is_what_the_probe_measures(name, keys):
 
 @pytest.mark.slow
 def test_prefix_preserving_of_the_qwen3_5_formats():
-    for name, keys in [("qwen3_5", {}), ("qwen3_5", {"enable_thinking": False}), ("qwen3_8", {}), ("qwen3_8", {"reasoning_effort": "low"})]:
+    for name, keys in [
+        ("qwen3_5", {}),
+        ("qwen3_5", {"enable_thinking": False}),
+        ("qwen3_8", {}),
+        ("qwen3_8", {"reasoning_effort": "low"}),
+    ]:
         check_prefix_flag(name, keys)
     assert build("qwen3_5").stop() == [248046]  # its own vocabulary: <|im_end|> is another id
 
@@ -259,10 +337,18 @@ def test_a_renderer_on_another_models_tokenizer_is_a_config_error_naming_both(qw
         build("qwen3_instruct", llama)
     msg = str(err.value)
     assert msg.startswith("renderer: renderer 'qwen3_instruct' needs the token ids of tml-renderers' Qwen3Tokenizer")
-    assert "TokenizersBackend" in msg and "cannot encode ordinary text" in msg and "\n" not in msg and err.value.path == "renderer"
+    assert (
+        "TokenizersBackend" in msg
+        and "cannot encode ordinary text" in msg
+        and "\n" not in msg
+        and err.value.path == "renderer"
+    )
     # a real vocabulary of another family encodes text, differently
-    with pytest.raises(ConfigError, match=r"KimiK2ThinkingTokenizer, but the model's tokenizer \(TmlTokenizer 'Qwen3Tokenizer'\) "
-                                          r"differs: it encodes text differently \(token 0: "):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"KimiK2ThinkingTokenizer, but the model's tokenizer \(TmlTokenizer 'Qwen3Tokenizer'\) "
+        r"differs: it encodes text differently \(token 0: ",
+    ):
         build("kimi_k2", qwen_tokenizer)
     with pytest.raises(ConfigError, match="HarmonyTokenizer"):
         build("gpt_oss", qwen_tokenizer)
@@ -296,11 +382,16 @@ RESPONSE_TEMPLATE = {
     "defaults": {"role": "assistant"},
     "start_anchor": "<|im_start|>assistant\n",
     "fields": {
-        "tool_calls": {"open_pattern": r"\s*<tool_call>", "close": "</tool_call>", "repeats": True, "content": "json",
-                       "transform": {"type": "function", "function": "{content}"}},
+        "tool_calls": {
+            "open_pattern": r"\s*<tool_call>",
+            "close": "</tool_call>",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
         "content": {"close_pattern": r"\s*<\|im_end\|>", "content": "text"},
     },
-}  # fmt: skip
+}
 
 
 def templated_tokenizer(template: str = TEMPLATE) -> Any:
@@ -322,15 +413,21 @@ def test_hf_chat_renders_the_template_and_stops_at_eos_and_its_end_of_turn(hf):
     im_end, eos = hf.tokenizer.convert_tokens_to_ids("<|im_end|>"), hf.tokenizer.eos_token_id
     assert hf.stop() == [eos, im_end]
     assert hf.decode(hf.render_prompt(USER, [ADD]).tokens) == (
-        "<|im_start|>system\ntools: add<|im_end|>\n<|im_start|>user\nwhat is 2+3?<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>system\ntools: add<|im_end|>\n<|im_start|>user\nwhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert hf.prefix_preserving
 
 
 def test_hf_chat_training_rows_weigh_the_template_difference_up_to_the_stop(hf):
     conversation = [*USER, add_call(2, 3), {"role": "tool", "content": "5"}, {"role": "assistant", "content": "five"}]
     [row] = hf.render_training(conversation, [ADD])
-    assert weighted(hf, row) == ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>', "five<|im_end|>"]
-    assert hf.decode(row.tokens).endswith("<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\nfive<|im_end|>")  # no "\n" after the stop
+    assert weighted(hf, row) == [
+        '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>',
+        "five<|im_end|>",
+    ]
+    assert hf.decode(row.tokens).endswith(
+        "<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\nfive<|im_end|>"
+    )  # no "\n" after the stop
 
 
 def enc(tokenizer: Any, text: str) -> list[int]:
@@ -353,7 +450,9 @@ def test_hf_chat_parses_tool_calls_and_text(response_template):
 
 def test_hermes_parse_keeps_good_calls_and_reports_bad_ones(hf):
     prompt = hf.render_prompt(USER, [ADD])
-    mixed = prompt.parse(enc(hf.tokenizer, 'ok <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><tool_call>[1]</tool_call>'))
+    mixed = prompt.parse(
+        enc(hf.tokenizer, 'ok <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><tool_call>[1]</tool_call>')
+    )
     assert mixed.text == "ok" and mixed.tool_calls == [ToolCall("add", {"a": 1})]
     assert mixed.parse_error == 'tool call 1: expected {"name": "...", "arguments": {...}}'
     open_call = prompt.parse(enc(hf.tokenizer, '<tool_call>{"name": "add"'))
@@ -394,7 +493,9 @@ def test_tiny_qwen3_is_deterministic_and_picks_the_qwen3_renderer():
     weights = [p for _, p in sorted(model.state_dict().items())]
     assert all(torch.equal(a, b) for a, b in zip(weights, [p for _, p in sorted(again.state_dict().items())]))
     assert not torch.equal(model.model.embed_tokens.weight, other.model.embed_tokens.weight)
-    assert model.config.vocab_size == len(tokenizer) == 151669 and model.lm_head.weight is model.model.embed_tokens.weight
+    assert (
+        model.config.vocab_size == len(tokenizer) == 151669 and model.lm_head.weight is model.model.embed_tokens.weight
+    )
     assert sum(p.numel() for p in model.parameters()) < 10_000_000
     assert default_renderer_name(tokenizer) == "qwen3_instruct"
     assert (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id) == (151645, 151643, None)
@@ -406,7 +507,10 @@ def test_tiny_qwen3_tokenizer_speaks_the_hugging_face_calls_the_backend_makes(qw
     ids = qwen_tokenizer("Hello world<|im_end|>", add_special_tokens=True)["input_ids"]
     assert ids == [9707, 1879, 151645]  # special tokens in text are their ids; no BOS
     assert qwen_tokenizer(["a", "bc"])["input_ids"] == [qwen_tokenizer.encode("a"), qwen_tokenizer.encode("bc")]
-    assert qwen_tokenizer.decode(ids) == "Hello world<|im_end|>" and qwen_tokenizer.decode(ids, skip_special_tokens=True) == "Hello world"
+    assert (
+        qwen_tokenizer.decode(ids) == "Hello world<|im_end|>"
+        and qwen_tokenizer.decode(ids, skip_special_tokens=True) == "Hello world"
+    )
     assert qwen_tokenizer.batch_decode([ids, ids[:1]], skip_special_tokens=True) == ["Hello world", "Hello"]
     assert qwen_tokenizer.convert_tokens_to_ids(["<tool_call>", "Hello", "Hello world"]) == [151657, 9707, None]
     [file] = qwen_tokenizer.save_pretrained(str(tmp_path))

@@ -80,8 +80,11 @@ def test_no_token_means_loopback_only():
         check_access(host, None)
     for host in ("0.0.0.0", "", "192.168.1.10", "::"):
         assert not is_loopback(host)
-        with pytest.raises(ConfigError, match=rf"^serve-reward --host: refusing to serve on '{host}' without a token: "
-                                              rf".*Set {TOKEN_ENV} to a shared secret"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"^serve-reward --host: refusing to serve on '{host}' without a token: "
+            rf".*Set {TOKEN_ENV} to a shared secret",
+        ):
             check_access(host, None)
         check_access(host, SECRET)
     with pytest.raises(ConfigError, match=r"refusing to serve on '0.0.0.0'"):
@@ -108,8 +111,14 @@ def test_the_console_script_serves_a_module_from_its_folder_without_printing_the
     with __import__("socket").socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([str(script), "serve-reward", "my_reward_mod:f", "--port", str(port)], cwd=tmp_path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [str(script), "serve-reward", "my_reward_mod:f", "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert "serving sync reward 'my_reward_mod:f'" in line and "requests need the token" in line, line
@@ -117,8 +126,12 @@ def test_the_console_script_serves_a_module_from_its_folder_without_printing_the
         deadline = time.time() + 20
         while True:
             try:
-                reply = httpx.post(f"http://127.0.0.1:{port}/score", headers=headers, trust_env=False,
-                                   json={"samples": [{"completion": "abc", "example": {}}]})
+                reply = httpx.post(
+                    f"http://127.0.0.1:{port}/score",
+                    headers=headers,
+                    trust_env=False,
+                    json={"samples": [{"completion": "abc", "example": {}}]},
+                )
                 break
             except httpx.TransportError:
                 assert time.time() < deadline, "the server did not come up"

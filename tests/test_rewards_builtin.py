@@ -20,8 +20,17 @@ from tempering.registry import get_registry
 from tempering.rollouts.scoring import RewardRunner
 from tempering.types import Completion, Sample
 
-BUILTINS = ["brier", "brier_skill", "exact_match", "llm_judge", "math_answer", "process_pool", "remote",
-            "retrieval_recall", "weighted"]
+BUILTINS = [
+    "brier",
+    "brier_skill",
+    "exact_match",
+    "llm_judge",
+    "math_answer",
+    "process_pool",
+    "remote",
+    "retrieval_recall",
+    "weighted",
+]
 
 
 def samples(*texts: str, **example) -> list[Sample]:
@@ -63,8 +72,18 @@ def test_exact_match_unchanged():
 # --------------------------------------------------------------------------- numbers
 @pytest.mark.parametrize(
     "text, want",
-    [("1,234,567", 1234567), ("-3/4", -0.75), ("0.125", 0.125), (".5", 0.5), ("$12.", 12), ("1e3", 1000),
-     ("\u22127", -7), ("12,34", None), ("abc", None), ("1/0", None)],
+    [
+        ("1,234,567", 1234567),
+        ("-3/4", -0.75),
+        ("0.125", 0.125),
+        (".5", 0.5),
+        ("$12.", 12),
+        ("1e3", 1000),
+        ("\u22127", -7),
+        ("12,34", None),
+        ("abc", None),
+        ("1/0", None),
+    ],
 )
 def test_parse_number(text, want):
     tok = parse_number(text)
@@ -201,7 +220,7 @@ def test_cited_ids_and_recall_minus_cost():
 def test_retrieval_token_cost_and_errors():
     class Tok:
         def __call__(self, text, add_special_tokens=False):
-            return {"input_ids": list(range(len(text.split())) ) * 2}  # 2 tokens per word
+            return {"input_ids": list(range(len(text.split()))) * 2}  # 2 tokens per word
 
     r = RetrievalRecall(cost_coef=0.1, cost_unit="tokens", tokenizer=Tok())
     assert r("[doc1] ok", {"gold_ids": ["doc1"]}).reward == pytest.approx(1.0 - 0.1 * 4)
@@ -213,8 +232,10 @@ def test_retrieval_token_cost_and_errors():
 
 # --------------------------------------------------------------------------- weighted
 def test_weighted_by_registry_spec():
-    spec = {"name": "weighted", "rewards": [{"name": "exact_match", "weight": 0.8},
-                                            {"name": "math_answer", "weight": 0.2, "abs_tol": 0.01}]}
+    spec = {
+        "name": "weighted",
+        "rewards": [{"name": "exact_match", "weight": 0.8}, {"name": "math_answer", "weight": 0.2, "abs_tol": 0.01}],
+    }
     w = get_registry().build("reward", spec, "reward")
     assert isinstance(w, WeightedReward) and not isinstance(w, AsyncWeightedReward)
     res = w(r"\boxed{3.001}", {"answer": "3"})  # exact 0, math 1 (within 0.01)
@@ -289,14 +310,26 @@ def test_answer_match_and_retrieval_recall_feedback():
     assert am("Kam [d3].", {"answer": "var"}).feedback == "expected 'var', got 'kam'"
     assert am("Var [d3].", {"answer": "var"}).feedback is None
     rr = get_registry().build("reward", {"name": "retrieval_recall", "pattern": r"\[(d\d+)\]"})
-    assert rr("var [d3]", {"gold_ids": ["d3", "d12", "d7"]}).feedback == "cited 1 of 3 supporting documents; missing d12, d7"
+    assert (
+        rr("var [d3]", {"gold_ids": ["d3", "d12", "d7"]}).feedback
+        == "cited 1 of 3 supporting documents; missing d12, d7"
+    )
     assert rr("var [d3]", {"gold_ids": ["d3"]}).feedback is None
 
 
 def test_weighted_joins_its_parts_feedback_with_their_names():
-    w = get_registry().build("reward", {"name": "weighted", "rewards": [
-        {"name": "exact_match", "weight": 0.5}, {"name": "math_answer", "weight": 0.5},
-        {"reward": lambda c, e: {"reward": 1.0, "feedback": "tidy"}, "weight": 0.0}]}, "reward")  # fmt: skip
+    w = get_registry().build(
+        "reward",
+        {
+            "name": "weighted",
+            "rewards": [
+                {"name": "exact_match", "weight": 0.5},
+                {"name": "math_answer", "weight": 0.5},
+                {"reward": lambda c, e: {"reward": 1.0, "feedback": "tidy"}, "weight": 0.0},
+            ],
+        },
+        "reward",
+    )
     res = w("41", {"answer": "42"})
     assert res.reward == 0.0
     assert res.feedback == "exact_match: expected '42', got '41'\nmath_answer: expected '42', got '41'\n<lambda>: tidy"

@@ -24,8 +24,15 @@ def mk(texts, **example) -> list[Sample]:
 # --------------------------------------------------------------------------- parsing
 @pytest.mark.parametrize(
     "reply, want",
-    [("The steps are right. Score: 7/10", 0.7), ("**Score:** 8", 0.8), ("score = 3 out of 4", 0.75),
-     ("Rating: 85%", 0.85), ("I'd give it 9/10.", 0.9), (" 6 ", 0.6), ("Score: 2/10 ... final Score: 10/10", 1.0)],
+    [
+        ("The steps are right. Score: 7/10", 0.7),
+        ("**Score:** 8", 0.8),
+        ("score = 3 out of 4", 0.75),
+        ("Rating: 85%", 0.85),
+        ("I'd give it 9/10.", 0.9),
+        (" 6 ", 0.6),
+        ("Score: 2/10 ... final Score: 10/10", 1.0),
+    ],
 )
 def test_parse_graded(reply, want):
     assert parse_graded(reply) == pytest.approx(want)
@@ -41,9 +48,15 @@ def test_parse_graded_scale_and_failures():
 
 @pytest.mark.parametrize(
     "reply, want",
-    [("Verdict: YES", 1.0), ("The maths is correct but... Verdict: **NO**", 0.0), ("Yes, it matches.", 1.0),
-     ("No. The answer is 5.", 0.0), ("The response is not correct", 0.0), ("It is incorrect.", 0.0),
-     ("Checked every step: correct", 1.0)],
+    [
+        ("Verdict: YES", 1.0),
+        ("The maths is correct but... Verdict: **NO**", 0.0),
+        ("Yes, it matches.", 1.0),
+        ("No. The answer is 5.", 0.0),
+        ("The response is not correct", 0.0),
+        ("It is incorrect.", 0.0),
+        ("Checked every step: correct", 1.0),
+    ],
 )
 def test_parse_binary(reply, want):
     assert parse_binary(reply) == want
@@ -95,9 +108,14 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
             text = "Verdict: YES"
         else:
             text = "I am not sure what to say."
-        self._send(200, {"id": "x", "object": "chat.completion",
-                         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                      "finish_reason": "stop"}]})
+        self._send(
+            200,
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+            },
+        )
 
     def _send(self, status, obj):
         data = json.dumps(obj).encode()
@@ -123,8 +141,17 @@ def openai_url():
 
 
 def test_http_judge_graded(openai_url):
-    judge = get_registry().build("reward", {"name": "llm_judge", "base_url": openai_url, "model": "judge-7b",
-                                            "api_key": "sk-test", "system_prompt": "Be strict.", "backoff": 0.01})
+    judge = get_registry().build(
+        "reward",
+        {
+            "name": "llm_judge",
+            "base_url": openai_url,
+            "model": "judge-7b",
+            "api_key": "sk-test",
+            "system_prompt": "Be strict.",
+            "backoff": 0.01,
+        },
+    )
     ss = mk(["GOOD answer", "MEH answer", "rambling"], prompt="What is 6*7?", answer="42")
     stats = RewardRunner(judge).score(ss)
     assert (stats.scored, stats.failed) == (2, 1)
@@ -148,8 +175,14 @@ def test_http_judge_binary_with_retries(openai_url):
     assert len(_FakeOpenAI.requests) == 3  # two 500s, then the answer
     _FakeOpenAI.fail_first = 5
     ss = mk(["whatever"])
-    assert RewardRunner(LLMJudge(mode="binary", base_url=openai_url, retries=1, backoff=0.01,
-                                 template="YESNO {completion}")).score(ss).failed == 1
+    assert (
+        RewardRunner(
+            LLMJudge(mode="binary", base_url=openai_url, retries=1, backoff=0.01, template="YESNO {completion}")
+        )
+        .score(ss)
+        .failed
+        == 1
+    )
     assert "HTTP 500" in ss[0].error
 
 
@@ -189,8 +222,16 @@ class FakeSampler:
             for p in prompts:
                 text = self.tokenizer.decode(p)
                 reply = next(r for key, r in self.replies.items() if key in text)
-                out.append([Completion(prompt_tokens=p, tokens=[ord(c) for c in reply], logprobs=[0.0] * len(reply),
-                                       stop_reason="stop")])
+                out.append(
+                    [
+                        Completion(
+                            prompt_tokens=p,
+                            tokens=[ord(c) for c in reply],
+                            logprobs=[0.0] * len(reply),
+                            stop_reason="stop",
+                        )
+                    ]
+                )
             return out
 
         return self.pool.submit(run)
@@ -211,14 +252,17 @@ def test_sampler_judge_batches_calls_and_decodes():
 def test_sampler_judge_in_a_weighted_reward_and_binary():
     sampler = FakeSampler({"JUDGE GOOD": "Yes, this is right.", "JUDGE BAD": "No."})
     judge = LLMJudge(mode="binary", sampler=sampler, template="JUDGE {completion} (reference: {answer})")
-    w = get_registry().build("reward", {"name": "weighted", "rewards": [
-        {"name": "exact_match", "weight": 0.5}, {"reward": judge, "weight": 0.5}]})
+    w = get_registry().build(
+        "reward",
+        {"name": "weighted", "rewards": [{"name": "exact_match", "weight": 0.5}, {"reward": judge, "weight": 0.5}]},
+    )
     ss = mk(["GOOD", "BAD"], prompt="p", answer="GOOD")
     assert RewardRunner(w).score(ss).scored == 2
     assert [s.reward for s in ss] == [1.0, 0.0]  # 0.5*1 + 0.5*1 ; 0.5*0 + 0.5*0
     assert ss[0].reward_info["components"] == {"exact_match": 1.0, "LLMJudge": 1.0}
     # the judge's words are feedback; a bare "No." says nothing beyond the verdict
     assert [s.feedback for s in ss] == ["LLMJudge: Yes, this is right.", "exact_match: expected 'GOOD', got 'BAD'"]
+
     # a sampler whose sample() returns a plain list (no future) works too
     class Sync(FakeSampler):
         def sample(self, prompts, n, params):
@@ -230,9 +274,14 @@ def test_sampler_judge_in_a_weighted_reward_and_binary():
 
 @pytest.mark.parametrize(
     "reply, said",
-    [("The answer omits the units.\nScore: 6/10", "The answer omits the units."),
-     ("**Score:** 7/10", None), ("The sum is wrong: 3+4 is 7.\n\nVerdict: NO", "The sum is wrong: 3+4 is 7."),
-     ("No.", None), ("7", None), ("x" * 700 + "\nScore: 1/10", "x" * 497 + "...")],
+    [
+        ("The answer omits the units.\nScore: 6/10", "The answer omits the units."),
+        ("**Score:** 7/10", None),
+        ("The sum is wrong: 3+4 is 7.\n\nVerdict: NO", "The sum is wrong: 3+4 is 7."),
+        ("No.", None),
+        ("7", None),
+        ("x" * 700 + "\nScore: 1/10", "x" * 497 + "..."),
+    ],
 )
 def test_the_critique_is_the_reply_without_its_score(reply, said):
     assert critique(reply) == said

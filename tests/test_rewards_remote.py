@@ -49,10 +49,14 @@ def test_server_endpoints_and_per_sample_errors(server):
     with httpx.Client(trust_env=False) as c:
         health = c.get(f"{url}/health").json()
         assert health["status"] == "ok" and health["reward"] == SYNC_TARGET
-        body = {"samples": [{"completion": "abc", "example": {}},
-                            {"completion": "x", "example": {"fail": "bug"}},
-                            {"completion": "y", "example": {"nan": True}},
-                            {"completion": "hello"}]}
+        body = {
+            "samples": [
+                {"completion": "abc", "example": {}},
+                {"completion": "x", "example": {"fail": "bug"}},
+                {"completion": "y", "example": {"nan": True}},
+                {"completion": "hello"},
+            ]
+        }
         r = c.post(f"{url}/score", json=body)
         assert r.status_code == 200
         out = r.json()
@@ -81,8 +85,12 @@ def test_server_runs_async_rewards_concurrently_and_returns_info(server):
 
 def test_server_accepts_a_registered_reward_name(server):
     url, _ = server("math_answer")
-    body = {"samples": [{"completion": r"\boxed{\frac{1}{2}}", "example": {"answer": "0.5"}},
-                        {"completion": "7", "example": {}}]}
+    body = {
+        "samples": [
+            {"completion": r"\boxed{\frac{1}{2}}", "example": {"answer": "0.5"}},
+            {"completion": "7", "example": {}},
+        ]
+    }
     out = httpx.post(f"{url}/score", json=body, trust_env=False).json()
     assert out["rewards"] == [1.0, None] and "no 'answer'" in out["errors"][1]
     assert out["infos"][0]["method"] == "boxed"
@@ -90,14 +98,24 @@ def test_server_accepts_a_registered_reward_name(server):
 
 def test_feedback_travels_over_the_protocol(server):
     url, _ = server("exact_match")
-    body = {"samples": [{"completion": "41", "example": {"answer": "42"}}, {"completion": "42", "example": {"answer": "42"}},
-                        {"completion": "42", "example": {}}]}  # fmt: skip
+    body = {
+        "samples": [
+            {"completion": "41", "example": {"answer": "42"}},
+            {"completion": "42", "example": {"answer": "42"}},
+            {"completion": "42", "example": {}},
+        ]
+    }
     out = httpx.post(f"{url}/score", json=body, trust_env=False).json()
     assert out["rewards"] == [0.0, 1.0, None] and out["feedbacks"] == ["expected '42', got '41'", None, None]
-    reward = get_registry().build("reward", {"name": "remote", "url": url, "batch_size": 2, "batch_wait": 0.2}, "reward")
+    reward = get_registry().build(
+        "reward", {"name": "remote", "url": url, "batch_size": 2, "batch_wait": 0.2}, "reward"
+    )
     ss = mk([("41", {"answer": "42"}), ("42", {"answer": "42"})])
     assert RewardRunner(reward).score(ss).scored == 2
-    assert [(s.reward, s.feedback, s.reward_info) for s in ss] == [(0.0, "expected '42', got '41'", {}), (1.0, None, {})]
+    assert [(s.reward, s.feedback, s.reward_info) for s in ss] == [
+        (0.0, "expected '42', got '41'", {}),
+        (1.0, None, {}),
+    ]
 
 
 # --------------------------------------------------------------------------- the remote reward
@@ -121,6 +139,7 @@ def test_remote_batching_sends_many_samples_per_request(server):
     assert [s.reward for i, s in enumerate(ss) if i != 5] == [0, 1, 2, 3, 4, 6, 7, 8, 9]
     assert reward.requests == 3  # 4 + 4 + 2
     assert stop.server.requests_served == 3
+
     async def direct():
         try:
             return await reward.score_many([("ab", {}), ("abc", {"fail": 1}), ("abcd", {})])
@@ -165,8 +184,11 @@ class _Scripted(BaseHTTPRequestHandler):
         self.hits.append(time.perf_counter())
         status, delay = self.script.pop(0) if self.script else (200, 0)
         time.sleep(delay)
-        body = json.dumps({"rewards": [1.0] * len(samples), "errors": [None] * len(samples)} if status == 200
-                          else {"error": "scripted"}).encode()
+        body = json.dumps(
+            {"rewards": [1.0] * len(samples), "errors": [None] * len(samples)}
+            if status == 200
+            else {"error": "scripted"}
+        ).encode()
         try:
             self.send_response(status)
             self.send_header("Content-Length", str(len(body)))
@@ -252,7 +274,10 @@ def _spawn_cli(port: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "tempering", "serve-reward", ASYNC_TARGET, "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
     )
     deadline = time.time() + 30
     while time.time() < deadline:

@@ -44,8 +44,10 @@ def test_rlmath_imports_neither_algorithms_nor_plugins():
 def test_rlmath_init_imports_nothing():
     out = subprocess.run(
         [sys.executable, "-c", "import sys, tempering.rlmath; print('torch' in sys.modules)"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == "False"
 
 

@@ -32,9 +32,21 @@ def graded(completion: str, example: dict[str, Any]) -> float:
 
 
 def grpo(out: Path, top: dict[str, Any] | None = None, **keys: Any) -> Recipe:
-    stage = {"id": "rl", "name": "grpo", "steps": 3, "prompts_per_step": 4, "group_size": 4, "log_rollouts": 2,
-             "dataset": QUESTIONS, "reward": graded, "max_failed_fraction": 1.0, **keys}  # fmt: skip
-    return Recipe.from_dict({"name": "r", "output_dir": str(out), "loggers": ["jsonl"], "stages": [stage], **(top or {})})
+    stage = {
+        "id": "rl",
+        "name": "grpo",
+        "steps": 3,
+        "prompts_per_step": 4,
+        "group_size": 4,
+        "log_rollouts": 2,
+        "dataset": QUESTIONS,
+        "reward": graded,
+        "max_failed_fraction": 1.0,
+        **keys,
+    }
+    return Recipe.from_dict(
+        {"name": "r", "output_dir": str(out), "loggers": ["jsonl"], "stages": [stage], **(top or {})}
+    )
 
 
 def lines(path: Path) -> list[dict[str, Any]]:
@@ -148,5 +160,6 @@ def test_log_rollouts_zero_writes_nothing_and_bad_values_fail_with_their_path(tm
 
 
 def test_values_json_cannot_hold_stay_visible() -> None:
-    assert rollout_log.jsonable({"x": float("nan"), "t": torch.tensor(0.5), "v": torch.tensor([1, 2]), "o": object}) == {
-        "x": "nan", "t": 0.5, "v": [1, 2], "o": str(object)}
+    assert rollout_log.jsonable(
+        {"x": float("nan"), "t": torch.tensor(0.5), "v": torch.tensor([1, 2]), "o": object}
+    ) == {"x": "nan", "t": 0.5, "v": [1, 2], "o": str(object)}

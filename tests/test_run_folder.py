@@ -73,7 +73,9 @@ def counting(out: Path, stages: tuple[dict, ...] = ({}, {}), **top: Any) -> Reci
 def rows(out: Path) -> list[dict[str, Any]]:
     """metrics.jsonl without the wall-clock columns."""
     lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING and not k.startswith("time/")} for line in lines]
+    return [
+        {k: v for k, v in json.loads(line).items() if k not in TIMING and not k.startswith("time/")} for line in lines
+    ]
 
 
 def checkpoint_dirs(out: Path) -> list[str]:
@@ -178,9 +180,12 @@ def test_keep_checkpoints_null_keeps_all(tmp_path):
 
 @pytest.mark.parametrize(
     "top, key",
-    [({"keep_checkpoints": 0}, "keep_checkpoints"), ({"checkpoint_minutes": -1}, "checkpoint_minutes"),
-     ({"checkpoint_every": "often"}, "checkpoint_every")],
-)  # fmt: skip
+    [
+        ({"keep_checkpoints": 0}, "keep_checkpoints"),
+        ({"checkpoint_minutes": -1}, "checkpoint_minutes"),
+        ({"checkpoint_every": "often"}, "checkpoint_every"),
+    ],
+)
 def test_bad_checkpoint_keys_fail_before_anything_runs(tmp_path, top, key):
     with pytest.raises(ConfigError, match=rf"^{key}: must be"):
         counting(tmp_path / "run", **top).run(backend=FakeBackend())
@@ -246,8 +251,10 @@ def test_stop_run_checkpoints_the_stage_and_raises_one_error(tmp_path, reference
     with pytest.raises(RunStopped) as err:
         counting(tmp_path, ({}, {"stop_at": 2})).run(backend=FakeBackend())
     assert isinstance(err.value, TemperingError)
-    assert str(err.value) == ("stage '1' stopped the run: too many failed samples (9 of 16). The run is checkpointed "
-                              "at step 6: fix the cause and run the same recipe again to resume")  # fmt: skip
+    assert str(err.value) == (
+        "stage '1' stopped the run: too many failed samples (9 of 16). The run is checkpointed "
+        "at step 6: fix the cause and run the same recipe again to resume"
+    )
     progress = read_progress(str(tmp_path))
     assert progress["current"] == "1" and progress["global_step"] == 6 and progress["completed"] == ["0"]
     assert not (tmp_path / LOCK_FILE).exists()
@@ -277,8 +284,12 @@ def test_the_cli_prints_a_stopped_run_as_one_line(tmp_path, monkeypatch, capsys)
 
 
 # --------------------------------------------------------------------------- SIGKILL mid-GRPO
-TINY = {"name": "local", "model": "tiny_llama", "num_threads": 1,
-        "model_kwargs": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}}  # fmt: skip
+TINY = {
+    "name": "local",
+    "model": "tiny_llama",
+    "num_threads": 1,
+    "model_kwargs": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64},
+}
 RL_STEPS = 8
 
 
@@ -291,12 +302,30 @@ def partial_credit(completion: str, example: dict) -> float:
 def sft_then_grpo(out: Path) -> Recipe:
     stages = [
         {"id": "warmup", "name": "sft", "steps": 2, "batch_size": 8, "optimizer": {"learning_rate": 1e-2}},
-        {"id": "rl", "name": "grpo", "steps": RL_STEPS, "prompts_per_step": 4, "group_size": 4, "max_tokens": 4,
-         "optimizer": {"learning_rate": 1e-2}, "reward": partial_credit, "dataset": {"name": "arithmetic", "size": 64},
-         "eval": {"dataset": {"name": "arithmetic", "split": "test", "size": 4}, "max_tokens": 4, "every": 3}},
-    ]  # fmt: skip
-    return Recipe.from_dict({"name": "kill", "seed": 5, "output_dir": str(out), "backend": TINY, "loggers": ["jsonl"],
-                             "stages": stages, "checkpoint_every": 3})  # fmt: skip
+        {
+            "id": "rl",
+            "name": "grpo",
+            "steps": RL_STEPS,
+            "prompts_per_step": 4,
+            "group_size": 4,
+            "max_tokens": 4,
+            "optimizer": {"learning_rate": 1e-2},
+            "reward": partial_credit,
+            "dataset": {"name": "arithmetic", "size": 64},
+            "eval": {"dataset": {"name": "arithmetic", "split": "test", "size": 4}, "max_tokens": 4, "every": 3},
+        },
+    ]
+    return Recipe.from_dict(
+        {
+            "name": "kill",
+            "seed": 5,
+            "output_dir": str(out),
+            "backend": TINY,
+            "loggers": ["jsonl"],
+            "stages": stages,
+            "checkpoint_every": 3,
+        }
+    )
 
 
 def final_weights(out: Path) -> torch.Tensor:
@@ -321,8 +350,12 @@ def test_sigkill_mid_grpo_then_rerun_equals_an_uninterrupted_run(tmp_path):
     out = tmp_path / "killed"
     kill_after = random.Random(20240611).randint(1, RL_STEPS - 1)  # GRPO rows logged before the kill
     with open(tmp_path / "child.log", "w") as log:
-        child = subprocess.Popen([sys.executable, __file__, str(out)], stdout=log, stderr=subprocess.STDOUT,
-                                 env={**os.environ, "TEMPERING_PROGRESS": "0"})  # fmt: skip
+        child = subprocess.Popen(
+            [sys.executable, __file__, str(out)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "TEMPERING_PROGRESS": "0"},
+        )
         deadline = time.monotonic() + 120
         while rl_rows_written(out / "metrics.jsonl") < kill_after:
             assert child.poll() is None, f"the run ended before the kill: {(tmp_path / 'child.log').read_text()}"
@@ -331,8 +364,10 @@ def test_sigkill_mid_grpo_then_rerun_equals_an_uninterrupted_run(tmp_path):
         child.send_signal(signal.SIGKILL)
         assert child.wait() == -signal.SIGKILL
     assert (out / LOCK_FILE).exists()  # the killed run could not clean up
-    print(f"killed after {kill_after} GRPO rows: {len(rows(out))} rows on disk, "
-          f"checkpointed at step {read_progress(str(out))['global_step']}")  # fmt: skip
+    print(
+        f"killed after {kill_after} GRPO rows: {len(rows(out))} rows on disk, "
+        f"checkpointed at step {read_progress(str(out))['global_step']}"
+    )
 
     with pytest.warns(RunFolderWarning, match="stale lock"):
         sft_then_grpo(out).run()

@@ -16,8 +16,12 @@ from tempering.training.evaluate import completion_sampler
 from tempering.training.recipe import Recipe
 from tempering.types import SamplingParams
 
-TINY = {"name": "local", "model": "tiny_llama", "num_threads": 1,
-        "model_kwargs": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}}
+TINY = {
+    "name": "local",
+    "model": "tiny_llama",
+    "num_threads": 1,
+    "model_kwargs": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64},
+}
 
 # A sampler from another package: it asks the model for one completion per sample, like an
 # external agent harness would through its own client, and scores by length.
@@ -51,8 +55,15 @@ def register_samplers(register):
 
 def test_a_third_party_sampler_drives_an_rl_stage_by_name(fake_dist, tmp_path):
     module = fake_dist("fake-harness", SCRIPTED)
-    stage = {"name": "grpo", "steps": 2, "prompts_per_step": 2, "group_size": 3, "max_tokens": 3,
-             "dataset": {"name": "arithmetic", "size": 8}, "sampler": {"name": "harness", "bonus": 0.5}}
+    stage = {
+        "name": "grpo",
+        "steps": 2,
+        "prompts_per_step": 2,
+        "group_size": 3,
+        "max_tokens": 3,
+        "dataset": {"name": "arithmetic", "size": 8},
+        "sampler": {"name": "harness", "bonus": 0.5},
+    }
     result = Recipe(name="h", output_dir=str(tmp_path), loggers=[], backend=TINY, stages=[stage]).run()
     import importlib
 

@@ -34,7 +34,9 @@ class Temperature:
 
 def test_one_check_serves_the_registry_and_python_callers():
     assert config_problems(Temperature, {"temperature": 0.0, "kind": "sfot"}) == [
-        Problem("temperature", "must be > 0, got 0.0"), Problem("kind", "use soft or hard, got 'sfot'. Did you mean 'soft'?")]  # fmt: skip
+        Problem("temperature", "must be > 0, got 0.0"),
+        Problem("kind", "use soft or hard, got 'sfot'. Did you mean 'soft'?"),
+    ]
     assert config_problems(Temperature, {"temperature": 1.0, "kind": "hard"}) == []
     with pytest.raises(ConfigError) as err:
         check_config_at(Temperature, {"temperature": 2.0, "kind": "sfot"}, "stages[0].loss")
@@ -61,8 +63,9 @@ def test_the_registry_checks_a_builtin_before_building_with_the_key_path():
 def test_a_nested_block_is_checked_by_its_own_schema():
     with pytest.raises(ConfigError) as err:
         sub_config(OptimizerConfig, {"learning_rate": 1e-3, "schedule": "cosin"}, "stages[0].optimizer")
-    assert str(err.value) == ("stages[0].optimizer.schedule: use one of constant, linear, cosine (got 'cosin'). "
-                              "Did you mean 'cosine'?")  # fmt: skip
+    assert str(err.value) == (
+        "stages[0].optimizer.schedule: use one of constant, linear, cosine (got 'cosin'). Did you mean 'cosine'?"
+    )
     with pytest.raises(ConfigError, match=r"^stages\[0\]\.optimizer\.learning_rate: must be > 0"):
         sub_config(OptimizerConfig, OptimizerConfig(learning_rate=-1.0), "stages[0].optimizer")  # an object too
     assert sub_config(OptimizerConfig, {"learning_rate": 1e-3}, "o").learning_rate == 1e-3

@@ -74,9 +74,13 @@ def test_topk_and_full_logit_losses_match_trl(sdft_utils, alpha, add_tail):
     )
     torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=0)
     full = full_logits_loss(s, t, alpha)
-    torch.testing.assert_close(full, sdft_utils.compute_full_logit_self_distillation_loss(s, t, distillation_alpha=alpha), atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        full, sdft_utils.compute_full_logit_self_distillation_loss(s, t, distillation_alpha=alpha), atol=1e-12, rtol=0
+    )
     # k = V with a tail is the full divergence (the tail bucket is empty)
-    torch.testing.assert_close(topk_logits_loss(s, alpha, s.size(-1), False, teacher_logits=t), full, atol=1e-10, rtol=0)
+    torch.testing.assert_close(
+        topk_logits_loss(s, alpha, s.size(-1), False, teacher_logits=t), full, atol=1e-10, rtol=0
+    )
 
 
 def test_tail_bucket_matches_trl(sdft_utils):
@@ -103,13 +107,17 @@ def test_sampled_token_gradient_matches_trl(sdft_utils):
     lp_t = torch.log_softmax(t, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     norm = torch.tensor(fold_normaliser(mask.tolist(), "seq_mean"))
     adv = -(q - lp_t) * norm
-    out = SDFTLoss(mode="sampled_token")(lp, {"weights": mask, "sampler_logprobs": q, "advantages": adv, "teacher_token_logprobs": lp_t})
+    out = SDFTLoss(mode="sampled_token")(
+        lp, {"weights": mask, "sampler_logprobs": q, "advantages": adv, "teacher_token_logprobs": lp_t}
+    )
     out.loss.backward()
     torch.testing.assert_close(s.grad, trl_grad, atol=1e-6, rtol=0)
     # its value on-policy is the seq-mean sampled reverse KL
     expected = (((q - lp_t) * mask).sum(-1) / mask.sum(-1)).mean()
     assert out.loss.item() == pytest.approx(expected.item(), abs=1e-6)
-    assert out.metrics["sdft/distill_loss"] == pytest.approx(((q - lp_t) * mask).sum().item() / mask.sum().item(), abs=1e-6)
+    assert out.metrics["sdft/distill_loss"] == pytest.approx(
+        ((q - lp_t) * mask).sum().item() / mask.sum().item(), abs=1e-6
+    )
 
 
 def test_importance_sampling_is_tinkers_sum_and_masks():
@@ -137,8 +145,15 @@ def test_loss_config_validation():
     assert SDFTLoss().alpha == 0.5 and SDFTLoss(mode="sampled_token").alpha == 1.0
     assert SDFTLoss(mode="full_logits").needs_logits and not SDFTLoss(mode="sampled_token").needs_logits
     assert SDFTLoss(mode="sampled_token").tinker_builtin == "importance_sampling" and SDFTLoss().tinker_builtin is None
-    for bad in ({"mode": "sampled_token", "alpha": 0.5}, {"mode": "kl"}, {"alpha": 1.5}, {"topk": 0},
-                {"topk_support": "both"}, {"aggregation": "sum"}, {"is_clip": 0.0}):  # fmt: skip
+    for bad in (
+        {"mode": "sampled_token", "alpha": 0.5},
+        {"mode": "kl"},
+        {"alpha": 1.5},
+        {"topk": 0},
+        {"topk_support": "both"},
+        {"aggregation": "sum"},
+        {"is_clip": 0.0},
+    ):
         with pytest.raises(ValueError):
             SDFTLoss(**bad)
 
@@ -150,17 +165,33 @@ def _trl_stub(tmp_path, **cfg):
     from trl.experimental.sdft import SDFTConfig, SDFTTrainer
 
     args = SDFTConfig(
-        output_dir=str(tmp_path / "trl"), bf16=False, use_cpu=True, report_to="none",
-        per_device_train_batch_size=4, num_generations=1, **cfg,
-    )  # fmt: skip
+        output_dir=str(tmp_path / "trl"),
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        per_device_train_batch_size=4,
+        num_generations=1,
+        **cfg,
+    )
     stub = SimpleNamespace(
-        args=args, num_loss_tokens_to_skip=args.num_loss_tokens_to_skip, model_kwarg_keys=set(), temperature=1.0,
+        args=args,
+        num_loss_tokens_to_skip=args.num_loss_tokens_to_skip,
+        model_kwarg_keys=set(),
+        temperature=1.0,
         accelerator=SimpleNamespace(gather=lambda x: x, wait_for_everyone=lambda: None),
-        _metrics=defaultdict(lambda: defaultdict(list)), _name="SDFT", state=SimpleNamespace(global_step=0),
-        _last_loaded_step=0, _get_teacher_context_for_self_distillation=nullcontext,
-    )  # fmt: skip
-    for name in ("_forward_logits", "_compute_teacher_student_logits", "_compute_self_distillation_loss",
-                 "_compute_server_distillation_loss", "_log_self_distillation_metric"):  # fmt: skip
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        _name="SDFT",
+        state=SimpleNamespace(global_step=0),
+        _last_loaded_step=0,
+        _get_teacher_context_for_self_distillation=nullcontext,
+    )
+    for name in (
+        "_forward_logits",
+        "_compute_teacher_student_logits",
+        "_compute_self_distillation_loss",
+        "_compute_server_distillation_loss",
+        "_log_self_distillation_metric",
+    ):
         setattr(stub, name, getattr(SDFTTrainer, name).__get__(stub))
     return stub
 
@@ -214,28 +245,47 @@ def _our_and_trl_inputs(backend, skip, off_policy=0.0):
     pad = tok.pad_token_id
     completion_ids = torch.tensor([c + [pad] * (width - len(c)) for c in COMPLETIONS])
     completion_mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in COMPLETIONS])
-    old = torch.tensor([d.sampler_logprobs[-d.extra["completion_len"]:] + [0.0] * (width - d.extra["completion_len"])
-                        for d in batch.data])  # fmt: skip
+    old = torch.tensor(
+        [
+            d.sampler_logprobs[-d.extra["completion_len"] :] + [0.0] * (width - d.extra["completion_len"])
+            for d in batch.data
+        ]
+    )
     inputs = {
-        "prompt_ids": torch.tensor(s_ids), "prompt_mask": torch.ones(len(s_ids), len(s_ids[0]), dtype=torch.long),
-        "completion_ids": completion_ids, "completion_mask": completion_mask,
+        "prompt_ids": torch.tensor(s_ids),
+        "prompt_mask": torch.ones(len(s_ids), len(s_ids[0]), dtype=torch.long),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
         "teacher_input_ids": torch.cat([torch.tensor(t_ids), completion_ids], 1),
-        "teacher_attention_mask": torch.cat([torch.ones(len(t_ids), len(t_ids[0]), dtype=torch.long), completion_mask], 1),
+        "teacher_attention_mask": torch.cat(
+            [torch.ones(len(t_ids), len(t_ids[0]), dtype=torch.long), completion_mask], 1
+        ),
         "old_per_token_logps": old,
-    }  # fmt: skip
+    }
     return stage, batch, teacher_batch, inputs
 
 
 TRAINER_CASES = {
     "topk_jsd": ({"distillation_mode": "topk_logits", "distillation_topk": 5, "distillation_alpha": 0.5}, {}),
-    "topk_tail_fwd": ({"distillation_mode": "topk_logits", "distillation_topk": 5, "distillation_alpha": 0.0, "distillation_add_tail": True}, {}),
+    "topk_tail_fwd": (
+        {
+            "distillation_mode": "topk_logits",
+            "distillation_topk": 5,
+            "distillation_alpha": 0.0,
+            "distillation_add_tail": True,
+        },
+        {},
+    ),
     "topk_teacher_support": (
         {"distillation_mode": "topk_logits", "distillation_topk": 5, "distillation_alpha": 0.3},
         {"topk_support": "teacher"},
     ),
     "full_rev": ({"distillation_mode": "full_logits", "distillation_alpha": 1.0}, {}),
     "full_jsd_clip": ({"distillation_mode": "full_logits", "distillation_alpha": 0.5, "distillation_is_clip": 2.0}, {}),
-    "sampled_token": ({"distillation_mode": "sampled_token", "distillation_alpha": 1.0, "distillation_is_clip": None}, {}),
+    "sampled_token": (
+        {"distillation_mode": "sampled_token", "distillation_alpha": 1.0, "distillation_is_clip": None},
+        {},
+    ),
 }
 
 
@@ -246,10 +296,16 @@ def test_stage_batch_and_loss_match_trl_sdft_trainer(sdft_utils, tmp_path, train
     cfg = {"distillation_is_clip": None, **cfg, "num_loss_tokens_to_skip": skip}
     backend = trained_backend
     loss = SDFTLoss(
-        mode=cfg["distillation_mode"], alpha=cfg["distillation_alpha"], topk=cfg.get("distillation_topk") or 100,
-        add_tail=cfg.get("distillation_add_tail", False), is_clip=cfg["distillation_is_clip"], **extra,
-    )  # fmt: skip
-    stage, batch, teacher_batch, inputs = _our_and_trl_inputs(backend, skip, 1.0 if cfg["distillation_is_clip"] else 0.0)
+        mode=cfg["distillation_mode"],
+        alpha=cfg["distillation_alpha"],
+        topk=cfg.get("distillation_topk") or 100,
+        add_tail=cfg.get("distillation_add_tail", False),
+        is_clip=cfg["distillation_is_clip"],
+        **extra,
+    )
+    stage, batch, teacher_batch, inputs = _our_and_trl_inputs(
+        backend, skip, 1.0 if cfg["distillation_is_clip"] else 0.0
+    )
     stage.attach_teacher(backend, batch, teacher_batch, loss.teacher_input, loss.topk)  # teacher = the live policy
     if loss.mode == "sampled_token":
         norm = fold_normaliser([d.weights for d in batch.data], loss.aggregation)
@@ -265,14 +321,18 @@ def test_stage_batch_and_loss_match_trl_sdft_trainer(sdft_utils, tmp_path, train
     stub = _trl_stub(tmp_path, **cfg)
     if extra.get("topk_support") == "teacher":  # TRL's server path: the teacher's own top-k support
         with torch.no_grad():
-            t_logits = stub._forward_logits(model, inputs["teacher_input_ids"], inputs["teacher_attention_mask"], inputs["completion_ids"].size(1))
+            t_logits = stub._forward_logits(
+                model, inputs["teacher_input_ids"], inputs["teacher_attention_mask"], inputs["completion_ids"].size(1)
+            )
         t_lp = torch.log_softmax(t_logits, -1)
         values, ids = t_lp.topk(5, -1)
         live = inputs["completion_mask"].bool()
         actual = t_lp.gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
-        served = {"actual_logprobs": torch.where(live, actual, float("-inf")),
-                  "topk_logprobs": torch.where(live.unsqueeze(-1), values, float("-inf")),
-                  "topk_token_ids": torch.where(live.unsqueeze(-1), ids, 0)}  # fmt: skip
+        served = {
+            "actual_logprobs": torch.where(live, actual, float("-inf")),
+            "topk_logprobs": torch.where(live.unsqueeze(-1), values, float("-inf")),
+            "topk_token_ids": torch.where(live.unsqueeze(-1), ids, 0),
+        }
         stub._get_teacher_token_logprobs_from_server = lambda inputs, n: served
         trl_loss = stub._compute_server_distillation_loss(model, inputs)
     else:
@@ -282,20 +342,26 @@ def test_stage_batch_and_loss_match_trl_sdft_trainer(sdft_utils, tmp_path, train
     trl_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     grad_diff = max((our_grads[n] - trl_grads[n]).abs().max().item() for n in trl_grads)
     grad_scale = max(g.abs().max().item() for g in trl_grads.values())
-    print(f"{case}/skip{skip}: loss {ours['loss']:.8f} vs TRL {trl_loss.item():.8f}, max |grad diff| {grad_diff:.1e} "
-          f"(max |grad| {grad_scale:.1e})")  # fmt: skip
+    print(
+        f"{case}/skip{skip}: loss {ours['loss']:.8f} vs TRL {trl_loss.item():.8f}, max |grad diff| {grad_diff:.1e} "
+        f"(max |grad| {grad_scale:.1e})"
+    )
     assert set(our_grads) == set(trl_grads)
     assert grad_scale > 1e-4  # a real signal, not two zeros
     assert grad_diff < 1e-5 * max(1.0, grad_scale)
     if loss.mode != "sampled_token":  # TRL's sampled-token *value* is a surrogate, not the KL
         assert ours["loss"] == pytest.approx(trl_loss.item(), abs=1e-5)
-        assert ours["sdft/distill_loss"] == pytest.approx(stub._metrics["train"]["self_distillation/distillation_loss"][-1], abs=1e-5)
+        assert ours["sdft/distill_loss"] == pytest.approx(
+            stub._metrics["train"]["self_distillation/distillation_loss"][-1], abs=1e-5
+        )
 
 
 # --------------------------------------------------------------------------- backend additions
 def test_to_tensors_pads_per_position_tensors_and_nested_lists():
     a = Datum([1, 2], [2, 3], [0.0, 1.0], extra={"topk": torch.ones(2, 3), "nested": [[1.0, 2.0], [3.0, 4.0]]})
-    b = Datum([1, 2, 3], [2, 3, 4], [0.0, 1.0, 1.0], extra={"topk": torch.full((3, 3), 2.0), "nested": [[5.0, 6.0]] * 3})
+    b = Datum(
+        [1, 2, 3], [2, 3, 4], [0.0, 1.0, 1.0], extra={"topk": torch.full((3, 3), 2.0), "nested": [[5.0, 6.0]] * 3}
+    )
     t = Batch([a, b]).to_tensors()
     assert t["topk"].shape == (2, 3, 3) and t["topk"][0, 2].tolist() == [0.0, 0.0, 0.0] and t["topk"][1, 2, 0] == 2.0
     assert t["nested"].shape == (2, 3, 2) and t["nested"][0].tolist() == [[1.0, 2.0], [3.0, 4.0], [0.0, 0.0]]
@@ -309,7 +375,10 @@ def test_snapshots_ema_distributions_and_checkpoints(tmp_path, lora):
     tok = b.tokenizer
     ids = tok("12+34=46")["input_ids"]
     batch = Batch([Datum(ids[:-1], ids[1:], [1.0] * (len(ids) - 1))])
-    step = lambda: (b.forward_backward(batch, CrossEntropyLoss()).result(), b.optim_step(AdamParams(learning_rate=3e-2)).result())
+    step = lambda: (
+        b.forward_backward(batch, CrossEntropyLoss()).result(),
+        b.optim_step(AdamParams(learning_rate=3e-2)).result(),
+    )
     lp0 = torch.tensor(b.logprobs(batch).result())
     b.snapshot("start").result()
     b.ema_update("ema", 0.5).result()  # starts as a copy
@@ -323,13 +392,19 @@ def test_snapshots_ema_distributions_and_checkpoints(tmp_path, lora):
     b.snapshot("now").result()
     with torch.no_grad():  # the EMA is the midpoint of the start and current weights
         for n, _p in b._trainable_named:
-            torch.testing.assert_close(b._snapshots["ema"][n], 0.5 * b._snapshots["start"][n].float() + 0.5 * live[n].float())
+            torch.testing.assert_close(
+                b._snapshots["ema"][n], 0.5 * b._snapshots["start"][n].float() + 0.5 * live[n].float()
+            )
     dist = b.distributions(batch).result()[0]
-    torch.testing.assert_close(dist.gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1), lp1[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        dist.gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1), lp1[0], atol=1e-6, rtol=0
+    )
     values, _top = b.distributions(batch, weights="start", topk=3).result()[0]
     assert values.shape == (len(ids) - 1, 3) and (values[:, :-1] >= values[:, 1:]).all()
     ref = b.distributions(batch, reference=True).result()[0]
-    torch.testing.assert_close(ref.gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1), lp0[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        ref.gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1), lp0[0], atol=1e-6, rtol=0
+    )
     with pytest.raises(KeyError, match="no weight snapshot"):
         b.logprobs(batch, weights="nope").result()
     with pytest.raises(ValueError, match="not both"):
@@ -349,16 +424,33 @@ def test_snapshots_ema_distributions_and_checkpoints(tmp_path, lora):
 
 # --------------------------------------------------------------------------- the stage
 def test_teacher_template_default_and_aliases():
-    assert DEFAULT_TEACHER_TEMPLATE.startswith("{prompt} This is an example for a response to the question: {demonstration}")
+    assert DEFAULT_TEACHER_TEMPLATE.startswith(
+        "{prompt} This is an example for a response to the question: {demonstration}"
+    )
     assert teacher_prompt("{question}|{demo}|{privileged_context}", "q", "d") == "q|d|d"
 
 
 def _sdft_recipe(tmp_path, name, **stage):
-    rows = [{"prompt": f"{a}+{b}=", "demonstration": str(a + b), "answer": str(a + b)} for a in range(10) for b in range(10)]
-    spec = {"name": "sdft", "dataset": rows, "steps": 2, "prompts_per_step": 4, "max_tokens": 4,
-            "teacher_template": "{demonstration} {prompt}", "optimizer": {"learning_rate": 1e-2}, **stage}  # fmt: skip
-    return Recipe(name=name, output_dir=str(tmp_path / name), loggers=[],
-                  backend={"name": "local", "model": "tiny_llama", "model_kwargs": SMALL, "num_threads": 1}, stages=[spec])  # fmt: skip
+    rows = [
+        {"prompt": f"{a}+{b}=", "demonstration": str(a + b), "answer": str(a + b)} for a in range(10) for b in range(10)
+    ]
+    spec = {
+        "name": "sdft",
+        "dataset": rows,
+        "steps": 2,
+        "prompts_per_step": 4,
+        "max_tokens": 4,
+        "teacher_template": "{demonstration} {prompt}",
+        "optimizer": {"learning_rate": 1e-2},
+        **stage,
+    }
+    return Recipe(
+        name=name,
+        output_dir=str(tmp_path / name),
+        loggers=[],
+        backend={"name": "local", "model": "tiny_llama", "model_kwargs": SMALL, "num_threads": 1},
+        stages=[spec],
+    )
 
 
 @pytest.mark.parametrize(
@@ -371,7 +463,9 @@ def _sdft_recipe(tmp_path, name, **stage):
     ],
 )
 def test_stage_runs_with_every_teacher_and_mode(tmp_path, teacher, loss):
-    res = _sdft_recipe(tmp_path, f"{teacher}_{loss['mode']}", teacher=teacher, loss=loss, skip_first_tokens=1, temperature=0.8).run()
+    res = _sdft_recipe(
+        tmp_path, f"{teacher}_{loss['mode']}", teacher=teacher, loss=loss, skip_first_tokens=1, temperature=0.8
+    ).run()
     rows = [r for r in res.history if "loss" in r]
     assert len(rows) == 2
     for r in rows:
@@ -379,9 +473,12 @@ def test_stage_runs_with_every_teacher_and_mode(tmp_path, teacher, loss):
 
 
 def test_stage_config_errors(tmp_path):
-    for bad, match in (({"teacher": "frozen"}, r"stages\[0\].teacher"), ({"ema_rate": 0.0}, "ema_rate"),
-                       ({"teacher_template": "{prompt} {answer}"}, "teacher_template"),
-                       ({"demonstration_key": "demo"}, "demo")):  # fmt: skip
+    for bad, match in (
+        ({"teacher": "frozen"}, r"stages\[0\].teacher"),
+        ({"ema_rate": 0.0}, "ema_rate"),
+        ({"teacher_template": "{prompt} {answer}"}, "teacher_template"),
+        ({"demonstration_key": "demo"}, "demo"),
+    ):
         with pytest.raises((ValueError, KeyError), match=match):
             _sdft_recipe(tmp_path, "bad", **bad).run()
 
@@ -416,14 +513,29 @@ def test_sdft_distils_multi_turn_trajectories(tmp_path):
     from tempering.plugins.backends.local.backend import LocalBackend
     from tempering.training.recipe import Recipe
 
-    kwargs = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "chat": True,
-              "max_position_embeddings": 256}  # fmt: skip
+    kwargs = {
+        "hidden_size": 32,
+        "num_layers": 1,
+        "num_heads": 2,
+        "intermediate_size": 64,
+        "chat": True,
+        "max_position_embeddings": 256,
+    }
     backend = LocalBackend(model="tiny_llama", model_kwargs=kwargs, seed=0, num_threads=1, threaded=False)
     rows = [{"prompt": f"what is {i}+{i}?", "demonstration": str(2 * i)} for i in range(4)]
-    stage = {"name": "sdft", "dataset": rows, "steps": 2, "prompts_per_step": 2, "samples_per_prompt": 2,
-             "max_tokens": 6, "teacher": "live", "loss": {"name": "sdft", "mode": "sampled_token"}, "skip_first_tokens": 1,
-             "sampler": {"name": "environment", "environment": _TwoTurns, "max_turns": 2},
-             "optimizer": {"learning_rate": 1e-2}}  # fmt: skip
+    stage = {
+        "name": "sdft",
+        "dataset": rows,
+        "steps": 2,
+        "prompts_per_step": 2,
+        "samples_per_prompt": 2,
+        "max_tokens": 6,
+        "teacher": "live",
+        "loss": {"name": "sdft", "mode": "sampled_token"},
+        "skip_first_tokens": 1,
+        "sampler": {"name": "environment", "environment": _TwoTurns, "max_turns": 2},
+        "optimizer": {"learning_rate": 1e-2},
+    }
     result = Recipe(name="s", output_dir=str(tmp_path), loggers=[], stages=[stage]).run(backend=backend)
     rows_logged = [h for h in result.history if "loss" in h]
     assert len(rows_logged) == 2 and all(math.isfinite(h["loss"]) for h in rows_logged)
@@ -438,8 +550,9 @@ def test_sdft_distils_multi_turn_trajectories(tmp_path):
     built.setup(ctx, {})
     from tempering.rollouts.rollout import collect
 
-    rollout = collect(built.student_sampler, backend, [built.student_example(r) for r in rows[:2]], 2,
-                      built.sampling_params())  # fmt: skip
+    rollout = collect(
+        built.student_sampler, backend, [built.student_example(r) for r in rows[:2]], 2, built.sampling_params()
+    )
     samples = [s for g in rollout.groups for s in g.samples]
     assert all(len(s.trajectory.turns) == 2 for s in samples)
     pairs = [(built.teacher_prefix(backend, rows[i // 2], s), s) for i, s in enumerate(samples)]

@@ -33,8 +33,14 @@ from tempering.training.evaluate import evaluate
 from tempering.training.recipe import Recipe
 
 SEED = 2
-MODEL = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128, "chars": TOY_CHARS,
-         "max_position_embeddings": 64}  # fmt: skip
+MODEL = {
+    "hidden_size": 64,
+    "num_layers": 2,
+    "num_heads": 4,
+    "intermediate_size": 128,
+    "chars": TOY_CHARS,
+    "max_position_embeddings": 64,
+}
 STYLE = "!"
 B_TRAIN = {"name": "toy_skills", "skill": "reverse", "size": 2000, "letters": TOY_DIGITS, "demo_suffix": STYLE}
 
@@ -63,24 +69,49 @@ def test_sdft_learns_b_and_forgets_less_of_a_than_sft(tmp_path):
     # the tiny model gets it depends on the CPU's float rounding (0.97 at step 400 on one
     # machine, 0.83 on another), so a fixed step count would make the test machine-dependent.
     a_val = toy_skills("reverse", "test", 200)[100:]  # mostly other strings than a_test's
-    _run(backend, tmp_path, "pretrain", {
-        "name": "sft", "steps": 1000, "batch_size": 64, "optimizer": {"learning_rate": 3e-3, "warmup_steps": 20},
-        "dataset": {"name": "toy_mixture", "demo_suffix": STYLE,
-                    "skills": {"reverse": 2000, "hint": 1000, f"hint@{TOY_DIGITS}": 1000}},
-        "eval": {"dataset": a_val, "max_tokens": 7, "every": 50, "at_start": False, "stop_at_accuracy": 0.9},
-    })  # fmt: skip
+    _run(
+        backend,
+        tmp_path,
+        "pretrain",
+        {
+            "name": "sft",
+            "steps": 1000,
+            "batch_size": 64,
+            "optimizer": {"learning_rate": 3e-3, "warmup_steps": 20},
+            "dataset": {
+                "name": "toy_mixture",
+                "demo_suffix": STYLE,
+                "skills": {"reverse": 2000, "hint": 1000, f"hint@{TOY_DIGITS}": 1000},
+            },
+            "eval": {"dataset": a_val, "max_tokens": 7, "every": 50, "at_start": False, "stop_at_accuracy": 0.9},
+        },
+    )
     start = backend.save(str(tmp_path / "pretrained"))
     before = measure(backend, a_test, b_test)
     t_pre = time.perf_counter() - t0
 
     after, times = {}, {}
     arms = {
-        "sft": {"name": "sft", "steps": 100, "batch_size": 32, "completion_key": "demonstration",
-                "optimizer": {"learning_rate": 3e-4}, "dataset": B_TRAIN},
-        "sdft": {"name": "sdft", "steps": 100, "prompts_per_step": 32, "max_tokens": 7, "teacher": "stage_start",
-                 "teacher_template": TOY_TEACHER_TEMPLATE, "loss": {"name": "sdft", "mode": "full_logits", "alpha": 0.5},
-                 "optimizer": {"learning_rate": 3e-4}, "dataset": B_TRAIN},
-    }  # fmt: skip
+        "sft": {
+            "name": "sft",
+            "steps": 100,
+            "batch_size": 32,
+            "completion_key": "demonstration",
+            "optimizer": {"learning_rate": 3e-4},
+            "dataset": B_TRAIN,
+        },
+        "sdft": {
+            "name": "sdft",
+            "steps": 100,
+            "prompts_per_step": 32,
+            "max_tokens": 7,
+            "teacher": "stage_start",
+            "teacher_template": TOY_TEACHER_TEMPLATE,
+            "loss": {"name": "sdft", "mode": "full_logits", "alpha": 0.5},
+            "optimizer": {"learning_rate": 3e-4},
+            "dataset": B_TRAIN,
+        },
+    }
     for arm, stage in arms.items():
         t1 = time.perf_counter()
         backend.load(start)
@@ -93,9 +124,11 @@ def test_sdft_learns_b_and_forgets_less_of_a_than_sft(tmp_path):
     gain = {arm: m["B"] - before["B"] for arm, m in after.items()}
     print(f"\npretrained ({t_pre:.0f}s): A {before['A']:.2f}, B {before['B']:.2f}")
     for arm in arms:
-        print(f"{arm:>4} ({times[arm]:.0f}s): A {after[arm]['A']:.2f} (forgetting {forget[arm]:+.2f}; content "
-              f"{after[arm]['A_content']:.2f}, forgetting {forget_content[arm]:+.2f}), "
-              f"B {after[arm]['B']:.2f} (gain {gain[arm]:+.2f})")  # fmt: skip
+        print(
+            f"{arm:>4} ({times[arm]:.0f}s): A {after[arm]['A']:.2f} (forgetting {forget[arm]:+.2f}; content "
+            f"{after[arm]['A_content']:.2f}, forgetting {forget_content[arm]:+.2f}), "
+            f"B {after[arm]['B']:.2f} (gain {gain[arm]:+.2f})"
+        )
     # A was learnt, B was not: B's exact match before is 0.0-0.15 across machines (0.15 on CI's
     # when the pretraining mixture's digit hints leak some of B), so "not learnt" is <= 0.3 and
     # the gain below (>= 0.5) is what shows B being learnt.

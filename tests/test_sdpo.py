@@ -22,9 +22,9 @@ import torch
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from tempering.algorithms.grpo.loss import GRPOLoss  # noqa: E402
-from tempering.algorithms.sdpo.algorithm import SDPO  # noqa: E402
-from tempering.algorithms.sdpo.context import (  # noqa: E402
+from tempering.algorithms.grpo.loss import GRPOLoss
+from tempering.algorithms.sdpo.algorithm import SDPO
+from tempering.algorithms.sdpo.context import (
     DEFAULT_FEEDBACK_TEMPLATE,
     DEFAULT_REPROMPT_TEMPLATE,
     DEFAULT_SOLUTION_TEMPLATE,
@@ -36,11 +36,11 @@ from tempering.algorithms.sdpo.context import (  # noqa: E402
     template_problem,
     truncate_prompt,
 )
-from tempering.algorithms.sdpo.loss import SDPOLoss  # noqa: E402
-from tempering.rlmath.advantages import GroupNormAdvantage  # noqa: E402
-from tempering.training.recipe import Recipe  # noqa: E402
-from tempering.training.rl import build_group_batch  # noqa: E402
-from tempering.types import Completion, Group, Sample  # noqa: E402
+from tempering.algorithms.sdpo.loss import SDPOLoss
+from tempering.rlmath.advantages import GroupNormAdvantage
+from tempering.training.recipe import Recipe
+from tempering.training.rl import build_group_batch
+from tempering.types import Completion, Group, Sample
 
 #: A tiny Llama whose character vocabulary covers TRL's default templates.
 CHARS = string.digits + string.ascii_letters + " +=:,.\n"
@@ -60,25 +60,54 @@ def trl_stub(trl_sdpo, tmp_path, logits: dict[str, torch.Tensor] | None = None, 
     """The real ``SDPOTrainer`` loss methods bound to a minimal object (a whole trainer would
     load a model and generate). ``logits`` stands in for the forward passes: the student's and
     the teacher's logits over the completion positions."""
-    args = trl_sdpo.Config(output_dir=str(tmp_path / "trl"), bf16=False, use_cpu=True, report_to="none",
-                           per_device_train_batch_size=4, num_generations=2, **cfg)  # fmt: skip
+    args = trl_sdpo.Config(
+        output_dir=str(tmp_path / "trl"),
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        per_device_train_batch_size=4,
+        num_generations=2,
+        **cfg,
+    )
     stub = SimpleNamespace(
-        args=args, epsilon_low=args.epsilon, epsilon_high=args.epsilon_high, loss_type=args.loss_type,
-        importance_sampling_level=args.importance_sampling_level, max_completion_length=args.max_completion_length,
-        temperature=1.0, model=SimpleNamespace(training=True), teacher_model=None, current_gradient_accumulation_steps=1,
-        accelerator=SimpleNamespace(gather=lambda x: x), _metrics=defaultdict(lambda: defaultdict(list)), _name="SDPO",
-        use_teacher_server=served is not None, state=SimpleNamespace(global_step=0), _last_loaded_step=0,
-        model_kwarg_keys=set(), _get_teacher_context_for_self_distillation=nullcontext,
-    )  # fmt: skip
-    for name in ("compute_loss", "_compute_policy_loss", "_compute_self_distillation_loss", "_forward_logits",
-                 "_compute_teacher_student_logits", "_compute_server_distillation_loss", "_log_self_distillation_metric"):  # fmt: skip
+        args=args,
+        epsilon_low=args.epsilon,
+        epsilon_high=args.epsilon_high,
+        loss_type=args.loss_type,
+        importance_sampling_level=args.importance_sampling_level,
+        max_completion_length=args.max_completion_length,
+        temperature=1.0,
+        model=SimpleNamespace(training=True),
+        teacher_model=None,
+        current_gradient_accumulation_steps=1,
+        accelerator=SimpleNamespace(gather=lambda x: x),
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        _name="SDPO",
+        use_teacher_server=served is not None,
+        state=SimpleNamespace(global_step=0),
+        _last_loaded_step=0,
+        model_kwarg_keys=set(),
+        _get_teacher_context_for_self_distillation=nullcontext,
+    )
+    for name in (
+        "compute_loss",
+        "_compute_policy_loss",
+        "_compute_self_distillation_loss",
+        "_forward_logits",
+        "_compute_teacher_student_logits",
+        "_compute_server_distillation_loss",
+        "_log_self_distillation_metric",
+    ):
         setattr(stub, name, getattr(trl_sdpo.Trainer, name).__get__(stub))
     if logits is not None:
         stub._forward_logits = lambda model, input_ids, attention_mask, logits_to_keep: logits["student"]
         stub._compute_teacher_student_logits = lambda model, teacher, inputs: trl_sdpo.module.DistillationLogits(
-            inputs["completion_ids"], inputs["completion_mask"],
-            inputs["completion_mask"] * inputs["self_distillation_mask"].unsqueeze(1), logits["student"], logits["teacher"],
-        )  # fmt: skip
+            inputs["completion_ids"],
+            inputs["completion_mask"],
+            inputs["completion_mask"] * inputs["self_distillation_mask"].unsqueeze(1),
+            logits["student"],
+            logits["teacher"],
+        )
     if served is not None:
         stub._get_teacher_token_logprobs_from_server = lambda inputs, n: served
     return stub
@@ -103,8 +132,15 @@ def loss_inputs(seed: int, sd_mask: list[float], off_policy: float) -> dict[str,
     with torch.no_grad():  # behaviour logprobs: the student's, shifted by +-off_policy
         lp = torch.log_softmax(student, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
         old = lp + off_policy * torch.tensor([(-1.0) ** (i + j) for i in range(B) for j in range(T)]).view(B, T)
-    return {"student": student, "teacher": teacher, "ids": ids, "cmask": cmask, "adv": adv, "old": old,
-            "sd": torch.tensor(sd_mask, dtype=DTYPE)}  # fmt: skip
+    return {
+        "student": student,
+        "teacher": teacher,
+        "ids": ids,
+        "cmask": cmask,
+        "adv": adv,
+        "old": old,
+        "sd": torch.tensor(sd_mask, dtype=DTYPE),
+    }
 
 
 def ours(x: dict[str, torch.Tensor], with_old: bool, topk_teacher: int = 0, **loss: Any) -> Any:
@@ -112,10 +148,13 @@ def ours(x: dict[str, torch.Tensor], with_old: bool, topk_teacher: int = 0, **lo
     lp = torch.log_softmax(x["student"], -1).gather(-1, x["ids"].unsqueeze(-1)).squeeze(-1)
     t_lp = torch.log_softmax(x["teacher"], -1)
     batch = {
-        "weights": x["cmask"], "advantages": x["adv"].unsqueeze(-1).expand(B, T).contiguous(),
-        "distill_weights": x["cmask"] * x["sd"].unsqueeze(-1), "logits": x["student"], "teacher_logits": t_lp,
+        "weights": x["cmask"],
+        "advantages": x["adv"].unsqueeze(-1).expand(B, T).contiguous(),
+        "distill_weights": x["cmask"] * x["sd"].unsqueeze(-1),
+        "logits": x["student"],
+        "teacher_logits": t_lp,
         "teacher_token_logprobs": t_lp.gather(-1, x["ids"].unsqueeze(-1)).squeeze(-1),
-    }  # fmt: skip
+    }
     if topk_teacher:
         batch["teacher_topk_logprobs"], batch["teacher_topk_ids"] = t_lp.topk(topk_teacher, -1)
     if with_old:
@@ -124,9 +163,14 @@ def ours(x: dict[str, torch.Tensor], with_old: bool, topk_teacher: int = 0, **lo
 
 
 def trl_inputs(x: dict[str, torch.Tensor], with_old: bool) -> dict[str, torch.Tensor]:
-    inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),
-              "completion_ids": x["ids"], "completion_mask": x["cmask"], "advantages": x["adv"],
-              "self_distillation_mask": x["sd"]}  # fmt: skip
+    inputs = {
+        "prompt_ids": torch.zeros(B, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+        "completion_ids": x["ids"],
+        "completion_mask": x["cmask"],
+        "advantages": x["adv"],
+        "self_distillation_mask": x["sd"],
+    }
     if with_old:
         inputs["old_per_token_logps"] = x["old"]
     return inputs
@@ -134,13 +178,27 @@ def trl_inputs(x: dict[str, torch.Tensor], with_old: bool) -> dict[str, torch.Te
 
 LOSS_MODES = {
     "sampled_token": ({"distillation_mode": "sampled_token", "distillation_alpha": 1.0}, {"mode": "sampled_token"}),
-    **{f"full_a{a}": ({"distillation_mode": "full_logits", "distillation_alpha": a}, {"mode": "full_logits", "alpha": a})
-       for a in (0.0, 0.5, 1.0)},
-    **{f"topk{'_tail' if tail else ''}_a{a}": (
-        {"distillation_mode": "topk_logits", "distillation_topk": 4, "distillation_alpha": a, "distillation_add_tail": tail},
-        {"mode": "topk_logits", "topk": 4, "alpha": a, "add_tail": tail})
-       for a in (0.0, 0.5, 1.0) for tail in (False, True)},
-}  # fmt: skip
+    **{
+        f"full_a{a}": (
+            {"distillation_mode": "full_logits", "distillation_alpha": a},
+            {"mode": "full_logits", "alpha": a},
+        )
+        for a in (0.0, 0.5, 1.0)
+    },
+    **{
+        f"topk{'_tail' if tail else ''}_a{a}": (
+            {
+                "distillation_mode": "topk_logits",
+                "distillation_topk": 4,
+                "distillation_alpha": a,
+                "distillation_add_tail": tail,
+            },
+            {"mode": "topk_logits", "topk": 4, "alpha": a, "add_tail": tail},
+        )
+        for a in (0.0, 0.5, 1.0)
+        for tail in (False, True)
+    },
+}
 
 
 @pytest.mark.parametrize("weight", [1.0, 0.5])
@@ -156,17 +214,27 @@ def test_loss_and_gradient_equal_trl(trl_sdpo, tmp_path, case, is_clip, weight):
     out.loss.backward()
     our_grad = x["student"].grad.clone()
     x["student"].grad = None
-    stub = trl_stub(trl_sdpo, tmp_path, {"student": x["student"], "teacher": x["teacher"]}, **trl_cfg,
-                    distillation_is_clip=is_clip, distillation_weight=weight)  # fmt: skip
+    stub = trl_stub(
+        trl_sdpo,
+        tmp_path,
+        {"student": x["student"], "teacher": x["teacher"]},
+        **trl_cfg,
+        distillation_is_clip=is_clip,
+        distillation_weight=weight,
+    )
     theirs = stub.compute_loss(stub.model, trl_inputs(x, True))
     theirs.backward()
     assert out.loss.item() == pytest.approx(theirs.item(), abs=1e-6)
     torch.testing.assert_close(our_grad, x["student"].grad, atol=1e-6, rtol=0)
     assert our_grad.abs().max() > 1e-3  # a real signal
-    assert our_grad[1, : LENGTHS[1]].abs().max() > 0 if weight < 1 else our_grad[1].abs().max() == 0  # no teacher: PG only
+    assert (
+        our_grad[1, : LENGTHS[1]].abs().max() > 0 if weight < 1 else our_grad[1].abs().max() == 0
+    )  # no teacher: PG only
     assert our_grad[:, :, :][x["cmask"] == 0].abs().max() == 0  # padding never moves
     logged = stub._metrics["train"]
-    assert out.metrics["sdpo/distill_loss"] == pytest.approx(logged["self_distillation/distillation_loss"][-1], abs=1e-6)
+    assert out.metrics["sdpo/distill_loss"] == pytest.approx(
+        logged["self_distillation/distillation_loss"][-1], abs=1e-6
+    )
     if weight < 1:
         assert out.metrics["sdpo/policy_loss"] == pytest.approx(logged["self_distillation/policy_loss"][-1], abs=1e-6)
     if is_clip is not None:  # +-1 nat: every other masked token's ratio e > 2 is clipped
@@ -187,8 +255,13 @@ def test_policy_only_and_on_policy_batches_equal_trl(trl_sdpo, tmp_path, case):
         out.loss.backward()
         our_grad = x["student"].grad.clone()
         x["student"].grad = None
-        stub = trl_stub(trl_sdpo, tmp_path, {"student": x["student"], "teacher": x["teacher"]}, **trl_cfg,
-                        distillation_weight=weight)  # fmt: skip
+        stub = trl_stub(
+            trl_sdpo,
+            tmp_path,
+            {"student": x["student"], "teacher": x["teacher"]},
+            **trl_cfg,
+            distillation_weight=weight,
+        )
         theirs = stub.compute_loss(stub.model, trl_inputs(x, with_old))
         theirs.backward()
         assert out.loss.item() == pytest.approx(theirs.item(), abs=1e-6), (weight, with_old)
@@ -209,8 +282,10 @@ def test_fully_masked_batch_is_a_zero_distillation_loss(trl_sdpo, tmp_path, case
     stub = trl_stub(trl_sdpo, tmp_path, {"student": x["student"], "teacher": x["teacher"]}, **trl_cfg)
     assert stub.compute_loss(stub.model, trl_inputs(x, True)).item() == 0.0
     blended = ours(x, True, **our_cfg, weight=0.25)
-    policy = GRPOLoss()(torch.log_softmax(x["student"], -1).gather(-1, x["ids"].unsqueeze(-1)).squeeze(-1),
-                        {"weights": x["cmask"], "advantages": x["adv"].unsqueeze(-1).expand(B, T), "sampler_logprobs": x["old"]})  # fmt: skip
+    policy = GRPOLoss()(
+        torch.log_softmax(x["student"], -1).gather(-1, x["ids"].unsqueeze(-1)).squeeze(-1),
+        {"weights": x["cmask"], "advantages": x["adv"].unsqueeze(-1).expand(B, T), "sampler_logprobs": x["old"]},
+    )
     assert blended.loss.item() == pytest.approx(0.75 * policy.loss.item(), abs=1e-7)
 
 
@@ -227,11 +302,21 @@ def test_topk_on_the_teachers_support_equals_trls_server_path(trl_sdpo, tmp_path
     t_lp = torch.log_softmax(x["teacher"], -1)
     values, ids = t_lp.topk(4, -1)
     live = x["cmask"].bool()
-    served = {"actual_logprobs": torch.where(live, t_lp.gather(-1, x["ids"].unsqueeze(-1)).squeeze(-1), float("-inf")),
-              "topk_logprobs": torch.where(live.unsqueeze(-1), values, float("-inf")),
-              "topk_token_ids": torch.where(live.unsqueeze(-1), ids, 0)}  # fmt: skip
-    stub = trl_stub(trl_sdpo, tmp_path, {"student": x["student"], "teacher": x["teacher"]}, served,
-                    distillation_mode="topk_logits", distillation_topk=4, distillation_alpha=alpha, distillation_add_tail=tail)  # fmt: skip
+    served = {
+        "actual_logprobs": torch.where(live, t_lp.gather(-1, x["ids"].unsqueeze(-1)).squeeze(-1), float("-inf")),
+        "topk_logprobs": torch.where(live.unsqueeze(-1), values, float("-inf")),
+        "topk_token_ids": torch.where(live.unsqueeze(-1), ids, 0),
+    }
+    stub = trl_stub(
+        trl_sdpo,
+        tmp_path,
+        {"student": x["student"], "teacher": x["teacher"]},
+        served,
+        distillation_mode="topk_logits",
+        distillation_topk=4,
+        distillation_alpha=alpha,
+        distillation_add_tail=tail,
+    )
     theirs = stub.compute_loss(stub.model, trl_inputs(x, True))
     theirs.backward()
     assert out.loss.item() == pytest.approx(theirs.item(), abs=1e-6)
@@ -239,10 +324,16 @@ def test_topk_on_the_teachers_support_equals_trls_server_path(trl_sdpo, tmp_path
 
 
 def test_loss_config_is_checked():
-    for bad, match in (({"mode": "kl"}, "unknown mode 'kl'"), ({"mode": "full_logits", "alpha": 1.5}, r"\[0, 1\]"),
-                       ({"alpha": 0.5}, "must be 1 with distillation_mode 'sampled_token'"),
-                       ({"mode": "topk_logits"}, "needs distillation_topk"), ({"topk": 4}, "only read by"),
-                       ({"is_clip": 0.0}, "> 0"), ({"weight": 1.5}, r"\[0, 1\]"), ({"weight": 0.5}, "policy=")):  # fmt: skip
+    for bad, match in (
+        ({"mode": "kl"}, "unknown mode 'kl'"),
+        ({"mode": "full_logits", "alpha": 1.5}, r"\[0, 1\]"),
+        ({"alpha": 0.5}, "must be 1 with distillation_mode 'sampled_token'"),
+        ({"mode": "topk_logits"}, "needs distillation_topk"),
+        ({"topk": 4}, "only read by"),
+        ({"is_clip": 0.0}, "> 0"),
+        ({"weight": 1.5}, r"\[0, 1\]"),
+        ({"weight": 0.5}, "policy="),
+    ):
         with pytest.raises(ValueError, match=match):
             SDPOLoss(**bad)
     assert SDPOLoss().teacher_input == "token" and not SDPOLoss().needs_logits
@@ -265,7 +356,12 @@ def test_solution_choice_and_the_self_success_rule():
     assert [s.solution for s in choose_signals([0.0, 1.0, 0.0], [None] * 3, own)] == [1, 1, 1]
     low = RepromptRules(success_reward_threshold=0.5)
     assert [s.solution for s in choose_signals(rewards, [None] * 4, low)] == [1, 2, 1, 1]
-    assert [s.solution for s in choose_signals(rewards, [None] * 4, RULES, [True, False, True, True])] == [3, 3, 3, None]
+    assert [s.solution for s in choose_signals(rewards, [None] * 4, RULES, [True, False, True, True])] == [
+        3,
+        3,
+        3,
+        None,
+    ]
     assert [s.solution for s in choose_signals([0.0, float("nan")], [None] * 2, RULES)] == [None, None]
     off = RepromptRules(use_successful_as_teacher=False)
     assert not any(s.active for s in choose_signals(rewards, [None] * 4, off))
@@ -274,23 +370,40 @@ def test_solution_choice_and_the_self_success_rule():
 def test_feedback_rules():
     fb = ["expected 5, got 6", "  ", None, "wrong"]
     rewards = [0.0, 0.0, 1.0, 0.0]
-    assert choose_signals(rewards, fb, RULES) == [TeacherSignal(2, "expected 5, got 6"), TeacherSignal(2, None),
-                                                  TeacherSignal(None, None), TeacherSignal(2, "wrong")]  # fmt: skip
+    assert choose_signals(rewards, fb, RULES) == [
+        TeacherSignal(2, "expected 5, got 6"),
+        TeacherSignal(2, None),
+        TeacherSignal(None, None),
+        TeacherSignal(2, "wrong"),
+    ]
     only = RepromptRules(environment_feedback_only_without_solution=True)
     assert [s.feedback for s in choose_signals([0.0, 0.0], ["a", "b"], only)] == ["a", "b"]
     assert [s.feedback for s in choose_signals([1.0, 0.0, 1.0], ["a", "b", "c"], only)] == [None, None, None]
-    assert [s.feedback for s in choose_signals([1.0, 0.0], ["a", "b"], only)] == ["a", None]  # a lone success: no solution
+    assert [s.feedback for s in choose_signals([1.0, 0.0], ["a", "b"], only)] == [
+        "a",
+        None,
+    ]  # a lone success: no solution
     none = RepromptRules(include_environment_feedback=False)
     assert [s.feedback for s in choose_signals([0.0, 0.0], ["a", "b"], none)] == [None, None]
 
 
 def test_templates_text_and_truncation():
-    text = reprompt_text(DEFAULT_REPROMPT_TEMPLATE, DEFAULT_SOLUTION_TEMPLATE, DEFAULT_FEEDBACK_TEMPLATE, "2+3=", "5", "got 6")
-    assert text == ("2+3=\nCorrect solution:\n\n5\n\n\nThe following is feedback from your unsuccessful earlier "
-                    "attempt:\n\ngot 6\n\n\n\nCorrectly solve the original question.\n")  # fmt: skip
-    assert reprompt_text("{prompt}|{solution}|{feedback}", "S{successful_previous_attempt}", "F{feedback_raw}", "p", None, "{x}") == "p||F{x}"
+    text = reprompt_text(
+        DEFAULT_REPROMPT_TEMPLATE, DEFAULT_SOLUTION_TEMPLATE, DEFAULT_FEEDBACK_TEMPLATE, "2+3=", "5", "got 6"
+    )
+    assert text == (
+        "2+3=\nCorrect solution:\n\n5\n\n\nThe following is feedback from your unsuccessful earlier "
+        "attempt:\n\ngot 6\n\n\n\nCorrectly solve the original question.\n"
+    )
+    assert (
+        reprompt_text(
+            "{prompt}|{solution}|{feedback}", "S{successful_previous_attempt}", "F{feedback_raw}", "p", None, "{x}"
+        )
+        == "p||F{x}"
+    )
     assert template_problem("{solution}{feedback}", ["prompt", "solution"], ["prompt", "solution", "feedback"]) == (
-        "has no {prompt} placeholder, so the teacher would never see it")
+        "has no {prompt} placeholder, so the teacher would never see it"
+    )
     assert "unknown placeholder {answer}" in template_problem("{prompt}{answer}", ["prompt"], ["prompt"])
     assert "not a format template" in template_problem("{prompt", ["prompt"], ["prompt"])
     assert template_problem("{{literal}} {prompt}", ["prompt"], ["prompt"]) is None
@@ -301,12 +414,14 @@ def test_demonstration_text_single_and_multi_turn():
     from tempering.plugins.models.tiny import build_char_tokenizer
 
     tok = build_char_tokenizer("0123456789abcdefghijklmnopqrstuvwxyz<>/ ")
-    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]
     single = Sample({}, Completion([], enc("<think>hm</think> 12") + [tok.eos_token_id], [0.0] * 21))
     assert demonstration_text(tok, single) == "<think>hm</think> 12"
     assert demonstration_text(tok, single, remove_thinking=True) == "12"
-    turns = [SimpleNamespace(completion=Completion([], enc("call add"), []), observation=[{"role": "tool", "content": "5"}]),
-             SimpleNamespace(completion=Completion([], enc("it is 5"), []), observation=[])]  # fmt: skip
+    turns = [
+        SimpleNamespace(completion=Completion([], enc("call add"), []), observation=[{"role": "tool", "content": "5"}]),
+        SimpleNamespace(completion=Completion([], enc("it is 5"), []), observation=[]),
+    ]
     multi = Sample({}, turns[-1].completion, trajectory=SimpleNamespace(turns=turns))
     assert demonstration_text(tok, multi) == "call add\n5\nit is 5"
 
@@ -326,8 +441,14 @@ def sdpo_groups(tok: Any, off_policy: float = 0.0) -> list[Group]:
         samples = []
         for i, a in enumerate(answers):
             c = tok(a, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            samples.append(Sample({"prompt": prompt}, Completion(p_ids, c, [0.0] * len(c), "stop"), REWARDS[gi][i],
-                                  feedback=FEEDBACK[gi][i]))  # fmt: skip
+            samples.append(
+                Sample(
+                    {"prompt": prompt},
+                    Completion(p_ids, c, [0.0] * len(c), "stop"),
+                    REWARDS[gi][i],
+                    feedback=FEEDBACK[gi][i],
+                )
+            )
         groups.append(Group({"prompt": prompt}, samples, group_id=gi))
     return groups
 
@@ -339,32 +460,52 @@ def raw_context() -> Any:
 def trl_builder(trl_sdpo, tmp_path, tok: Any, tokenize: Any = None, **cfg: Any) -> Any:
     """TRL's ``SuccessfulRolloutTeacherContextBuilder`` on a one-process stub trainer; text
     prompts are tokenized by TRL's own ``_tokenize_prompts_untruncated``."""
-    args = trl_sdpo.Config(output_dir=str(tmp_path / "trl"), bf16=False, use_cpu=True, report_to="none",
-                           per_device_train_batch_size=8, num_generations=4, **cfg)  # fmt: skip
+    args = trl_sdpo.Config(
+        output_dir=str(tmp_path / "trl"),
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        per_device_train_batch_size=8,
+        num_generations=4,
+        **cfg,
+    )
     trainer = SimpleNamespace(
-        args=args, model=SimpleNamespace(training=True), num_generations=4, _tokenizer=tok, processing_class=tok,
-        accelerator=SimpleNamespace(device="cpu", process_index=0, gather=lambda x: x,
-                                    pad_across_processes=lambda t, dim, pad_index: t),
-    )  # fmt: skip
+        args=args,
+        model=SimpleNamespace(training=True),
+        num_generations=4,
+        _tokenizer=tok,
+        processing_class=tok,
+        accelerator=SimpleNamespace(
+            device="cpu", process_index=0, gather=lambda x: x, pad_across_processes=lambda t, dim, pad_index: t
+        ),
+    )
     trainer._tokenize_prompts_untruncated = tokenize or trl_sdpo.Trainer._tokenize_prompts_untruncated.__get__(trainer)
     return trl_sdpo.module.SuccessfulRolloutTeacherContextBuilder(trainer)
 
 
-def trl_teacher_prompts(builder: Any, groups: list[Group], prompts: list[Any], pad: int) -> tuple[list[list[int]], list[float]]:
+def trl_teacher_prompts(
+    builder: Any, groups: list[Group], prompts: list[Any], pad: int
+) -> tuple[list[list[int]], list[float]]:
     """Each sample's teacher prompt ids (left padding removed) and TRL's distillation mask."""
     comps = [s.completion.tokens for g in groups for s in g.samples]
     width = max(map(len, comps))
     ids = torch.tensor([c + [pad] * (width - len(c)) for c in comps])
     mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in comps])
     rewards = torch.tensor([s.reward for g in groups for s in g.samples])
-    out = builder.build({"completion_ids": ids, "completion_mask": mask}, prompts, rewards,
-                        [s.feedback for g in groups for s in g.samples])  # fmt: skip
+    out = builder.build(
+        {"completion_ids": ids, "completion_mask": mask},
+        prompts,
+        rewards,
+        [s.feedback for g in groups for s in g.samples],
+    )
     pw = out["teacher_input_ids"].shape[1] - width
     rows = [r[:pw][m[:pw] == 1].tolist() for r, m in zip(out["teacher_input_ids"], out["teacher_attention_mask"])]
     return rows, out["self_distillation_mask"].tolist()
 
 
-def our_teacher_prompts(stage: SDPO, tok: Any, groups: list[Group], context: Any) -> tuple[list[list[int] | None], list[float], Any]:
+def our_teacher_prompts(
+    stage: SDPO, tok: Any, groups: list[Group], context: Any
+) -> tuple[list[list[int] | None], list[float], Any]:
     batch, _ = build_group_batch(groups, GroupNormAdvantage())
     rows = stage.build_teachers(tok, batch, groups, context)
     prefixes: list[list[int] | None] = []
@@ -379,14 +520,18 @@ def our_teacher_prompts(stage: SDPO, tok: Any, groups: list[Group], context: Any
     return prefixes, [float(any(d.extra["distill_weights"])) for d in batch.data], rows
 
 
-@pytest.mark.parametrize("cfg", [
-    {},
-    {"max_reprompt_len": 9},
-    {"dont_reprompt_on_self_success": False, "remove_thinking_from_demonstration": True},
-    {"environment_feedback_only_without_solution": True, "success_reward_threshold": 0.5},
-    {"include_environment_feedback": False},
-    {"use_successful_as_teacher": False},
-], ids=["defaults", "truncated", "own_success", "feedback_only_without_solution", "no_feedback", "feedback_only"])  # fmt: skip
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {},
+        {"max_reprompt_len": 9},
+        {"dont_reprompt_on_self_success": False, "remove_thinking_from_demonstration": True},
+        {"environment_feedback_only_without_solution": True, "success_reward_threshold": 0.5},
+        {"include_environment_feedback": False},
+        {"use_successful_as_teacher": False},
+    ],
+    ids=["defaults", "truncated", "own_success", "feedback_only_without_solution", "no_feedback", "feedback_only"],
+)
 def test_teacher_prompts_equal_trls_context_builder(trl_sdpo, tmp_path, cfg):
     """The same rollouts through TRL's builder and ours give the same teacher prompt token ids
     and the same distillation mask (raw text prompts, TRL's default templates)."""
@@ -396,12 +541,23 @@ def test_teacher_prompts_equal_trls_context_builder(trl_sdpo, tmp_path, cfg):
     groups = sdpo_groups(tok)
     trl_cfg = {"include_environment_feedback": True, **cfg}
     ours_cfg = {k: v for k, v in cfg.items()}
-    stage = SDPO(dataset=[{}], reprompt_template=DEFAULT_REPROMPT_TEMPLATE if cfg.get("use_successful_as_teacher", True)
-                 else "{prompt}{feedback}", **ours_cfg)  # fmt: skip
-    builder = trl_builder(trl_sdpo, tmp_path, tok, **trl_cfg,
-                          **({"reprompt_template": stage.reprompt_template} if "use_successful_as_teacher" in cfg else {}))  # fmt: skip
-    theirs, their_mask = trl_teacher_prompts(builder, groups, [g.example["prompt"] for g in groups for _ in g.samples],
-                                             tok.pad_token_id)  # fmt: skip
+    stage = SDPO(
+        dataset=[{}],
+        reprompt_template=DEFAULT_REPROMPT_TEMPLATE
+        if cfg.get("use_successful_as_teacher", True)
+        else "{prompt}{feedback}",
+        **ours_cfg,
+    )
+    builder = trl_builder(
+        trl_sdpo,
+        tmp_path,
+        tok,
+        **trl_cfg,
+        **({"reprompt_template": stage.reprompt_template} if "use_successful_as_teacher" in cfg else {}),
+    )
+    theirs, their_mask = trl_teacher_prompts(
+        builder, groups, [g.example["prompt"] for g in groups for _ in g.samples], tok.pad_token_id
+    )
     prefixes, mask, rows = our_teacher_prompts(stage, tok, groups, raw_context())
     assert mask == their_mask
     assert [p for p, m in zip(prefixes, mask) if m] == [t for t, m in zip(theirs, their_mask) if m]
@@ -409,19 +565,41 @@ def test_teacher_prompts_equal_trls_context_builder(trl_sdpo, tmp_path, cfg):
     if cfg == {}:  # the rules, spelled out: group 0: solutions 1, 3, 1, 1; group 1: a lone success has nothing
         assert mask == [1, 1, 1, 1, 0, 1, 1, 1]
         assert tok.decode(prefixes[5], skip_special_tokens=True) == reprompt_text(
-            DEFAULT_REPROMPT_TEMPLATE, DEFAULT_SOLUTION_TEMPLATE, DEFAULT_FEEDBACK_TEMPLATE, "5+7=", "12", "expected 12, got 13")
-        assert prefixes[0] == tok(reprompt_text(DEFAULT_REPROMPT_TEMPLATE, DEFAULT_SOLUTION_TEMPLATE, DEFAULT_FEEDBACK_TEMPLATE,
-                                                "12+34=", "46", None))["input_ids"]  # fmt: skip
+            DEFAULT_REPROMPT_TEMPLATE,
+            DEFAULT_SOLUTION_TEMPLATE,
+            DEFAULT_FEEDBACK_TEMPLATE,
+            "5+7=",
+            "12",
+            "expected 12, got 13",
+        )
+        assert (
+            prefixes[0]
+            == tok(
+                reprompt_text(
+                    DEFAULT_REPROMPT_TEMPLATE,
+                    DEFAULT_SOLUTION_TEMPLATE,
+                    DEFAULT_FEEDBACK_TEMPLATE,
+                    "12+34=",
+                    "46",
+                    None,
+                )
+            )["input_ids"]
+        )
         assert rows.metrics["sdpo/signal_frac"] == 7 / 8 and rows.metrics["sdpo/solution_frac"] == 7 / 8
         assert rows.metrics["sdpo/feedback_frac"] == 3 / 8 and rows.metrics["sdpo/no_signal_samples"] == 1.0
         assert rows.metrics["sdpo/success_group_frac"] == 1.0
     if cfg.get("max_reprompt_len"):
-        assert all(len(p) == 9 for p in prefixes if p is not None) and rows.metrics["sdpo/reprompt_truncated_frac"] == 1.0
+        assert (
+            all(len(p) == 9 for p in prefixes if p is not None) and rows.metrics["sdpo/reprompt_truncated_frac"] == 1.0
+        )
 
 
 #: Lower-case templates: the tiny chat model's characters have no capitals.
-TINY_TEMPLATES = {"reprompt_template": "{prompt}{solution}{feedback}\nsolve it again.",
-                  "solution_template": "\nright answer: {successful_previous_attempt}", "feedback_template": "\nfeedback: {feedback_raw}"}  # fmt: skip
+TINY_TEMPLATES = {
+    "reprompt_template": "{prompt}{solution}{feedback}\nsolve it again.",
+    "solution_template": "\nright answer: {successful_previous_attempt}",
+    "feedback_template": "\nfeedback: {feedback_raw}",
+}
 
 
 def chat_setup(name: str) -> tuple[Any, Any, dict[str, str]]:
@@ -450,30 +628,45 @@ def test_teacher_prompts_in_chat_formats(trl_sdpo, tmp_path, name, system):
     messages = [*head, {"role": "user", "content": user}]
     example = {"messages": messages} if system else {"prompt": user}
     p_ids = renderer.render_prompt(messages).tokens
-    answers, rewards, feedback = ["46", "45", "46", "4"], [1.0, 0.0, 1.0, 0.0], [None, "expected 46, got 45", None, None]
+    answers, rewards, feedback = (
+        ["46", "45", "46", "4"],
+        [1.0, 0.0, 1.0, 0.0],
+        [None, "expected 46, got 45", None, None],
+    )
     comps = [tok(a, add_special_tokens=False)["input_ids"] + renderer.stop() for a in answers]
-    samples = [Sample(dict(example), Completion(p_ids, c, [0.0] * len(c), "stop"), r, feedback=f)
-               for c, r, f in zip(comps, rewards, feedback)]  # fmt: skip
+    samples = [
+        Sample(dict(example), Completion(p_ids, c, [0.0] * len(c), "stop"), r, feedback=f)
+        for c, r, f in zip(comps, rewards, feedback)
+    ]
     groups = [Group(dict(example), samples)]
     stage = SDPO(dataset=[{}], **templates)
     context = SimpleNamespace(chat_prompts=True, renderer=lambda: renderer)
     prefixes, mask, _ = our_teacher_prompts(stage, tok, groups, context)
-    builder = trl_builder(trl_sdpo, tmp_path, tok, lambda prompts: [renderer.render_prompt(p).tokens for p in prompts],
-                          include_environment_feedback=True, **templates)  # fmt: skip
+    builder = trl_builder(
+        trl_sdpo,
+        tmp_path,
+        tok,
+        lambda prompts: [renderer.render_prompt(p).tokens for p in prompts],
+        include_environment_feedback=True,
+        **templates,
+    )
     theirs, their_mask = trl_teacher_prompts(builder, groups, [messages] * 4, tok.pad_token_id or 0)
     assert mask == their_mask == [1.0, 1.0, 1.0, 1.0]
     assert prefixes == theirs
-    text = reprompt_text(stage.reprompt_template, stage.solution_template, stage.feedback_template, user, "46", "expected 46, got 45")
+    text = reprompt_text(
+        stage.reprompt_template, stage.solution_template, stage.feedback_template, user, "46", "expected 46, got 45"
+    )
     assert prefixes[1] == renderer.render_prompt([*head, {"role": "user", "content": text}]).tokens
     if name == "qwen3_instruct":
         sys_part = "<|im_start|>system\nbe brief.<|im_end|>\n" if system else ""
-        assert tok.decode(prefixes[1]) == (f"{sys_part}<|im_start|>user\nwhat is 12+34?\nCorrect solution:\n\n46\n\n\nThe "
-                                           "following is feedback from your unsuccessful earlier attempt:\n\nexpected 46, got 45"
-                                           "\n\n\n\nCorrectly solve the original question.\n<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+        assert tok.decode(prefixes[1]) == (
+            f"{sys_part}<|im_start|>user\nwhat is 12+34?\nCorrect solution:\n\n46\n\n\nThe "
+            "following is feedback from your unsuccessful earlier attempt:\n\nexpected 46, got 45"
+            "\n\n\n\nCorrectly solve the original question.\n<|im_end|>\n<|im_start|>assistant\n"
+        )
         assert prefixes[1][-3:] == [151644, 77091, 198] and prefixes[1].count(151644) == 2 + system
     else:
         assert renderer.decode(prefixes[0]).endswith("what is 12+34?\nright answer: 46\nsolve it again.<|assistant|>")
-
 
 
 # --------------------------------------------------------------------------- the stage's batch vs TRL's trainer
@@ -487,8 +680,10 @@ def trained_backend():
 
     b = LocalBackend(model="tiny_llama", model_kwargs=SMALL, num_threads=1, threaded=False)
     tok = b.tokenizer
-    texts = [reprompt_text(DEFAULT_REPROMPT_TEMPLATE, DEFAULT_SOLUTION_TEMPLATE, DEFAULT_FEEDBACK_TEMPLATE, p, a, None) + a
-             for p, a in (("12+34=", "46"), ("5+7=", "12"), ("9+9=", "18"))] + ["12+34=46", "5+7=12", "9+9=18"]  # fmt: skip
+    texts = [
+        reprompt_text(DEFAULT_REPROMPT_TEMPLATE, DEFAULT_SOLUTION_TEMPLATE, DEFAULT_FEEDBACK_TEMPLATE, p, a, None) + a
+        for p, a in (("12+34=", "46"), ("5+7=", "12"), ("9+9=", "18"))
+    ] + ["12+34=46", "5+7=12", "9+9=18"]
     rows = []
     for text in texts:
         ids = tok(text)["input_ids"] + [tok.eos_token_id]
@@ -503,11 +698,21 @@ def trained_backend():
 STAGE_CASES = {
     "sampled_token_clip": ({"distillation_mode": "sampled_token"}, {}),
     "full_jsd_clip": ({"distillation_mode": "full_logits", "distillation_alpha": 0.5}, {}),
-    "topk_tail_fwd": ({"distillation_mode": "topk_logits", "distillation_topk": 5, "distillation_alpha": 0.0,
-                       "distillation_add_tail": True, "distillation_is_clip": None}, {}),
-    "topk_teacher_support": ({"distillation_mode": "topk_logits", "distillation_topk": 5, "distillation_alpha": 1.0},
-                             {"distillation_topk_support": "teacher"}),
-}  # fmt: skip
+    "topk_tail_fwd": (
+        {
+            "distillation_mode": "topk_logits",
+            "distillation_topk": 5,
+            "distillation_alpha": 0.0,
+            "distillation_add_tail": True,
+            "distillation_is_clip": None,
+        },
+        {},
+    ),
+    "topk_teacher_support": (
+        {"distillation_mode": "topk_logits", "distillation_topk": 5, "distillation_alpha": 1.0},
+        {"distillation_topk_support": "teacher"},
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(STAGE_CASES))
@@ -526,9 +731,15 @@ def test_stage_teachers_and_loss_equal_trls_trainer(trl_sdpo, tmp_path, trained_
         d.sampler_logprobs = [x + (-1.0) ** i if w else 0.0 for i, (x, w) in enumerate(zip(lp, d.weights))]
     stage = SDPO(dataset=[{}], teacher="live", **cfg, **extra)
     metrics = stage.attach_teachers(backend, batch, groups, raw_context())
-    loss = SDPOLoss(policy=GRPOLoss(), mode=stage.distillation_mode, alpha=stage.distillation_alpha,
-                    topk=stage.distillation_topk, topk_support=stage.distillation_topk_support,
-                    add_tail=stage.distillation_add_tail, is_clip=stage.distillation_is_clip)  # fmt: skip
+    loss = SDPOLoss(
+        policy=GRPOLoss(),
+        mode=stage.distillation_mode,
+        alpha=stage.distillation_alpha,
+        topk=stage.distillation_topk,
+        topk_support=stage.distillation_topk_support,
+        add_tail=stage.distillation_add_tail,
+        is_clip=stage.distillation_is_clip,
+    )
     backend.model.zero_grad(set_to_none=True)
     ours = backend.forward_backward(batch, loss).result()
     our_grads = {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.grad is not None}
@@ -537,7 +748,9 @@ def test_stage_teachers_and_loss_equal_trls_trainer(trl_sdpo, tmp_path, trained_
 
     trl_cfg = {"distillation_is_clip": 2.0, **cfg, "include_environment_feedback": True}
     builder = trl_builder(trl_sdpo, tmp_path, tok, include_environment_feedback=True)
-    teacher_prompts, sd_mask = trl_teacher_prompts(builder, groups, [g.example["prompt"] for g in groups for _ in g.samples], 0)
+    teacher_prompts, sd_mask = trl_teacher_prompts(
+        builder, groups, [g.example["prompt"] for g in groups for _ in g.samples], 0
+    )
     model = copy.deepcopy(backend.model)
     model.train()
     server = extra.get("distillation_topk_support") == "teacher"
@@ -546,18 +759,29 @@ def test_stage_teachers_and_loss_equal_trls_trainer(trl_sdpo, tmp_path, trained_
     samples = [s for g in groups for s in g.samples]
     for s, d, t_prompt, sd in zip(samples, batch.data, teacher_prompts, sd_mask):
         c = s.completion.tokens
-        one = lambda ids: torch.tensor([ids])  # noqa: E731
-        inputs = {"prompt_ids": one(s.completion.prompt_tokens), "prompt_mask": torch.ones(1, len(s.completion.prompt_tokens), dtype=torch.long),
-                  "completion_ids": one(c), "completion_mask": torch.ones(1, len(c), dtype=torch.long),
-                  "teacher_input_ids": one(t_prompt + c), "teacher_attention_mask": torch.ones(1, len(t_prompt) + len(c), dtype=torch.long),
-                  "self_distillation_mask": torch.tensor([sd]), "old_per_token_logps": torch.tensor([d.sampler_logprobs[-len(c):]])}  # fmt: skip
+        one = lambda ids: torch.tensor([ids])
+        inputs = {
+            "prompt_ids": one(s.completion.prompt_tokens),
+            "prompt_mask": torch.ones(1, len(s.completion.prompt_tokens), dtype=torch.long),
+            "completion_ids": one(c),
+            "completion_mask": torch.ones(1, len(c), dtype=torch.long),
+            "teacher_input_ids": one(t_prompt + c),
+            "teacher_attention_mask": torch.ones(1, len(t_prompt) + len(c), dtype=torch.long),
+            "self_distillation_mask": torch.tensor([sd]),
+            "old_per_token_logps": torch.tensor([d.sampler_logprobs[-len(c) :]]),
+        }
         if server:
             with torch.no_grad():
-                t_lp = torch.log_softmax(stub._forward_logits(model, inputs["teacher_input_ids"], inputs["teacher_attention_mask"], len(c)), -1)
+                t_lp = torch.log_softmax(
+                    stub._forward_logits(model, inputs["teacher_input_ids"], inputs["teacher_attention_mask"], len(c)),
+                    -1,
+                )
             values, ids = t_lp.topk(5, -1)
             stub._get_teacher_token_logprobs_from_server = lambda inputs, n, t_lp=t_lp, values=values, ids=ids: {
                 "actual_logprobs": t_lp.gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1),
-                "topk_logprobs": values, "topk_token_ids": ids}  # fmt: skip
+                "topk_logprobs": values,
+                "topk_token_ids": ids,
+            }
             row_loss = stub._compute_server_distillation_loss(model, inputs)
         else:
             logits = stub._compute_teacher_student_logits(model, model, inputs)
@@ -567,8 +791,10 @@ def test_stage_teachers_and_loss_equal_trls_trainer(trl_sdpo, tmp_path, trained_
     trl_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     grad_diff = max((our_grads[n] - trl_grads[n]).abs().max().item() for n in trl_grads)
     grad_scale = max(g.abs().max().item() for g in trl_grads.values())
-    print(f"{case}: loss {ours['loss']:.8f} vs TRL {total:.8f}, "
-          f"max |grad diff| {grad_diff:.1e} (max |grad| {grad_scale:.1e})")
+    print(
+        f"{case}: loss {ours['loss']:.8f} vs TRL {total:.8f}, "
+        f"max |grad diff| {grad_diff:.1e} (max |grad| {grad_scale:.1e})"
+    )
     assert set(our_grads) == set(trl_grads)
     assert grad_scale > 1e-3  # a real signal
     assert ours["loss"] == pytest.approx(total, abs=1e-6)
@@ -587,9 +813,18 @@ def sdpo_rows(result: Any) -> list[dict[str, Any]]:
 def test_the_yaml_recipe_runs(tmp_path):
     """examples/sdpo/recipe.yaml, shortened: the SFT warmup, then SDPO with its digit-only
     templates. Every reward clears a threshold of 0, so every sample is shown a sibling."""
-    overrides = [f"output_dir={tmp_path}", "loggers=[]", f"backend.model_kwargs={TINY_YAML}", "stages.warmup.steps=2",
-                 "stages.warmup.eval.dataset=null", "stages.rl.eval.dataset=null", "stages.rl.steps=2",
-                 "stages.rl.prompts_per_step=2", "stages.rl.group_size=3", "stages.rl.success_reward_threshold=0.0"]  # fmt: skip
+    overrides = [
+        f"output_dir={tmp_path}",
+        "loggers=[]",
+        f"backend.model_kwargs={TINY_YAML}",
+        "stages.warmup.steps=2",
+        "stages.warmup.eval.dataset=null",
+        "stages.rl.eval.dataset=null",
+        "stages.rl.steps=2",
+        "stages.rl.prompts_per_step=2",
+        "stages.rl.group_size=3",
+        "stages.rl.success_reward_threshold=0.0",
+    ]
     result = Recipe.from_yaml(EXAMPLE, overrides).run()
     rows = sdpo_rows(result)
     assert len(rows) == 2
@@ -606,21 +841,47 @@ def digit_reward(completion: str, example: dict) -> float:
 
 def sdpo_recipe(tmp_path: Any, name: str, **stage: Any) -> Recipe:
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
-    spec = {"name": "sdpo", "dataset": rows, "reward": digit_reward, "steps": 2, "prompts_per_step": 4, "group_size": 4,
-            "max_tokens": 3, "optimizer": {"learning_rate": 1e-2}, **stage}  # fmt: skip
-    return Recipe(name=name, output_dir=str(tmp_path / name), loggers=[],
-                  backend={"name": "local", "model": "tiny_llama", "model_kwargs": SMALL, "num_threads": 1}, stages=[spec])  # fmt: skip
+    spec = {
+        "name": "sdpo",
+        "dataset": rows,
+        "reward": digit_reward,
+        "steps": 2,
+        "prompts_per_step": 4,
+        "group_size": 4,
+        "max_tokens": 3,
+        "optimizer": {"learning_rate": 1e-2},
+        **stage,
+    }
+    return Recipe(
+        name=name,
+        output_dir=str(tmp_path / name),
+        loggers=[],
+        backend={"name": "local", "model": "tiny_llama", "model_kwargs": SMALL, "num_threads": 1},
+        stages=[spec],
+    )
 
 
-@pytest.mark.parametrize("teacher, mode", [
-    ("ema", {"distillation_mode": "sampled_token"}),
-    ("base", {"distillation_mode": "full_logits", "distillation_alpha": 0.0, "distillation_weight": 0.5}),
-    ("stage_start", {"distillation_mode": "topk_logits", "distillation_topk": 4, "distillation_add_tail": True}),
-    ("live", {"distillation_mode": "topk_logits", "distillation_topk": 4, "distillation_topk_support": "teacher",
-              "distillation_alpha": 0.5}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "teacher, mode",
+    [
+        ("ema", {"distillation_mode": "sampled_token"}),
+        ("base", {"distillation_mode": "full_logits", "distillation_alpha": 0.0, "distillation_weight": 0.5}),
+        ("stage_start", {"distillation_mode": "topk_logits", "distillation_topk": 4, "distillation_add_tail": True}),
+        (
+            "live",
+            {
+                "distillation_mode": "topk_logits",
+                "distillation_topk": 4,
+                "distillation_topk_support": "teacher",
+                "distillation_alpha": 0.5,
+            },
+        ),
+    ],
+)
 def test_python_recipe_runs_every_teacher_and_mode(tmp_path, teacher, mode):
-    result = sdpo_recipe(tmp_path, f"{teacher}_{mode['distillation_mode']}", teacher=teacher, temperature=0.9, **mode).run()
+    result = sdpo_recipe(
+        tmp_path, f"{teacher}_{mode['distillation_mode']}", teacher=teacher, temperature=0.9, **mode
+    ).run()
     rows = sdpo_rows(result)
     assert len(rows) == 2 and any(r["sdpo/signal_frac"] > 0 for r in rows)
     for r in rows:
@@ -643,7 +904,9 @@ def test_ema_teacher_moves_after_each_step_and_is_dropped(tmp_path):
     ema, logprobs = backend.ema_update, backend.logprobs
     backend.ema_update = lambda name, rate: calls.append((name, rate)) or ema(name, rate)
     backend.logprobs = lambda batch, **kw: scored.append(kw) or logprobs(batch, **kw)
-    sdpo_recipe(tmp_path, "ema", steps=4, ema_rate=0.1, ema_every=2, success_reward_threshold=0.0, log_kl=False).run(backend=backend)
+    sdpo_recipe(tmp_path, "ema", steps=4, ema_rate=0.1, ema_every=2, success_reward_threshold=0.0, log_kl=False).run(
+        backend=backend
+    )
     assert calls == [("sdpo/sdpo_teacher", 0.1)] * 2
     assert {"weights": "sdpo/sdpo_teacher"} in scored
     assert backend.snapshot_names() == []
@@ -669,16 +932,30 @@ def test_feedback_is_the_teacher_signal(tmp_path, monkeypatch):
     backend = LocalBackend(model="tiny_llama", model_kwargs=SMALL, num_threads=1, threaded=False)
     teacher_texts: list[str] = []
     logprobs = backend.logprobs
-    backend.logprobs = lambda batch, **kw: (teacher_texts.extend(backend.tokenizer.decode(d.input_tokens) for d in batch.data)
-                                            if "weights" in kw else None) or logprobs(batch, **kw)  # fmt: skip
-    result = sdpo_recipe(tmp_path, "fb", reward=lambda c, e: 0.0, teacher="stage_start", log_kl=False,
-                         feedback_template="\nfeedback: {feedback_raw}\n").run(backend=backend)  # fmt: skip
+    backend.logprobs = lambda batch, **kw: (
+        (
+            teacher_texts.extend(backend.tokenizer.decode(d.input_tokens) for d in batch.data)
+            if "weights" in kw
+            else None
+        )
+        or logprobs(batch, **kw)
+    )
+    result = sdpo_recipe(
+        tmp_path,
+        "fb",
+        reward=lambda c, e: 0.0,
+        teacher="stage_start",
+        log_kl=False,
+        feedback_template="\nfeedback: {feedback_raw}\n",
+    ).run(backend=backend)
     for r in sdpo_rows(result):
         assert r["sdpo/feedback_frac"] == r["sdpo/signal_frac"] == r["sdpo/feedback_available_frac"] == 1.0
         assert r["sdpo/solution_frac"] == 0.0 and r["sdpo/distill_loss"] != 0.0
     assert len(teacher_texts) == 32
-    assert all(t.split("feedback: want ")[1].split("\n")[0] == str(eval(t.split("\n")[0].removeprefix("<bos>").rstrip("=")))
-               for t in teacher_texts)  # fmt: skip
+    assert all(
+        t.split("feedback: want ")[1].split("\n")[0] == str(eval(t.split("\n")[0].removeprefix("<bos>").rstrip("=")))
+        for t in teacher_texts
+    )
 
 
 class _TwoTurns:
@@ -701,7 +978,9 @@ class _TwoTurns:
         self.turns += 1
         self.first = self.first or (getattr(response, "text", "") or " ")
         done = self.turns >= 2
-        return StepResult([{"role": "tool", "content": "42"}], reward=float(self.first[:1].isdigit()) if done else 0.0, done=done)
+        return StepResult(
+            [{"role": "tool", "content": "42"}], reward=float(self.first[:1].isdigit()) if done else 0.0, done=done
+        )
 
     async def cleanup(self):
         pass
@@ -717,19 +996,36 @@ def test_multi_turn_samples_are_distilled_on_their_first_row(tmp_path):
     from tempering.rollouts.rollout import collect
     from tempering.training.recipe import RunContext
 
-    kwargs = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "chat": True,
-              "max_position_embeddings": 512}  # fmt: skip
+    kwargs = {
+        "hidden_size": 32,
+        "num_layers": 1,
+        "num_heads": 2,
+        "intermediate_size": 64,
+        "chat": True,
+        "max_position_embeddings": 512,
+    }
     backend = LocalBackend(model="tiny_llama", model_kwargs=kwargs, seed=0, num_threads=1, threaded=False)
     rows = [{"prompt": f"what is {i}+{i}?"} for i in range(4)]
-    stage = {"name": "sdpo", "dataset": rows, "steps": 2, "prompts_per_step": 2, "group_size": 3, "max_tokens": 6,
-             "teacher": "live", "success_reward_threshold": 0.0, "sampler": {"name": "environment", "environment": _TwoTurns,
-             "max_turns": 2}, "optimizer": {"learning_rate": 1e-2}, **TINY_TEMPLATES}  # fmt: skip
+    stage = {
+        "name": "sdpo",
+        "dataset": rows,
+        "steps": 2,
+        "prompts_per_step": 2,
+        "group_size": 3,
+        "max_tokens": 6,
+        "teacher": "live",
+        "success_reward_threshold": 0.0,
+        "sampler": {"name": "environment", "environment": _TwoTurns, "max_turns": 2},
+        "optimizer": {"learning_rate": 1e-2},
+        **TINY_TEMPLATES,
+    }
     result = Recipe(name="s", output_dir=str(tmp_path), loggers=[], stages=[stage]).run(backend=backend)
     logged = sdpo_rows(result)
     assert len(logged) == 2 and all(r["sdpo/signal_frac"] == 1.0 and math.isfinite(r["loss"]) for r in logged)
 
-    built = get_registry().build("algorithm", Recipe(name="s", output_dir=str(tmp_path / "b"), loggers=[], stages=[stage]).stages[0],
-                                 "stages[0]")  # fmt: skip
+    built = get_registry().build(
+        "algorithm", Recipe(name="s", output_dir=str(tmp_path / "b"), loggers=[], stages=[stage]).stages[0], "stages[0]"
+    )
     built.setup(RunContext(get_registry(), backend, {}, str(tmp_path / "b"), [], 0), {})
     rollout = collect(built.rollout_sampler, backend, rows[:2], 3, built.sampling_params())
     groups = rollout.groups
@@ -742,7 +1038,9 @@ def test_multi_turn_samples_are_distilled_on_their_first_row(tmp_path):
     renderer = built.rollout_sampler.context.renderer()
     for d, t in zip(teachers.student, teachers.teacher):
         n = d.extra["completion_len"]
-        assert d.target_tokens[-n:] == t.target_tokens[-n:] and d.weights[-n:] == t.weights[-n:]  # the same continuation
+        assert (
+            d.target_tokens[-n:] == t.target_tokens[-n:] and d.weights[-n:] == t.weights[-n:]
+        )  # the same continuation
         assert "right answer: " in renderer.decode(t.input_tokens[: len(t.input_tokens) - n + 1])
         assert renderer.role_ids["tool"] in d.target_tokens[-n:] or len(d.target_tokens) < 40
 
@@ -760,10 +1058,19 @@ stages:
 """
 
 BAD_INPUT = [
-    ("stages.rl.distillation_mode=kl", "stages[0].distillation_mode: unknown mode 'kl'; use one of sampled_token, full_logits, topk_logits"),
-    ("stages.rl.distillation_alpha=0.5", "stages[0].distillation_alpha: must be 1 with distillation_mode 'sampled_token'"),
+    (
+        "stages.rl.distillation_mode=kl",
+        "stages[0].distillation_mode: unknown mode 'kl'; use one of sampled_token, full_logits, topk_logits",
+    ),
+    (
+        "stages.rl.distillation_alpha=0.5",
+        "stages[0].distillation_alpha: must be 1 with distillation_mode 'sampled_token'",
+    ),
     ("stages.rl.distillation_alpha=1.5", "stages[0].distillation_alpha: must be in [0, 1]"),
-    ("stages.rl.distillation_mode=topk_logits", "stages[0].distillation_topk: distillation_mode 'topk_logits' needs distillation_topk"),
+    (
+        "stages.rl.distillation_mode=topk_logits",
+        "stages[0].distillation_topk: distillation_mode 'topk_logits' needs distillation_topk",
+    ),
     ("stages.rl.distillation_weight=2", "stages[0].distillation_weight: must be in [0, 1]"),
     ("stages.rl.distillation_is_clip=0", "stages[0].distillation_is_clip: must be > 0 (or null: off)"),
     ("stages.rl.teacher=frozen", "stages[0].teacher: use one of base, stage_start, live, ema (got 'frozen')"),
@@ -771,26 +1078,50 @@ BAD_INPUT = [
     ("stages.rl.reprompt_template='{solution}{feedback}'", "stages[0].reprompt_template: has no {prompt} placeholder"),
     ("stages.rl.reprompt_template='{prompt}{feedback}'", "stages[0].reprompt_template: has no {solution} placeholder"),
     ("stages.rl.reprompt_template='{prompt}{solution}'", "stages[0].reprompt_template: has no {feedback} placeholder"),
-    ("stages.rl.solution_template='solved: '", "stages[0].solution_template: has no {successful_previous_attempt} placeholder"),
-    ("stages.rl.feedback_template='{feedback}'", "stages[0].feedback_template: unknown placeholder {feedback}; use {feedback_raw}"),
-]  # fmt: skip
+    (
+        "stages.rl.solution_template='solved: '",
+        "stages[0].solution_template: has no {successful_previous_attempt} placeholder",
+    ),
+    (
+        "stages.rl.feedback_template='{feedback}'",
+        "stages[0].feedback_template: unknown placeholder {feedback}; use {feedback_raw}",
+    ),
+]
 
 
-@pytest.mark.parametrize("override, message", BAD_INPUT, ids=[o.split("=")[0].split(".")[-1] + "=" + o.split("=", 1)[1][:12]
-                                                              for o, _ in BAD_INPUT])  # fmt: skip
+@pytest.mark.parametrize(
+    "override, message",
+    BAD_INPUT,
+    ids=[o.split("=")[0].split(".")[-1] + "=" + o.split("=", 1)[1][:12] for o, _ in BAD_INPUT],
+)
 def test_bad_input_is_one_line_before_anything_trains(rejects_before_training, override, message):
     rejects_before_training(BAD_RECIPE, override, message)
 
 
-@pytest.mark.parametrize("stage, message", [
-    ({"teacher": "ema"}, "stages[0].teacher: 'ema' needs a backend that averages weights (ema_update, e.g. local); "
-                         "use teacher: stage_start, base or live"),
-    ({"teacher": "stage_start", "distillation_mode": "full_logits"},
-     "stages[0].distillation_mode: 'full_logits' (support: student) needs the teacher's full "
-     "next-token distributions"),
-    ({"teacher": "live", "distillation_mode": "topk_logits", "distillation_topk": 4, "distillation_topk_support": "teacher"},
-     "stages[0].distillation_mode: 'topk_logits' needs the teacher's top-k next-token distributions"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "stage, message",
+    [
+        (
+            {"teacher": "ema"},
+            "stages[0].teacher: 'ema' needs a backend that averages weights (ema_update, e.g. local); "
+            "use teacher: stage_start, base or live",
+        ),
+        (
+            {"teacher": "stage_start", "distillation_mode": "full_logits"},
+            "stages[0].distillation_mode: 'full_logits' (support: student) needs the teacher's full "
+            "next-token distributions",
+        ),
+        (
+            {
+                "teacher": "live",
+                "distillation_mode": "topk_logits",
+                "distillation_topk": 4,
+                "distillation_topk_support": "teacher",
+            },
+            "stages[0].distillation_mode: 'topk_logits' needs the teacher's top-k next-token distributions",
+        ),
+    ],
+)
 def test_a_backend_without_the_needed_capability_is_refused(tmp_path, stage, message):
     """Checked with the backend's capability protocols (tempering.interfaces.supports) before
     any step: FakeBackend has weight snapshots but no averaging and no distributions."""
@@ -810,8 +1141,15 @@ def test_sampled_token_with_a_frozen_teacher_runs_on_a_snapshot_only_backend(tmp
     from tempering.testing import FakeBackend
 
     backend = FakeBackend(complete=lambda prompt, i: "2" if i == 0 else "3")
-    spec = {"name": "sdpo", "dataset": [{"prompt": "1+1=", "answer": "2"}], "steps": 2, "prompts_per_step": 1,
-            "group_size": 2, "teacher": "stage_start", "reward": "exact_match"}  # fmt: skip
+    spec = {
+        "name": "sdpo",
+        "dataset": [{"prompt": "1+1=", "answer": "2"}],
+        "steps": 2,
+        "prompts_per_step": 1,
+        "group_size": 2,
+        "teacher": "stage_start",
+        "reward": "exact_match",
+    }
     result = Recipe(name="ok", output_dir=str(tmp_path), loggers=[], stages=[spec]).run(backend=backend)
     rows = sdpo_rows(result)
     assert len(rows) == 2 and rows[0]["sdpo/signal_frac"] == 0.5 and rows[0]["sdpo/solution_frac"] == 0.5

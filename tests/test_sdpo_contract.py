@@ -37,9 +37,12 @@ MODES = {
     "sampled_token": ({"mode": "sampled_token"}, TOKEN, TeacherNeeds("token", 0)),
     "full": ({"mode": "full_logits", "alpha": 0.5}, TOKEN | {LOGITS, TEACHER_LOGITS}, TeacherNeeds("full", 0)),
     "topk_student": ({"mode": "topk_logits", "topk": 4}, TOKEN | {LOGITS, TEACHER_LOGITS}, TeacherNeeds("full", 4)),
-    "topk_teacher": ({"mode": "topk_logits", "topk": 4, "topk_support": "teacher"},
-                     TOKEN | {LOGITS, TEACHER_TOPK_LOGPROBS, TEACHER_TOPK_IDS}, TeacherNeeds("topk", 4)),
-}  # fmt: skip
+    "topk_teacher": (
+        {"mode": "topk_logits", "topk": 4, "topk_support": "teacher"},
+        TOKEN | {LOGITS, TEACHER_TOPK_LOGPROBS, TEACHER_TOPK_IDS},
+        TeacherNeeds("topk", 4),
+    ),
+}
 
 
 @pytest.mark.parametrize("case", MODES)
@@ -51,12 +54,20 @@ def test_sdpo_loss_reads_and_teacher_needs_follow_the_mode_and_weight(case):
     assert blended.reads == distill | {ADVANTAGES, REF_LOGPROBS}  # grpo's with its KL term
     assert SDPOLoss(policy=ClippedISLoss(), weight=0.0, **cfg).reads == {WEIGHTS, SAMPLER_LOGPROBS, ADVANTAGES}
     # what the stage's batches hold covers what the loss reads, for each mode
-    stage_keys = {"distillation_mode": cfg["mode"], "distillation_alpha": cfg.get("alpha", 1.0),
-                  "distillation_topk": cfg.get("topk"), "distillation_topk_support": cfg.get("topk_support", "student")}  # fmt: skip
+    stage_keys = {
+        "distillation_mode": cfg["mode"],
+        "distillation_alpha": cfg.get("alpha", 1.0),
+        "distillation_topk": cfg.get("topk"),
+        "distillation_topk_support": cfg.get("topk_support", "student"),
+    }
     for weight in (1.0, 0.5, 0.0):
         stage = SDPO(distillation_weight=weight, **stage_keys)
-        check_reads(SDPOLoss(policy=GRPOLoss(beta=0.04), weight=weight, **cfg), stage.batch_inputs(GRPOLoss()),
-                    "stages[0].loss", "sdpo")  # fmt: skip
+        check_reads(
+            SDPOLoss(policy=GRPOLoss(beta=0.04), weight=weight, **cfg),
+            stage.batch_inputs(GRPOLoss()),
+            "stages[0].loss",
+            "sdpo",
+        )
     assert DISTILL_WEIGHTS not in SDPO(distillation_weight=0.0).batch_inputs(GRPOLoss())
 
 
@@ -73,9 +84,11 @@ def test_sdpo_builtin_is_declared_backend_neutrally():
     batch = Batch([Datum([1, 2, 3], [2, 3, 4], [0.0, 1.0, 1.0], [0.0, -0.5, -0.2], [0.0, 1.0, 1.0])])
     assert builtin_of(SDPOLoss(), batch) == NoBuiltin(
         "SDPOLoss: no built-in computes the self-distillation term sg(lp - lp_teacher) * lp "
-        "blended with the policy loss")
+        "blended with the policy loss"
+    )
     assert builtin_of(SDPOLoss(mode="full_logits"), batch) == NoBuiltin(
-        "Use distillation_mode: sampled_token for SDPO on Tinker.")
+        "Use distillation_mode: sampled_token for SDPO on Tinker."
+    )
     policy_only = builtin_of(SDPOLoss(policy=ClippedISLoss(), weight=0.0), batch)  # weight 0: the policy loss itself
     assert isinstance(policy_only, BuiltinLoss) and policy_only.name == "ppo"
     assert dict(policy_only.config or {}) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}

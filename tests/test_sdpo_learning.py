@@ -26,21 +26,41 @@ BOUND = 0.5  # last-3 over first-3 distillation loss; measured 0.12 (stale 0.11)
 
 def distillation_losses(tmp_path, **stage) -> list[float]:
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
-    spec = {"name": "sdpo", "dataset": rows, "reward": "exact_match", "steps": 20, "prompts_per_step": 8,
-            "group_size": 4, "max_tokens": 3, "optimizer": {"learning_rate": 3e-3}, "teacher": "stage_start",
-            "distillation_mode": "full_logits", "distillation_alpha": 0.0, "use_successful_as_teacher": False,
-            "reprompt_template": "{feedback}{prompt}", "feedback_template": "{feedback_raw} ", "log_kl": False,
-            **stage}  # fmt: skip
-    result = Recipe(name="learn", output_dir=str(tmp_path), loggers=[], seed=0,
-                    backend={"name": "local", "model": "tiny_llama", "model_kwargs": MODEL, "num_threads": 1},
-                    stages=[spec]).run()  # fmt: skip
+    spec = {
+        "name": "sdpo",
+        "dataset": rows,
+        "reward": "exact_match",
+        "steps": 20,
+        "prompts_per_step": 8,
+        "group_size": 4,
+        "max_tokens": 3,
+        "optimizer": {"learning_rate": 3e-3},
+        "teacher": "stage_start",
+        "distillation_mode": "full_logits",
+        "distillation_alpha": 0.0,
+        "use_successful_as_teacher": False,
+        "reprompt_template": "{feedback}{prompt}",
+        "feedback_template": "{feedback_raw} ",
+        "log_kl": False,
+        **stage,
+    }
+    result = Recipe(
+        name="learn",
+        output_dir=str(tmp_path),
+        loggers=[],
+        seed=0,
+        backend={"name": "local", "model": "tiny_llama", "model_kwargs": MODEL, "num_threads": 1},
+        stages=[spec],
+    ).run()
     rows = [h for h in result.history if "sdpo/distill_loss" in h]
     assert len(rows) == 20 and all(h["sdpo/signal_frac"] == 1.0 for h in rows)  # every sample has feedback
     return [h["sdpo/distill_loss"] for h in rows]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stale", [{}, {"max_steps_off_policy": 3, "fixed_staleness": True}], ids=["on_policy", "stale_k3"])
+@pytest.mark.parametrize(
+    "stale", [{}, {"max_steps_off_policy": 3, "fixed_staleness": True}], ids=["on_policy", "stale_k3"]
+)
 def test_the_student_moves_to_its_feedback_conditioned_teacher(tmp_path, stale):
     losses = distillation_losses(tmp_path, **stale)
     ratio = statistics.mean(losses[-3:]) / statistics.mean(losses[:3])

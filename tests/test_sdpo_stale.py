@@ -96,12 +96,31 @@ def digit_reward(completion: str, example: dict) -> float:
 
 def stale_recipe(tmp_path: Any, name: str, **stage: Any) -> Recipe:
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
-    spec = {"name": "sdpo", "dataset": rows, "reward": digit_reward, "steps": 5, "prompts_per_step": 4, "group_size": 4,
-            "max_tokens": 3, "optimizer": {"learning_rate": 1e-2}, "max_steps_off_policy": 2, "fixed_staleness": True,
-            "loss": "clipped_is", "distillation_weight": 0.5, "distillation_is_clip_low": 0.5,
-            "success_reward_threshold": 0.0, "log_kl": False, **stage}  # fmt: skip
-    return Recipe(name=name, output_dir=str(tmp_path / name), loggers=[],
-                  backend={"name": "local", "model": "tiny_llama", "model_kwargs": SMALL, "num_threads": 1}, stages=[spec])  # fmt: skip
+    spec = {
+        "name": "sdpo",
+        "dataset": rows,
+        "reward": digit_reward,
+        "steps": 5,
+        "prompts_per_step": 4,
+        "group_size": 4,
+        "max_tokens": 3,
+        "optimizer": {"learning_rate": 1e-2},
+        "max_steps_off_policy": 2,
+        "fixed_staleness": True,
+        "loss": "clipped_is",
+        "distillation_weight": 0.5,
+        "distillation_is_clip_low": 0.5,
+        "success_reward_threshold": 0.0,
+        "log_kl": False,
+        **stage,
+    }
+    return Recipe(
+        name=name,
+        output_dir=str(tmp_path / name),
+        loggers=[],
+        backend={"name": "local", "model": "tiny_llama", "model_kwargs": SMALL, "num_threads": 1},
+        stages=[spec],
+    )
 
 
 def test_python_recipe_reaches_k_stale_and_scores_the_teacher_at_training_time(tmp_path):
@@ -121,8 +140,16 @@ def test_python_recipe_reaches_k_stale_and_scores_the_teacher_at_training_time(t
     assert [r["offpolicy/staleness_mean"] for r in rows] == [0, 1, 2, 2, 2]
     assert scored_at == [0, 1, 2, 3, 4]  # the teacher at training time: after steps 0..4's updates
     for r in rows:
-        for key in ("ratio/clipped_frac", "ratio/max", "is/ess", "sdpo/is_clip_frac", "advantage/cap",
-                    "advantage/capped_frac", "sdpo/distill_loss", "sdpo/policy_loss"):  # fmt: skip
+        for key in (
+            "ratio/clipped_frac",
+            "ratio/max",
+            "is/ess",
+            "sdpo/is_clip_frac",
+            "advantage/cap",
+            "advantage/capped_frac",
+            "sdpo/distill_loss",
+            "sdpo/policy_loss",
+        ):
             assert key in r and math.isfinite(r[key]), key
         assert r["sdpo/signal_frac"] == 1.0 and r["grad_norm"] > 0
     assert rows[0]["ratio/max"] == pytest.approx(1.0, abs=1e-4)  # on-policy first batch
@@ -131,10 +158,19 @@ def test_python_recipe_reaches_k_stale_and_scores_the_teacher_at_training_time(t
 
 def test_the_yaml_recipe_runs(tmp_path):
     """examples/sdpo/stale.yaml shortened: its SFT warmup, then stale SDPO (k = 3)."""
-    overrides = [f"output_dir={tmp_path}", "loggers=[]", f"backend.model_kwargs={TINY_YAML}", "stages.warmup.steps=2",
-                 "stages.warmup.eval.dataset=null", "stages.rl.eval.dataset=null", "stages.rl.steps=5",
-                 "stages.rl.prompts_per_step=2", "stages.rl.group_size=3", "stages.rl.success_reward_threshold=0.0",
-                 "stages.rl.fixed_staleness=true"]  # fmt: skip
+    overrides = [
+        f"output_dir={tmp_path}",
+        "loggers=[]",
+        f"backend.model_kwargs={TINY_YAML}",
+        "stages.warmup.steps=2",
+        "stages.warmup.eval.dataset=null",
+        "stages.rl.eval.dataset=null",
+        "stages.rl.steps=5",
+        "stages.rl.prompts_per_step=2",
+        "stages.rl.group_size=3",
+        "stages.rl.success_reward_threshold=0.0",
+        "stages.rl.fixed_staleness=true",
+    ]
     result = Recipe.from_yaml(STALE, overrides).run()
     rows = [h for h in result.history if "sdpo/signal_frac" in h]
     assert [r["offpolicy/staleness_max"] for r in rows] == [0, 1, 2, 3, 3]
@@ -157,11 +193,14 @@ BAD_INPUT = [
     ("stages.rl.max_steps_off_policy=-1", "stages[0].max_steps_off_policy: must be >= 0, got -1"),
     ("stages.rl.sync_every=3", "stages[0].sync_every: must be between 1 and max_steps_off_policy + 1 = 2"),
     ("stages.rl.aggregation=mean", "stages[0].aggregation: use one of ('auto', 'token_mean', 'seq_mean', 'sum')"),
-    ("stages.rl.temperature=0.7", "stages[0].temperature: stale SDPO (max_steps_off_policy set) needs temperature: 1, got 0.7"),
+    (
+        "stages.rl.temperature=0.7",
+        "stages[0].temperature: stale SDPO (max_steps_off_policy set) needs temperature: 1, got 0.7",
+    ),
     ("stages.rl.top_k=5", "stages[0].top_k: stale SDPO (max_steps_off_policy set) needs top_k: 0, got 5"),
     ("stages.rl.recompute_logprobs=always", "stages[0].recompute_logprobs: stale SDPO keeps the sampler's logprobs"),
     ("stages.rl.distillation_is_clip_low=1.5", "stages[0].distillation_is_clip_low: must be in (0, 1]"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("override, message", BAD_INPUT, ids=[o.split(".")[-1] for o, _ in BAD_INPUT])
@@ -173,4 +212,6 @@ def test_a_floor_without_a_cap_is_one_line():
     from tempering.algorithms.sdpo.loss import distillation_problem
 
     assert distillation_problem("sampled_token", 1.0, None, "student", None, 1.0, 0.5) == (
-        "distillation_is_clip_low", "is a floor of the distillation_is_clip weight, which is off (null); set both")
+        "distillation_is_clip_low",
+        "is a floor of the distillation_is_clip weight, which is off (null); set both",
+    )

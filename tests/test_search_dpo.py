@@ -20,7 +20,14 @@ from tempering.registry import get_registry
 from tempering.training.recipe import Recipe
 
 LN2 = math.log(2.0)
-TINY = {"chat": True, "hidden_size": 16, "num_layers": 1, "num_heads": 2, "intermediate_size": 32, "max_position_embeddings": 512}
+TINY = {
+    "chat": True,
+    "hidden_size": 16,
+    "num_layers": 1,
+    "num_heads": 2,
+    "intermediate_size": 32,
+    "max_position_embeddings": 512,
+}
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +37,10 @@ def renderers() -> dict[str, Any]:
 
     reg = get_registry()
     tiny_tok, qwen_tok = tiny_llama(**TINY)[1], qwen3_tokenizer()
-    return {"tiny_chat": reg.build("renderer", "tiny_chat", "renderer", tokenizer=tiny_tok),
-            "qwen3_instruct": reg.build("renderer", "qwen3_instruct", "renderer", tokenizer=qwen_tok)}  # fmt: skip
+    return {
+        "tiny_chat": reg.build("renderer", "tiny_chat", "renderer", tokenizer=tiny_tok),
+        "qwen3_instruct": reg.build("renderer", "qwen3_instruct", "renderer", tokenizer=qwen_tok),
+    }
 
 
 def full_row(d: Any) -> tuple[list[int], list[float]]:
@@ -42,7 +51,9 @@ def full_row(d: Any) -> tuple[list[int], list[float]]:
 def assistant_tokens(renderer: Any, history: list[dict[str, Any]], turn: dict[str, Any], tools: Any) -> list[int]:
     """The tokens the model emits for ``turn`` after ``history``: what an episode samples."""
     prompt = renderer.render_prompt(history, tools).tokens
-    [row] = [r for r in renderer.render_training([*[{**m, "weight": 0} for m in history], turn], tools) if any(r.weights)]
+    [row] = [
+        r for r in renderer.render_training([*[{**m, "weight": 0} for m in history], turn], tools) if any(r.weights)
+    ]
     assert row.tokens[: len(prompt)] == prompt
     return row.tokens[len(prompt) :]
 
@@ -65,12 +76,18 @@ def test_generated_pairs_weigh_exactly_the_differing_turn(renderers: dict[str, A
 
 
 @pytest.mark.parametrize("name", ["tiny_chat", "qwen3_instruct"])
-def test_a_continuation_of_several_turns_trains_its_assistant_turns_not_the_tool_results(renderers: dict[str, Any],
-                                                                                          name: str) -> None:  # fmt: skip
+def test_a_continuation_of_several_turns_trains_its_assistant_turns_not_the_tool_results(
+    renderers: dict[str, Any], name: str
+) -> None:
     renderer = renderers[name]
     [pair] = agentic_search("train", "pairs", size=1, hops=[1])[:1]
-    call = {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_0_0", "type": "function", "function": {"name": "search", "arguments": {"query": "kam olo"}}}]}  # fmt: skip
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_0_0", "type": "function", "function": {"name": "search", "arguments": {"query": "kam olo"}}}
+        ],
+    }
     result = {"role": "tool", "tool_call_id": "call_0_0", "name": "search", "content": "kam olo: lives in tes."}
     answer = {"role": "assistant", "content": "tes [kam olo]"}
     row = {"messages": pair["messages"], "tools": pair["tools"], "chosen": [call, result, answer], "rejected": answer}
@@ -90,10 +107,18 @@ def test_a_continuation_of_several_turns_trains_its_assistant_turns_not_the_tool
 def test_a_side_the_format_splits_into_rows_is_summed_over_its_rows(renderers: dict[str, Any]) -> None:
     renderer = renderers["qwen3_instruct"]  # text before a call re-renders differently in history: a new row
     [pair] = agentic_search("train", "pairs", size=1, hops=[1])[:1]
-    call = {"role": "assistant", "content": "Let me search.", "tool_calls": [
-        {"id": "c0", "type": "function", "function": {"name": "search", "arguments": {"query": "kam olo"}}}]}  # fmt: skip
-    chosen = [call, {"role": "tool", "tool_call_id": "c0", "name": "search", "content": "kam olo: lives in tes."},
-              {"role": "assistant", "content": "tes [kam olo]"}]  # fmt: skip
+    call = {
+        "role": "assistant",
+        "content": "Let me search.",
+        "tool_calls": [
+            {"id": "c0", "type": "function", "function": {"name": "search", "arguments": {"query": "kam olo"}}}
+        ],
+    }
+    chosen = [
+        call,
+        {"role": "tool", "tool_call_id": "c0", "name": "search", "content": "kam olo: lives in tes."},
+        {"role": "assistant", "content": "tes [kam olo]"},
+    ]
     rows = [{**pair, "chosen": chosen}, pair]
     batch = DPO().build_batch(renderer.tokenizer, rows, renderer=renderer)
     assert batch.meta["slots"] == [0, 0, 1, 2, 3]  # pair 0's chosen side is two rows
@@ -131,13 +156,28 @@ def test_bad_pairs_name_the_problem(renderers: dict[str, Any]) -> None:
 
 def test_a_dpo_stage_on_multi_turn_pairs_starts_at_ln2_and_precomputed_equals_live(tmp_path: Any) -> None:
     def run(reference: str) -> list[dict[str, Any]]:
-        return Recipe(
-            name=reference, output_dir=str(tmp_path / reference), loggers=[],
-            backend={"name": "local", "model": "tiny_llama", "model_kwargs": TINY, "num_threads": 1},
-            stages=[{"id": "pref", "name": "dpo", "steps": 3, "batch_size": 4, "reference": reference,
-                     "renderer": "tiny_chat", "optimizer": {"learning_rate": 1e-2},
-                     "dataset": {"name": "agentic_search", "format": "pairs", "size": 4, "hops": [1, 2]}}],
-        ).run().history  # fmt: skip
+        return (
+            Recipe(
+                name=reference,
+                output_dir=str(tmp_path / reference),
+                loggers=[],
+                backend={"name": "local", "model": "tiny_llama", "model_kwargs": TINY, "num_threads": 1},
+                stages=[
+                    {
+                        "id": "pref",
+                        "name": "dpo",
+                        "steps": 3,
+                        "batch_size": 4,
+                        "reference": reference,
+                        "renderer": "tiny_chat",
+                        "optimizer": {"learning_rate": 1e-2},
+                        "dataset": {"name": "agentic_search", "format": "pairs", "size": 4, "hops": [1, 2]},
+                    }
+                ],
+            )
+            .run()
+            .history
+        )
 
     live, pre = run("live"), run("precomputed")
     losses = [r["loss"] for r in live if "loss" in r]

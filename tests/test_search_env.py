@@ -49,10 +49,17 @@ def run_calls(env: Search, *calls: ToolCall) -> list[str]:
 # --------------------------------------------------------------------------- the corpus
 def test_the_corpus_is_deterministic_with_planted_chains_and_person_disjoint_splits() -> None:
     corpus = generate("tiny", seed=0)
-    assert generate("tiny", seed=0).documents == corpus.documents and generate("tiny", seed=1).documents != corpus.documents
+    assert (
+        generate("tiny", seed=0).documents == corpus.documents
+        and generate("tiny", seed=1).documents != corpus.documents
+    )
     assert 300 <= len(corpus.documents) <= 500  # a few hundred short documents
     people = {split: {q["queries"][0] for q in qs} for split, qs in corpus.questions.items()}
-    assert not people["train"] & people["test"] and not people["train"] & people["val"] and not people["val"] & people["test"]
+    assert (
+        not people["train"] & people["test"]
+        and not people["train"] & people["val"]
+        and not people["val"] & people["test"]
+    )
     assert {q["hops"] for q in corpus.questions["test"]} == {1, 2, 3}
     for q in corpus.questions["train"][:60]:  # each gold document states its link of the chain
         hops = [*q["queries"][1:], q["answer"]]
@@ -92,17 +99,20 @@ def test_full_documents_show_as_snippets_and_open_reads_them_whole() -> None:
     assert task["answer"] in opened and not opened.endswith("...")
 
 
-@pytest.mark.parametrize("name, args, error", [
-    ("search", {"query": ""}, "ValueError: query must be non-empty text"),
-    ("search", {"query": "kam", "k": 0}, "ValueError: k must be an integer from 1 to 10, got 0"),
-    ("search", {"query": "kam", "k": "2"}, "k must be an integer from 1 to 10, got '2'"),
-    ("search", {"q": "kam"}, "Error: bad arguments for search"),
-    ("open", {"doc_id": "zzz"}, "KeyError: \"no document 'zzz'\""),
-    ("open", {"doc_id": 12}, "TypeError: doc_id must be a document id"),
-    ("prune", {"doc_ids": "d3"}, "TypeError: doc_ids must be a non-empty list"),
-    ("prune", {"doc_ids": ["d3"]}, "ValueError: not in your context: d3"),
-    ("grep", {"pattern": "kam"}, "Error: unknown tool 'grep' (tools: open, prune, search)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, args, error",
+    [
+        ("search", {"query": ""}, "ValueError: query must be non-empty text"),
+        ("search", {"query": "kam", "k": 0}, "ValueError: k must be an integer from 1 to 10, got 0"),
+        ("search", {"query": "kam", "k": "2"}, "k must be an integer from 1 to 10, got '2'"),
+        ("search", {"q": "kam"}, "Error: bad arguments for search"),
+        ("open", {"doc_id": "zzz"}, "KeyError: \"no document 'zzz'\""),
+        ("open", {"doc_id": 12}, "TypeError: doc_id must be a document id"),
+        ("prune", {"doc_ids": "d3"}, "TypeError: doc_ids must be a non-empty list"),
+        ("prune", {"doc_ids": ["d3"]}, "ValueError: not in your context: d3"),
+        ("grep", {"pattern": "kam"}, "Error: unknown tool 'grep' (tools: open, prune, search)"),
+    ],
+)
 def test_a_bad_call_is_an_error_message_the_model_reads(name: str, args: dict[str, Any], error: str) -> None:
     env = reset(two_hop_task())
     result = asyncio.run(env.step(ParsedResponse(tool_calls=[ToolCall(name, args, "c0")])))
@@ -179,14 +189,24 @@ def weighted_runs(rows: list[Any]) -> list[list[int]]:
     return runs
 
 
-def play(renderer: Any, task: dict[str, Any], turns: list[list[int]], environment: Any = "search",
-         max_turns: int = 6) -> tuple[Any, Scripted]:  # fmt: skip
+def play(
+    renderer: Any, task: dict[str, Any], turns: list[list[int]], environment: Any = "search", max_turns: int = 6
+) -> tuple[Any, Scripted]:
     """One episode of ``task`` through the registered ``environment`` sampler; its sample."""
     reg = get_registry()
-    context = SamplerContext(renderer.tokenizer, lambda: renderer, None, build=lambda k, s, key: reg.build(k, s, key),
-                             factory=lambda k, s, key: reg.factory(k, s, key))  # fmt: skip
-    sampler = reg.build("sampler", {"name": "environment", "environment": environment, "max_turns": max_turns},
-                        "sampler", context=context)  # fmt: skip
+    context = SamplerContext(
+        renderer.tokenizer,
+        lambda: renderer,
+        None,
+        build=lambda k, s, key: reg.build(k, s, key),
+        factory=lambda k, s, key: reg.factory(k, s, key),
+    )
+    sampler = reg.build(
+        "sampler",
+        {"name": "environment", "environment": environment, "max_turns": max_turns},
+        "sampler",
+        context=context,
+    )
     model = Scripted(turns)
     rollout = collect(sampler, model, [task], 1, SamplingParams(max_tokens=64, temperature=0.0))
     [sample] = rollout.groups[0].samples
@@ -204,8 +224,10 @@ def test_pruning_removes_the_documents_tokens_and_rows_hold_only_seen_tokens(ren
     sample, model = play(renderer, task, weighted_runs(rendered))
     traj = sample.trajectory
     assert (traj.stop, len(traj.turns), traj.metrics["pruned"], traj.metrics["row_splits"]) == ("done", 3, 2.0, 1.0)
-    pruned = [f"{d}: {corpus_from_spec(task['corpus']).by_id[d].text}"
-              for d in json.loads(traj.messages[3]["tool_calls"][0]["function"]["arguments"])["doc_ids"]]  # fmt: skip
+    pruned = [
+        f"{d}: {corpus_from_spec(task['corpus']).by_id[d].text}"
+        for d in json.loads(traj.messages[3]["tool_calls"][0]["function"]["arguments"])["doc_ids"]
+    ]
     assert all(p in renderer.decode(model.prompts[1]) for p in pruned)  # seen while choosing what to prune ...
     assert not any(p in renderer.decode(model.prompts[2]) for p in pruned)  # ... gone from the next prompt
     unpruned = renderer.render_prompt(traj.messages[:6], traj.tools).tokens  # the history as it happened
@@ -227,8 +249,12 @@ def test_pruning_removes_the_documents_tokens_and_rows_hold_only_seen_tokens(ren
 def test_the_gold_path_scores_recall_answer_and_costs_with_its_metrics(tiny_chat: Any) -> None:
     task = two_hop_task()
     rows = agentic_search("test", "transcripts", hops=[2], prune=True)
-    rendered = [row for r in rows if r["messages"][0]["content"] == task["question"]
-                for row in tiny_chat.render_training(r["messages"], r["tools"])]  # fmt: skip
+    rendered = [
+        row
+        for r in rows
+        if r["messages"][0]["content"] == task["question"]
+        for row in tiny_chat.render_training(r["messages"], r["tools"])
+    ]
     sample, _ = play(tiny_chat, task, weighted_runs(rendered))
     m = sample.trajectory.metrics
     context = sum(t.prompt_len for t in sample.trajectory.turns)
@@ -256,8 +282,13 @@ def test_the_gold_path_scores_recall_answer_and_costs_with_its_metrics(tiny_chat
 
 def test_an_episode_without_an_answer_gets_only_the_costs(tiny_chat: Any) -> None:
     task = two_hop_task()
-    search = tiny_chat.render_response({"role": "assistant", "content": "", "tool_calls": [
-        {"function": {"name": "search", "arguments": {"query": task["queries"][0]}}}]})  # fmt: skip
+    search = tiny_chat.render_response(
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "search", "arguments": {"query": task["queries"][0]}}}],
+        }
+    )
     sample, _ = play(tiny_chat, task, [search, search], max_turns=2)
     context = sum(t.prompt_len for t in sample.trajectory.turns)
     assert sample.trajectory.stop == "max_turns" and sample.trajectory.metrics["recall"] == 0.0
@@ -267,10 +298,19 @@ def test_an_episode_without_an_answer_gets_only_the_costs(tiny_chat: Any) -> Non
 def test_reward_weights_are_config_keys(tiny_chat: Any) -> None:
     task = two_hop_task()
     rows = agentic_search("test", "transcripts", hops=[2], prune=False)
-    rendered = [row for r in rows if r["messages"][0]["content"] == task["question"]
-                for row in tiny_chat.render_training(r["messages"], r["tools"])]  # fmt: skip
-    env = {"name": "search", "reward": {"name": "weighted", "rewards": [
-        {"name": "answer_match", "weight": 0.5}, {"name": "tool_call_cost", "weight": 0.25}]}}  # fmt: skip
+    rendered = [
+        row
+        for r in rows
+        if r["messages"][0]["content"] == task["question"]
+        for row in tiny_chat.render_training(r["messages"], r["tools"])
+    ]
+    env = {
+        "name": "search",
+        "reward": {
+            "name": "weighted",
+            "rewards": [{"name": "answer_match", "weight": 0.5}, {"name": "tool_call_cost", "weight": 0.25}],
+        },
+    }
     sample, _ = play(tiny_chat, task, weighted_runs(rendered), environment=env)
     assert sample.reward == pytest.approx(0.5 - 0.25 * 2)
     assert sample.trajectory.metrics["row_splits"] == 0.0  # no prune: one row
@@ -316,17 +356,27 @@ def test_sft_transcripts_without_pruning_are_one_row_per_task() -> None:
 
 def test_a_corpus_of_your_own_documents(tmp_path: Any) -> None:
     path = tmp_path / "docs.jsonl"
-    path.write_text("\n".join(json.dumps(d) for d in [
-        {"id": "d1", "title": "Ada", "text": "Ada Lovelace wrote the first program."},
-        {"id": "d2", "title": "Babbage", "text": "Charles Babbage designed the analytical engine."}]))  # fmt: skip
+    path.write_text(
+        "\n".join(
+            json.dumps(d)
+            for d in [
+                {"id": "d1", "title": "Ada", "text": "Ada Lovelace wrote the first program."},
+                {"id": "d2", "title": "Babbage", "text": "Charles Babbage designed the analytical engine."},
+            ]
+        )
+    )
     env = reset({"question": "Who wrote the first program?", "answer": "Ada"}, corpus=str(path))
     assert run_calls(env, ToolCall("search", {"query": "analytical engine"})) == [
-        "d2 Babbage: Charles Babbage designed the analytical engine."]  # fmt: skip
+        "d2 Babbage: Charles Babbage designed the analytical engine."
+    ]
 
 
 def test_bad_dataset_and_environment_keys_say_what_is_wrong() -> None:
-    for kwargs, match in (({"split": "dev"}, "split must be"), ({"format": "chat"}, "format must be"),
-                          ({"hops": [4]}, "hops must be")):  # fmt: skip
+    for kwargs, match in (
+        ({"split": "dev"}, "split must be"),
+        ({"format": "chat"}, "format must be"),
+        ({"hops": [4]}, "hops must be"),
+    ):
         with pytest.raises(ValueError, match=match):
             agentic_search(**kwargs)
     with pytest.raises(ValueError, match="k must be between 1 and 10"):
@@ -350,8 +400,15 @@ def test_gold_turns_prune_the_previous_searchs_distractors() -> None:
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("recipe", ["agentic_search_dpo", "agentic_search_sft", str(ROOT / "examples/agentic_search/qwen3_dpo.yaml"),
-                                    str(ROOT / "examples/agentic_search/qwen3_sft.yaml")])  # fmt: skip
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "agentic_search_dpo",
+        "agentic_search_sft",
+        str(ROOT / "examples/agentic_search/qwen3_dpo.yaml"),
+        str(ROOT / "examples/agentic_search/qwen3_sft.yaml"),
+    ],
+)
 def test_the_recipes_are_valid_with_their_data(recipe: str) -> None:
     """Every stage's config and data, as a run checks them before training (the real-model
     recipes need Tinker or a checkpoint to run: their config is what can be checked here)."""

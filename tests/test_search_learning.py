@@ -42,8 +42,9 @@ def recipe(out: Path, *overrides: str) -> Any:
     return find_recipe("agentic_search_dpo", [f"output_dir={out}", "loggers=[jsonl]", *overrides])
 
 
-def pair_metrics(backend: Any, renderer: Any, pairs: list[dict[str, Any]], ref: list[list[float]] | None = None
-                 ) -> tuple[dict[str, float], list[list[float]]]:  # fmt: skip
+def pair_metrics(
+    backend: Any, renderer: Any, pairs: list[dict[str, Any]], ref: list[list[float]] | None = None
+) -> tuple[dict[str, float], list[list[float]]]:
     """DPO metrics of ``pairs`` under the backend's current weights, against ``ref`` (the
     per-row logprobs of the reference; None: the current weights are the reference)."""
     batch = DPO().build_batch(backend.tokenizer, pairs, renderer=renderer)
@@ -94,9 +95,11 @@ def warmed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.timeout(600)
 def test_dpo_makes_the_held_out_preference_margin_positive(warmed: dict[str, Any]) -> None:
     before, after = warmed["before"], warmed["after"]
-    print(f"held-out pairs ({warmed['pairs']}): "
-          f"margin {before['rewards/margins']:.3f} -> {after['rewards/margins']:.3f}, "
-          f"ranked right {before['rewards/accuracies']:.2f} -> {after['rewards/accuracies']:.2f}")  # fmt: skip
+    print(
+        f"held-out pairs ({warmed['pairs']}): "
+        f"margin {before['rewards/margins']:.3f} -> {after['rewards/margins']:.3f}, "
+        f"ranked right {before['rewards/accuracies']:.2f} -> {after['rewards/accuracies']:.2f}"
+    )
     assert before["rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # the reference is the stage's start
     assert after["rewards/margins"] > MIN_MARGIN and after["rewards/accuracies"] > MIN_PAIR_ACCURACY
     assert after["rewards/chosen"] > 0  # the preferred turns became more likely, not only the rejected less
@@ -113,9 +116,11 @@ def test_grpo_after_dpo_raises_held_out_recall_and_accuracy(warmed: dict[str, An
     [end] = eval_rows(out, "rl")
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if r.get("stage") == "rl" and "reward/mean" in r]
-    print(f"held-out recall after DPO {recall(start):.3f}, after {len(steps)} GRPO steps {recall(end):.3f}; "
-          f"answers right {start['eval/accuracy']:.2f} -> {end['eval/accuracy']:.2f}; tool calls per episode "
-          f"{start['eval/tool_calls'] / start['eval/n']:.2f} -> {end['eval/tool_calls'] / end['eval/n']:.2f}")  # fmt: skip
+    print(
+        f"held-out recall after DPO {recall(start):.3f}, after {len(steps)} GRPO steps {recall(end):.3f}; "
+        f"answers right {start['eval/accuracy']:.2f} -> {end['eval/accuracy']:.2f}; tool calls per episode "
+        f"{start['eval/tool_calls'] / start['eval/n']:.2f} -> {end['eval/tool_calls'] / end['eval/n']:.2f}"
+    )
     assert len(steps) == 40 and all(r["env/tool_calls"] > 0 for r in steps)  # trained on searching episodes
     assert recall(end) >= recall(start) + MIN_RECALL_GAIN
     assert end["eval/accuracy"] >= start["eval/accuracy"] + MIN_ACCURACY_GAIN

@@ -71,8 +71,12 @@ def train_step(tc) -> float:
 def raw(server: LocalTinkerServer, method: str, route: str, body: object = None) -> tuple[int, dict, dict]:
     """One HTTP request as a client without the SDK sends it: (status, headers, JSON body)."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"{server.url}/api/v1/{route}", data=data, method=method,
-                                 headers={"x-api-key": KEY, "content-type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        f"{server.url}/api/v1/{route}",
+        data=data,
+        method=method,
+        headers={"x-api-key": KEY, "content-type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=T) as resp:
             return resp.status, dict(resp.headers), json.loads(resp.read() or b"null")

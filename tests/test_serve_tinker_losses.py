@@ -71,11 +71,15 @@ def datum_for(seq, advantage: float, logprobs: list[float] | None = None) -> typ
         },
     )
     return datum.with_provenance(
-        model_input=[types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=n_prompt),
-                     types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=n_sampled - 1)],
-        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=n_prompt - 1),
-                        types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=n_sampled)],
-    )  # fmt: skip
+        model_input=[
+            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=n_prompt),
+            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=n_sampled - 1),
+        ],
+        loss_fn_inputs=[
+            types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=n_prompt - 1),
+            types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=n_sampled),
+        ],
+    )
 
 
 def reference_stable_reinforce(lp: list[float], q: list[float | None], adv: list[float], cap: float = 2.0) -> float:
@@ -141,8 +145,10 @@ def test_cispo_takes_the_documented_default_thresholds(training):
     q = [-1.0] * n  # ratios exp(lp + 1): above 1 where the model is sure, below where not
     adv = [0.5] * n
     full = PROMPT + list(seq.tokens)
-    d = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
-                    loss_fn_inputs={"target_tokens": full[1:], "logprobs": q, "advantages": adv})  # fmt: skip
+    d = types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={"target_tokens": full[1:], "logprobs": q, "advantages": adv},
+    )
     out = training.forward([d], "cispo").result(timeout=T)  # was refused: "needs loss_fn_config"
     lp = out.loss_fn_outputs[0]["logprobs"].tolist()
     expected = -sum(min(max(math.exp(x - y), 0.0), 4.0) * x * a for x, y, a in zip(lp, q, adv))
@@ -185,8 +191,11 @@ def test_stable_reinforce_formula_and_gradient_on_known_inputs(seed):
     q = [x + rng.uniform(-2.0, 2.0) for x in lp]  # ratios from e^-2 to e^2
     adv = [rng.uniform(-1.5, 1.5) for _ in range(n)]
     x = torch.tensor(lp, dtype=torch.float64, requires_grad=True)
-    inputs = {"target_tokens": torch.zeros(n, dtype=torch.long), "logprobs": torch.tensor(q, dtype=torch.float64),
-              "advantages": torch.tensor(adv, dtype=torch.float64)}  # fmt: skip
+    inputs = {
+        "target_tokens": torch.zeros(n, dtype=torch.long),
+        "logprobs": torch.tensor(q, dtype=torch.float64),
+        "advantages": torch.tensor(adv, dtype=torch.float64),
+    }
     loss = builtin_loss("stable_reinforce", None, x, inputs)
     loss.backward()
     assert float(loss.detach()) == pytest.approx(reference_stable_reinforce(lp, q, adv), rel=1e-9)

@@ -67,7 +67,9 @@ def test_resolved_recipe_is_one_run_accepts(capsys: pytest.CaptureFixture[str], 
         ("backend.devise=cpu", "backend.devise: unknown key 'devise'."),
     ],
 )
-def test_show_with_overrides_rejects_what_run_rejects(capsys: pytest.CaptureFixture[str], override: str, error: str) -> None:
+def test_show_with_overrides_rejects_what_run_rejects(
+    capsys: pytest.CaptureFixture[str], override: str, error: str
+) -> None:
     for extra in ((), ("--resolved",)):
         rc, out, err = show(capsys, "arithmetic", override, *extra)
         assert rc == 2 and out == ""

@@ -13,8 +13,12 @@ import torch
 from tempering.registry import get_registry
 from tempering.training.recipe import Recipe, read_progress
 
-TINY = {"name": "local", "model": "tiny_llama", "num_threads": 1,
-        "model_kwargs": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}}  # fmt: skip
+TINY = {
+    "name": "local",
+    "model": "tiny_llama",
+    "num_threads": 1,
+    "model_kwargs": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64},
+}
 DPO_STEPS, RL_STEPS = 4, 3
 
 
@@ -27,14 +31,39 @@ def partial_credit(completion: str, example: dict) -> float:
 
 def _dpo_then_rl(out: Path, dpo: dict | None = None, **top) -> Recipe:
     stages = [
-        {"id": "pref", "name": "dpo", "steps": DPO_STEPS, "batch_size": 8, "optimizer": {"learning_rate": 1e-2},
-         "loss": {"name": "dpo", "loss_type": "sigmoid_sft", "beta": 0.1},
-         "dataset": {"name": "synthetic_preferences", "size": 32}, **(dpo or {})},
-        {"id": "rl", "name": "grpo", "steps": RL_STEPS, "prompts_per_step": 4, "group_size": 4, "max_tokens": 4,
-         "optimizer": {"learning_rate": 1e-2}, "reward": partial_credit, "dataset": {"name": "arithmetic", "size": 64}},
-    ]  # fmt: skip
-    return Recipe.from_dict({"name": "dpo_rl", "seed": 3, "output_dir": str(out), "backend": TINY,
-                             "loggers": ["jsonl"], "stages": stages, **top})  # fmt: skip
+        {
+            "id": "pref",
+            "name": "dpo",
+            "steps": DPO_STEPS,
+            "batch_size": 8,
+            "optimizer": {"learning_rate": 1e-2},
+            "loss": {"name": "dpo", "loss_type": "sigmoid_sft", "beta": 0.1},
+            "dataset": {"name": "synthetic_preferences", "size": 32},
+            **(dpo or {}),
+        },
+        {
+            "id": "rl",
+            "name": "grpo",
+            "steps": RL_STEPS,
+            "prompts_per_step": 4,
+            "group_size": 4,
+            "max_tokens": 4,
+            "optimizer": {"learning_rate": 1e-2},
+            "reward": partial_credit,
+            "dataset": {"name": "arithmetic", "size": 64},
+        },
+    ]
+    return Recipe.from_dict(
+        {
+            "name": "dpo_rl",
+            "seed": 3,
+            "output_dir": str(out),
+            "backend": TINY,
+            "loggers": ["jsonl"],
+            "stages": stages,
+            **top,
+        }
+    )
 
 
 def _final_weights(out: Path) -> torch.Tensor:
@@ -102,7 +131,9 @@ def test_stages_resume_mid_stage_to_the_uninterrupted_weights(tmp_path, straight
     print(f"stop at step {stop} {dpo}: max |weight diff| vs uninterrupted = {diff:.1e}")
     assert diff <= 1e-6
     if stop < DPO_STEPS:
-        assert _losses(resumed.history, "pref") == pytest.approx(_losses(straight["result"].history, "pref")[stop:], abs=1e-6)
+        assert _losses(resumed.history, "pref") == pytest.approx(
+            _losses(straight["result"].history, "pref")[stop:], abs=1e-6
+        )
 
 
 def test_precomputed_reference_matches_live_reference_in_a_staged_run(tmp_path, straight):
@@ -111,16 +142,35 @@ def test_precomputed_reference_matches_live_reference_in_a_staged_run(tmp_path, 
 
 
 def _sft_then_sdft(out: Path, **top) -> Recipe:
-    rows = [{"prompt": f"{a}+{b}=", "demonstration": str(a + b), "answer": str(a + b)} for a in range(10) for b in range(10)]
+    rows = [
+        {"prompt": f"{a}+{b}=", "demonstration": str(a + b), "answer": str(a + b)} for a in range(10) for b in range(10)
+    ]
     stages = [
-        {"id": "warmup", "name": "sft", "steps": 3, "batch_size": 8, "optimizer": {"learning_rate": 1e-2},
-         "dataset": {"name": "arithmetic", "size": 64}},
-        {"id": "distill", "name": "sdft", "steps": 4, "prompts_per_step": 4, "max_tokens": 4, "dataset": rows,
-         "teacher": "ema", "ema_rate": 0.3, "teacher_template": "{demonstration} {prompt}",
-         "loss": {"name": "sdft", "mode": "topk_logits", "topk": 5}, "optimizer": {"learning_rate": 1e-2}},
-    ]  # fmt: skip
-    return Recipe.from_dict({"name": "sft_sdft", "seed": 1, "output_dir": str(out), "backend": TINY,
-                             "loggers": [], "stages": stages, **top})  # fmt: skip
+        {
+            "id": "warmup",
+            "name": "sft",
+            "steps": 3,
+            "batch_size": 8,
+            "optimizer": {"learning_rate": 1e-2},
+            "dataset": {"name": "arithmetic", "size": 64},
+        },
+        {
+            "id": "distill",
+            "name": "sdft",
+            "steps": 4,
+            "prompts_per_step": 4,
+            "max_tokens": 4,
+            "dataset": rows,
+            "teacher": "ema",
+            "ema_rate": 0.3,
+            "teacher_template": "{demonstration} {prompt}",
+            "loss": {"name": "sdft", "mode": "topk_logits", "topk": 5},
+            "optimizer": {"learning_rate": 1e-2},
+        },
+    ]
+    return Recipe.from_dict(
+        {"name": "sft_sdft", "seed": 1, "output_dir": str(out), "backend": TINY, "loggers": [], "stages": stages, **top}
+    )
 
 
 def test_sdft_with_an_ema_teacher_resumes_mid_stage_identically(tmp_path):

@@ -82,15 +82,24 @@ def test_a_periodic_evaluation_on_a_check_step_answers_the_rule_itself(tmp_path)
 
 def test_stop_check_schedule():
     ev = EvalConfig(every=10, stop_every=3, stop_at_accuracy=0.4)
-    assert [stop_check(ev, s, fresh_eval=s % 10 == 0) for s in (1, 3, 9, 10, 30)] == [None, "check", "check", "eval", "eval"]
+    assert [stop_check(ev, s, fresh_eval=s % 10 == 0) for s in (1, 3, 9, 10, 30)] == [
+        None,
+        "check",
+        "check",
+        "eval",
+        "eval",
+    ]
     assert stop_check(EvalConfig(every=10, stop_every=3), 3, False) is None  # no target: no check
 
 
-@pytest.mark.parametrize(("cfg", "message"), [
-    ({"every": 10, "stop_every": -1}, r"^stages\[0\]\.eval\.stop_every: must be >= 0"),
-    ({"every": 10, "stop_size": 0}, r"^stages\[0\]\.eval\.stop_size: must be a number of examples >= 1"),
-    ({"every": 0}, r"^stages\[0\]\.eval\.stop_at_accuracy: needs eval\.every or eval\.stop_every > 0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        ({"every": 10, "stop_every": -1}, r"^stages\[0\]\.eval\.stop_every: must be >= 0"),
+        ({"every": 10, "stop_size": 0}, r"^stages\[0\]\.eval\.stop_size: must be a number of examples >= 1"),
+        ({"every": 0}, r"^stages\[0\]\.eval\.stop_at_accuracy: needs eval\.every or eval\.stop_every > 0"),
+    ],
+)
 def test_bad_stop_keys_are_one_line(tmp_path, cfg, message):
     with pytest.raises(ConfigError, match=message):
         run(tmp_path, cfg)

@@ -61,6 +61,7 @@ from tempering.types import AdamParams, Batch, Completion, Datum, SamplingParams
 def server(monkeypatch, tmp_path):
     yield from serve(monkeypatch, tmp_path)
 
+
 # The char tokenizer of tiny_llama: <pad>=0 <bos>=1 <eos>=2, "0".."9" = 3..12, "+"=13, "="=14, " "=15.
 BOS, EOS = 1, 2
 PROMPT = [BOS, 4, 5, 13, 6, 7, 14]  # "12+34="
@@ -72,8 +73,15 @@ def base_model(server):
 
 
 def approx_rows(rows):
-    return [{"model_input": r["model_input"], "loss_fn_inputs": {k: pytest.approx(v, abs=1e-6) if k != "target_tokens" else v
-             for k, v in r["loss_fn_inputs"].items()}} for r in rows]  # fmt: skip
+    return [
+        {
+            "model_input": r["model_input"],
+            "loss_fn_inputs": {
+                k: pytest.approx(v, abs=1e-6) if k != "target_tokens" else v for k, v in r["loss_fn_inputs"].items()
+            },
+        }
+        for r in rows
+    ]
 
 
 def grpo_batch() -> Batch:
@@ -107,7 +115,9 @@ def test_missing_extra_names_the_install_command(monkeypatch):
 def test_malformed_key_fails_before_any_request(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("TINKER_API_KEY", "sk-not-a-tinker-key")
     monkeypatch.delenv("TINKER_CREDENTIAL_CMD", raising=False)
-    monkeypatch.setattr(backend_module, "service_client_factory", lambda **kw: pytest.fail("must not reach the service"))
+    monkeypatch.setattr(
+        backend_module, "service_client_factory", lambda **kw: pytest.fail("must not reach the service")
+    )
     with pytest.raises(TinkerAuthError) as info:
         TinkerBackend(base_model="fake/tiny")
     message = str(info.value)
@@ -115,8 +125,10 @@ def test_malformed_key_fails_before_any_request(monkeypatch, tmp_path, capsys):
     assert "sk-not" not in message  # never echo the key
 
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"name: r\noutput_dir: {tmp_path / 'out'}\nbackend: {{name: tinker, base_model: fake/tiny}}\n"
-                      "loggers: []\nstages: [{name: sft, steps: 1}]\n")  # fmt: skip
+    recipe.write_text(
+        f"name: r\noutput_dir: {tmp_path / 'out'}\nbackend: {{name: tinker, base_model: fake/tiny}}\n"
+        "loggers: []\nstages: [{name: sft, steps: 1}]\n"
+    )
     from tempering.apps.cli import main
 
     assert main(["run", str(recipe)]) == 2
@@ -129,10 +141,18 @@ def test_sampling_params_and_completions(server):
     backend = make_backend(server)
     params = backend.sampling_params(SamplingParams(max_tokens=3, temperature=0.7, top_k=0, stop=[]))
     # no stop given: the tokenizer's EOS, explicitly (never None: the service's implicit stop)
-    assert (params.max_tokens, params.temperature, params.top_k, params.top_p, params.stop, params.seed) == (3, 0.7, -1, 1.0, [EOS], None)
+    assert (params.max_tokens, params.temperature, params.top_k, params.top_p, params.stop, params.seed) == (
+        3,
+        0.7,
+        -1,
+        1.0,
+        [EOS],
+        None,
+    )
     assert backend.sampling_params(SamplingParams(stop=[14])).stop == [14, EOS]  # EOS always stops
-    assert backend.sampling_params(SamplingParams(stop=["="], top_k=5, seed=3)).model_dump(include={"stop", "top_k", "seed"}) == {
-        "stop": ["="], "top_k": 5, "seed": 3}  # fmt: skip
+    assert backend.sampling_params(SamplingParams(stop=["="], top_k=5, seed=3)).model_dump(
+        include={"stop", "top_k", "seed"}
+    ) == {"stop": ["="], "top_k": 5, "seed": 3}
 
     groups = backend.sample([PROMPT, PROMPT[:4]], 3, SamplingParams(max_tokens=4, seed=1)).result()
     assert [len(g) for g in groups] == [3, 3]
@@ -147,8 +167,9 @@ def test_sampling_params_and_completions(server):
             expected = [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(c.tokens)]
             assert c.logprobs == pytest.approx(expected, abs=1e-5)
     requests = sent(server, "Sample")  # one request per prompt, sent concurrently: in either order
-    assert sorted((r.num_samples, r.prompt.to_ints(), r.sampling_params.stop) for r in requests) == sorted([
-        (3, PROMPT, [EOS]), (3, PROMPT[:4], [EOS])])  # fmt: skip
+    assert sorted((r.num_samples, r.prompt.to_ints(), r.sampling_params.stop) for r in requests) == sorted(
+        [(3, PROMPT, [EOS]), (3, PROMPT[:4], [EOS])]
+    )
 
 
 # ---------------------------------------------------------------------- the rows sent, by batch type
@@ -169,15 +190,23 @@ def test_grpo_rows_fold_the_normaliser_into_ppo_advantages(server, loss_type, ex
     assert record.loss_fn == "ppo"
     assert record.loss_fn_config == pytest.approx({"clip_low_threshold": 0.8, "clip_high_threshold": 1.28})
     expected = [
-        {"model_input": PROMPT + [7, 9], "loss_fn_inputs": {
-            "target_tokens": PROMPT[1:] + [7, 9, EOS],
-            "logprobs": [0.0] * 6 + [-0.5, -0.25, -0.125],
-            "advantages": [0.0] * 6 + [1.0 * c for c in coef[0]]}},
-        {"model_input": PROMPT + [7], "loss_fn_inputs": {
-            "target_tokens": PROMPT[1:] + [7, EOS],
-            "logprobs": [0.0] * 6 + [-1.0, -0.75],
-            "advantages": [0.0] * 6 + [-1.0 * c for c in coef[1]]}},
-    ]  # fmt: skip
+        {
+            "model_input": PROMPT + [7, 9],
+            "loss_fn_inputs": {
+                "target_tokens": PROMPT[1:] + [7, 9, EOS],
+                "logprobs": [0.0] * 6 + [-0.5, -0.25, -0.125],
+                "advantages": [0.0] * 6 + [1.0 * c for c in coef[0]],
+            },
+        },
+        {
+            "model_input": PROMPT + [7],
+            "loss_fn_inputs": {
+                "target_tokens": PROMPT[1:] + [7, EOS],
+                "logprobs": [0.0] * 6 + [-1.0, -0.75],
+                "advantages": [0.0] * 6 + [-1.0 * c for c in coef[1]],
+            },
+        },
+    ]
     assert plain(record) == approx_rows(expected)
     assert "clip_ratio/region_mean" in metrics and math.isfinite(metrics["loss"])
     assert metrics["loss"] == pytest.approx(metrics["tinker/loss_sum"], abs=1e-5)  # our loss = the service's
@@ -195,17 +224,28 @@ def test_grpo_with_kl_or_two_sided_clip_is_a_custom_loss(server):
     assert record.loss_fn == "cross_entropy"
     (backward,) = sent(server, "ForwardBackward")
     assert backward.loss_fn == "cross_entropy" and metrics["tinker/custom_loss"] == 1.0
-    assert plain(record) == [  # only what the service needs for the surrogate cross_entropy
-        {"model_input": PROMPT + [7, 9], "loss_fn_inputs": {"target_tokens": PROMPT[1:] + [7, 9, EOS], "weights": [0.0] * 6 + [1.0] * 3}},
-        {"model_input": PROMPT + [7], "loss_fn_inputs": {"target_tokens": PROMPT[1:] + [7, EOS], "weights": [0.0] * 6 + [1.0] * 2}},
-    ]
+    assert (
+        plain(record)
+        == [  # only what the service needs for the surrogate cross_entropy
+            {
+                "model_input": PROMPT + [7, 9],
+                "loss_fn_inputs": {"target_tokens": PROMPT[1:] + [7, 9, EOS], "weights": [0.0] * 6 + [1.0] * 3},
+            },
+            {
+                "model_input": PROMPT + [7],
+                "loss_fn_inputs": {"target_tokens": PROMPT[1:] + [7, EOS], "weights": [0.0] * 6 + [1.0] * 2},
+            },
+        ]
+    )
 
 
 def test_grpo_with_sequence_ratios_is_tinker_gspo(server):
     """GSPO (sequence-level ratios) maps onto Tinker's built-in ``gspo`` (GSPO-token) with the
     loss mask as ``sequence_ratio_mask``; the service's loss is ours."""
     backend = make_backend(server)
-    metrics = backend.forward_backward(grpo_batch(), GRPOLoss(importance_sampling_level="sequence", epsilon_high=0.28)).result()
+    metrics = backend.forward_backward(
+        grpo_batch(), GRPOLoss(importance_sampling_level="sequence", epsilon_high=0.28)
+    ).result()
     (record,) = sent(server, "ForwardBackward")
     assert record.loss_fn == "gspo" and not sent(server, "Forward")  # a built-in: no extra forward pass
     assert record.loss_fn_config == pytest.approx({"clip_low_threshold": 0.8, "clip_high_threshold": 1.28})
@@ -225,8 +265,14 @@ def test_dpo_rows_and_reference(server):
     (record,) = sent(server, "Forward")
     prompt = [BOS, 4, 13, 5, 14]  # "1+2="
     assert plain(record) == [
-        {"model_input": prompt + [6], "loss_fn_inputs": {"target_tokens": prompt[1:] + [6, EOS], "weights": [0.0] * 4 + [1.0] * 2}},
-        {"model_input": prompt + [7], "loss_fn_inputs": {"target_tokens": prompt[1:] + [7, EOS], "weights": [0.0] * 4 + [1.0] * 2}},
+        {
+            "model_input": prompt + [6],
+            "loss_fn_inputs": {"target_tokens": prompt[1:] + [6, EOS], "weights": [0.0] * 4 + [1.0] * 2},
+        },
+        {
+            "model_input": prompt + [7],
+            "loss_fn_inputs": {"target_tokens": prompt[1:] + [7, EOS], "weights": [0.0] * 4 + [1.0] * 2},
+        },
     ]
     # reference = the base model, policy = the fresh adapter (the base model): DPO starts at ln 2
     assert metrics["loss"] == pytest.approx(math.log(2), abs=1e-5)
@@ -245,10 +291,18 @@ def test_sdft_sampled_token_rows_are_importance_sampling(server):
     backend.forward_backward(Batch([d]), SDFTLoss(mode="sampled_token")).result()
     (record,) = sent(server, "ForwardBackward")
     assert (record.loss_fn, record.loss_fn_config) == ("importance_sampling", None)
-    assert plain(record) == approx_rows([{"model_input": [BOS, 4, 14, 5, 6], "loss_fn_inputs": {
-        "target_tokens": [4, 14, 5, 6, EOS],
-        "logprobs": [0.0, 0.0, 0.0, -0.4, -0.5],  # 0 where the weight is 0 (the skipped token too)
-        "advantages": [0.0, 0.0, 0.0, 0.1, -0.05]}}])  # fmt: skip
+    assert plain(record) == approx_rows(
+        [
+            {
+                "model_input": [BOS, 4, 14, 5, 6],
+                "loss_fn_inputs": {
+                    "target_tokens": [4, 14, 5, 6, EOS],
+                    "logprobs": [0.0, 0.0, 0.0, -0.4, -0.5],  # 0 where the weight is 0 (the skipped token too)
+                    "advantages": [0.0, 0.0, 0.0, 0.1, -0.05],
+                },
+            }
+        ]
+    )
 
     with pytest.raises(NotImplementedError, match="sampled_token"):
         backend.forward_backward(Batch([d]), SDFTLoss(mode="topk_logits"))
@@ -279,13 +333,30 @@ def test_offpolicy_rows_use_the_builtin_with_its_thresholds(server, loss):
     assert set(declared) == {"clip_low_threshold", "clip_high_threshold"}
     assert record.loss_fn_config == pytest.approx(declared)
     if isinstance(loss, offpolicy.PPOLoss) and type(loss) is offpolicy.PPOLoss:
-        assert (record.loss_fn, record.loss_fn_config) == ("ppo", pytest.approx({"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}))
-    assert plain(record) == approx_rows([
-        {"model_input": [BOS, 4, 14, 5], "loss_fn_inputs": {"target_tokens": [4, 14, 5, EOS],
-         "logprobs": [0.0, 0.0, -0.7, -0.2], "advantages": [0.0, 0.0, 0.25, 0.25]}},
-        {"model_input": [BOS, 14, 6], "loss_fn_inputs": {"target_tokens": [14, 6, EOS],
-         "logprobs": [0.0, -1.5, 0.0], "advantages": [0.0, -0.5, 0.0]}},
-    ])  # fmt: skip
+        assert (record.loss_fn, record.loss_fn_config) == (
+            "ppo",
+            pytest.approx({"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}),
+        )
+    assert plain(record) == approx_rows(
+        [
+            {
+                "model_input": [BOS, 4, 14, 5],
+                "loss_fn_inputs": {
+                    "target_tokens": [4, 14, 5, EOS],
+                    "logprobs": [0.0, 0.0, -0.7, -0.2],
+                    "advantages": [0.0, 0.0, 0.25, 0.25],
+                },
+            },
+            {
+                "model_input": [BOS, 14, 6],
+                "loss_fn_inputs": {
+                    "target_tokens": [14, 6, EOS],
+                    "logprobs": [0.0, -1.5, 0.0],
+                    "advantages": [0.0, -0.5, 0.0],
+                },
+            },
+        ]
+    )
 
 
 def test_losses_tinker_cannot_run_fail_clearly(server):
@@ -312,8 +383,15 @@ def test_soft_targets_go_to_cross_entropy_as_n_by_k(server):
     d.extra["soft_target_weights"] = [[0.0, 0.0], [0.75, 0.25]]
     metrics = backend.forward_backward(Batch([d]), TopKCE()).result()
     (record,) = sent(server, "ForwardBackward")
-    assert (record.loss_fn, plain(record)) == ("cross_entropy", [{"model_input": [BOS, 4], "loss_fn_inputs": {
-        "target_tokens": [[4, 5], [14, 6]], "weights": [[0.0, 0.0], [0.75, 0.25]]}}])  # fmt: skip
+    assert (record.loss_fn, plain(record)) == (
+        "cross_entropy",
+        [
+            {
+                "model_input": [BOS, 4],
+                "loss_fn_inputs": {"target_tokens": [[4, 5], [14, 6]], "weights": [[0.0, 0.0], [0.75, 0.25]]},
+            }
+        ],
+    )
     with torch.no_grad():
         logp = torch.log_softmax(base_model(server)(input_ids=torch.tensor([[BOS, 4]])).logits[0], -1)
     assert metrics["loss"] == pytest.approx(-(0.75 * float(logp[1, 14]) + 0.25 * float(logp[1, 6])), abs=1e-5)
@@ -331,7 +409,15 @@ def random_batch(seed: int, per_token_adv: bool = True) -> tuple[Batch, torch.Te
         weights = [0.0] * (prompt_len - 1) + [1.0] * comp_len
         q = (-torch.rand(n, generator=g) * 3).tolist()
         adv = torch.randn(n, generator=g) if per_token_adv else torch.full((n,), float(torch.randn(1, generator=g)))
-        rows.append(Datum(list(range(n)), list(range(1, n + 1)), weights, [x if w else 0.0 for x, w in zip(q, weights)], adv.tolist()))
+        rows.append(
+            Datum(
+                list(range(n)),
+                list(range(1, n + 1)),
+                weights,
+                [x if w else 0.0 for x, w in zip(q, weights)],
+                adv.tolist(),
+            )
+        )
     rows[3].weights = [0.0] * len(rows[3].weights)  # e.g. a failed sample
     t = Batch(rows).to_tensors()
     lp = t["sampler_logprobs"] + 0.4 * torch.randn(t["sampler_logprobs"].shape, generator=g)
@@ -344,7 +430,9 @@ def builtin_side(plan, lp: torch.Tensor) -> torch.Tensor:
     total = lp.new_zeros(())
     for i, inputs in enumerate(plan.inputs):
         n = len(inputs["target_tokens"])
-        tensors = {k: torch.tensor(v, dtype=torch.int64 if k == "target_tokens" else torch.float32) for k, v in inputs.items()}
+        tensors = {
+            k: torch.tensor(v, dtype=torch.int64 if k == "target_tokens" else torch.float32) for k, v in inputs.items()
+        }
         total = total + builtin_loss(plan.loss_fn, plan.loss_fn_config, lp[i, :n], tensors)
     return total
 
@@ -363,10 +451,17 @@ def assert_same_loss_and_gradient(loss, batch: Batch, lp: torch.Tensor) -> None:
 
 
 EXACT = [
-    *[GRPOLoss(loss_type=t, epsilon_low=lo, epsilon_high=hi) for t in ("dapo", "bnpo", "grpo") for lo, hi in ((0.2, 0.2), (0.2, 0.28))],
+    *[
+        GRPOLoss(loss_type=t, epsilon_low=lo, epsilon_high=hi)
+        for t in ("dapo", "bnpo", "grpo")
+        for lo, hi in ((0.2, 0.2), (0.2, 0.28))
+    ],
     GRPOLoss(loss_type="dr_grpo", max_completion_length=6),
     GRPOLoss(loss_type="dr_grpo"),  # constant = the padded width
-    *[GRPOLoss(loss_type=t, importance_sampling_level="sequence", epsilon_high=0.28) for t in ("dapo", "grpo", "dr_grpo")],
+    *[
+        GRPOLoss(loss_type=t, importance_sampling_level="sequence", epsilon_high=0.28)
+        for t in ("dapo", "grpo", "dr_grpo")
+    ],
     ImportanceSamplingLoss(),
     SDFTLoss(mode="sampled_token"),
     CrossEntropyLoss(),
@@ -374,7 +469,11 @@ EXACT = [
 ]
 
 
-@pytest.mark.parametrize("loss", EXACT, ids=lambda x: f"{type(x).__name__}-{getattr(x, 'loss_type', '')}-{getattr(x, 'importance_sampling_level', '')}")
+@pytest.mark.parametrize(
+    "loss",
+    EXACT,
+    ids=lambda x: f"{type(x).__name__}-{getattr(x, 'loss_type', '')}-{getattr(x, 'importance_sampling_level', '')}",
+)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_builtin_mapping_computes_exactly_our_loss(loss, seed):
     batch, lp = random_batch(seed, per_token_adv=not isinstance(loss, GRPOLoss))
@@ -423,7 +522,9 @@ def _model_gradient(model, batch: Batch, loss) -> list[torch.Tensor]:
     return [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
 
 
-@pytest.mark.parametrize("loss", [GRPOLoss(epsilon_high=0.28), GRPOLoss(beta=0.04), DPOLoss()], ids=["ppo", "custom-kl", "custom-dpo"])
+@pytest.mark.parametrize(
+    "loss", [GRPOLoss(epsilon_high=0.28), GRPOLoss(beta=0.04), DPOLoss()], ids=["ppo", "custom-kl", "custom-dpo"]
+)
 def test_service_gradient_equals_the_local_gradient(server, loss):
     """End to end on the fake's model: the built-in (ppo) and the custom-loss surrogate
     (cross_entropy with weights -dL/dlp) give the service our loss's gradient."""
@@ -461,7 +562,13 @@ def test_forward_backward_and_optim_step_go_out_before_anything_is_awaited(serve
     fb.result(), op.result()
     second = backend.sample([PROMPT], 1, SamplingParams(max_tokens=2)).result()
     assert kinds(server, "SaveWeightsForSampler", "Sample", "ForwardBackward", "OptimStep") == [
-        "SaveWeightsForSampler", "Sample", "ForwardBackward", "OptimStep", "SaveWeightsForSampler", "Sample"]  # fmt: skip
+        "SaveWeightsForSampler",
+        "Sample",
+        "ForwardBackward",
+        "OptimStep",
+        "SaveWeightsForSampler",
+        "Sample",
+    ]
     assert (first[0][0].policy_version, second[0][0].policy_version, backend.step) == (0, 1, 1)
     sessions = [r.sampling_session_id for r in sent(server, "Sample")]
     assert sessions[0] != sessions[1]  # the second sample used the new weights' session
@@ -592,7 +699,11 @@ def test_save_and_resume_restore_weights_step_snapshots_and_extra(server, tmp_pa
     record = json.loads((tmp_path / "ckpt" / "step000001" / "tinker_checkpoint.json").read_text())
     assert kinds(server, "SaveWeights") == ["SaveWeights"]
     assert record["tinker_path"] in server.service.states and record["tinker_path"].startswith("tinker://")
-    assert (record["step"], record["extra"], sorted(record["snapshots"])) == (1, {"state": {"position": 7}}, ["reference/rl"])
+    assert (record["step"], record["extra"], sorted(record["snapshots"])) == (
+        1,
+        {"state": {"position": 7}},
+        ["reference/rl"],
+    )
     trained, at_start = backend.logprobs(batch).result(), backend.logprobs(batch, weights="reference/rl").result()
 
     for source in (path, record["tinker_path"]):  # the local folder, or the tinker path via the index
@@ -663,7 +774,9 @@ def test_the_same_recipe_runs_on_local_and_on_tinker(server, tmp_path, fresh_reg
     assert set(local[0]) - backend_only <= set(remote[0])
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["kl_ref"]) for r in remote)
     fbs = sent(server, "ForwardBackward")
-    assert [(r.loss_fn, r.loss_fn_config) for r in fbs] == [("ppo", pytest.approx({"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}))] * 2
+    assert [(r.loss_fn, r.loss_fn_config) for r in fbs] == [
+        ("ppo", pytest.approx({"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}))
+    ] * 2
     assert sent(server, "CreateModel")[0].base_model == "tiny_llama"  # backend.model carried over
     progress = read_progress(str(tmp_path / "tinker"))
     assert progress["current"] == "rl" and progress["global_step"] == 2
@@ -673,7 +786,9 @@ def test_the_same_recipe_runs_on_local_and_on_tinker(server, tmp_path, fresh_reg
 
     # Resume the interrupted Tinker run: a new session, the state restored, step 3 trained.
     with pytest.warns(UserWarning):
-        Recipe.from_yaml(str(recipe), [f"output_dir={tmp_path / 'tinker'}", "backend.name=tinker", "max_total_steps=null"]).run()
+        Recipe.from_yaml(
+            str(recipe), [f"output_dir={tmp_path / 'tinker'}", "backend.name=tinker", "max_total_steps=null"]
+        ).run()
     assert sent(server, "LoadWeights")[-1].path == record["tinker_path"]
     assert [r["step"] for r in _rl_rows(tmp_path / "tinker")] == [1, 2, 3]
     assert len(sent(server, "ForwardBackward")) == 3
@@ -687,13 +802,38 @@ def test_async_offpolicy_stage_samples_from_published_snapshots(server, tmp_path
     here with ``inflight`` sampling clients (weights shared with the trainer)."""
     from tempering.training.recipe import Recipe
 
-    stage = {"name": "offpolicy", "steps": 3, "prompts_per_step": 2, "group_size": 2, "max_tokens": 3,
-             "max_steps_off_policy": 1, "optimizer": {"learning_rate": 1e-2}, "dataset": {"name": "arithmetic", "size": 32}}  # fmt: skip
-    Recipe.from_dict({"name": "o", "output_dir": str(tmp_path / "o"), "loggers": ["jsonl"], "stages": [stage],
-                      "backend": {"name": "tinker", "base_model": "tiny_llama", "sampling_client_kind": "inflight",
-                                  "checkpoint_index_dir": str(tmp_path / "i")}}).run()  # fmt: skip
-    rows = [r for r in (json.loads(x) for x in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()) if "offpolicy/staleness_mean" in r]
+    stage = {
+        "name": "offpolicy",
+        "steps": 3,
+        "prompts_per_step": 2,
+        "group_size": 2,
+        "max_tokens": 3,
+        "max_steps_off_policy": 1,
+        "optimizer": {"learning_rate": 1e-2},
+        "dataset": {"name": "arithmetic", "size": 32},
+    }
+    Recipe.from_dict(
+        {
+            "name": "o",
+            "output_dir": str(tmp_path / "o"),
+            "loggers": ["jsonl"],
+            "stages": [stage],
+            "backend": {
+                "name": "tinker",
+                "base_model": "tiny_llama",
+                "sampling_client_kind": "inflight",
+                "checkpoint_index_dir": str(tmp_path / "i"),
+            },
+        }
+    ).run()
+    rows = [
+        r
+        for r in (json.loads(x) for x in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines())
+        if "offpolicy/staleness_mean" in r
+    ]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["offpolicy/staleness_max"] <= 1 for r in rows)
-    assert {r.loss_fn for r in sent(server, "ForwardBackward")} == {fresh_registry.build("loss", "clipped_is").tinker_builtin}
+    assert {r.loss_fn for r in sent(server, "ForwardBackward")} == {
+        fresh_registry.build("loss", "clipped_is").tinker_builtin
+    }
     publishes = [r for r in sent(server, "SaveWeightsForSampler") if r.path is None]
     assert len(publishes) >= 3 and {r.kind for r in publishes} == {"inflight"}  # a publish per step, no copy

@@ -22,7 +22,9 @@ def _clip(x: float, lo: float, hi: float) -> float:
     return min(max(x, lo), hi)
 
 
-def reference(loss_fn: str, cfg: dict, lp: list[float], q: list[float], adv: list[float], mask: list[float] | None = None):
+def reference(
+    loss_fn: str, cfg: dict, lp: list[float], q: list[float], adv: list[float], mask: list[float] | None = None
+):
     """(loss, d loss / d lp) of one datum, from the documented definitions, one position at a time."""
     n = len(lp)
     loss, grad = 0.0, [0.0] * n
@@ -88,7 +90,11 @@ def _datum(rng: random.Random, n: int, spread: float):
 
 
 def _ours(loss_fn, cfg, lp, q, adv, mask):
-    inputs = {"target_tokens": torch.arange(len(lp)), "logprobs": torch.tensor(q, dtype=torch.float64), "advantages": torch.tensor(adv, dtype=torch.float64)}
+    inputs = {
+        "target_tokens": torch.arange(len(lp)),
+        "logprobs": torch.tensor(q, dtype=torch.float64),
+        "advantages": torch.tensor(adv, dtype=torch.float64),
+    }
     if loss_fn == "gspo":
         inputs["sequence_ratio_mask"] = torch.tensor(mask, dtype=torch.float64)
     x = torch.tensor(lp, dtype=torch.float64, requires_grad=True)

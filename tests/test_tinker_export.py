@@ -31,15 +31,30 @@ HUB_NAME = "acme/tiny-base"
 
 @pytest.fixture
 def server(monkeypatch, tmp_path):
-    yield from serve(monkeypatch, tmp_path, {"tiny_llama": ServedModel("tiny_llama", MODEL_KWARGS),
-                                             HUB_NAME: ServedModel("tiny_llama", MODEL_KWARGS)})  # fmt: skip
+    yield from serve(
+        monkeypatch,
+        tmp_path,
+        {"tiny_llama": ServedModel("tiny_llama", MODEL_KWARGS), HUB_NAME: ServedModel("tiny_llama", MODEL_KWARGS)},
+    )
 
 
 def train(out: Path, model: str) -> Path:
     """Two SFT stages of 3 steps on Tinker (checkpoints at steps 3 and 6); the run folder."""
-    backend = {"name": "tinker", "model": model, "model_kwargs": MODEL_KWARGS, "lora": {"rank": 4}, "retry_backoff": 0.0}
-    cfg = {"name": "tinker-export", "output_dir": str(out), "loggers": ["jsonl"], "backend": backend, "seed": 3,
-           "stages": [sft("first"), sft("second")]}  # fmt: skip
+    backend = {
+        "name": "tinker",
+        "model": model,
+        "model_kwargs": MODEL_KWARGS,
+        "lora": {"rank": 4},
+        "retry_backoff": 0.0,
+    }
+    cfg = {
+        "name": "tinker-export",
+        "output_dir": str(out),
+        "loggers": ["jsonl"],
+        "backend": backend,
+        "seed": 3,
+        "stages": [sft("first"), sft("second")],
+    }
     with pytest.warns(UserWarning, match="backend 'tinker' ignores local-backend keys"):
         Recipe.from_dict(cfg).run()
     return out
@@ -48,7 +63,10 @@ def train(out: Path, model: str) -> Path:
 def tinker_logprobs(out: Path, step: int | None = None) -> torch.Tensor:
     """The logprobs of the run's checkpoint on Tinker: a backend rebuilt from run.json, the
     checkpoint loaded, the trainer's forward pass on the service."""
-    with pytest.warns(UserWarning, match="ignores local-backend keys"), run_backend(RunDir(str(out)), step) as (backend, _):
+    with (
+        pytest.warns(UserWarning, match="ignores local-backend keys"),
+        run_backend(RunDir(str(out)), step) as (backend, _),
+    ):
         return backend_logprobs(backend)
 
 
@@ -75,7 +93,9 @@ def test_tinker_export_merged_and_adapter_match_the_service(server, tmp_path: Pa
     assert len(server.requests("DeleteCheckpoint")) == 1 and server.service.external == {}
 
     assert cli.main(["export", str(out), "--to", str(tmp_path / "adapter"), "--adapter"]) == 0
-    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "adapter").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {
+        p.name for p in (tmp_path / "adapter").iterdir()
+    }
     peft_model = PeftModel.from_pretrained(tiny_llama(**MODEL_KWARGS)[0], str(tmp_path / "adapter"))
     assert (hf_logprobs(peft_model, tokenizer) - served).abs().max().item() <= 1e-5
 
@@ -93,7 +113,10 @@ def test_a_hub_base_needs_base_model_and_downloads_are_signed(server, tmp_path: 
     out = train(tmp_path / "run", HUB_NAME)
     assert cli.main(["export", str(out), "--to", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"tempering: error: --base-model: the base model '{HUB_NAME}' is not on this machine") and "\n" not in err
+    assert (
+        err.startswith(f"tempering: error: --base-model: the base model '{HUB_NAME}' is not on this machine")
+        and "\n" not in err
+    )
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
 
     base, _ = tiny_llama(**MODEL_KWARGS)

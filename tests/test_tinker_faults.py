@@ -79,8 +79,10 @@ def test_a_rejected_key_is_one_line_naming_the_key(monkeypatch, tmp_path, capsys
         assert "tml-local-test" not in str(info.value)  # never echo the key
 
         recipe = tmp_path / "r.yaml"
-        recipe.write_text(f"name: r\noutput_dir: {tmp_path / 'out'}\nbackend: {{name: tinker, base_model: tiny_llama}}\n"
-                          "loggers: []\nstages: [{name: sft, steps: 1}]\n")  # fmt: skip
+        recipe.write_text(
+            f"name: r\noutput_dir: {tmp_path / 'out'}\nbackend: {{name: tinker, base_model: tiny_llama}}\n"
+            "loggers: []\nstages: [{name: sft, steps: 1}]\n"
+        )
         from tempering.apps.cli import main
 
         assert main(["run", str(recipe)]) == 2
@@ -118,7 +120,9 @@ def test_a_service_that_never_answers_is_bounded(monkeypatch, tmp_path):
         sock.bind(("127.0.0.1", 0))
         sock.listen(16)
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        backend = TinkerBackend(base_model="tiny_llama", base_url=url, setup_timeout_seconds=1.5, wait_warning_seconds=0.5)
+        backend = TinkerBackend(
+            base_model="tiny_llama", base_url=url, setup_timeout_seconds=1.5, wait_warning_seconds=0.5
+        )
         start = time.monotonic()
         with pytest.warns(RuntimeWarning, match="still waiting for create a LoRA training client"):
             with pytest.raises(TinkerServiceError) as info:
@@ -231,8 +235,13 @@ def test_recovery_starts_from_the_last_saved_state(server, tmp_path):
     clean = train(make_backend(server), 3)
     backend = make_backend(server, checkpoint_index_dir=str(tmp_path / "index"))
     with pytest.warns(RuntimeWarning, match="from the saved state tinker://"):
-        recovered = train(backend, 3, before_step=lambda step: step == 2 and server.faults.fail("ForwardBackward"),
-                          save_after=1, folder=tmp_path / "step000001")  # fmt: skip
+        recovered = train(
+            backend,
+            3,
+            before_step=lambda step: step == 2 and server.faults.fail("ForwardBackward"),
+            save_after=1,
+            folder=tmp_path / "step000001",
+        )
     (state,) = [r.path for r in sent(server, "SaveWeights")]
     (load,) = sent(server, "LoadWeights")
     assert load.path.endswith(state) and load.optimizer  # rebuilt from the checkpoint, with Adam's state
@@ -248,7 +257,9 @@ def test_a_poisoned_training_client_is_recovered(server):
     kl = GRPOLoss(beta=0.04, epsilon_high=0.28)  # the k3 KL term: a custom loss on Tinker
     clean = train(make_backend(server), 2, loss=kl)
     with pytest.warns(RuntimeWarning, match="rebuilding the training client"):
-        recovered = train(make_backend(server), 2, loss=kl, before_step=lambda step: step == 2 and server.faults.fail("Forward"))
+        recovered = train(
+            make_backend(server), 2, loss=kl, before_step=lambda step: step == 2 and server.faults.fail("Forward")
+        )
     for got, want in zip(recovered, clean):
         assert got == pytest.approx(want, abs=1e-6)
 
@@ -324,7 +335,9 @@ def test_stops_are_always_explicit(monkeypatch, tmp_path):
         assert [r.sampling_params.stop for r in sent(server, "Sample")] == [[EOS], [14, EOS], ["="], [EOS, end, eot]]
 
 
-@pytest.mark.parametrize(("raised", "status"), [(None, "success"), (ValueError("boom"), "errored"), (KeyboardInterrupt(), "interrupted")])
+@pytest.mark.parametrize(
+    ("raised", "status"), [(None, "success"), (ValueError("boom"), "errored"), (KeyboardInterrupt(), "interrupted")]
+)
 def test_the_session_is_closed_with_the_runs_outcome(server, raised, status):
     backend = make_backend(server)
     backend.tokenizer  # a session exists

@@ -90,10 +90,19 @@ class ServerProcess:
             port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tempering.plugins.backends.tinker.local_server", "--port", str(port),
-             "--model-kwargs", json.dumps(MODEL_KWARGS)],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "tempering.plugins.backends.tinker.local_server",
+                "--port",
+                str(port),
+                "--model-kwargs",
+                json.dumps(MODEL_KWARGS),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         line = self.proc.stdout.readline()  # "serving tiny_llama at ..." once it listens
         assert self.url in line, line
 
@@ -126,8 +135,13 @@ def closed_with_warning(backend: TinkerBackend) -> tuple[str, float]:
 
 
 def test_a_dead_server_is_connection_refused(process):
-    backend = TinkerBackend(base_model="tiny_llama", base_url=process.url, retry_backoff=0.0,
-                            request_timeout_seconds=3, wait_warning_seconds=60)  # fmt: skip
+    backend = TinkerBackend(
+        base_model="tiny_llama",
+        base_url=process.url,
+        retry_backoff=0.0,
+        request_timeout_seconds=3,
+        wait_warning_seconds=60,
+    )
     sample(backend)
     process.proc.kill()
     process.proc.wait()
@@ -147,8 +161,13 @@ def test_a_dead_server_is_connection_refused(process):
 
 
 def test_a_frozen_server_is_no_answer_within_n_seconds(process):
-    backend = TinkerBackend(base_model="tiny_llama", base_url=process.url, retry_backoff=0.0,
-                            request_timeout_seconds=3, wait_warning_seconds=60)  # fmt: skip
+    backend = TinkerBackend(
+        base_model="tiny_llama",
+        base_url=process.url,
+        retry_backoff=0.0,
+        request_timeout_seconds=3,
+        wait_warning_seconds=60,
+    )
     sample(backend)
     os.kill(process.proc.pid, signal.SIGSTOP)  # it still accepts connections (the kernel does), answers nothing
     with pytest.raises(TinkerServiceError) as info:

@@ -141,7 +141,9 @@ def test_a_multi_turn_recipe_trains_on_tinker_on_exactly_the_sampled_tokens(tmp_
             logprobs, advantages = row["loss_fn_inputs"]["logprobs"], row["loss_fn_inputs"]["advantages"]
             assert {i for i, x in enumerate(logprobs) if x != 0.0} == expected
             assert {i for i, x in enumerate(advantages) if x != 0.0} <= expected
-            assert len({advantages[i] for i in expected}) <= 1  # one value per row: the sequence advantage times dapo's token-mean constant
+            assert (
+                len({advantages[i] for i in expected}) <= 1
+            )  # one value per row: the sequence advantage times dapo's token-mean constant
             # the first sampled position follows a generation prompt: the row starts with a rendered prompt
             assert tokens[min(expected)] == tokenizer.convert_tokens_to_ids("<|assistant|>")
             multi += len([i for i in expected if i - 1 not in expected]) > 1  # more than one sampled span

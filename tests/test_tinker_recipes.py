@@ -59,7 +59,9 @@ def check_run(out: Path, rows: dict[str, list[dict]], expected: dict[str, int]) 
     for stage, n in expected.items():
         assert steps(rows[stage]) == list(range(1, n + 1)), stage
         assert all(math.isfinite(r["loss"]) for r in rows[stage] if "loss" in r)
-        assert any(k.startswith("eval/") or k == "accuracy" for r in rows[stage] for k in r), f"{stage}: no evaluation logged"
+        assert any(k.startswith("eval/") or k == "accuracy" for r in rows[stage] for k in r), (
+            f"{stage}: no evaluation logged"
+        )
 
 
 def loss_fns(server) -> list[str]:
@@ -68,11 +70,21 @@ def loss_fns(server) -> list[str]:
 
 def test_arithmetic_on_tinker(server, tmp_path, fresh_registry):
     out = tmp_path / "arithmetic"
-    rows = run(REPO / "core" / "recipes" / "arithmetic.yaml", out, [
-        "stages.warmup.steps=3", "stages.warmup.batch_size=8", "stages.warmup.eval.every=3",
-        "stages.warmup.eval.dataset.size=6",
-        "stages.rl.steps=2", "stages.rl.prompts_per_step=2", "stages.rl.group_size=2", "stages.rl.eval.every=2",
-        "stages.rl.eval.dataset.size=6"])  # fmt: skip
+    rows = run(
+        REPO / "core" / "recipes" / "arithmetic.yaml",
+        out,
+        [
+            "stages.warmup.steps=3",
+            "stages.warmup.batch_size=8",
+            "stages.warmup.eval.every=3",
+            "stages.warmup.eval.dataset.size=6",
+            "stages.rl.steps=2",
+            "stages.rl.prompts_per_step=2",
+            "stages.rl.group_size=2",
+            "stages.rl.eval.every=2",
+            "stages.rl.eval.dataset.size=6",
+        ],
+    )
     check_run(out, rows, {"warmup": 3, "rl": 2})
     assert loss_fns(server) == ["cross_entropy"] * 3 + ["ppo"] * 2  # SFT, then GRPO (dapo) as Tinker's ppo
     assert [r["reason"]["type"] for r in sent(server, "FinishSession")] == ["success"]
@@ -80,10 +92,22 @@ def test_arithmetic_on_tinker(server, tmp_path, fresh_registry):
 
 def test_dpo_then_rl_on_tinker(server, tmp_path, fresh_registry):
     out = tmp_path / "dpo_then_rl"
-    rows = run(REPO / "examples" / "dpo_then_rl" / "recipe.yaml", out, [
-        "stages.pref.steps=2", "stages.pref.batch_size=4", "stages.pref.dataset.size=16", "stages.pref.eval.every=2", "stages.pref.eval.dataset.size=6",
-        "stages.rl.steps=2", "stages.rl.prompts_per_step=2", "stages.rl.group_size=2", "stages.rl.eval.every=2",
-        "stages.rl.eval.dataset.size=6"])  # fmt: skip
+    rows = run(
+        REPO / "examples" / "dpo_then_rl" / "recipe.yaml",
+        out,
+        [
+            "stages.pref.steps=2",
+            "stages.pref.batch_size=4",
+            "stages.pref.dataset.size=16",
+            "stages.pref.eval.every=2",
+            "stages.pref.eval.dataset.size=6",
+            "stages.rl.steps=2",
+            "stages.rl.prompts_per_step=2",
+            "stages.rl.group_size=2",
+            "stages.rl.eval.every=2",
+            "stages.rl.eval.dataset.size=6",
+        ],
+    )
     check_run(out, rows, {"pref": 2, "rl": 2})
     # DPO is a custom loss: per step, the SDK's forward pass then a linear cross_entropy backward
     assert loss_fns(server) == ["cross_entropy"] * 2 + ["ppo"] * 2
@@ -98,11 +122,22 @@ def chat_server(monkeypatch, tmp_path):
 
 def test_tool_use_on_tinker(chat_server, tmp_path, fresh_registry):
     out = tmp_path / "tool_use"
-    rows = run(REPO / "core" / "recipes" / "tool_use.yaml", out, [
-        "stages.warmup.steps=3", "stages.warmup.batch_size=4", "stages.warmup.dataset.size=16", "stages.warmup.eval.every=3",
-        "stages.warmup.eval.dataset.size=3",
-        "stages.rl.steps=2", "stages.rl.prompts_per_step=2", "stages.rl.group_size=2", "stages.rl.eval.every=2",
-        "stages.rl.eval.dataset.size=3"])  # fmt: skip
+    rows = run(
+        REPO / "core" / "recipes" / "tool_use.yaml",
+        out,
+        [
+            "stages.warmup.steps=3",
+            "stages.warmup.batch_size=4",
+            "stages.warmup.dataset.size=16",
+            "stages.warmup.eval.every=3",
+            "stages.warmup.eval.dataset.size=3",
+            "stages.rl.steps=2",
+            "stages.rl.prompts_per_step=2",
+            "stages.rl.group_size=2",
+            "stages.rl.eval.every=2",
+            "stages.rl.eval.dataset.size=3",
+        ],
+    )
     check_run(out, rows, {"warmup": 3, "rl": 2})
     assert loss_fns(chat_server) == ["cross_entropy"] * 3 + ["ppo"] * 2
     assert all("env/turns_mean" in r for r in rows["rl"] if "loss" in r)  # whole episodes, through the calculator
@@ -141,10 +176,21 @@ def test_grpo_on_smollm2_through_the_local_tinker_server(smol_server, tmp_path, 
     from tempering.types import Batch, Datum
 
     out = tmp_path / "smol"
-    rows = run(REPO / "core" / "recipes" / "smollm2_math.yaml", out, [
-        f"backend.base_model={SMOL_NAME}", "backend.lora.rank=8", "stages.rl.steps=2", "stages.rl.prompts_per_step=2",
-        "stages.rl.group_size=3", "stages.rl.max_tokens=12", "stages.rl.eval.every=2", "stages.rl.eval.dataset.size=4",
-        "stages.rl.eval.max_tokens=8"])  # fmt: skip
+    rows = run(
+        REPO / "core" / "recipes" / "smollm2_math.yaml",
+        out,
+        [
+            f"backend.base_model={SMOL_NAME}",
+            "backend.lora.rank=8",
+            "stages.rl.steps=2",
+            "stages.rl.prompts_per_step=2",
+            "stages.rl.group_size=3",
+            "stages.rl.max_tokens=12",
+            "stages.rl.eval.every=2",
+            "stages.rl.eval.dataset.size=4",
+            "stages.rl.eval.max_tokens=8",
+        ],
+    )
     check_run(out, rows, {"rl": 2})
     trained = [r for r in rows["rl"] if "loss" in r]
     assert loss_fns(smol_server) == ["ppo"] * 2
@@ -153,20 +199,28 @@ def test_grpo_on_smollm2_through_the_local_tinker_server(smol_server, tmp_path, 
     _, tokenizer = smollm2()
     prompts = [list(r.prompt.to_ints()) for r in sent(smol_server, "Sample") if not r.prompt_logprobs]
     assert len(prompts) >= 2 and all(tokenizer.decode(p).startswith("<|im_start|>system\n") for p in prompts)
-    assert all(tokenizer.eos_token_id in r.sampling_params.stop for r in sent(smol_server, "Sample") if not r.prompt_logprobs)
+    assert all(
+        tokenizer.eos_token_id in r.sampling_params.stop for r in sent(smol_server, "Sample") if not r.prompt_logprobs
+    )
     sampled = [(p, c) for p, c in smol_server.sampled if c]
     assert len(sampled) >= 2 * 2 * 3
     base = smol_server.service.base(SMOL_NAME)
-    scored = base.logprobs(Batch([Datum(p + c[:-1], (p + c)[1:], [1.0] * (len(p) + len(c) - 1)) for p, c in sampled])).result()
-    per_token = [x for (p, c), lp in zip(sampled, scored) for x in lp[len(p) - 1:]]
+    scored = base.logprobs(
+        Batch([Datum(p + c[:-1], (p + c)[1:], [1.0] * (len(p) + len(c) - 1)) for p, c in sampled])
+    ).result()
+    per_token = [x for (p, c), lp in zip(sampled, scored) for x in lp[len(p) - 1 :]]
     mean_logprob = sum(per_token) / len(per_token)
-    print(f"smollm2 on the local Tinker server: {len(sampled)} completions, mean logprob {mean_logprob:.2f} "
-          f"a token under the base model, rewards {[r['reward/mean'] for r in trained]}")  # fmt: skip
+    print(
+        f"smollm2 on the local Tinker server: {len(sampled)} completions, mean logprob {mean_logprob:.2f} "
+        f"a token under the base model, rewards {[r['reward/mean'] for r in trained]}"
+    )
     assert sum(per_token) / len(per_token) > -4.0
 
     client = make_backend(smol_server, base_model=SMOL_NAME, rank=8)  # the tokenizer as any Tinker user gets it
     chat = [{"role": "user", "content": "Hi"}]
-    assert client.tokenizer.apply_chat_template(chat, tokenize=False) == tokenizer.apply_chat_template(chat, tokenize=False)
+    assert client.tokenizer.apply_chat_template(chat, tokenize=False) == tokenizer.apply_chat_template(
+        chat, tokenize=False
+    )
     assert client.tokenizer("Hello, world!")["input_ids"] == tokenizer("Hello, world!")["input_ids"]
 
 
@@ -175,10 +229,15 @@ def test_server_command_line_serves_a_model_under_a_name_and_checks_it(monkeypat
     start with one line (not at the first client's request)."""
     from tempering.plugins.backends.tinker.local_server import served_models
 
-    models, args = served_models(["--model", "tiny_llama", "--model-kwargs", '{"hidden_size": 32}', "--name", "org/tiny", "--port", "0"])
+    models, args = served_models(
+        ["--model", "tiny_llama", "--model-kwargs", '{"hidden_size": 32}', "--name", "org/tiny", "--port", "0"]
+    )
     assert models == {"org/tiny": ServedModel("tiny_llama", {"hidden_size": 32})} and args.port == 0
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(SystemExit) as exit_info:
         served_models(["--model", "tiny_lama"])
     assert exit_info.value.code == 2
-    assert "error: --model: 'tiny_lama' is not a registered model builder (did you mean 'tiny_llama'?)" in capsys.readouterr().err
+    assert (
+        "error: --model: 'tiny_lama' is not a registered model builder (did you mean 'tiny_llama'?)"
+        in capsys.readouterr().err
+    )

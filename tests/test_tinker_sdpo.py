@@ -30,10 +30,19 @@ def run(out: Path, overrides: list[str]) -> list[dict]:
     """examples/sdpo/recipe.yaml on Tinker, shortened; the SDPO stage's metric rows."""
     from tempering.training.recipe import Recipe
 
-    base = [f"output_dir={out}", "backend.name=tinker", "loggers=[jsonl]", "stages.warmup.steps=2",
-            "stages.warmup.batch_size=4", "stages.warmup.eval.dataset=null", "stages.rl.eval.dataset=null",
-            "stages.rl.steps=2", "stages.rl.prompts_per_step=2", "stages.rl.group_size=3",
-            "stages.rl.success_reward_threshold=0.0"]  # fmt: skip
+    base = [
+        f"output_dir={out}",
+        "backend.name=tinker",
+        "loggers=[jsonl]",
+        "stages.warmup.steps=2",
+        "stages.warmup.batch_size=4",
+        "stages.warmup.eval.dataset=null",
+        "stages.rl.eval.dataset=null",
+        "stages.rl.steps=2",
+        "stages.rl.prompts_per_step=2",
+        "stages.rl.group_size=3",
+        "stages.rl.success_reward_threshold=0.0",
+    ]
     with pytest.warns(UserWarning, match="backend 'tinker' ignores local-backend keys"):
         Recipe.from_yaml(str(REPO / "examples" / "sdpo" / "recipe.yaml"), [*base, *overrides]).run()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -54,16 +63,27 @@ def test_sampled_token_sdpo_on_tinker(server, tmp_path, fresh_registry, teacher)
     assert [c.loss_fn for c in sent(server, "ForwardBackward")] == ["cross_entropy"] * 4  # 2 SFT + 2 SDPO steps
 
 
-@pytest.mark.parametrize("override, message", [
-    (["stages.rl.teacher=ema"], "stages[1].teacher: 'ema' needs a backend that averages weights"),
-    (["stages.rl.teacher=base", "stages.rl.distillation_mode=full_logits"],
-     "stages[1].distillation_mode: 'full_logits' (support: student) needs the teacher's full "
-     "next-token distributions"),
-    (["stages.rl.teacher=live", "stages.rl.distillation_mode=topk_logits", "stages.rl.distillation_topk=4",
-      "stages.rl.distillation_topk_support=teacher"],
-     "stages[1].distillation_mode: 'topk_logits' trains on the student's logits, "
-     "which this backend does not give a loss"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (["stages.rl.teacher=ema"], "stages[1].teacher: 'ema' needs a backend that averages weights"),
+        (
+            ["stages.rl.teacher=base", "stages.rl.distillation_mode=full_logits"],
+            "stages[1].distillation_mode: 'full_logits' (support: student) needs the teacher's full "
+            "next-token distributions",
+        ),
+        (
+            [
+                "stages.rl.teacher=live",
+                "stages.rl.distillation_mode=topk_logits",
+                "stages.rl.distillation_topk=4",
+                "stages.rl.distillation_topk_support=teacher",
+            ],
+            "stages[1].distillation_mode: 'topk_logits' trains on the student's logits, "
+            "which this backend does not give a loss",
+        ),
+    ],
+)
 def test_what_tinker_cannot_do_is_one_line_before_training(server, tmp_path, fresh_registry, override, message):
     from tempering.errors import ConfigError
 

@@ -94,9 +94,13 @@ class Scripted:
 def play(renderer: Any, tasks: list[dict[str, Any]], turns: dict[str, list[dict[str, Any]]]) -> list[Any]:
     """One episode per task through the registered ``environment`` sampler; the samples."""
     reg = get_registry()
-    context = SamplerContext(renderer.tokenizer, lambda: renderer, None,
-                             build=lambda kind, spec, key: reg.build(kind, spec, key),
-                             factory=lambda kind, spec, key: reg.factory(kind, spec, key))  # fmt: skip
+    context = SamplerContext(
+        renderer.tokenizer,
+        lambda: renderer,
+        None,
+        build=lambda kind, spec, key: reg.build(kind, spec, key),
+        factory=lambda kind, spec, key: reg.factory(kind, spec, key),
+    )
     spec = {"name": "environment", "environment": "calculator", "max_turns": 3}
     sampler = reg.build("sampler", spec, "sampler", context=context)
     rollout = collect(sampler, Scripted(renderer, turns), tasks, 1, SamplingParams(max_tokens=20, temperature=0.0))
@@ -115,8 +119,9 @@ def say(text: str) -> dict[str, Any]:
 def test_the_reference_solution_scores_1_and_tokenizes_like_its_sft_transcript(renderer: Any) -> None:
     tasks = tool_use("test", size=4)
     transcripts = tool_use("test", size=4, transcripts=True)
-    turns = {t["question"]: [m for m in tr["messages"] if m["role"] == "assistant"]
-             for t, tr in zip(tasks, transcripts)}  # fmt: skip
+    turns = {
+        t["question"]: [m for m in tr["messages"] if m["role"] == "assistant"] for t, tr in zip(tasks, transcripts)
+    }
     for sample, tr in zip(play(renderer, tasks, turns), transcripts):
         traj = sample.trajectory
         assert (sample.reward, traj.stop, len(traj.turns)) == (1.0, "done", 2)
@@ -172,8 +177,10 @@ def run_rl(warmup: dict[str, Any], out: Path, *overrides: str) -> tuple[float, l
 
 def check_learned(warmup: dict[str, Any], rl_acc: float, rows: list[dict[str, Any]], label: str) -> None:
     sft_acc = warmup["accuracy"]
-    print(f"{label}: held-out accuracy after SFT ({warmup['steps']} steps) {sft_acc:.3f}, "
-          f"after {RL_STEPS} RL steps {rl_acc:.3f}")  # fmt: skip
+    print(
+        f"{label}: held-out accuracy after SFT ({warmup['steps']} steps) {sft_acc:.3f}, "
+        f"after {RL_STEPS} RL steps {rl_acc:.3f}"
+    )
     assert 0.3 <= sft_acc <= 0.7 and warmup["steps"] < 1500, "the warmup should stop early, at a modest accuracy"
     assert rl_acc >= sft_acc + MIN_GAIN, f"{label} should clearly beat SFT ({rl_acc:.3f} vs {sft_acc:.3f})"
     rewards = [r["reward/mean"] for r in rows]
@@ -192,8 +199,9 @@ def test_grpo_through_the_environment_raises_heldout_accuracy(tool_use_warmup: d
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_offpolicy_with_stale_episodes_raises_heldout_accuracy(tool_use_warmup: dict[str, Any], tmp_path: Path) -> None:
-    rl_acc, rows = run_rl(tool_use_warmup, tmp_path / "offpolicy", "stages.rl.name=offpolicy",
-                          "stages.rl.max_steps_off_policy=2")  # fmt: skip
+    rl_acc, rows = run_rl(
+        tool_use_warmup, tmp_path / "offpolicy", "stages.rl.name=offpolicy", "stages.rl.max_steps_off_policy=2"
+    )
     staleness = [r["offpolicy/staleness_mean"] for r in rows]
     print("staleness per step:", staleness)
     assert max(staleness) == 2 and sum(staleness) / len(staleness) > 1.0  # asynchronous: trained on stale episodes

@@ -35,10 +35,19 @@ def graded(completion: str, example: dict[str, Any]) -> float:
 def run_with(out: Path, logger: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """A 3-step GRPO run (FakeBackend: sample i says str(i)) logging to ``logger``; returns the
     rows of metrics.jsonl and rollouts.jsonl, the truth the tracker must hold."""
-    stage = {"id": "rl", "name": "grpo", "steps": 3, "prompts_per_step": 4, "group_size": 4, "log_rollouts": 2,
-             "dataset": QUESTIONS, "reward": graded}  # fmt: skip
+    stage = {
+        "id": "rl",
+        "name": "grpo",
+        "steps": 3,
+        "prompts_per_step": 4,
+        "group_size": 4,
+        "log_rollouts": 2,
+        "dataset": QUESTIONS,
+        "reward": graded,
+    }
     Recipe.from_dict({"name": "tracked", "output_dir": str(out), "loggers": ["jsonl", logger], "stages": [stage]}).run(
-        backend=FakeBackend())
+        backend=FakeBackend()
+    )
     read = lambda name: [json.loads(x) for x in (out / name).read_text().splitlines()]
     return read("metrics.jsonl"), read("rollouts.jsonl")
 
@@ -51,8 +60,11 @@ def series(rows: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
 def test_a_missing_tracker_package_is_one_line_with_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"^loggers\[1\]: the mlflow logger needs the 'mlflow' package: "
-                                          r"pip install 'tempering\[mlflow\]'$"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"^loggers\[1\]: the mlflow logger needs the 'mlflow' package: "
+        r"pip install 'tempering\[mlflow\]'$",
+    ):
         get_registry().check("logger", {"name": "mlflow"}, "loggers[1]", context=("output_dir",))
     with pytest.raises(ConfigError, match=r"^loggers\[0\]\.projct: unknown key 'projct'. Did you mean 'project'\?"):
         get_registry().check("logger", {"name": "wandb", "projct": "x"}, "loggers[0]", context=("output_dir",))
@@ -61,9 +73,14 @@ def test_a_missing_tracker_package_is_one_line_with_the_install_command(monkeypa
 
 def test_rows_tables_and_config_flattening() -> None:
     assert numeric({"step": 3, "time": 1.0, "loss": 0.5, "ok": True, "first_error/x": "boom", "bad": float("nan")}) == {
-        "loss": 0.5, "ok": 1.0}
+        "loss": 0.5,
+        "ok": 1.0,
+    }
     assert flatten({"stages": [{"name": "grpo", "eval": {}}], "seed": 0}) == {
-        "stages.0.name": "grpo", "stages.0.eval": "{}", "seed": "0"}
+        "stages.0.name": "grpo",
+        "stages.0.eval": "{}",
+        "seed": "0",
+    }
     records = [json.loads(x) for x in (Path(small_run()) / "rollouts.jsonl").read_text().splitlines()]
     episode = next(r for r in records if r["kind"] == "train" and any(m.get("tool_calls") for m in r["messages"]))
     [row] = table_rows([episode])
@@ -98,7 +115,9 @@ def wandb_records(path: str) -> list[Any]:
 
 
 @pytest.mark.extras
-def test_wandb_offline_holds_metrics_config_and_the_rollouts_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_wandb_offline_holds_metrics_config_and_the_rollouts_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("wandb", reason="wandb is not installed (pip install 'tempering[wandb]')")
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
@@ -118,11 +137,14 @@ def test_wandb_offline_holds_metrics_config_and_the_rollouts_table(tmp_path: Pat
     assert config["tempering"] == json.loads((tmp_path / "run" / "run.json").read_text())["tempering"]
     assert config["recipe"]["name"] == "tracked" and "algorithm:grpo" in config["components"]
     assert run.display_name == "tracked"
-    tables = sorted(glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*" / "files" / "media" / "table" / "*.json")))
+    tables = sorted(
+        glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*" / "files" / "media" / "table" / "*.json"))
+    )
     logged = [row for t in tables for row in json.loads(Path(t).read_text())["data"]]  # increments: new rows each
     assert json.loads(Path(tables[0]).read_text())["columns"] == list(COLUMNS)
     assert sorted(map(tuple, ([r[1], r[3], r[4]] for r in logged))) == sorted(
-        (r["step"], r["group"], r["sample"]) for r in rollouts)
+        (r["step"], r["group"], r["sample"]) for r in rollouts
+    )
 
 
 # --------------------------------------------------------------------------- trackio (local)
@@ -143,14 +165,16 @@ def test_trackio_holds_metrics_config_and_rollout_tables(tmp_path: Path, monkeyp
     tables = [(e["step"], e["rollouts"]["_value"]) for e in logs if "rollouts" in e]
     assert [s for s, _ in tables] == sorted({r["step"] for r in rollouts})
     assert [(row["step"], row["group"], row["sample"]) for _, t in tables for row in t] == [
-        (r["step"], r["group"], r["sample"]) for r in rollouts]
+        (r["step"], r["group"], r["sample"]) for r in rollouts
+    ]
 
 
 # --------------------------------------------------------------------------- mlflow (file store)
 @pytest.mark.extras
 @pytest.mark.filterwarnings("ignore:For backward compatibility:DeprecationWarning")  # pandas 3, inside mlflow.log_table
-def test_mlflow_file_store_holds_metrics_params_config_and_rollout_tables(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_mlflow_file_store_holds_metrics_params_config_and_rollout_tables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("mlflow", reason="mlflow is not installed (pip install 'tempering[mlflow]')")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # the logger opts in for its own file store

@@ -54,8 +54,19 @@ class KeepTalking(WithAdd):
 def llama() -> Any:
     from tempering.plugins.backends.local import LocalBackend
 
-    backend = LocalBackend("tiny_llama", {"chat": True, "hidden_size": 32, "num_layers": 2, "num_heads": 2,
-                                          "intermediate_size": 64, "max_position_embeddings": 512}, num_threads=1, threaded=False)  # fmt: skip
+    backend = LocalBackend(
+        "tiny_llama",
+        {
+            "chat": True,
+            "hidden_size": 32,
+            "num_layers": 2,
+            "num_heads": 2,
+            "intermediate_size": 64,
+            "max_position_embeddings": 512,
+        },
+        num_threads=1,
+        threaded=False,
+    )
     yield backend
     backend.close()
 
@@ -76,15 +87,33 @@ def renderer_for(backend: Any, name: str = "auto") -> Any:
     return get_registry().build("renderer", spec, "renderer", tokenizer=backend.tokenizer)
 
 
-def run(client: Any, backend: Any, renderer: Any, examples: list[dict[str, Any]], group_size: int = 1,
-        max_tokens: int = 64, seed: int | None = None) -> list[Trajectory]:  # fmt: skip
+def run(
+    client: Any,
+    backend: Any,
+    renderer: Any,
+    examples: list[dict[str, Any]],
+    group_size: int = 1,
+    max_tokens: int = 64,
+    seed: int | None = None,
+) -> list[Trajectory]:
     """Episodes of :class:`KeepTalking` through the registered ``environment`` sampler."""
     reg = get_registry()
-    context = SamplerContext(backend.tokenizer, lambda: renderer, None, build=lambda k, s, key: reg.build(k, s, key),
-                             factory=lambda k, s, key: reg.factory(k, s, key))  # fmt: skip
-    sampler = reg.build("sampler", {"name": "environment", "environment": KeepTalking, "max_turns": MAX_TURNS},
-                        "sampler", context=context)  # fmt: skip
-    rollout = collect(sampler, client, examples, group_size, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed))
+    context = SamplerContext(
+        backend.tokenizer,
+        lambda: renderer,
+        None,
+        build=lambda k, s, key: reg.build(k, s, key),
+        factory=lambda k, s, key: reg.factory(k, s, key),
+    )
+    sampler = reg.build(
+        "sampler",
+        {"name": "environment", "environment": KeepTalking, "max_turns": MAX_TURNS},
+        "sampler",
+        context=context,
+    )
+    rollout = collect(
+        sampler, client, examples, group_size, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed)
+    )
     trajectories = [s.trajectory for g in rollout.groups for s in g.samples]
     assert [(t.stop, len(t.turns)) for t in trajectories] == [("max_turns", MAX_TURNS)] * len(trajectories)
     return trajectories
@@ -96,6 +125,7 @@ def check_rows(traj: Trajectory) -> list[list[int]]:
     on the completions, logprobs are the sampler's, and a row ends with its last turn's
     completion, so all of it was in the model's context or produced by it. Returns which turns
     each row holds."""
+
     def starts(seg: Segment, c: Completion) -> bool:
         return seg.tokens[: len(c.prompt_tokens) + len(c.tokens)] == [*c.prompt_tokens, *c.tokens]
 
@@ -167,13 +197,19 @@ def canonical_turns(renderer: Any, conversation: list[dict[str, Any]], tools: li
         if m["role"] == "assistant":
             prompt = renderer.render_prompt(conversation[:i], tools).tokens
             row = renderer.render_training(conversation[: i + 1], tools)[-1]
-            assert row.tokens[: len(prompt)] == prompt and row.weights[len(prompt) :] == [1.0] * (len(row.tokens) - len(prompt))
+            assert row.tokens[: len(prompt)] == prompt and row.weights[len(prompt) :] == [1.0] * (
+                len(row.tokens) - len(prompt)
+            )
             out.append(row.tokens[len(prompt) :])
     return out
 
 
 def call(a: int, b: int, text: str = "", reasoning: str | None = None) -> dict[str, Any]:
-    msg = {"role": "assistant", "content": text, "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}]}
+    msg = {
+        "role": "assistant",
+        "content": text,
+        "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}],
+    }
     return {**msg, "reasoning_content": reasoning} if reasoning else msg
 
 
@@ -188,14 +224,26 @@ def tool_result(content: str, call_id: str) -> dict[str, Any]:
 def scripted(backend: Any, renderer: Any, turns: list[dict[str, Any]], call_id: str) -> Trajectory:
     """Play ``turns`` (two tool calls of ``add``, then an answer) through the sampler."""
     tools = [t.spec() for t in KeepTalking().tools()]
-    conversation = [{"role": "user", "content": "what is 2+3+1?"}, turns[0], tool_result("5", call_id.format(0)),
-                    turns[1], tool_result("6", call_id.format(1)), turns[2]]  # fmt: skip
+    conversation = [
+        {"role": "user", "content": "what is 2+3+1?"},
+        turns[0],
+        tool_result("5", call_id.format(0)),
+        turns[1],
+        tool_result("6", call_id.format(1)),
+        turns[2],
+    ]
     model = ScriptedModel(backend, canonical_turns(renderer, conversation, tools))
     [traj] = run(model, backend, renderer, [{"q": "what is 2+3+1?"}])
     assert not model.turns
     assert [m["role"] for m in traj.messages] == ["user", "assistant", "tool", "assistant", "tool", "assistant", "user"]
-    assert [[(c.name, c.arguments) for c in t.response.tool_calls] for t in traj.turns] == [[("add", {"a": 2, "b": 3})], [("add", {"a": 5, "b": 1})], []]
-    assert [t.response.parse_error for t in traj.turns] == [None] * 3 and traj.turns[-1].response.text == turns[2]["content"]
+    assert [[(c.name, c.arguments) for c in t.response.tool_calls] for t in traj.turns] == [
+        [("add", {"a": 2, "b": 3})],
+        [("add", {"a": 5, "b": 1})],
+        [],
+    ]
+    assert [t.response.parse_error for t in traj.turns] == [None] * 3 and traj.turns[-1].response.text == turns[2][
+        "content"
+    ]
     return traj
 
 
@@ -209,7 +257,9 @@ def test_sampled_episodes_weigh_exactly_the_sampled_tokens_with_the_models_logpr
     for traj in trajectories:
         check_rows(traj)
         for t in traj.turns:  # the turns end at the renderer's explicit stop ids, or at the limit
-            assert (t.completion.stop_reason == "stop") == bool(t.completion.tokens and t.completion.tokens[-1] in renderer.stop())
+            assert (t.completion.stop_reason == "stop") == bool(
+                t.completion.tokens and t.completion.tokens[-1] in renderer.stop()
+            )
     assert check_logprobs(backend, trajectories) == sum(t.num_generated for t in trajectories) >= 2 * MAX_TURNS
 
 
@@ -228,7 +278,10 @@ def test_qwen3_episode_of_tool_calls_and_an_answer_is_one_row_equal_to_its_train
     traj = scripted(qwen3, renderer, [call(2, 3), call(5, 1), answer("It is 6.")], "functions.add:{}")
     assert check_rows(traj) == [[0, 1, 2]]
     check_equals_training_rendering(renderer, traj)
-    assert renderer.decode(traj.turns[0].completion.tokens) == '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
+    assert (
+        renderer.decode(traj.turns[0].completion.tokens)
+        == '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
+    )
     check_logprobs(qwen3, [traj])
 
 
@@ -243,13 +296,19 @@ def test_a_turn_that_does_not_re_render_as_sampled_starts_a_new_row(llama, qwen3
     # qwen3_instruct: text before a tool call is sampled as "." "\n" but history merges ".\n"
     instruct = renderer_for(qwen3)
     assert not instruct.prefix_preserving
-    traj = scripted(qwen3, instruct, [call(2, 3, text="Let me add."), call(5, 1), answer("It is 6.")], "functions.add:{}")
+    traj = scripted(
+        qwen3, instruct, [call(2, 3, text="Let me add."), call(5, 1), answer("It is 6.")], "functions.add:{}"
+    )
     assert check_rows(traj) == [[0], [1, 2]]
     check_equals_training_rendering(instruct, traj)  # tml-renderers' SFT splits it the same way
     # qwen3 with thinking: history drops each turn's reasoning
     thinking = renderer_for(qwen3, "qwen3")
     assert not thinking.prefix_preserving
-    turns = [call(2, 3, reasoning="Add 2 and 3."), call(5, 1, reasoning="Now add 1."), answer("It is 6.", reasoning="Done.")]
+    turns = [
+        call(2, 3, reasoning="Add 2 and 3."),
+        call(5, 1, reasoning="Now add 1."),
+        answer("It is 6.", reasoning="Done."),
+    ]
     traj = scripted(qwen3, thinking, turns, "functions.add:{}")
     assert [t.response.reasoning for t in traj.turns] == ["Add 2 and 3.", "Now add 1.", "Done."]
     assert check_rows(traj) == [[0], [1], [2]]

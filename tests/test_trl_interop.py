@@ -56,8 +56,9 @@ def test_the_chat_template_renders_tiny_chat_token_for_token(tokenizer: Any) -> 
 
 
 def test_tool_calls_parse_back_with_transformers_response_parser(tokenizer: Any) -> None:
-    prefix = tokenizer.apply_chat_template([{"role": "user", "content": "37*84"}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=False)  # fmt: skip
+    prefix = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "37*84"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     call = tokenizer("<|call|>mul(a=37,b=84)<eos>", add_special_tokens=False)["input_ids"]
     parsed = tokenizer.parse_response(call, prefix=prefix)
     assert parsed["tool_calls"] == [{"type": "function", "function": {"name": "mul", "arguments": {"a": 37, "b": 84}}}]
@@ -76,11 +77,20 @@ def test_the_environment_plays_tool_calls_and_the_final_answer() -> None:
     assert schema["parameters"]["properties"]["a"] == {"type": "integer", "description": "the first factor"}
     assert env.mul(a=37, b=84) == "3108"
     logged: dict[str, float] = {}
-    right = [{"role": "assistant", "content": "", "tool_calls": [{}]}, {"role": "tool", "content": "3108"},
-             {"role": "assistant", "content": "3108"}]  # fmt: skip
+    right = [
+        {"role": "assistant", "content": "", "tool_calls": [{}]},
+        {"role": "tool", "content": "3108"},
+        {"role": "assistant", "content": "3108"},
+    ]
     assert tt.environment_reward([right], [env], log_metric=logged.__setitem__) == [1.0]
-    assert logged == {"env/copied_result": 1.0, "env/right_calls": 1.0, "env/tool_calls": 1.0, "env/failed": 0.0,
-                      "env/tool_errors": 0.0, "env/tool_timeouts": 0.0}  # fmt: skip
+    assert logged == {
+        "env/copied_result": 1.0,
+        "env/right_calls": 1.0,
+        "env/tool_calls": 1.0,
+        "env/failed": 0.0,
+        "env/tool_errors": 0.0,
+        "env/tool_timeouts": 0.0,
+    }
     assert [m["role"] for m in env._transcript] == ["user", "assistant", "tool", "assistant"]
 
     # a pooled instance starts over at reset: a wrong answer, a failing call, a rollout cut after a tool result
@@ -100,8 +110,11 @@ def test_a_tool_schema_without_a_typed_function_reaches_trl_intact() -> None:
     ``**kwargs`` (the openenv environment's action) shows TRL the same schema."""
     from transformers.utils import get_json_schema
 
-    parameters = {"type": "object", "required": ["guess"], "properties": {
-        "guess": {"type": "integer", "description": "your guess, 1 to 9"}, "note": {"type": "string"}}}  # fmt: skip
+    parameters = {
+        "type": "object",
+        "required": ["guess"],
+        "properties": {"guess": {"type": "integer", "description": "your guess, 1 to 9"}, "note": {"type": "string"}},
+    }
     seen: list[dict[str, Any]] = []
 
     class Free(Environment):
@@ -198,12 +211,26 @@ def test_trls_grpo_trainer_takes_the_environment(tokenizer: Any, tmp_path: Any, 
 
     model, _ = tiny_llama(chat=True, max_position_embeddings=128)
     rows = Dataset.from_list([{"question": r["question"], "answer": r["answer"]} for r in tool_use("train", size=8)])
-    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=24, max_steps=2, logging_steps=1, report_to=[], save_strategy="no",
-                      max_tool_calling_iterations=2)  # fmt: skip
-    trainer = GRPOTrainer(model=model, processing_class=tokenizer, args=args, train_dataset=rows,
-                          environment_factory=tt.environment_factory("calculator"),
-                          reward_funcs=[tt.environment_reward])  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=24,
+        max_steps=2,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        max_tool_calling_iterations=2,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=tokenizer,
+        args=args,
+        train_dataset=rows,
+        environment_factory=tt.environment_factory("calculator"),
+        reward_funcs=[tt.environment_reward],
+    )
     assert [t.__name__ for t in trainer.tools] == ["mul"]
     trainer.train()
     logged = [h for h in trainer.state.log_history if "rewards/environment_reward/mean" in h]

@@ -47,8 +47,10 @@ def test_trl_grpo_learns_tool_use_through_the_calculator_environment(tmp_path: P
 
     trl = ex.train_trl(warm["hf"], str(tmp_path / "trl"), STEPS)
     rewards = trl["rewards"]
-    print(f"TRL: held-out {warm['accuracy']:.3f} -> {trl['accuracy']:.3f} in {STEPS} steps ({trl['seconds']:.0f} s); "
-          f"training reward {sum(rewards[:5]) / 5:.2f} -> {sum(rewards[-5:]) / 5:.2f}")  # fmt: skip
+    print(
+        f"TRL: held-out {warm['accuracy']:.3f} -> {trl['accuracy']:.3f} in {STEPS} steps ({trl['seconds']:.0f} s); "
+        f"training reward {sum(rewards[:5]) / 5:.2f} -> {sum(rewards[-5:]) / 5:.2f}"
+    )
     assert len(rewards) == STEPS
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5  # the training reward rises
     assert trl["accuracy"] >= warm["accuracy"] + MIN_GAIN, f"TRL should beat the warmup ({trl['accuracy']:.3f})"

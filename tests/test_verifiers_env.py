@@ -58,8 +58,23 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("vf_pkgs")
     target = root / "site"
     sources = [shutil.copytree(PKGS / name, root / name) for name in ("vf_sums", "vf_calc")]
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
-                    "--no-build-isolation", "--target", str(target), *map(str, sources)], check=True, timeout=300)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            *map(str, sources),
+        ],
+        check=True,
+        timeout=300,
+    )
     sys.path.insert(0, str(target))
     importlib.invalidate_caches()
     yield target
@@ -111,10 +126,12 @@ class Scripted:
 def verifiers_sampler(renderer: Any, **keys: Any) -> Any:
     reg = get_registry()
     context = SamplerContext(
-        renderer.tokenizer, lambda: renderer, None,
+        renderer.tokenizer,
+        lambda: renderer,
+        None,
         build=lambda kind, spec, key: reg.build(kind, spec, key),
         factory=lambda kind, spec, key: reg.factory(kind, spec, f"sampler.{key}"),
-    )  # fmt: skip
+    )
     return reg.build("sampler", {"name": "verifiers", **keys}, "sampler", context=context)
 
 
@@ -124,8 +141,11 @@ def tasks(id: str, **keys: Any) -> list[dict[str, Any]]:
 
 def test_the_tasks_are_the_dataset() -> None:
     rows = tasks("vf_sums", args={"taskset": {"size": 3}})
-    assert rows == [{"task": 0, "prompt": "0+0=", "verifiers_id": "vf_sums"}, {"task": 1, "prompt": "1+3=", "verifiers_id": "vf_sums"},
-                    {"task": 2, "prompt": "2+1=", "verifiers_id": "vf_sums"}]  # fmt: skip
+    assert rows == [
+        {"task": 0, "prompt": "0+0=", "verifiers_id": "vf_sums"},
+        {"task": 1, "prompt": "1+3=", "verifiers_id": "vf_sums"},
+        {"task": 2, "prompt": "2+1=", "verifiers_id": "vf_sums"},
+    ]
     assert len(tasks("vf-calc")) == 6  # a hub-style id (dashes) names the same module
 
 
@@ -148,8 +168,9 @@ def test_single_turn_rubric_rewards_and_token_exact_rows(renderer: Any) -> None:
 
 def test_multi_turn_with_a_tool_is_one_row_per_episode(renderer: Any) -> None:
     model = Scripted(renderer)
-    rollout = collect(verifiers_sampler(renderer, id="vf_calc"), model, tasks("vf_calc", size=3), 2,
-                      SamplingParams(max_tokens=24))  # fmt: skip
+    rollout = collect(
+        verifiers_sampler(renderer, id="vf_calc"), model, tasks("vf_calc", size=3), 2, SamplingParams(max_tokens=24)
+    )
     samples = [s for g in rollout.groups for s in g.samples]
     assert not any(s.failed for s in samples) and all(s.reward == 1.0 for s in samples)
     for s in samples:
@@ -186,7 +207,8 @@ output_dir: {out}
 backend:
   name: local
   model: tiny_llama
-  model_kwargs: {{chat: true, hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64, max_position_embeddings: 128}}
+  model_kwargs: {{chat: true, hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64,
+                 max_position_embeddings: 128}}
   num_threads: 1
 loggers: [jsonl]
 stages:
@@ -204,8 +226,9 @@ stages:
 
 
 def test_an_unknown_id_is_one_line_before_training(rejects_before_training: Any) -> None:
-    rejects_before_training(RECIPE, "stages.0.sampler.id=vf_nope",
-                            "stages[0].sampler.id: no verifiers environment 'vf_nope' is installed")  # fmt: skip
+    rejects_before_training(
+        RECIPE, "stages.0.sampler.id=vf_nope", "stages[0].sampler.id: no verifiers environment 'vf_nope' is installed"
+    )
 
 
 def rl_rows(out: Path) -> list[dict[str, Any]]:

@@ -26,8 +26,16 @@ from tempering.errors import ConfigError
 
 CHROMIUM = os.environ.get("TEMPERING_CHROMIUM", "/usr/bin/chromium")
 # As root on a machine with no network: no sandbox, and no background connections to refuse.
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]  # fmt: skip
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
 
 
 def lines(path: Path) -> list[dict[str, Any]]:
@@ -64,19 +72,42 @@ def test_the_api_serves_the_run_folder() -> None:
 
 
 def record(**over: Any) -> dict[str, Any]:
-    base = {"stage": "rl", "kind": "train", "step": 1, "group": 0, "sample": 0, "reward": 0.5, "failed": False,
-            "failure": None, "prompt": None, "completion": "", "error": None, "messages": []}  # fmt: skip
+    base = {
+        "stage": "rl",
+        "kind": "train",
+        "step": 1,
+        "group": 0,
+        "sample": 0,
+        "reward": 0.5,
+        "failed": False,
+        "failure": None,
+        "prompt": None,
+        "completion": "",
+        "error": None,
+        "messages": [],
+    }
     return {**base, **over}
 
 
 def test_filters_by_step_reward_failure_and_text() -> None:
     records = [
         record(step=1, reward=0.0, messages=[{"role": "user", "content": "37*84"}]),
-        record(step=2, reward=1.0, messages=[{"role": "assistant", "content": "",
-               "tool_calls": [{"id": "c0", "function": {"name": "mul", "arguments": "{\"a\": 37}"}}]}]),
-        record(step=3, reward="nan", failed=True, failure="timeout", error="took 60 s", feedback="expected '42', got '41'"),
+        record(
+            step=2,
+            reward=1.0,
+            messages=[
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"id": "c0", "function": {"name": "mul", "arguments": '{"a": 37}'}}],
+                }
+            ],
+        ),
+        record(
+            step=3, reward="nan", failed=True, failure="timeout", error="took 60 s", feedback="expected '42', got '41'"
+        ),
         record(step=3, kind="eval", stage="warmup", reward=1.0, prompt="12+34=", completion="46"),
-    ]  # fmt: skip
+    ]
 
     def steps(**params: Any) -> list[int]:
         query = RolloutQuery.from_params({k: [str(v)] for k, v in params.items()})
@@ -152,7 +183,9 @@ def test_the_page_draws_curves_and_transcripts_in_a_real_browser(tmp_path: Path)
             page.wait_for_function("location.hash.startsWith('#rollouts')")
             last = SFT_STEPS + RL_STEPS
             page.wait_for_selector(f"article.rollout[data-step='{last}']")
-            steps = {int(s) for s in page.locator("article.rollout").evaluate_all("els => els.map(e => e.dataset.step)")}
+            steps = {
+                int(s) for s in page.locator("article.rollout").evaluate_all("els => els.map(e => e.dataset.step)")
+            }
             assert steps == {last}
 
             # a multi-turn transcript: the question, the model's tool call, the tool's result
@@ -161,8 +194,9 @@ def test_the_page_draws_curves_and_transcripts_in_a_real_browser(tmp_path: Path)
             shown = [r for r in records if r["stage"] == "rl" and r["kind"] == "train"]
             # the summary counts what the page has filtered so far: wait for the whole log (on a
             # loaded machine the first paint showed "20 matching samples, steps 60-63" of 48)
-            page.wait_for_function(f"document.querySelector('#rollout-summary').textContent.startsWith('{len(shown)} ')",
-                                   timeout=20_000)  # fmt: skip
+            page.wait_for_function(
+                f"document.querySelector('#rollout-summary').textContent.startsWith('{len(shown)} ')", timeout=20_000
+            )
             assert page.inner_text("#rollout-summary").startswith(f"{len(shown)} matching samples")
             card = page.locator("article.rollout", has=page.locator(".msg[data-role='tool']")).first
             assert re.fullmatch(r"\d+\*\d+", card.locator(".msg[data-role='user'] pre").first.inner_text())
@@ -179,7 +213,9 @@ def test_the_page_draws_curves_and_transcripts_in_a_real_browser(tmp_path: Path)
             page.select_option("#filters [name=kind]", "eval")
             page.click("#filters button[type=submit]")
             evals = [r for r in records if r["stage"] == "rl" and r["kind"] == "eval"]
-            page.wait_for_function(f"document.querySelector('#rollout-summary').textContent.startsWith('{len(evals)} ')")
+            page.wait_for_function(
+                f"document.querySelector('#rollout-summary').textContent.startsWith('{len(evals)} ')"
+            )
             kinds = set(page.locator("article.rollout").evaluate_all("els => els.map(e => e.dataset.kind)"))
             assert kinds == {"eval"}
 
@@ -200,8 +236,12 @@ def test_view_cli_prints_the_url_and_serves(tmp_path: Path) -> None:
     import sys
     import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "tempering", "view", small_run(), "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tempering", "view", small_run(), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         url = re.search(r"http://127\.0\.0\.1:\d+/", line)

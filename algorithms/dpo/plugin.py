@@ -5,10 +5,17 @@ from tempering.hookspecs import hookimpl
 
 @hookimpl
 def register_algorithms(register):
-    register("dpo", "tempering.algorithms.dpo.algorithm:DPO", description="direct preference optimisation on (prompt, chosen, rejected)")
+    register(
+        "dpo",
+        "tempering.algorithms.dpo.algorithm:DPO",
+        description="direct preference optimisation on (prompt, chosen, rejected)",
+    )
 
 
 @hookimpl
 def register_losses(register):
-    register("dpo", "tempering.algorithms.dpo.loss:DPOLoss", description="DPO sigmoid / IPO / robust / sigmoid+SFT (RPO) on interleaved pairs")
-
+    register(
+        "dpo",
+        "tempering.algorithms.dpo.loss:DPOLoss",
+        description="DPO sigmoid / IPO / robust / sigmoid+SFT (RPO) on interleaved pairs",
+    )

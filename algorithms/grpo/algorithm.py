@@ -57,7 +57,9 @@ class GRPO(RLStage):
 
     def validate(self, ctx: RunContext) -> None:
         if self.recompute_logprobs not in ("auto", "always", "never"):
-            raise ConfigError(f"use auto, always or never (got '{self.recompute_logprobs}')", f"{ctx.path}.recompute_logprobs")
+            raise ConfigError(
+                f"use auto, always or never (got '{self.recompute_logprobs}')", f"{ctx.path}.recompute_logprobs"
+            )
         if self.reference not in ("stage_start", "base"):
             raise ConfigError(f"use stage_start or base (got '{self.reference}')", f"{ctx.path}.reference")
         if self.kl_every < 1:
@@ -69,13 +71,18 @@ class GRPO(RLStage):
         self.recompute = should_recompute(self.recompute_logprobs, self.params)
         self.loss_on_forward = supports(self.backend, LossOnTrainingForward)
         if self.reference == "stage_start" and not supports(self.backend, WeightSnapshots):
-            warnings.warn(f"{ctx.path}.reference: this backend cannot snapshot weights; using its base as the "
-                          "KL reference", RuntimeWarning, stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"{ctx.path}.reference: this backend cannot snapshot weights; using its base as the KL reference",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             self.reference = "base"
         self.ref_name = f"reference/{ctx.stage_id}"
         uses_ref = reads_input(self.loss_fn, REF_LOGPROBS) or self.log_kl
         if int(state.get("step", 0)) == 0 and self.reference == "stage_start" and uses_ref:
-            cast(WeightSnapshots, self.backend).snapshot(self.ref_name).result()  # saved in checkpoints: resume keeps it
+            cast(WeightSnapshots, self.backend).snapshot(
+                self.ref_name
+            ).result()  # saved in checkpoints: resume keeps it
 
     def batch_inputs(self, loss: Any) -> frozenset[str]:
         """The RL engine's inputs, plus the reference policy's logprobs: scored at every step
@@ -85,8 +92,11 @@ class GRPO(RLStage):
     def prepare(self, ctx: RunContext, batch: Batch, step: int) -> dict[str, Any]:
         kl_now = reads_input(self.loss_fn, REF_LOGPROBS) or (self.log_kl and step % self.kl_every == 0)
         # "old" from the loss's own training forward, unless the loss requires the sampler's input
-        from_forward = (self.recompute_logprobs == "auto" and self.loss_on_forward
-                        and not reads_input(self.loss_fn, SAMPLER_LOGPROBS))  # fmt: skip
+        from_forward = (
+            self.recompute_logprobs == "auto"
+            and self.loss_on_forward
+            and not reads_input(self.loss_fn, SAMPLER_LOGPROBS)
+        )
         if self.recompute and from_forward and not kl_now:
             for d in batch.data:  # the loss takes its own forward's logprobs, detached
                 d.sampler_logprobs = None

@@ -174,32 +174,57 @@ class GRPOLoss:
         t = batch.to_tensors()
         mask = t[WEIGHTS]
         num_items = t.get(NUM_ITEMS_IN_BATCH)
-        coef = aggregation_coefficients(lambda x: aggregate(x, mask, self.loss_type, self.max_completion_length, num_items=num_items), mask)
-        config = {"clip_low_threshold": 1.0 - float(self.epsilon_low), "clip_high_threshold": 1.0 + float(self.epsilon_high)}
+        coef = aggregation_coefficients(
+            lambda x: aggregate(x, mask, self.loss_type, self.max_completion_length, num_items=num_items), mask
+        )
+        config = {
+            "clip_low_threshold": 1.0 - float(self.epsilon_low),
+            "clip_high_threshold": 1.0 + float(self.epsilon_high),
+        }
         if not sequence:
-            return BuiltinLoss("ppo", config, coef, f"GRPOLoss(loss_type={self.loss_type!r}) as the built-in ppo with its "
-                               "normaliser folded into the advantages (exact)")  # fmt: skip
+            return BuiltinLoss(
+                "ppo",
+                config,
+                coef,
+                f"GRPOLoss(loss_type={self.loss_type!r}) as the built-in ppo with its "
+                "normaliser folded into the advantages (exact)",
+            )
         if ADVANTAGES in t:
             folded = t[ADVANTAGES] * coef
             for i, d in enumerate(batch.data):
                 if len({round(float(a), 12) for a, w in zip(folded[i, : len(d.weights)].tolist(), d.weights) if w}) > 1:
-                    return NoBuiltin("GRPOLoss (sequence ratios): a row's folded advantage varies along it, where the built-in "
-                                     "gspo (GSPO-token) differs from the sequence ratio's gradient")  # fmt: skip
-        return BuiltinLoss("gspo", config, coef, f"GRPOLoss(loss_type={self.loss_type!r}, sequence ratios) as the built-in gspo "
-                           "with its normaliser folded into the advantages (exact: 0/1 mask, one advantage per row)")  # fmt: skip
+                    return NoBuiltin(
+                        "GRPOLoss (sequence ratios): a row's folded advantage varies along it, where the built-in "
+                        "gspo (GSPO-token) differs from the sequence ratio's gradient"
+                    )
+        return BuiltinLoss(
+            "gspo",
+            config,
+            coef,
+            f"GRPOLoss(loss_type={self.loss_type!r}, sequence ratios) as the built-in gspo "
+            "with its normaliser folded into the advantages (exact: 0/1 mask, one advantage per row)",
+        )
 
     @staticmethod
     def check_config(config: Mapping[str, Any]) -> Iterator[Problem | None]:
         """The values that cannot work, at their keys (the loss's schema check,
         :mod:`tempering.schema`: the registry runs it before building, ``__post_init__`` too)."""
         loss_type, level = config["loss_type"], config["importance_sampling_level"]
-        yield one_of("loss_type", loss_type, LOSS_TYPES, f"GRPOLoss.loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-        yield one_of("importance_sampling_level", level, IS_LEVELS,
-                     f"GRPOLoss.importance_sampling_level must be one of {IS_LEVELS}, got {level!r}")  # fmt: skip
+        yield one_of(
+            "loss_type", loss_type, LOSS_TYPES, f"GRPOLoss.loss_type must be one of {LOSS_TYPES}, got {loss_type!r}"
+        )
+        yield one_of(
+            "importance_sampling_level",
+            level,
+            IS_LEVELS,
+            f"GRPOLoss.importance_sampling_level must be one of {IS_LEVELS}, got {level!r}",
+        )
         low, high = config["epsilon_low"], config["epsilon_high"]
         if low < 0 or high < 0:
-            yield Problem("epsilon_low" if low < 0 else "epsilon_high",
-                          f"GRPOLoss: epsilon_low and epsilon_high must be >= 0, got {low}, {high}")  # fmt: skip
+            yield Problem(
+                "epsilon_low" if low < 0 else "epsilon_high",
+                f"GRPOLoss: epsilon_low and epsilon_high must be >= 0, got {low}, {high}",
+            )
         if config["delta"] is not None and config["delta"] <= 0:
             yield Problem("delta", f"GRPOLoss.delta must be > 0 (or None), got {config['delta']}")
         length = config["max_completion_length"]

@@ -21,14 +21,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tempering.rollouts.async_rollout import AsyncRollouts, sampler_of
-from tempering.errors import ConfigError
-from tempering.training.rl import RLStage
-from tempering.rlmath.aggregation import FOLD_AGGREGATIONS, fold_normaliser
-from tempering.types import Batch
-
 from tempering.algorithms.offpolicy.loss import AdvantageCap, OffPolicyObjective, _RatioLoss
+from tempering.errors import ConfigError
 from tempering.loss_contract import names_builtin
+from tempering.rlmath.aggregation import FOLD_AGGREGATIONS, fold_normaliser
+from tempering.rollouts.async_rollout import AsyncRollouts, sampler_of
+from tempering.training.rl import RLStage
+from tempering.types import Batch
 
 if TYPE_CHECKING:  # pragma: no cover
     from tempering.interfaces import RunContext
@@ -95,11 +94,15 @@ class StaleRollouts:
                 f"{path}.sync_every",
             )
         if self.fixed_staleness and self.sync_every != 1:
-            raise ConfigError("fixed_staleness needs sync_every: 1 (a snapshot of every step)", f"{path}.fixed_staleness")
+            raise ConfigError(
+                "fixed_staleness needs sync_every: 1 (a snapshot of every step)", f"{path}.fixed_staleness"
+            )
         if self.aggregation not in AGGREGATIONS:
             raise ConfigError(f"use one of {AGGREGATIONS} (got '{self.aggregation}')", f"{path}.aggregation")
 
-    def setup_corrections(self, policy_loss: Any, objective: Any, state: Mapping[str, Any], path: str) -> OffPolicyObjective:
+    def setup_corrections(
+        self, policy_loss: Any, objective: Any, state: Mapping[str, Any], path: str
+    ) -> OffPolicyObjective:
         """Set up the corrections for ``policy_loss`` (the loss the advantages feed): the
         normaliser to fold (``aggregation``) and its advantage cap, whose running mean resumes
         from ``state``. Returns ``objective`` (the loss trained: the policy loss itself, or
@@ -121,12 +124,20 @@ class StaleRollouts:
         stage: Any = self
         start = int(state.get("step", 0))
         rollouts = AsyncRollouts(
-            stage.backend, stage.stream, stage.rollout_sampler,
-            group_size=stage.group_size, groups_per_batch=stage.prompts_per_step, params=stage.params,
-            max_steps_off_policy=self.max_steps_off_policy, groups_per_sample=self.groups_per_sample,
-            fixed_staleness=self.fixed_staleness, first_batch=start, last_batch=stage.steps,
-            seed=(stage.seed + ctx.seed) if self.seeded_sampling else None, max_resamples=self.max_resamples,
-        )  # fmt: skip
+            stage.backend,
+            stage.stream,
+            stage.rollout_sampler,
+            group_size=stage.group_size,
+            groups_per_batch=stage.prompts_per_step,
+            params=stage.params,
+            max_steps_off_policy=self.max_steps_off_policy,
+            groups_per_sample=self.groups_per_sample,
+            fixed_staleness=self.fixed_staleness,
+            first_batch=start,
+            last_batch=stage.steps,
+            seed=(stage.seed + ctx.seed) if self.seeded_sampling else None,
+            max_resamples=self.max_resamples,
+        )
         rollouts.start(sampler_of(stage.backend), index=start)
         return rollouts
 

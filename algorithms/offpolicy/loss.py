@@ -223,7 +223,9 @@ class _RatioLoss:
         if self.advantage_cap is not None and self.advantage_cap <= 0:
             raise ValueError(f"{type(self).__name__}.advantage_cap must be > 0 (or null), got {self.advantage_cap}")
         if not 0.0 <= self.advantage_cap_momentum < 1.0:
-            raise ValueError(f"{type(self).__name__}.advantage_cap_momentum must be in [0, 1), got {self.advantage_cap_momentum}")
+            raise ValueError(
+                f"{type(self).__name__}.advantage_cap_momentum must be in [0, 1), got {self.advantage_cap_momentum}"
+            )
         self._check()
 
     def _check(self) -> None:  # per-loss parameter checks
@@ -242,7 +244,9 @@ class _RatioLoss:
     def _config(self) -> dict[str, float]:
         raise NotImplementedError
 
-    def _loss(self, logprobs: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _loss(
+        self, logprobs: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
@@ -402,13 +406,17 @@ class AdvantageCap:
             return cls(loss.advantage_cap, loss.advantage_cap_momentum, mean)
         return cls(None, 0.9, mean)
 
-    def __call__(self, rows: list[list[float]], weights: list[list[float]]) -> tuple[list[list[float]], dict[str, float]]:
+    def __call__(
+        self, rows: list[list[float]], weights: list[list[float]]
+    ) -> tuple[list[list[float]], dict[str, float]]:
         if self.multiple is None:
             return rows, {}
         values = [abs(a) for adv, w in zip(rows, weights) for a, m in zip(adv, w) if m != 0 and a != 0]
         if not values:
-            return rows, {"advantage/cap": float("inf") if self.mean is None else self.multiple * self.mean,
-                          "advantage/capped_frac": 0.0}  # fmt: skip
+            return rows, {
+                "advantage/cap": float("inf") if self.mean is None else self.multiple * self.mean,
+                "advantage/capped_frac": 0.0,
+            }
         batch_mean = sum(values) / len(values)
         self.mean = batch_mean if self.mean is None else self.momentum * self.mean + (1 - self.momentum) * batch_mean
         cap = self.multiple * self.mean

@@ -57,9 +57,12 @@ DEFAULT_TEACHER_TEMPLATE = (
 
 def teacher_prompt(template: str, prompt: str, demonstration: str) -> str:
     return template.format(
-        prompt=prompt, question=prompt, demonstration=demonstration, demo=demonstration,
+        prompt=prompt,
+        question=prompt,
+        demonstration=demonstration,
+        demo=demonstration,
         privileged_context=demonstration,
-    )  # fmt: skip
+    )
 
 
 @dataclass
@@ -99,7 +102,9 @@ class SDFT(SamplingKeys, Stage):
         path = ctx.path
         self.teacher_weights().check(path)
         if self.recompute_logprobs not in ("auto", "always", "never"):
-            raise ConfigError(f"use auto, always or never (got '{self.recompute_logprobs}')", f"{path}.recompute_logprobs")
+            raise ConfigError(
+                f"use auto, always or never (got '{self.recompute_logprobs}')", f"{path}.recompute_logprobs"
+            )
         for key in ("prompts_per_step", "samples_per_prompt"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"must be >= 1, got {getattr(self, key)}", f"{path}.{key}")
@@ -115,7 +120,9 @@ class SDFT(SamplingKeys, Stage):
             raise ConfigError(
                 f"bad placeholder {err}; use {{prompt}} and {{demonstration}}", f"{path}.teacher_template"
             ) from None
-        check_stage(ctx, self, columns={"": {self.prompt_key: "prompt_key", self.demonstration_key: "demonstration_key"}})
+        check_stage(
+            ctx, self, columns={"": {self.prompt_key: "prompt_key", self.demonstration_key: "demonstration_key"}}
+        )
 
     def required_capabilities(self) -> list[Requirement]:
         """A ``stage_start`` or ``ema`` teacher is a weight snapshot; ``ema`` moves it."""
@@ -132,11 +139,19 @@ class SDFT(SamplingKeys, Stage):
         key, what = ("loss.mode", f"'{spec['mode']}'") if written else ("loss", f"the {type(loss).__name__} loss")
         dists = {"full": (FullDistributions, "full"), "topk": (Distributions, "top-k")}[kind]
         return [
-            Requirement(dists[0], key, f"{what} needs the teacher's {dists[1]} next-token distributions, which this "
-                        "backend does not return; use mode: sampled_token"),
-            Requirement(LossLogits, key, f"{what} trains on the student's logits, which this backend does not give a loss "
-                        "(it returns per-token logprobs only); use mode: sampled_token (Tinker's importance_sampling)"),
-        ]  # fmt: skip
+            Requirement(
+                dists[0],
+                key,
+                f"{what} needs the teacher's {dists[1]} next-token distributions, which this "
+                "backend does not return; use mode: sampled_token",
+            ),
+            Requirement(
+                LossLogits,
+                key,
+                f"{what} trains on the student's logits, which this backend does not give a loss "
+                "(it returns per-token logprobs only); use mode: sampled_token (Tinker's importance_sampling)",
+            ),
+        ]
 
     def batch_inputs(self, loss: Any) -> frozenset[str]:
         """Each student row's tokens and weights, the sampler's logprobs and the teacher's
@@ -202,13 +217,17 @@ class SDFT(SamplingKeys, Stage):
         return None
 
     # ------------------------------------------------------------------ batches
-    def sample_batch(self, backend: Backend, rows: list[dict[str, Any]], sampling: SamplingParams) -> tuple[Batch, Batch, dict[str, float]]:
+    def sample_batch(
+        self, backend: Backend, rows: list[dict[str, Any]], sampling: SamplingParams
+    ) -> tuple[Batch, Batch, dict[str, float]]:
         """Roll the students out through the stage's sampler (single-turn completions or
         multi-turn episodes); return the student batch (weights = loss mask, sampler logprobs)
         and the teacher batch (the demonstration-conditioned prompt + the same continuation)."""
         if getattr(self, "student_sampler", None) is None:  # used outside a run (tests, notebooks)
             self.student_sampler = completion_sampler(backend.tokenizer, None)
-        rollout = collect(self.student_sampler, backend, [self.student_example(r) for r in rows], self.samples_per_prompt, sampling)
+        rollout = collect(
+            self.student_sampler, backend, [self.student_example(r) for r in rows], self.samples_per_prompt, sampling
+        )
         pairs = [(self.teacher_prefix(backend, row, s), s) for row, g in zip(rows, rollout.groups) for s in g.samples]
         return self.build_pairs(pairs)
 
@@ -227,10 +246,16 @@ class SDFT(SamplingKeys, Stage):
         a trajectory), rendered by the same renderer (:func:`tempering.training.teacher.reprompted_prefix`)."""
         demo = str(row[self.demonstration_key])
         tokenizer = backend.tokenizer if backend is not None else None
-        return shared.reprompted_prefix(self.student_sampler.context, tokenizer, sample,
-                                        lambda text: teacher_prompt(self.teacher_template, text, demo))  # fmt: skip
+        return shared.reprompted_prefix(
+            self.student_sampler.context,
+            tokenizer,
+            sample,
+            lambda text: teacher_prompt(self.teacher_template, text, demo),
+        )
 
-    def build_batches(self, teacher_prompts: list[list[int]], groups: list[list[Any]]) -> tuple[Batch, Batch, dict[str, float]]:
+    def build_batches(
+        self, teacher_prompts: list[list[int]], groups: list[list[Any]]
+    ) -> tuple[Batch, Batch, dict[str, float]]:
         """:meth:`build_pairs` for single-turn completions: ``groups[i]`` are the completions
         of the prompt whose teacher prompt is ``teacher_prompts[i]``."""
         from tempering.types import Sample
@@ -274,7 +299,13 @@ class SDFT(SamplingKeys, Stage):
         return Batch(student), Batch(teacher), info
 
     def attach_teacher(
-        self, backend: Backend, batch: Batch, teacher_batch: Batch, kind: str, topk: int, teacher_kwargs: dict[str, Any] | None = None
+        self,
+        backend: Backend,
+        batch: Batch,
+        teacher_batch: Batch,
+        kind: str,
+        topk: int,
+        teacher_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """Score the teacher rows and put the values, aligned to the student's positions, in
         each student row's ``extra`` (:func:`tempering.training.teacher.attach_teacher`)."""

@@ -149,7 +149,12 @@ class SDFTLoss:
         """The values that cannot work, at their keys (the loss's schema check,
         :mod:`tempering.schema`: the registry runs it before building, ``__post_init__`` too).
         ``alpha: null`` is the mode's default."""
-        mode, support, aggregation, is_clip = config["mode"], config["topk_support"], config["aggregation"], config["is_clip"]
+        mode, support, aggregation, is_clip = (
+            config["mode"],
+            config["topk_support"],
+            config["aggregation"],
+            config["is_clip"],
+        )
         bad_mode = one_of("mode", mode, MODES, f"SDFTLoss.mode must be one of {MODES}, got {mode!r}")
         if bad_mode is not None:
             yield bad_mode
@@ -158,13 +163,22 @@ class SDFTLoss:
         if not 0.0 <= alpha <= 1.0:
             yield Problem("alpha", f"SDFTLoss.alpha must be in [0, 1], got {alpha}")
         elif mode == "sampled_token" and alpha != 1.0:
-            yield Problem("alpha", "SDFTLoss: mode 'sampled_token' estimates the reverse KL from sampled tokens only, so "
-                          f"alpha must be 1 (got {alpha}); use topk_logits or full_logits for forward KL / JSD")  # fmt: skip
+            yield Problem(
+                "alpha",
+                "SDFTLoss: mode 'sampled_token' estimates the reverse KL from sampled tokens only, so "
+                f"alpha must be 1 (got {alpha}); use topk_logits or full_logits for forward KL / JSD",
+            )
         if config["topk"] < 1:
             yield Problem("topk", f"SDFTLoss.topk must be >= 1, got {config['topk']}")
-        yield one_of("topk_support", support, SUPPORTS, f"SDFTLoss.topk_support must be one of {SUPPORTS}, got {support!r}")
-        yield one_of("aggregation", aggregation, AGGREGATIONS,
-                     f"SDFTLoss.aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")  # fmt: skip
+        yield one_of(
+            "topk_support", support, SUPPORTS, f"SDFTLoss.topk_support must be one of {SUPPORTS}, got {support!r}"
+        )
+        yield one_of(
+            "aggregation",
+            aggregation,
+            AGGREGATIONS,
+            f"SDFTLoss.aggregation must be one of {AGGREGATIONS}, got {aggregation!r}",
+        )
         if is_clip is not None and is_clip <= 0:
             yield Problem("is_clip", f"SDFTLoss.is_clip must be > 0 (or null), got {is_clip}")
 
@@ -214,8 +228,12 @@ class SDFTLoss:
         built-in ``importance_sampling`` (the stage folds the normaliser into the advantages);
         the logit modes are divergences over the model's logits, which no built-in computes."""
         if self.mode == "sampled_token":
-            return BuiltinLoss("importance_sampling", None, note="SDFTLoss (mode 'sampled_token') as the built-in "
-                               "importance_sampling (the normaliser is folded into the teacher's advantages)")  # fmt: skip
+            return BuiltinLoss(
+                "importance_sampling",
+                None,
+                note="SDFTLoss (mode 'sampled_token') as the built-in "
+                "importance_sampling (the normaliser is folded into the teacher's advantages)",
+            )
         return NoBuiltin("Use mode: sampled_token (Tinker's importance_sampling) for SDFT on Tinker.")
 
     def per_token(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -236,7 +254,11 @@ class SDFTLoss:
                 q = batch[SAMPLER_LOGPROBS]
                 out.metrics["sdft/distill_loss"] = float((q - teacher)[is_active].mean())
             return out
-        needed = [LOGITS, TEACHER_TOPK_LOGPROBS, TEACHER_TOPK_IDS] if self.teacher_input == "topk" else [LOGITS, TEACHER_LOGITS]
+        needed = (
+            [LOGITS, TEACHER_TOPK_LOGPROBS, TEACHER_TOPK_IDS]
+            if self.teacher_input == "topk"
+            else [LOGITS, TEACHER_LOGITS]
+        )
         for key in needed:
             if key not in batch:
                 raise KeyError(f"SDFTLoss (mode {self.mode}) needs batch[{key!r}]; the batch has {sorted(batch)}")

@@ -5,12 +5,20 @@ from tempering.hookspecs import hookimpl
 
 @hookimpl
 def register_algorithms(register):
-    register("sdft", "tempering.algorithms.sdft.algorithm:SDFT", description="self-distillation from a demonstration-conditioned teacher")
+    register(
+        "sdft",
+        "tempering.algorithms.sdft.algorithm:SDFT",
+        description="self-distillation from a demonstration-conditioned teacher",
+    )
 
 
 @hookimpl
 def register_losses(register):
-    register("sdft", "tempering.algorithms.sdft.loss:SDFTLoss", description="SDFT: top-k / full-logit divergence or sampled-token IS")
+    register(
+        "sdft",
+        "tempering.algorithms.sdft.loss:SDFTLoss",
+        description="SDFT: top-k / full-logit divergence or sampled-token IS",
+    )
     register(
         "importance_sampling",
         "tempering.algorithms.sdft.loss:ImportanceSamplingLoss",
@@ -20,5 +28,11 @@ def register_losses(register):
 
 @hookimpl
 def register_datasets(register):
-    register("toy_skills", "tempering.algorithms.sdft.toy:toy_skills", description="reverse / shift / in-context hint strings")
-    register("toy_mixture", "tempering.algorithms.sdft.toy:toy_mixture", description="several toy_skills shuffled together")
+    register(
+        "toy_skills",
+        "tempering.algorithms.sdft.toy:toy_skills",
+        description="reverse / shift / in-context hint strings",
+    )
+    register(
+        "toy_mixture", "tempering.algorithms.sdft.toy:toy_mixture", description="several toy_skills shuffled together"
+    )

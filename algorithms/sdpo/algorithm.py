@@ -54,17 +54,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tempering.training import teacher as shared
 from tempering.algorithms.grpo.algorithm import GRPO
 from tempering.algorithms.offpolicy.algorithm import StaleRollouts
-from tempering.errors import ConfigError
-from tempering.interfaces import Backend, Distributions, FullDistributions, LossLogits, RunContext
-from tempering.loss_contract import DISTILL_WEIGHTS, TEACHER_TOKEN_LOGPROBS, check_reads
-from tempering.rollouts.rollout import RolloutBatch
-from tempering.training.stage import Requirement
-from tempering.training.teacher import TEACHER_INPUT_KEYS, TeacherWeights
-from tempering.types import Batch, Datum, Group, Sample
-
 from tempering.algorithms.sdpo.context import (
     DEFAULT_FEEDBACK_TEMPLATE,
     DEFAULT_REPROMPT_TEMPLATE,
@@ -79,6 +70,14 @@ from tempering.algorithms.sdpo.context import (
     truncate_prompt,
 )
 from tempering.algorithms.sdpo.loss import SDPOLoss, distillation_problem, teacher_input
+from tempering.errors import ConfigError
+from tempering.interfaces import Backend, Distributions, FullDistributions, LossLogits, RunContext
+from tempering.loss_contract import DISTILL_WEIGHTS, TEACHER_TOKEN_LOGPROBS, check_reads
+from tempering.rollouts.rollout import RolloutBatch
+from tempering.training import teacher as shared
+from tempering.training.stage import Requirement
+from tempering.training.teacher import TEACHER_INPUT_KEYS, TeacherWeights
+from tempering.types import Batch, Datum, Group, Sample
 
 __all__ = ["SDPO", "KeepGroups", "TeacherRows"]
 
@@ -165,22 +164,34 @@ class SDPO(StaleRollouts, GRPO):
 
     @property
     def rules(self) -> RepromptRules:
-        return RepromptRules(self.use_successful_as_teacher, self.success_reward_threshold,
-                             self.dont_reprompt_on_self_success, self.include_environment_feedback,
-                             self.environment_feedback_only_without_solution)  # fmt: skip
+        return RepromptRules(
+            self.use_successful_as_teacher,
+            self.success_reward_threshold,
+            self.dont_reprompt_on_self_success,
+            self.include_environment_feedback,
+            self.environment_feedback_only_without_solution,
+        )
 
     def validate(self, ctx: RunContext) -> None:
         """Every SDPO key, one line each, before GRPO's own checks (and before anything trains)."""
         path = ctx.path
-        problem = distillation_problem(self.distillation_mode, self.distillation_alpha, self.distillation_topk,
-                                       self.distillation_topk_support, self.distillation_is_clip,
-                                       self.distillation_weight, self.distillation_is_clip_low)  # fmt: skip
+        problem = distillation_problem(
+            self.distillation_mode,
+            self.distillation_alpha,
+            self.distillation_topk,
+            self.distillation_topk_support,
+            self.distillation_is_clip,
+            self.distillation_weight,
+            self.distillation_is_clip_low,
+        )
         if problem is not None:
             raise ConfigError(problem[1], f"{path}.{problem[0]}")
         self.teacher_weights().check(path, every_key="ema_every")
         if self.max_reprompt_len < 1:
-            raise ConfigError(f"must be >= 1 (tokens of the teacher's prompt kept), got {self.max_reprompt_len}",
-                              f"{path}.max_reprompt_len")  # fmt: skip
+            raise ConfigError(
+                f"must be >= 1 (tokens of the teacher's prompt kept), got {self.max_reprompt_len}",
+                f"{path}.max_reprompt_len",
+            )
         required = ["prompt"]
         if self.use_successful_as_teacher:
             required.append("solution")
@@ -188,10 +199,13 @@ class SDPO(StaleRollouts, GRPO):
             required.append("feedback")
         for key, need, allowed in (
             ("reprompt_template", required, ("prompt", "solution", "feedback")),
-            ("solution_template", ["successful_previous_attempt"] if self.use_successful_as_teacher else [],
-             ("successful_previous_attempt",)),
+            (
+                "solution_template",
+                ["successful_previous_attempt"] if self.use_successful_as_teacher else [],
+                ("successful_previous_attempt",),
+            ),
             ("feedback_template", ["feedback_raw"] if self.include_environment_feedback else [], ("feedback_raw",)),
-        ):  # fmt: skip
+        ):
             why = template_problem(getattr(self, key), need, allowed)
             if why is not None:
                 raise ConfigError(why, f"{path}.{key}")
@@ -212,10 +226,15 @@ class SDPO(StaleRollouts, GRPO):
                 raise ConfigError(
                     f"stale SDPO (max_steps_off_policy set) needs {key}: {neutral:g}, got {getattr(self, key)}: the "
                     "importance ratios compare the sampler's logprobs with the untempered policy the trainer (and "
-                    "the teacher) score", f"{path}.{key}")  # fmt: skip
+                    "the teacher) score",
+                    f"{path}.{key}",
+                )
         if self.recompute_logprobs == "always":
-            raise ConfigError("stale SDPO keeps the sampler's logprobs as the importance ratios' 'old' (recomputed "
-                              "ones would be the current weights'); use auto", f"{path}.recompute_logprobs")  # fmt: skip
+            raise ConfigError(
+                "stale SDPO keeps the sampler's logprobs as the importance ratios' 'old' (recomputed "
+                "ones would be the current weights'); use auto",
+                f"{path}.recompute_logprobs",
+            )
 
     def required_capabilities(self) -> list[Requirement]:
         """The teacher's weights (snapshots for ``stage_start`` / ``ema``, averaging for
@@ -262,11 +281,16 @@ class SDPO(StaleRollouts, GRPO):
     def setup(self, ctx: RunContext, state: Mapping[str, Any]) -> None:
         super().setup(ctx, state)
         loss = SDPOLoss(
-            policy=self.loss_fn, mode=self.distillation_mode, alpha=float(self.distillation_alpha),
-            topk=self.distillation_topk, topk_support=self.distillation_topk_support,
-            add_tail=self.distillation_add_tail, is_clip=self.distillation_is_clip, weight=float(self.distillation_weight),
+            policy=self.loss_fn,
+            mode=self.distillation_mode,
+            alpha=float(self.distillation_alpha),
+            topk=self.distillation_topk,
+            topk_support=self.distillation_topk_support,
+            add_tail=self.distillation_add_tail,
+            is_clip=self.distillation_is_clip,
+            weight=float(self.distillation_weight),
             is_clip_low=self.distillation_is_clip_low,
-        )  # fmt: skip
+        )
         check_reads(loss, self.batch_inputs(self.loss_fn), f"{ctx.path}.loss", self.label)
         self._objective: Any = loss
         if self.stale:
@@ -323,19 +347,32 @@ class SDPO(StaleRollouts, GRPO):
         """Each sample's teacher signal, group by group (failed or masked samples are nobody's
         solution)."""
         return [
-            choose_signals([s.reward for s in g.samples], [s.feedback for s in g.samples], self.rules,
-                           [s.trainable for s in g.samples])  # fmt: skip
+            choose_signals(
+                [s.reward for s in g.samples],
+                [s.feedback for s in g.samples],
+                self.rules,
+                [s.trainable for s in g.samples],
+            )
             for g in groups
         ]
 
-    def teacher_prefix(self, tokenizer: Any, context: Any, group: Group, sample: Sample,
-                       signal: TeacherSignal) -> tuple[list[int], bool]:  # fmt: skip
+    def teacher_prefix(
+        self, tokenizer: Any, context: Any, group: Group, sample: Sample, signal: TeacherSignal
+    ) -> tuple[list[int], bool]:
         """The teacher's prompt tokens for ``sample`` (and whether they were truncated)."""
         solution = None
         if signal.solution is not None:
-            solution = demonstration_text(tokenizer, group.samples[signal.solution], self.remove_thinking_from_demonstration)
-        tokens = shared.reprompted_prefix(context, tokenizer, sample, lambda text: reprompt_text(
-            self.reprompt_template, self.solution_template, self.feedback_template, text, solution, signal.feedback))  # fmt: skip
+            solution = demonstration_text(
+                tokenizer, group.samples[signal.solution], self.remove_thinking_from_demonstration
+            )
+        tokens = shared.reprompted_prefix(
+            context,
+            tokenizer,
+            sample,
+            lambda text: reprompt_text(
+                self.reprompt_template, self.solution_template, self.feedback_template, text, solution, signal.feedback
+            ),
+        )
         return truncate_prompt(tokens, self.max_reprompt_len)
 
     def build_teachers(self, tokenizer: Any, batch: Batch, groups: list[Group], context: Any = None) -> TeacherRows:
@@ -348,11 +385,16 @@ class SDPO(StaleRollouts, GRPO):
         :class:`~tempering.rollouts.rollout.SamplerContext` (the stage's own by default)."""
         context = context if context is not None else self.rollout_sampler.context
         rows: list[tuple[int, int, Sample, int]] = [
-            (gi, i, s, k) for gi, g in enumerate(groups) for i, s in enumerate(g.samples) for k in range(len(s.segments()))
+            (gi, i, s, k)
+            for gi, g in enumerate(groups)
+            for i, s in enumerate(g.samples)
+            for k in range(len(s.segments()))
         ]
         if len(rows) != len(batch.data):
-            raise RuntimeError(f"SDPO: {len(batch.data)} training rows for {len(rows)} segments; the batch must be "
-                               "build_group_batch of the step's groups")  # fmt: skip
+            raise RuntimeError(
+                f"SDPO: {len(batch.data)} training rows for {len(rows)} segments; the batch must be "
+                "build_group_batch of the step's groups"
+            )
         signals = self.signals(groups)
         out = TeacherRows()
         taught: set[int] = set()
@@ -384,14 +426,17 @@ class SDPO(StaleRollouts, GRPO):
             "sdpo/feedback_available_frac": sum(has_feedback(s.feedback) for s in samples) / n,
             "sdpo/success_group_frac": sum(
                 any(s.trainable and s.reward >= self.success_reward_threshold for s in g.samples) for g in groups
-            ) / max(len(groups), 1),
+            )
+            / max(len(groups), 1),
             "sdpo/no_signal_samples": float(sum(s.trainable and id(s) not in taught for s in samples)),
             "sdpo/rows_without_teacher": float(without),
             "sdpo/reprompt_truncated_frac": truncated / max(len(out.student), 1),
         }
         return out
 
-    def attach_teachers(self, backend: Backend, batch: Batch, groups: list[Group], context: Any = None) -> dict[str, float]:
+    def attach_teachers(
+        self, backend: Backend, batch: Batch, groups: list[Group], context: Any = None
+    ) -> dict[str, float]:
         """:meth:`build_teachers`, then score the teacher rows and put their values in the
         taught rows (:data:`tempering.training.teacher.TEACHER_KEYS`), placeholders in the others (a
         batch's rows carry the same keys; their distillation mask is 0). Returns the metrics."""
@@ -399,8 +444,14 @@ class SDPO(StaleRollouts, GRPO):
         kind = self._teacher_input()
         weights = vars(self).get("weights") or self.teacher_weights()  # set up, or used on its own (tests)
         if rows.student and kind is not None:
-            shared.attach_teacher(backend, Batch(rows.student), Batch(rows.teacher), kind, int(self.distillation_topk or 0),
-                                  weights.kwargs)  # fmt: skip
+            shared.attach_teacher(
+                backend,
+                Batch(rows.student),
+                Batch(rows.teacher),
+                kind,
+                int(self.distillation_topk or 0),
+                weights.kwargs,
+            )
             width = _teacher_width(rows.student[0], kind)
             for d in batch.data:
                 if TEACHER_TOKEN_LOGPROBS not in d.extra:

@@ -78,8 +78,12 @@ def has_feedback(feedback: Any) -> bool:
     return isinstance(feedback, str) and feedback.strip() != ""
 
 
-def choose_signals(rewards: Sequence[float], feedbacks: Sequence[str | None], rules: RepromptRules,
-                   eligible: Sequence[bool] | None = None) -> list[TeacherSignal]:  # fmt: skip
+def choose_signals(
+    rewards: Sequence[float],
+    feedbacks: Sequence[str | None],
+    rules: RepromptRules,
+    eligible: Sequence[bool] | None = None,
+) -> list[TeacherSignal]:
     """Each sample's :class:`TeacherSignal` in one group (the samples of one prompt).
 
     ``eligible[j]`` False keeps sample ``j`` from being anyone's solution (a failed or masked
@@ -121,8 +125,14 @@ def demonstration_text(tokenizer: Any, sample: Any, remove_thinking: bool = Fals
     return _THINKING.sub("", text).strip() if remove_thinking else text
 
 
-def reprompt_text(reprompt_template: str, solution_template: str, feedback_template: str, prompt: str,
-                  solution: str | None, feedback: str | None) -> str:  # fmt: skip
+def reprompt_text(
+    reprompt_template: str,
+    solution_template: str,
+    feedback_template: str,
+    prompt: str,
+    solution: str | None,
+    feedback: str | None,
+) -> str:
     """The teacher's text for one sample: the student's ``prompt`` text with the solution and
     the feedback put in by their templates (an absent one is the empty string)."""
     solution_part = "" if solution is None else solution_template.format(successful_previous_attempt=solution)

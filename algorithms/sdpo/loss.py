@@ -77,8 +77,15 @@ MODES = ("sampled_token", "full_logits", "topk_logits")
 SUPPORTS = ("student", "teacher")
 
 
-def distillation_problem(mode: str, alpha: float, topk: int | None, support: str, is_clip: float | None,
-                         weight: float, is_clip_low: float | None = None) -> tuple[str, str] | None:  # fmt: skip
+def distillation_problem(
+    mode: str,
+    alpha: float,
+    topk: int | None,
+    support: str,
+    is_clip: float | None,
+    weight: float,
+    is_clip_low: float | None = None,
+) -> tuple[str, str] | None:
     """The first bad distillation setting as ``(stage key, one-line message)``, or None.
 
     One rule set for the stage's validation (a :class:`~tempering.errors.ConfigError` at the
@@ -88,10 +95,15 @@ def distillation_problem(mode: str, alpha: float, topk: int | None, support: str
     if not 0.0 <= alpha <= 1.0:
         return "distillation_alpha", f"must be in [0, 1] (0 forward KL, 1 reverse KL, JSD between), got {alpha}"
     if mode == "sampled_token" and alpha != 1.0:
-        return "distillation_alpha", (f"must be 1 with distillation_mode 'sampled_token' (a sampled token estimates "
-                                      f"the reverse KL only), got {alpha}; use full_logits or topk_logits for other alphas")  # fmt: skip
+        return "distillation_alpha", (
+            f"must be 1 with distillation_mode 'sampled_token' (a sampled token estimates "
+            f"the reverse KL only), got {alpha}; use full_logits or topk_logits for other alphas"
+        )
     if mode == "topk_logits" and topk is None:
-        return "distillation_topk", "distillation_mode 'topk_logits' needs distillation_topk (the support size, e.g. 100)"
+        return (
+            "distillation_topk",
+            "distillation_mode 'topk_logits' needs distillation_topk (the support size, e.g. 100)",
+        )
     if topk is not None and mode != "topk_logits":
         return "distillation_topk", f"is only read by distillation_mode 'topk_logits' (the mode is '{mode}'); remove it"
     if topk is not None and topk < 1:
@@ -101,10 +113,15 @@ def distillation_problem(mode: str, alpha: float, topk: int | None, support: str
     if is_clip is not None and is_clip <= 0:
         return "distillation_is_clip", f"must be > 0 (or null: off), got {is_clip}"
     if is_clip_low is not None and is_clip is None:
-        return "distillation_is_clip_low", "is a floor of the distillation_is_clip weight, which is off (null); set both"
+        return (
+            "distillation_is_clip_low",
+            "is a floor of the distillation_is_clip weight, which is off (null); set both",
+        )
     if is_clip_low is not None and not 0 < is_clip_low <= min(1.0, is_clip or 1.0):
-        return "distillation_is_clip_low", (f"must be in (0, {min(1.0, is_clip or 1.0):g}] (at most 1 and at most "
-                                            f"distillation_is_clip), got {is_clip_low}")  # fmt: skip
+        return "distillation_is_clip_low", (
+            f"must be in (0, {min(1.0, is_clip or 1.0):g}] (at most 1 and at most "
+            f"distillation_is_clip), got {is_clip_low}"
+        )
     if not 0.0 <= weight <= 1.0:
         return "distillation_weight", f"must be in [0, 1] (1 distillation only, 0 policy gradient only), got {weight}"
     return None
@@ -146,8 +163,9 @@ class SDPOLoss:
     is_clip_low: float | None = None
 
     def __post_init__(self) -> None:
-        problem = distillation_problem(self.mode, self.alpha, self.topk, self.topk_support, self.is_clip, self.weight,
-                                       self.is_clip_low)  # fmt: skip
+        problem = distillation_problem(
+            self.mode, self.alpha, self.topk, self.topk_support, self.is_clip, self.weight, self.is_clip_low
+        )
         if problem is not None:
             raise ValueError(f"SDPOLoss {problem[0]}: {problem[1]}")
         if self.policy is None and self.weight < 1.0:
@@ -200,11 +218,15 @@ class SDPOLoss:
         if self.weight == 0.0:
             return builtin_of(self.policy, batch)
         if self.mode == "sampled_token":
-            return NoBuiltin("SDPOLoss: no built-in computes the self-distillation term sg(lp - lp_teacher) * lp "
-                             "blended with the policy loss")  # fmt: skip
+            return NoBuiltin(
+                "SDPOLoss: no built-in computes the self-distillation term sg(lp - lp_teacher) * lp "
+                "blended with the policy loss"
+            )
         return NoBuiltin("Use distillation_mode: sampled_token for SDPO on Tinker.")
 
-    def distillation(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def distillation(
+        self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """The distillation loss (seq-mean over all rows) and its metrics."""
         mask = batch[DISTILL_WEIGHTS] if DISTILL_WEIGHTS in batch else torch.zeros_like(logprobs)
         on = active(mask)
@@ -214,8 +236,9 @@ class SDPOLoss:
             teacher = batch[TEACHER_TOKEN_LOGPROBS].to(logprobs.dtype)
             per_token = sampled_token_loss(logprobs, torch.where(on, teacher, logprobs.detach()))
         else:
-            per_token = teacher_divergence(logprobs, batch, self.mode, float(self.alpha), int(self.topk or 0),
-                                           self.add_tail, self.topk_support)  # fmt: skip
+            per_token = teacher_divergence(
+                logprobs, batch, self.mode, float(self.alpha), int(self.topk or 0), self.add_tail, self.topk_support
+            )
         metrics: dict[str, float] = {}
         if self.is_clip is not None and SAMPLER_LOGPROBS in batch:
             old = batch[SAMPLER_LOGPROBS].to(logprobs.dtype)

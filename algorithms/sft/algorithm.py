@@ -59,8 +59,10 @@ class SFT(Stage):
         examples = load_examples(ctx, self.dataset, "dataset")
         first = examples[0] if examples else {}
         if "messages" not in first and self.completion_key not in first:
-            raise ConfigError(f"rows have no '{self.completion_key}' and no 'messages' transcript (keys: {sorted(first)})",
-                              f"{ctx.path}.completion_key")  # fmt: skip
+            raise ConfigError(
+                f"rows have no '{self.completion_key}' and no 'messages' transcript (keys: {sorted(first)})",
+                f"{ctx.path}.completion_key",
+            )
         self.stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
         self.backend = ctx.backend
         # A text prompt is a user turn (its answer the assistant's) where RL would render it so.
@@ -77,7 +79,9 @@ class SFT(Stage):
         if self._chat_text:
             assert self._renderer is not None  # setup builds one for chat-text prompts
             answer = {"role": "assistant", "content": str(example[self.completion_key])}
-            return [r.segment() for r in self._renderer.render_training([*user_turn(example), answer], example.get("tools"))]
+            return [
+                r.segment() for r in self._renderer.render_training([*user_turn(example), answer], example.get("tools"))
+            ]
         tok = self.backend.tokenizer
         prompt = encode_prompt(tok, example)
         seg = Segment(prompt, [0.0] * len(prompt), [0.0] * len(prompt))
@@ -92,8 +96,10 @@ class SFT(Stage):
         segments = [seg for row in self.stream.take(self.batch_size) for seg in self.rows(row)]
         n_tokens = sum(seg.num_sampled for seg in segments)
         if n_tokens == 0:
-            raise ConfigError("a batch has no tokens to learn (empty answers, or transcripts without assistant turns)",
-                              f"{ctx.path}.dataset")  # fmt: skip
+            raise ConfigError(
+                "a batch has no tokens to learn (empty answers, or transcripts without assistant turns)",
+                f"{ctx.path}.dataset",
+            )
         batch = Batch([seg.to_datum(weight=1.0 / n_tokens, logprobs=False) for seg in segments])
         fb = self.backend.forward_backward(batch, self.loss_fn)
         op = self.backend.optim_step(self.adam(step))

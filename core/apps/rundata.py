@@ -41,8 +41,11 @@ class RunDir:
         if not os.path.isdir(path):
             raise ConfigError(f"no such folder '{path}'; give a run's output folder (runs/<name>)", key)
         if not any(os.path.exists(os.path.join(path, f)) for f in (RUN_FILE, METRICS_FILE, PROGRESS_FILE)):
-            raise ConfigError(f"'{path}' holds no run (no {RUN_FILE}, {METRICS_FILE} or {PROGRESS_FILE}); "
-                              "give a run's output folder (runs/<name>)", key)  # fmt: skip
+            raise ConfigError(
+                f"'{path}' holds no run (no {RUN_FILE}, {METRICS_FILE} or {PROGRESS_FILE}); "
+                "give a run's output folder (runs/<name>)",
+                key,
+            )
         return cls(path)
 
     # ------------------------------------------------------------------ what the run wrote
@@ -91,8 +94,11 @@ class RunDir:
         that step: a stage end after a periodic one); a one-line error lists the steps there are."""
         kept = self.checkpoints()
         if not kept:
-            raise ConfigError(f"'{self.path}' has no checkpoint yet (progress.json lists none); "
-                              "a run saves one at the end of every stage", key)  # fmt: skip
+            raise ConfigError(
+                f"'{self.path}' has no checkpoint yet (progress.json lists none); "
+                "a run saves one at the end of every stage",
+                key,
+            )
         if step is None:
             latest = self._locate(str(self.progress().get("checkpoint") or ""))
             return next((c for c in kept if c["path"] == latest), kept[-1])
@@ -118,13 +124,18 @@ def run_backend(run: RunDir, step: int | None = None, registry: Any = None) -> I
     registry = registry or get_registry()
     recipe = run.recipe
     if not recipe.get("backend"):
-        raise ConfigError(f"'{run.path}' has no run.json with a backend: it was not written by `tempering run`", "RUN_DIR")
+        raise ConfigError(
+            f"'{run.path}' has no run.json with a backend: it was not written by `tempering run`", "RUN_DIR"
+        )
     spec = backend_spec(registry, recipe)
     if isinstance(spec, Mapping):  # a secret run.json redacted: the backend's own default (its env variable)
         spec = {k: v for k, v in spec.items() if v != REDACTED}
     if isinstance(spec, str) and spec.startswith("<python object"):
-        raise ConfigError(f"the run's backend was a Python object ({spec}), which run.json cannot rebuild; "
-                          "export from Python with backend.export_pretrained(path)", "RUN_DIR")  # fmt: skip
+        raise ConfigError(
+            f"the run's backend was a Python object ({spec}), which run.json cannot rebuild; "
+            "export from Python with backend.export_pretrained(path)",
+            "RUN_DIR",
+        )
     checkpoint = run.checkpoint(step)
     backend = registry.build("backend", spec, "backend")
     try:

@@ -85,9 +85,7 @@ def topk_logits_loss(
         t = torch.log_softmax(teacher_logits, -1).gather(-1, ids)
     else:
         if teacher_topk_logprobs is None or teacher_topk_ids is None:
-            raise ValueError(
-                "topk_logits_loss: give teacher_logits, or teacher_topk_logprobs and teacher_topk_ids"
-            )
+            raise ValueError("topk_logits_loss: give teacher_logits, or teacher_topk_logprobs and teacher_topk_ids")
         ids = teacher_topk_ids.long()[..., :k]
         s = student_logp.gather(-1, ids)
         t = teacher_topk_logprobs.to(student_logp.dtype)[..., :k]

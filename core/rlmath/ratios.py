@@ -60,8 +60,9 @@ def capped_is_weight(logprobs: torch.Tensor, old_logprobs: torch.Tensor, cap: fl
     return clipped_is_weight(logprobs, old_logprobs, None, cap)
 
 
-def clipped_is_weight(logprobs: torch.Tensor, old_logprobs: torch.Tensor, low: float | None,
-                      high: float | None) -> torch.Tensor:  # fmt: skip
+def clipped_is_weight(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, low: float | None, high: float | None
+) -> torch.Tensor:
     """``clamp(exp(lp - lp_old), low, high)``, detached (``None``: no bound on that side): the
     per-token importance weight of a loss on stale samples, clipped two-sidedly -- a cap keeps
     one token from dominating, a floor keeps the tokens the policy has moved away from in the

@@ -125,7 +125,9 @@ class AsyncRollouts:
         chunks_in_flight: int = 2,
     ) -> None:
         if group_size < 1 or groups_per_batch < 1:
-            raise ValueError(f"AsyncRollouts: group_size and groups_per_batch must be >= 1 ({group_size}, {groups_per_batch})")
+            raise ValueError(
+                f"AsyncRollouts: group_size and groups_per_batch must be >= 1 ({group_size}, {groups_per_batch})"
+            )
         if max_steps_off_policy < 0:
             raise ValueError(f"AsyncRollouts: max_steps_off_policy must be >= 0, got {max_steps_off_policy}")
         self.backend = backend
@@ -213,7 +215,9 @@ class AsyncRollouts:
                 if pending:
                     left = None if timeout is None else timeout - (time.perf_counter() - t0)
                     if left is not None and left <= 0:
-                        raise TimeoutError(f"AsyncRollouts.next_batch({step}): {len(pending)} groups not ready after {timeout}s")
+                        raise TimeoutError(
+                            f"AsyncRollouts.next_batch({step}): {len(pending)} groups not ready after {timeout}s"
+                        )
                     self._ready_cond.wait(0.1 if left is None else min(0.1, left))
             queued = sum(1 for s in self._ready if s >= first + self.per_batch)
         groups = [out[s][0] for s in slots]
@@ -256,7 +260,9 @@ class AsyncRollouts:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise RuntimeError(f"asynchronous rollouts failed: {type(self._error).__name__}: {self._error}") from self._error
+            raise RuntimeError(
+                f"asynchronous rollouts failed: {type(self._error).__name__}: {self._error}"
+            ) from self._error
 
     def _fail(self, exc: BaseException) -> None:
         with self._ready_cond:
@@ -365,8 +371,9 @@ class AsyncRollouts:
         params = self.params
         if self.seed is not None:
             params = replace(params, seed=(self.seed * 1_000_003 + chunk[0].slot * 7919 + chunk[0].attempts) % 2**31)
-        rollout = await self.sampler.sample(pub.client, [dict(s.example) for s in chunk], self.group_size, params,
-                                            chunk[0].slot)  # fmt: skip
+        rollout = await self.sampler.sample(
+            pub.client, [dict(s.example) for s in chunk], self.group_size, params, chunk[0].slot
+        )
         self._counts["sample_calls"] += 1
         self.stats.scored += rollout.stats.scored
         self.stats.failed += rollout.stats.failed

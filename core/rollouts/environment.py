@@ -115,8 +115,13 @@ class Environment:
             return StepResult(reward=score, done=True, feedback=feedback_of(score, "environment.score()"))
         results = await self.call_tools(response)
         messages = [tool_message(call, r.content) for call, r in zip(response.tool_calls, results)]
-        return StepResult(messages, reward=0.0, done=False, metrics=tool_metrics(results),
-                          errors=[r.error for r in results if r.error])  # fmt: skip
+        return StepResult(
+            messages,
+            reward=0.0,
+            done=False,
+            metrics=tool_metrics(results),
+            errors=[r.error for r in results if r.error],
+        )
 
     async def call_tools(self, response: ParsedResponse) -> list[ToolResult]:
         """Run a turn's calls concurrently (results in call order); unknown tools, bad

@@ -82,8 +82,10 @@ class EnvironmentCalls:
         """``await fn(*args)`` (or its plain value) on the episode's loop, within the timeout;
         :class:`EnvironmentTimeout` past it, naming ``what`` and the key."""
         if self.stuck:
-            raise EnvironmentTimeout(f"environment.{what}() was not called: an earlier call still blocks "
-                                     f"the episode ({self.key}={self.timeout:g})")  # fmt: skip
+            raise EnvironmentTimeout(
+                f"environment.{what}() was not called: an earlier call still blocks "
+                f"the episode ({self.key}={self.timeout:g})"
+            )
 
         async def run() -> Any:
             value = fn(*args)
@@ -116,7 +118,9 @@ class ModelQueue:
     batching samples reproducibly.
     """
 
-    def __init__(self, client: Any, params: SamplingParams, batch_wait: float | None = None, seed: int | None = None) -> None:
+    def __init__(
+        self, client: Any, params: SamplingParams, batch_wait: float | None = None, seed: int | None = None
+    ) -> None:
         self.client = client
         self.params = params
         self.batch_wait = batch_wait
@@ -189,8 +193,15 @@ def _cut(c: Completion, limit: int) -> Completion:
     return replace(c, tokens=c.tokens[:limit], logprobs=c.logprobs[:limit], stop_reason="length", text="")
 
 
-async def run_episode(env: Any, example: dict[str, Any], renderer: Any, queue: ModelQueue, key: int,
-                      limits: EpisodeLimits, max_tokens: int) -> tuple[Trajectory, float | None]:  # fmt: skip
+async def run_episode(
+    env: Any,
+    example: dict[str, Any],
+    renderer: Any,
+    queue: ModelQueue,
+    key: int,
+    limits: EpisodeLimits,
+    max_tokens: int,
+) -> tuple[Trajectory, float | None]:
     """Play one episode. Returns the trajectory and its reward: the sum of the environment's
     step rewards, or ``None`` when the final step left scoring to the stage's reward.
 
@@ -236,8 +247,11 @@ async def run_episode(env: Any, example: dict[str, Any], renderer: Any, queue: M
             assign_call_ids(response.tool_calls, turn)
             messages.append(response.to_message())
             result = await calls.call("step", env.step, response)
-            traj.turns.append(Turn(len(prompt.tokens), completion, response, list(result.messages), result.reward,
-                                   dict(result.metrics)))  # fmt: skip
+            traj.turns.append(
+                Turn(
+                    len(prompt.tokens), completion, response, list(result.messages), result.reward, dict(result.metrics)
+                )
+            )
             for k, v in result.metrics.items():
                 traj.count(k, float(v))
             traj.errors += [e for e in result.errors if e][: max(0, 5 - len(traj.errors))]
@@ -251,7 +265,9 @@ async def run_episode(env: Any, example: dict[str, Any], renderer: Any, queue: M
         if traj.stop == "max_turns":
             traj.feedback.append(f"no final answer within max_turns={limits.max_turns} turns")
         elif traj.stop == "context":
-            traj.feedback.append(f"no final answer within the context budget (max_total_tokens={limits.max_total_tokens})")
+            traj.feedback.append(
+                f"no final answer within the context budget (max_total_tokens={limits.max_total_tokens})"
+            )
     except Exception as exc:  # an environment bug fails this episode, not the run
         if debug():
             raise  # TEMPERING_DEBUG: the first failure ends the run in its own traceback

@@ -81,7 +81,9 @@ def feedback_of(value: Any, who: str = "reward") -> str | None:
     if text is None:
         return None
     if not isinstance(text, str):
-        raise TypeError(f"{who} returned feedback {clip(repr(text), 60)} of type {type(text).__name__}, not text or None")
+        raise TypeError(
+            f"{who} returned feedback {clip(repr(text), 60)} of type {type(text).__name__}, not text or None"
+        )
     text = text.strip()
     return clip(text) if text else None
 

@@ -53,11 +53,15 @@ class Renderer(Protocol):
     name: str
     prefix_preserving: bool
 
-    def render_prompt(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None) -> RenderedPrompt:
+    def render_prompt(
+        self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None
+    ) -> RenderedPrompt:
         """Tokens of ``messages`` followed by the header of an assistant turn."""
         ...
 
-    def render_training(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None) -> list[TrainingRow]:
+    def render_training(
+        self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[TrainingRow]:
         """Supervised rows for every assistant turn of a transcript (weight 1 on its tokens)."""
         ...
 
@@ -109,8 +113,11 @@ def renderer_spec(spec: Any, tokenizer: Any, path: str = "renderer") -> Any:
     """A stage's renderer spec with ``auto`` resolved for ``tokenizer``; ``raw`` is refused
     here, where a chat (``messages``, an environment's episode) needs a renderer."""
     if spec == RAW:
-        raise ConfigError("raw sends text prompts as they are, but this stage has chat messages to render "
-                          "(a 'messages' dataset or an environment); name the model's chat renderer, or auto", path)  # fmt: skip
+        raise ConfigError(
+            "raw sends text prompts as they are, but this stage has chat messages to render "
+            "(a 'messages' dataset or an environment); name the model's chat renderer, or auto",
+            path,
+        )
     return default_renderer_name(tokenizer) if spec is None or spec == AUTO else spec
 
 

@@ -68,8 +68,14 @@ class RolloutBatch:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def collect(sampler: Any, client: Any, examples: Sequence[Mapping[str, Any]], group_size: int,
-            params: SamplingParams, first_id: int = 0) -> Rollout:  # fmt: skip
+def collect(
+    sampler: Any,
+    client: Any,
+    examples: Sequence[Mapping[str, Any]],
+    group_size: int,
+    params: SamplingParams,
+    first_id: int = 0,
+) -> Rollout:
     """Blocking form of ``sampler.sample``, on an event loop of its own. Rewards holding
     loop-bound resources (HTTP clients) are closed after, as :meth:`RewardRunner.score` does."""
 

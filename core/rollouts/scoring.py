@@ -83,7 +83,11 @@ class ScoreStats:
     errors: list[str] = field(default_factory=list)
 
     def as_metrics(self) -> dict[str, float]:
-        return {"reward/failed": float(self.failed), "reward/timeouts": float(self.timeouts), "reward/seconds": self.seconds}
+        return {
+            "reward/failed": float(self.failed),
+            "reward/timeouts": float(self.timeouts),
+            "reward/seconds": self.seconds,
+        }
 
 
 @dataclass

@@ -130,8 +130,12 @@ class Tool:
             msg = f"tool {self.name} timed out after {limit:g}s"
             return ToolResult(f"Error: {msg}", msg, timed_out=True, seconds=seconds, arguments=received)
         except Exception as exc:  # noqa: BLE001 - a tool bug is the model's observation, not a crash
-            return ToolResult(f"Error: {type(exc).__name__}: {exc}", f"tool {self.name} raised {type(exc).__name__}: {exc}",
-                              seconds=time.perf_counter() - t0, arguments=received)  # fmt: skip
+            return ToolResult(
+                f"Error: {type(exc).__name__}: {exc}",
+                f"tool {self.name} raised {type(exc).__name__}: {exc}",
+                seconds=time.perf_counter() - t0,
+                arguments=received,
+            )
         return ToolResult(format_result(value), seconds=time.perf_counter() - t0, arguments=received)
 
 

@@ -33,7 +33,11 @@ class TrajectoryBuilder:
         """The full prompt before the next model turn (weight 0 wherever it is new)."""
         prompt = list(prompt)
         current = self.segments[-1] if self.segments else None
-        if current is not None and len(prompt) >= len(current.tokens) and prompt[: len(current.tokens)] == current.tokens:
+        if (
+            current is not None
+            and len(prompt) >= len(current.tokens)
+            and prompt[: len(current.tokens)] == current.tokens
+        ):
             current.extend(prompt[len(current.tokens) :], 0.0)
             return
         if current is not None:

@@ -152,8 +152,14 @@ class FailureWatch:
 
     TOOL_KEYS = ("env/tool_calls", "env/tool_errors", "env/tool_timeouts")
 
-    def __init__(self, label: str, path: str, max_failed_fraction: float | None = None, window: int = 1,
-                 max_tool_error_fraction: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        label: str,
+        path: str,
+        max_failed_fraction: float | None = None,
+        window: int = 1,
+        max_tool_error_fraction: float | None = None,
+    ) -> None:
         self.label, self.path = label, path
         self.limit = max_failed_fraction
         self.tool_limit = max_tool_error_fraction
@@ -168,7 +174,10 @@ class FailureWatch:
         """Take one logged row (in place): announce each new cause's first error and drop the
         texts of causes already announced; count the training samples for :meth:`check`. The
         first traceback (``first_traceback/<cause>``) is printed under its cause's line."""
-        traces = {k.replace(TRACEBACK_PREFIX, ERROR_PREFIX): metrics.pop(k) for k in [k for k in metrics if TRACEBACK_PREFIX in k]}
+        traces = {
+            k.replace(TRACEBACK_PREFIX, ERROR_PREFIX): metrics.pop(k)
+            for k in [k for k in metrics if TRACEBACK_PREFIX in k]
+        }
         for key in [k for k in metrics if ERROR_PREFIX in k]:
             text = metrics[key]
             if key in self.seen:
@@ -183,10 +192,13 @@ class FailureWatch:
             announce(f"tempering: {self.label}{where}: {count}{scope} failed [{cause}]: {text}")
             if key in traces and not self.traceback_shown:
                 self.traceback_shown = True
-                announce(str(traces[key]).rstrip() + f"\n(every failure's traceback is in rollouts.jsonl, reward_info.traceback; "
-                         f"{DEBUG_ENV}=1 or tempering run --debug re-raises the first)")
+                announce(
+                    str(traces[key]).rstrip()
+                    + f"\n(every failure's traceback is in rollouts.jsonl, reward_info.traceback; "
+                    f"{DEBUG_ENV}=1 or tempering run --debug re-raises the first)"
+                )
         if SAMPLES_KEY in metrics:
-            causes = {k[len(FAILED_PREFIX):]: float(v) for k, v in metrics.items() if k.startswith(FAILED_PREFIX)}
+            causes = {k[len(FAILED_PREFIX) :]: float(v) for k, v in metrics.items() if k.startswith(FAILED_PREFIX)}
             self.window.append((sum(causes.values()), float(metrics[SAMPLES_KEY]), causes))
             for key in (SAMPLES_KEY, *(FAILED_PREFIX + c for c in causes), *self.TOOL_KEYS):
                 if isinstance(metrics.get(key), float):
@@ -206,8 +218,10 @@ class FailureWatch:
                     continue
                 self.seen.add(f"{keys}{cause}")
                 text = metrics.get("env/first_error") if keys == "env/" else None
-                announce(f"tempering: {self.label}{where}: {int(n)} {scope} {what} [{cause}]: "
-                         f"{text or '(each error text is in rollouts.jsonl)'}")  # fmt: skip
+                announce(
+                    f"tempering: {self.label}{where}: {int(n)} {scope} {what} [{cause}]: "
+                    f"{text or '(each error text is in rollouts.jsonl)'}"
+                )
 
     def summary(self) -> dict[str, float]:
         """Failed samples per cause (``failed/<cause>``) of every training step this stage ran,

@@ -24,8 +24,11 @@ __all__ = ["REDACTED", "is_secret_key", "redact", "redact_yaml_text"]
 #: What a secret's value is written as.
 REDACTED = "<redacted>"
 
-_SECRET = re.compile(r"(?:^|[_-])(?:api[_-]?key|password|passwd|secret|access[_-]token|auth[_-]token|bearer[_-]token|"
-                     r"hf[_-]token)$", re.IGNORECASE)  # fmt: skip
+_SECRET = re.compile(
+    r"(?:^|[_-])(?:api[_-]?key|password|passwd|secret|access[_-]token|auth[_-]token|bearer[_-]token|"
+    r"hf[_-]token)$",
+    re.IGNORECASE,
+)
 
 
 def is_secret_key(key: Any) -> bool:
@@ -43,8 +46,10 @@ def redact(node: Any) -> Any:
     return node
 
 
-_YAML_LINE = re.compile(r"^(?P<head>\s*(?:-\s+)?(?P<key>[\"']?[A-Za-z0-9_-]+[\"']?)\s*:[ \t]+)(?P<value>[^#\s{\[|>][^#]*?)"
-                        r"(?P<tail>\s+#.*)?$")  # fmt: skip
+_YAML_LINE = re.compile(
+    r"^(?P<head>\s*(?:-\s+)?(?P<key>[\"']?[A-Za-z0-9_-]+[\"']?)\s*:[ \t]+)(?P<value>[^#\s{\[|>][^#]*?)"
+    r"(?P<tail>\s+#.*)?$"
+)
 _FLOW_PAIR = re.compile(r"(?P<key>[A-Za-z0-9_-]+)\s*:\s*(?P<value>\"[^\"]*\"|'[^']*'|[^,}\s]+)")
 
 
@@ -59,6 +64,8 @@ def redact_yaml_text(text: str) -> str:
         if m and is_secret_key(m.group("key").strip("\"'")):
             body = m.group("head") + REDACTED + (m.group("tail") or "")
         elif "{" in body:
-            body = _FLOW_PAIR.sub(lambda p: f"{p.group('key')}: {REDACTED}" if is_secret_key(p.group("key")) else p.group(0), body)
+            body = _FLOW_PAIR.sub(
+                lambda p: f"{p.group('key')}: {REDACTED}" if is_secret_key(p.group("key")) else p.group(0), body
+            )
         out.append(body + end)
     return "".join(out)

@@ -64,9 +64,32 @@ if TYPE_CHECKING:  # pragma: no cover
 
 FILENAME = "rollouts.jsonl"
 #: Every record's keys, in order (the table above; tests hold the two together).
-FIELDS = ("v", "row", "stage", "step", "kind", "group", "sample", "example", "prompt", "messages", "completion",
-          "reward", "reward_info", "advantage", "failed", "failure", "error", "masked", "feedback",
-          "policy_version", "staleness", "stop", "tokens", "turns")  # fmt: skip
+FIELDS = (
+    "v",
+    "row",
+    "stage",
+    "step",
+    "kind",
+    "group",
+    "sample",
+    "example",
+    "prompt",
+    "messages",
+    "completion",
+    "reward",
+    "reward_info",
+    "advantage",
+    "failed",
+    "failure",
+    "error",
+    "masked",
+    "feedback",
+    "policy_version",
+    "staleness",
+    "stop",
+    "tokens",
+    "turns",
+)
 FORMAT_VERSION = 2
 #: Groups written per step when a stage does not say (``log_rollouts``).
 DEFAULT_GROUPS = 4
@@ -82,8 +105,9 @@ def select_groups(groups: Sequence[Group], count: int) -> list[Group]:
     return [g for i, g in enumerate(groups) if i < count or any(s.failed for s in g.samples)]
 
 
-def sample_record(sample: Sample, group: Group, index: int, *, advantage: float | None = None,
-                  trainer_step: int = 0) -> dict[str, Any]:  # fmt: skip
+def sample_record(
+    sample: Sample, group: Group, index: int, *, advantage: float | None = None, trainer_step: int = 0
+) -> dict[str, Any]:
     """One sample as a line of ``rollouts.jsonl`` (without the step fields :func:`log_groups`
     adds)."""
     traj = sample.trajectory
@@ -97,7 +121,9 @@ def sample_record(sample: Sample, group: Group, index: int, *, advantage: float 
         "group": group.group_id,
         "sample": index,
         "example": jsonable(example),
-        "prompt": str(example["prompt"]) if traj is None and "messages" not in example and "prompt" in example else None,
+        "prompt": str(example["prompt"])
+        if traj is None and "messages" not in example and "prompt" in example
+        else None,
         "messages": jsonable(messages),
         "completion": sample.completion.text,
         "reward": jsonable(float(sample.reward)),
@@ -116,8 +142,14 @@ def sample_record(sample: Sample, group: Group, index: int, *, advantage: float 
     }
 
 
-def log_groups(ctx: RunContext, groups: Sequence[Group], kind: str, step: int, count: int = DEFAULT_GROUPS,
-               advantages: Sequence[float] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+def log_groups(
+    ctx: RunContext,
+    groups: Sequence[Group],
+    kind: str,
+    step: int,
+    count: int = DEFAULT_GROUPS,
+    advantages: Sequence[float] | None = None,
+) -> list[dict[str, Any]]:
     """Write the step's selected groups (:func:`select_groups`) to the run's
     ``rollouts.jsonl`` and hand them to every logger with ``log_rollouts``; returns the records.
 
@@ -129,8 +161,13 @@ def log_groups(ctx: RunContext, groups: Sequence[Group], kind: str, step: int, c
         return []
     backend = getattr(ctx, "backend", None)
     trainer_step = int(getattr(backend, "step", 0) or 0)
-    head = {"v": FORMAT_VERSION, "row": getattr(ctx, "rows_logged", None), "stage": getattr(ctx, "stage_id", ""),
-            "step": int(step), "kind": kind}  # fmt: skip
+    head = {
+        "v": FORMAT_VERSION,
+        "row": getattr(ctx, "rows_logged", None),
+        "stage": getattr(ctx, "stage_id", ""),
+        "step": int(step),
+        "kind": kind,
+    }
     records = []
     flat = 0
     for g in groups:

@@ -56,13 +56,16 @@ def make_output_dir(output_dir: str) -> None:
     cannot be created, is a one-line :class:`ConfigError` rather than an ``OSError``'s
     traceback."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise ConfigError(f"'{output_dir}' is a file, not a folder; give a folder for the run's files "
-                          "(it is created if missing)", "output_dir")  # fmt: skip
+        raise ConfigError(
+            f"'{output_dir}' is a file, not a folder; give a folder for the run's files (it is created if missing)",
+            "output_dir",
+        )
     try:
         os.makedirs(output_dir, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"cannot create '{output_dir}': {exc.strerror or exc}; give a folder you can write to",
-                          "output_dir") from None  # fmt: skip
+        raise ConfigError(
+            f"cannot create '{output_dir}': {exc.strerror or exc}; give a folder you can write to", "output_dir"
+        ) from None
 
 
 # --------------------------------------------------------------------------- progress.json
@@ -160,10 +163,14 @@ class RunLock:
     def _refusal(self, holder: Mapping[str, Any], same_host: bool) -> str:
         who = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, started {holder.get('started', '?')}"
         if same_host:
-            return (f"{self.output_dir}: another run is writing to this folder ({who}); wait for it to end, "
-                    f"or give this run another output_dir (--output-dir)")  # fmt: skip
-        return (f"{self.output_dir}: a run on another host holds this folder ({who}); tempering cannot check "
-                f"a process there: once that run is over, delete {self.path}")  # fmt: skip
+            return (
+                f"{self.output_dir}: another run is writing to this folder ({who}); wait for it to end, "
+                f"or give this run another output_dir (--output-dir)"
+            )
+        return (
+            f"{self.output_dir}: a run on another host holds this folder ({who}); tempering cannot check "
+            f"a process there: once that run is over, delete {self.path}"
+        )
 
 
 def _try_flock(fd: int) -> bool | None:
@@ -234,8 +241,11 @@ def start_fresh(output_dir: str) -> str | None:
     os.makedirs(dest)
     for name in sorted(names, key=lambda n: n != PROGRESS_FILE):
         os.rename(os.path.join(output_dir, name), os.path.join(dest, name))
-    warnings.warn(f"tempering: starting fresh in {output_dir}: the earlier run's files were moved to {dest}",
-                  RunFolderWarning, stacklevel=3)  # fmt: skip
+    warnings.warn(
+        f"tempering: starting fresh in {output_dir}: the earlier run's files were moved to {dest}",
+        RunFolderWarning,
+        stacklevel=3,
+    )
     return dest
 
 

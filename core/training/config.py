@@ -143,7 +143,8 @@ class _RecipeLoader(yaml.SafeLoader):
             if isinstance(key, (str, int, float, bool)) and key in seen:
                 first = seen[key].line + 1
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key '{key}' (first on line {first}); keep one", key_node.start_mark)
+                    None, None, f"duplicate key '{key}' (first on line {first}); keep one", key_node.start_mark
+                )
             seen[key] = key_node.start_mark
         return super().construct_mapping(node, deep=deep)
 
@@ -187,7 +188,9 @@ def resolve_recipe(data: Mapping[str, Any], overrides: Iterable[str] = ()) -> di
     ids = [stage_id(s, i) for i, s in enumerate(out["stages"])]
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
-        raise ConfigError(f"stage ids must be unique; give the stages distinct 'id:' values ({', '.join(dupes)})", "stages")
+        raise ConfigError(
+            f"stage ids must be unique; give the stages distinct 'id:' values ({', '.join(dupes)})", "stages"
+        )
     return cast("dict[str, Any]", out)
 
 

@@ -113,9 +113,15 @@ def check_columns(rows: Iterable[Mapping[str, Any]], columns: Columns, path: str
         fmt = next((f for f in formats if f == "" or f in row), None)
         if fmt is None:
             either = " or ".join(f"'{f}'" for f in formats)
-            raise ConfigError(f"rows have no {either} (row {i} has keys: {sorted(row)}); rename a column "
-                              f"(e.g. rename: {{your_column: {formats[0]}}})", f"{path}.{key}")  # fmt: skip
+            raise ConfigError(
+                f"rows have no {either} (row {i} has keys: {sorted(row)}); rename a column "
+                f"(e.g. rename: {{your_column: {formats[0]}}})",
+                f"{path}.{key}",
+            )
         for column, column_key in columns[fmt].items():
             if column not in row:
-                raise ConfigError(f"rows have no '{column}' (row {i} has keys: {sorted(row)}); set {column_key} "
-                                  "to the column that holds it, or rename that column", f"{path}.{column_key}")  # fmt: skip
+                raise ConfigError(
+                    f"rows have no '{column}' (row {i} has keys: {sorted(row)}); set {column_key} "
+                    "to the column that holds it, or rename that column",
+                    f"{path}.{column_key}",
+                )

@@ -60,7 +60,12 @@ def evaluate(
         failures += [s for s in samples if s.failed]
         rewards += [0.0 if (s.failed or s.masked) else s.reward for s in samples]
         for k, v in rollout_metrics(rollout.groups).items():
-            if k.startswith("env/") and isinstance(v, float) and not k.startswith("env/stop/") and k != "env/turns_mean":
+            if (
+                k.startswith("env/")
+                and isinstance(v, float)
+                and not k.startswith("env/stop/")
+                and k != "env/turns_mean"
+            ):
                 extra[f"eval/{k[4:]}"] = extra.get(f"eval/{k[4:]}", 0.0) + v
     n = max(len(rewards), 1)
     return {
@@ -87,12 +92,16 @@ def completion_sampler(tokenizer: Any, reward: RewardRunner | None, renderer: An
 
     reg = get_registry()
     context = SamplerContext(
-        tokenizer, make_renderer, reward,
+        tokenizer,
+        make_renderer,
+        reward,
         build=lambda kind, spec, key: reg.build(kind, spec, key),
         factory=lambda kind, spec, key: reg.factory(kind, spec, key),
         chat_prompts=chat_text_prompts(renderer, tokenizer),
-    )  # fmt: skip
-    return reg.build("sampler", "tempering:completion", "sampler", context=context)  # the built-in, through the registry
+    )
+    return reg.build(
+        "sampler", "tempering:completion", "sampler", context=context
+    )  # the built-in, through the registry
 
 
 def eval_reward(ev: Any, stage: Any) -> Any:
@@ -125,8 +134,16 @@ class StageEvaluator:
         if not self.examples or (at_start and not self.cfg.at_start):
             return {}
         groups: list[Group] = []
-        metrics = evaluate(self.ctx.backend, self.examples, None, self.cfg.max_tokens, self.cfg.temperature,
-                           sampler=self.sampler, on_groups=groups.extend, tracebacks=True)  # fmt: skip
+        metrics = evaluate(
+            self.ctx.backend,
+            self.examples,
+            None,
+            self.cfg.max_tokens,
+            self.cfg.temperature,
+            sampler=self.sampler,
+            on_groups=groups.extend,
+            tracebacks=True,
+        )
         count = getattr(self.stage, "log_rollouts", DEFAULT_GROUPS)
         log_groups(self.ctx, groups, "eval", getattr(self.ctx, "global_step", 0), count)
         return metrics
@@ -137,13 +154,20 @@ class StageEvaluator:
         examples = (self.examples or [])[:size]
         if not examples:
             return 0.0
-        metrics = evaluate(self.ctx.backend, examples, None, self.cfg.max_tokens, self.cfg.temperature,
-                           sampler=self.sampler)  # fmt: skip
+        metrics = evaluate(
+            self.ctx.backend, examples, None, self.cfg.max_tokens, self.cfg.temperature, sampler=self.sampler
+        )
         return float(metrics["eval/accuracy"])
 
 
-def build_sampler(ctx: BuildContext, spec: Any, key: str, reward: RewardRunner | None, renderer: Any = "auto",
-                  reward_key: str | None = None) -> Any:  # fmt: skip
+def build_sampler(
+    ctx: BuildContext,
+    spec: Any,
+    key: str,
+    reward: RewardRunner | None,
+    renderer: Any = "auto",
+    reward_key: str | None = None,
+) -> Any:
     """Build a stage's sampler (``key`` is its config path under the stage), with the context
     it needs: the backend's tokenizer, the stage's renderer (built on first use), whether text
     prompts are rendered as user turns, and the reward (``reward_key``: its key under the stage,
@@ -156,10 +180,13 @@ def build_sampler(ctx: BuildContext, spec: Any, key: str, reward: RewardRunner |
         return built[0]
 
     context = SamplerContext(
-        ctx.backend.tokenizer, make_renderer, reward,
+        ctx.backend.tokenizer,
+        make_renderer,
+        reward,
         build=lambda kind, s, k: ctx.build(kind, s, f"{key}.{k}"),
         factory=lambda kind, s, k: ctx.factory(kind, s, f"{key}.{k}"),
-        path=f"{ctx.path}.{key}", chat_prompts=chat_text_prompts(renderer, ctx.backend.tokenizer),
+        path=f"{ctx.path}.{key}",
+        chat_prompts=chat_text_prompts(renderer, ctx.backend.tokenizer),
         reward_key=f"{ctx.path}.{reward_key}" if reward_key else None,
-    )  # fmt: skip
+    )
     return ctx.build("sampler", spec, key, context=context)

@@ -11,5 +11,6 @@ def progress(total: int, desc: str, initial: int = 0) -> Any:
     from tqdm.auto import tqdm
 
     disable = os.environ.get("TEMPERING_PROGRESS", "1") == "0"
-    return tqdm(total=total, initial=initial, desc=desc, disable=disable, dynamic_ncols=True, file=sys.stderr,
-                mininterval=0.5)
+    return tqdm(
+        total=total, initial=initial, desc=desc, disable=disable, dynamic_ncols=True, file=sys.stderr, mininterval=0.5
+    )

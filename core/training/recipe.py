@@ -24,15 +24,18 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from tempering.runs import rollout_log, runfolder
-from tempering.training.config import load_yaml, resolve_recipe, stage_id
-from tempering.errors import ConfigError, RunStopped, StopRun  # StopRun, RunStopped: the recipe's API, kept importable here
-from tempering.interfaces import Backend, Closeable
-from tempering.registry import ComponentSpec, PluginOverrideWarning, Registry, get_registry
-from tempering.runs.runfolder import PROGRESS_FILE, read_progress  # noqa: F401 - re-exported: the recipe's API
 import tempering
-from tempering.registry import params_schema
+from tempering.errors import (
+    ConfigError,
+    RunStopped,
+    StopRun,
+)  # StopRun, RunStopped: the recipe's API, kept importable here
+from tempering.interfaces import Backend, Closeable
+from tempering.registry import ComponentSpec, PluginOverrideWarning, Registry, get_registry, params_schema
+from tempering.runs import rollout_log, runfolder
 from tempering.runs.redact import redact
+from tempering.runs.runfolder import PROGRESS_FILE, read_progress
+from tempering.training.config import load_yaml, resolve_recipe, stage_id
 from tempering.training.stage import config_only
 
 
@@ -130,8 +133,12 @@ class RunContext:
             progress["completed"].append(self.stage_id)
         ledger.append({"path": ckpt, "stage": self.stage_id, "global_step": self.global_step, "stage_end": done})
         progress["checkpoints"], dropped = runfolder.prune(ledger, self.keep_checkpoints)
-        progress.update(checkpoint=ckpt, current=None if done else self.stage_id, global_step=self.global_step,
-                        metrics_rows=self.rows_logged)  # fmt: skip
+        progress.update(
+            checkpoint=ckpt,
+            current=None if done else self.stage_id,
+            global_step=self.global_step,
+            metrics_rows=self.rows_logged,
+        )
         runfolder.write_json(os.path.join(self.output_dir, PROGRESS_FILE), progress)
         runfolder.remove_checkpoints(dropped)  # only once progress.json no longer lists them
         self._due, self._last_checkpoint = None, self.clock()
@@ -161,8 +168,8 @@ def seed_everything(seed: int) -> None:
 class Recipe:
     """A runnable recipe. Build it from a YAML path, a dict, or Python objects::
 
-        Recipe(name="demo", backend={"name": "local", "model": "tiny_llama"},
-               stages=[{"name": "grpo", "reward": my_reward_fn, "steps": 20}])
+    Recipe(name="demo", backend={"name": "local", "model": "tiny_llama"},
+           stages=[{"name": "grpo", "reward": my_reward_fn, "steps": 20}])
     """
 
     name: str = "recipe"
@@ -252,17 +259,29 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Backen
         metadata = _metadata(registry, cfg)
         runfolder.write_json(os.path.join(out_dir, "run.json"), metadata)
 
-        ctx = RunContext(registry, backend, cfg, out_dir, loggers, cfg["seed"], max_total_steps=cfg["max_total_steps"],
-                         checkpoint_every=cfg["checkpoint_every"], checkpoint_minutes=cfg["checkpoint_minutes"],
-                         keep_checkpoints=cfg["keep_checkpoints"])  # fmt: skip
+        ctx = RunContext(
+            registry,
+            backend,
+            cfg,
+            out_dir,
+            loggers,
+            cfg["seed"],
+            max_total_steps=cfg["max_total_steps"],
+            checkpoint_every=cfg["checkpoint_every"],
+            checkpoint_minutes=cfg["checkpoint_minutes"],
+            keep_checkpoints=cfg["keep_checkpoints"],
+        )
         completed = _resume(ctx, progress, primary)
         already_complete = bool(stages) and all(sid in completed for sid, _ in stages)
         if already_complete and primary:  # said, not a bare "Done": a rerun of a finished recipe does nothing
-            warnings.warn(f"tempering: run '{cfg.get('name')}' in {out_dir} is already complete "
-                          f"(stages {', '.join(sid for sid, _ in stages)} finished); nothing was run. To start over, "
-                          "run it with --fresh (in Python: resume=False): the earlier run's files are moved to a "
-                          f"sibling folder {os.path.basename(os.path.abspath(out_dir))}.prev-<time>",
-                          runfolder.RunAlreadyComplete, stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"tempering: run '{cfg.get('name')}' in {out_dir} is already complete "
+                f"(stages {', '.join(sid for sid, _ in stages)} finished); nothing was run. To start over, "
+                "run it with --fresh (in Python: resume=False): the earlier run's files are moved to a "
+                f"sibling folder {os.path.basename(os.path.abspath(out_dir))}.prev-<time>",
+                runfolder.RunAlreadyComplete,
+                stacklevel=3,
+            )
 
         for i, (sid, algorithm) in enumerate(stages):  # check every stage's nested config up front
             if sid not in completed and hasattr(algorithm, "validate"):
@@ -344,7 +363,9 @@ def _resume(ctx: RunContext, progress: Mapping[str, Any] | None, primary: bool) 
     return list(ctx.progress["completed"])
 
 
-def _run_stage(ctx: RunContext, index: int, sid: str, algorithm: Any, progress: Mapping[str, Any] | None) -> dict[str, Any]:
+def _run_stage(
+    ctx: RunContext, index: int, sid: str, algorithm: Any, progress: Mapping[str, Any] | None
+) -> dict[str, Any]:
     """Run one stage and checkpoint it: finished, or unfinished when it ran out of budget or
     raised :class:`StopRun` (which becomes :class:`RunStopped`)."""
     ctx.stage_index, ctx.stage_id = index, sid
@@ -357,8 +378,10 @@ def _run_stage(ctx: RunContext, index: int, sid: str, algorithm: Any, progress: 
     except StopRun as stop:
         saved = ctx.checkpoint_unfinished()
         where = f"is checkpointed at step {ctx.global_step}" if saved else "will start this stage over"
-        raise RunStopped(f"stage '{sid}' stopped the run: {stop}. The run {where}: fix the cause and run "
-                         f"the same recipe again to resume") from stop  # fmt: skip
+        raise RunStopped(
+            f"stage '{sid}' stopped the run: {stop}. The run {where}: fix the cause and run "
+            f"the same recipe again to resume"
+        ) from stop
     if ctx.interrupted:  # out of budget mid-stage: checkpoint where it stands, resumable
         ctx.checkpoint_unfinished()
     else:
@@ -369,6 +392,7 @@ def _run_stage(ctx: RunContext, index: int, sid: str, algorithm: Any, progress: 
 
 def _check_run_keys(cfg: Mapping[str, Any]) -> None:
     """The checkpoint keys, checked before anything runs (one line: key, problem, fix)."""
+
     def number(value: Any, kinds: tuple[type, ...]) -> bool:
         return isinstance(value, kinds) and not isinstance(value, bool)
 
@@ -379,8 +403,10 @@ def _check_run_keys(cfg: Mapping[str, Any]) -> None:
         raise ConfigError(f"must be a number of minutes >= 0 (0 = off), got {minutes!r}", "checkpoint_minutes")
     keep = cfg["keep_checkpoints"]
     if keep is not None and not (number(keep, (int,)) and keep >= 1):
-        raise ConfigError(f"must be an integer >= 1 (the latest checkpoint is always kept) or null to keep all, "
-                          f"got {keep!r}", "keep_checkpoints")  # fmt: skip
+        raise ConfigError(
+            f"must be an integer >= 1 (the latest checkpoint is always kept) or null to keep all, got {keep!r}",
+            "keep_checkpoints",
+        )
 
 
 def backend_spec(registry: Registry, cfg: Mapping[str, Any]) -> Any:
@@ -473,5 +499,3 @@ def find_recipe(name_or_path: str, overrides: Iterable[str] = (), registry: Regi
     registry = registry or get_registry()
     data = registry.get("recipe", name_or_path).load()()
     return Recipe.from_dict(data, overrides)
-
-

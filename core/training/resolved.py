@@ -29,8 +29,12 @@ from tempering.registry import Registry, config_blocks, factory_defaults, get_re
 from tempering.training.stage import EvalConfig, OptimizerConfig
 
 #: Arguments each kind's factory gets at run time, not from the recipe.
-RUNTIME: dict[str, tuple[str, ...]] = {"logger": ("output_dir",), "sampler": ("context",), "renderer": ("tokenizer",),
-                                       "backend": ("model_builder",)}  # fmt: skip
+RUNTIME: dict[str, tuple[str, ...]] = {
+    "logger": ("output_dir",),
+    "sampler": ("context",),
+    "renderer": ("tokenizer",),
+    "backend": ("model_builder",),
+}
 #: Keys that name a component of their kind wherever they appear (when typed ``any``).
 NESTED_KINDS = ("dataset", "reward", "advantage", "loss", "sampler", "environment", "renderer")
 
@@ -102,13 +106,20 @@ def _stage(registry: Registry, spec: Any) -> Any:
             if ev.get(key) is not None:
                 ev[key] = component(registry, key, ev[key])
         out["eval"] = ev
-    return {"name": out["name"], **({"id": sid} if sid is not None else {}), **{k: v for k, v in out.items() if k != "name"}}
+    return {
+        "name": out["name"],
+        **({"id": sid} if sid is not None else {}),
+        **{k: v for k, v in out.items() if k != "name"},
+    }
 
 
 def _block(cls: type, given: Mapping[str, Any]) -> dict[str, Any]:
     """A nested config block (a dataclass's fields) with its defaults filled in."""
     defaults = factory_defaults(cls)
-    out = {f.name: given.get(f.name, defaults.get(f.name)) for f in dataclasses.fields(cls)
-           if f.name in given or (f.name in defaults and is_plain_data(defaults[f.name]))}  # fmt: skip
+    out = {
+        f.name: given.get(f.name, defaults.get(f.name))
+        for f in dataclasses.fields(cls)
+        if f.name in given or (f.name in defaults and is_plain_data(defaults[f.name]))
+    }
     out.update({k: v for k, v in given.items() if k not in out})
     return out

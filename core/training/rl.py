@@ -40,8 +40,15 @@ if TYPE_CHECKING:  # pragma: no cover
 class SyncRollouts:
     """On-policy rollouts: each step samples its batch now, with the live weights."""
 
-    def __init__(self, backend: Backend, stream: ExampleStream, sampler: Any, group_size: int, groups_per_batch: int,
-                 params: SamplingParams) -> None:  # fmt: skip
+    def __init__(
+        self,
+        backend: Backend,
+        stream: ExampleStream,
+        sampler: Any,
+        group_size: int,
+        groups_per_batch: int,
+        params: SamplingParams,
+    ) -> None:
         self.backend, self.stream, self.sampler = backend, stream, sampler
         self.group_size, self.per_batch, self.params = group_size, groups_per_batch, params
 
@@ -51,8 +58,14 @@ class SyncRollouts:
 
     def next_batch(self, step: int) -> RolloutBatch:
         t0 = time.perf_counter()
-        rollout = collect(self.sampler, self.backend, self.stream.take(self.per_batch), self.group_size, self.params,
-                          first_id=step * self.per_batch)  # fmt: skip
+        rollout = collect(
+            self.sampler,
+            self.backend,
+            self.stream.take(self.per_batch),
+            self.group_size,
+            self.params,
+            first_id=step * self.per_batch,
+        )
         return RolloutBatch(rollout.groups, {**rollout.metrics, "time/rollout": time.perf_counter() - t0})
 
     def close(self) -> None:
@@ -114,12 +127,22 @@ class RLStage(SamplingKeys, Stage):
         path = ctx.path
         for key in ("prompts_per_step", "group_size", "reward_concurrency", "failure_window"):
             require(getattr(self, key) >= 1, f"{path}.{key}", f"must be >= 1, got {getattr(self, key)}")
-        require(self.reward_timeout is None or self.reward_timeout > 0, f"{path}.reward_timeout",
-                f"must be > 0 (seconds), got {self.reward_timeout}")  # fmt: skip
-        require(self.log_rollouts >= -1, f"{path}.log_rollouts",
-                f"must be a number of groups >= 0, or -1 for all, got {self.log_rollouts}")  # fmt: skip
+        require(
+            self.reward_timeout is None or self.reward_timeout > 0,
+            f"{path}.reward_timeout",
+            f"must be > 0 (seconds), got {self.reward_timeout}",
+        )
+        require(
+            self.log_rollouts >= -1,
+            f"{path}.log_rollouts",
+            f"must be a number of groups >= 0, or -1 for all, got {self.log_rollouts}",
+        )
         for key in ("max_failed_fraction", "max_tool_error_fraction"):
-            require(0 <= getattr(self, key) <= 1, f"{path}.{key}", f"must be in [0, 1] (1 = never stop), got {getattr(self, key)}")
+            require(
+                0 <= getattr(self, key) <= 1,
+                f"{path}.{key}",
+                f"must be in [0, 1] (1 = never stop), got {getattr(self, key)}",
+            )
         built = check_stage(ctx, self, ("reward", "advantage", "loss"), self.dataset_columns(ctx))
         name = split_spec(self.advantage, "advantage")[0] if isinstance(self.advantage, (str, Mapping)) else ""
         check_group_size(ctx, built["advantage"], self.group_size, name)
@@ -132,8 +155,9 @@ class RLStage(SamplingKeys, Stage):
         # what the loss cannot see in a batch (Dr. GRPO's constant normaliser: max_tokens), passed once
         self.loss_fn = for_stage(ctx.build("loss", self.loss, "loss"), LossSetup(max_tokens=self.max_tokens))
         written = self.reward != type(self).__dataclass_fields__["reward"].default  # the default: nothing to warn about
-        self.rollout_sampler = build_sampler(ctx, self.sampler, "sampler", self.reward_runner, self.renderer,
-                                             reward_key="reward" if written else None)  # fmt: skip
+        self.rollout_sampler = build_sampler(
+            ctx, self.sampler, "sampler", self.reward_runner, self.renderer, reward_key="reward" if written else None
+        )
         examples = load_examples(ctx, self.dataset, "dataset")
         check_rows(examples, self.dataset_columns(ctx), ctx.path, "dataset")  # rows validate could not peek at
         self.stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
@@ -152,8 +176,9 @@ class RLStage(SamplingKeys, Stage):
 
     def make_rollouts(self, ctx: RunContext, state: Mapping[str, Any]) -> Any:
         """The rollout source: synchronous, on-policy by default."""
-        return SyncRollouts(self.backend, self.stream, self.rollout_sampler, self.group_size, self.prompts_per_step,
-                            self.params)  # fmt: skip
+        return SyncRollouts(
+            self.backend, self.stream, self.rollout_sampler, self.group_size, self.prompts_per_step, self.params
+        )
 
     def loop_state(self) -> dict[str, Any]:
         return {"position": self.rollouts.position}
@@ -169,8 +194,14 @@ class RLStage(SamplingKeys, Stage):
         rb = self.rollouts.next_batch(step)
         batch, info = build_group_batch(rb.groups, self.estimator, self.drop_zero_variance, self.success_threshold)
         metrics: dict[str, Any] = {**info, **rollout_metrics(rb.groups), **rb.metrics}
-        log_groups(ctx, rb.groups, "train", getattr(ctx, "global_step", step) + 1, self.log_rollouts,
-                   batch.meta["advantages"] if batch is not None else None)  # fmt: skip
+        log_groups(
+            ctx,
+            rb.groups,
+            "train",
+            getattr(ctx, "global_step", step) + 1,
+            self.log_rollouts,
+            batch.meta["advantages"] if batch is not None else None,
+        )
         if batch is None:  # every group was dropped, or no sample is valid: nothing to learn from
             self.after_optim(ctx, step)
             metrics["skipped"] = 1.0
@@ -185,7 +216,9 @@ class RLStage(SamplingKeys, Stage):
         metrics.update(fb.result())
         metrics.update(op.result())
         metrics["time/train"] = time.perf_counter() - t1
-        metrics["tokens_per_s"] = sum(s.num_generated for g in rb.groups for s in g.samples) / (time.perf_counter() - t0)
+        metrics["tokens_per_s"] = sum(s.num_generated for g in rb.groups for s in g.samples) / (
+            time.perf_counter() - t0
+        )
         metrics["skipped"] = 0.0
         return metrics
 
@@ -216,13 +249,16 @@ def check_group_size(ctx: RunContext, estimator: Any, group_size: int, name: str
     try:
         adv = torch.as_tensor(estimator(rewards, gids)).float()
     except Exception as exc:  # noqa: BLE001 - reported with the key that causes it
-        raise ConfigError(f"advantage '{name}' fails on groups of {group_size}: {type(exc).__name__}: {exc}", path) from None
+        raise ConfigError(
+            f"advantage '{name}' fails on groups of {group_size}: {type(exc).__name__}: {exc}", path
+        ) from None
     if bool(torch.isfinite(adv).all()) and bool(adv.abs().sum() > 0):
         return
     what = f"groups of {group_size} get advantages {[round(a, 3) for a in adv.tolist()[:4]]}: nothing would be learned"
     if group_size < 2:
-        raise ConfigError(f"must be >= 2 with advantage '{name}', got {group_size} (it compares the samples of a "
-                          f"group: {what})", path)  # fmt: skip
+        raise ConfigError(
+            f"must be >= 2 with advantage '{name}', got {group_size} (it compares the samples of a group: {what})", path
+        )
     raise ConfigError(f"advantage '{name}': {what}", path)
 
 
@@ -254,12 +290,14 @@ def build_group_batch(
     ok = rewards[valid]
     info = {"advantage/abs_mean": float(adv[keep].abs().mean()) if keep.any() else 0.0}
     if len(ok):
-        info.update({
-            "reward/mean": float(ok.mean()),
-            "reward/std": float(ok.std()) if len(ok) > 1 else 0.0,
-            "accuracy": float((ok >= success_threshold - 1e-9).float().mean()),
-            "groups/zero_variance_frac": float(zero_var[valid].float().mean()),
-        })  # fmt: skip
+        info.update(
+            {
+                "reward/mean": float(ok.mean()),
+                "reward/std": float(ok.std()) if len(ok) > 1 else 0.0,
+                "accuracy": float((ok >= success_threshold - 1e-9).float().mean()),
+                "groups/zero_variance_frac": float(zero_var[valid].float().mean()),
+            }
+        )
     if not keep.any():
         return None, info
     data = [

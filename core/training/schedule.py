@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 
-def lr_at(step: int, total: int, base: float, schedule: str = "constant", warmup: int = 0, final_ratio: float = 0.0) -> float:
+def lr_at(
+    step: int, total: int, base: float, schedule: str = "constant", warmup: int = 0, final_ratio: float = 0.0
+) -> float:
     """Learning rate for optimizer step ``step`` (0-based) of ``total``."""
     if warmup and step < warmup:
         return base * (step + 1) / warmup

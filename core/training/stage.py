@@ -26,18 +26,18 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
-from tempering.training.dataset_checks import Columns, check_dataset, prompt_columns, reward_columns
 from tempering.errors import ConfigError, TemperingError
-from tempering.training.evaluate import StageEvaluator, eval_reward
-from tempering.runs.failures import FailureWatch
 from tempering.interfaces import RunContext, capability_name, supports
 from tempering.loss_contract import check_reads
-from tempering.training.progress import progress
 from tempering.registry import validate_params
+from tempering.rollouts.renderer import check_renderer
+from tempering.runs.failures import FailureWatch
 from tempering.schema import Problem, check_config_at, choice_message, field_values
+from tempering.training.dataset_checks import Columns, check_dataset, prompt_columns, reward_columns
+from tempering.training.evaluate import StageEvaluator, eval_reward
+from tempering.training.progress import progress
 from tempering.training.schedule import lr_at
 from tempering.types import AdamParams, SamplingParams
-from tempering.rollouts.renderer import check_renderer
 
 T = TypeVar("T")
 
@@ -82,8 +82,10 @@ class OptimizerConfig(AdamParams):
         block's schema check (:mod:`tempering.schema`), run by :func:`sub_config`."""
         lr = config["learning_rate"]
         if not lr > 0:
-            yield Problem("learning_rate", f"must be > 0, got {lr} (a rate <= 0 does not descend the loss); "
-                          "typical values are 1e-5 to 1e-3")  # fmt: skip
+            yield Problem(
+                "learning_rate",
+                f"must be > 0, got {lr} (a rate <= 0 does not descend the loss); typical values are 1e-5 to 1e-3",
+            )
         for key in ("beta1", "beta2"):
             if not 0 <= config[key] < 1:
                 yield Problem(key, f"must be in [0, 1), got {config[key]}")
@@ -154,8 +156,11 @@ def check_eval(ctx: RunContext, value: Any, stage: Any = None) -> EvalConfig:
     if ev.dataset is not None and ev.reward is not None:  # the stage's own is checked as its "reward"
         ctx.check("reward", ev.reward, "eval.reward")
     require(ev.stop_every >= 0, f"{path}.stop_every", f"must be >= 0 (0 = with each evaluation), got {ev.stop_every}")
-    require(ev.stop_size is None or (isinstance(ev.stop_size, int) and ev.stop_size >= 1), f"{path}.stop_size",
-            f"must be a number of examples >= 1 or null (all), got {ev.stop_size!r}")  # fmt: skip
+    require(
+        ev.stop_size is None or (isinstance(ev.stop_size, int) and ev.stop_size >= 1),
+        f"{path}.stop_size",
+        f"must be a number of examples >= 1 or null (all), got {ev.stop_size!r}",
+    )
     if ev.stop_at_accuracy is not None and not ((ev.every or ev.stop_every) and 0 < float(ev.stop_at_accuracy) <= 1):
         raise ConfigError("needs eval.every or eval.stop_every > 0 and a value in (0, 1]", f"{path}.stop_at_accuracy")
     return ev
@@ -193,8 +198,11 @@ def check_stage(
     unless in :func:`config_only`, the datasets (the stage's and ``eval``'s): ``columns`` is
     what the stage's rows must hold (see :func:`check_dataset`)."""
     steps = getattr(stage, "steps", 1)
-    require(steps >= 1, f"{ctx.path}.steps", f"must be >= 1, got {steps} (a stage of no steps would be skipped; "
-            "remove the stage instead)")  # fmt: skip
+    require(
+        steps >= 1,
+        f"{ctx.path}.steps",
+        f"must be >= 1, got {steps} (a stage of no steps would be skipped; remove the stage instead)",
+    )
     sub_config(OptimizerConfig, stage.optimizer, f"{ctx.path}.optimizer")  # its fields and check
     if isinstance(stage, SamplingKeys):
         stage.check_sampling(ctx.path)
@@ -244,8 +252,10 @@ def check_capabilities(ctx: RunContext, stage: Stage, loss: Any = None) -> None:
     for need in needs:
         if not supports(backend, need.capability):
             name = capability_name(need.capability)
-            message = need.message or (f"needs a backend with the capability '{name}' "
-                                       f"({need.capability.__name__}); {type(backend).__name__} has not")  # fmt: skip
+            message = need.message or (
+                f"needs a backend with the capability '{name}' "
+                f"({need.capability.__name__}); {type(backend).__name__} has not"
+            )
             raise ConfigError(message, f"{ctx.path}.{need.key}" if need.key else ctx.path)
 
 
@@ -363,8 +373,13 @@ class Stage:
         last: dict[str, Any] = {}
         finished = False
         fresh_eval = False
-        watch = FailureWatch(ctx.stage_id or self.label, ctx.path, getattr(self, "max_failed_fraction", None),
-                             getattr(self, "failure_window", 1), getattr(self, "max_tool_error_fraction", None))  # fmt: skip
+        watch = FailureWatch(
+            ctx.stage_id or self.label,
+            ctx.path,
+            getattr(self, "max_failed_fraction", None),
+            getattr(self, "failure_window", 1),
+            getattr(self, "max_tool_error_fraction", None),
+        )
         bar = progress(self.steps, f"{ctx.stage_id} ({self.label})", initial=start)
         try:
             if start == 0 and (first := evaluator.run(at_start=True)):
@@ -389,7 +404,9 @@ class Stage:
                 ctx.log(metrics)
                 last.update(metrics)
                 bar.update(1)
-                bar.set_postfix({k: f"{metrics[m]:.3f}" for k, m in self.postfix.items() if isinstance(metrics.get(m), float)})
+                bar.set_postfix(
+                    {k: f"{metrics[m]:.3f}" for k, m in self.postfix.items() if isinstance(metrics.get(m), float)}
+                )
                 watch.check(last=step + 1 == self.steps)  # StopRun: the run checkpoints this stage, unfinished
                 key = {"eval": "eval/accuracy", "check": "eval/stop_check_accuracy"}.get(how or "")
                 if key and metrics[key] >= float(ev.stop_at_accuracy):

@@ -139,11 +139,18 @@ class TeacherWeights:
         averaging for ``ema``."""
         needs = []
         if self.snapshotted:
-            needs.append(Requirement(WeightSnapshots, key,
-                                     f"'{self.kind}' needs a backend with weight snapshots (e.g. local)"))  # fmt: skip
+            needs.append(
+                Requirement(WeightSnapshots, key, f"'{self.kind}' needs a backend with weight snapshots (e.g. local)")
+            )
         if self.kind == "ema":
-            needs.append(Requirement(EmaWeights, key, "'ema' needs a backend that averages weights (ema_update, "
-                                     "e.g. local); use teacher: stage_start, base or live"))  # fmt: skip
+            needs.append(
+                Requirement(
+                    EmaWeights,
+                    key,
+                    "'ema' needs a backend that averages weights (ema_update, "
+                    "e.g. local); use teacher: stage_start, base or live",
+                )
+            )
         return needs
 
     def start(self, backend: Backend, resuming: bool, path: str) -> None:
@@ -204,7 +211,9 @@ def prompt_messages(sample: Sample) -> tuple[list[dict[str, Any]], Any] | None:
     return None
 
 
-def reprompted_prefix(context: SamplerContext, tokenizer: Any, sample: Sample, rewrite: Callable[[str], str]) -> list[int]:
+def reprompted_prefix(
+    context: SamplerContext, tokenizer: Any, sample: Sample, rewrite: Callable[[str], str]
+) -> list[int]:
     """The teacher's prompt tokens: the student's first prompt with the text of its last user
     message replaced by ``rewrite(text)``, encoded the way the student's was -- raw text with
     the tokenizer (a stage without a chat renderer), or messages through the stage's renderer
@@ -239,8 +248,14 @@ def teacher_row(prefix: list[int], segment: Segment, start: int) -> Datum:
 
 
 # --------------------------------------------------------------------------- scoring and alignment
-def attach_teacher(backend: Backend, batch: Batch, teacher_batch: Batch, kind: str, topk: int,
-                   teacher_kwargs: Mapping[str, Any] | None = None) -> None:  # fmt: skip
+def attach_teacher(
+    backend: Backend,
+    batch: Batch,
+    teacher_batch: Batch,
+    kind: str,
+    topk: int,
+    teacher_kwargs: Mapping[str, Any] | None = None,
+) -> None:
     """Score the teacher rows and put the values, aligned to the student's positions, in each
     student row's ``extra`` (row ``i`` of ``batch`` pairs with row ``i`` of ``teacher_batch``;
     each student row says how many of its last target positions are the continuation, as
@@ -256,7 +271,9 @@ def attach_teacher(backend: Backend, batch: Batch, teacher_batch: Batch, kind: s
             n = d.extra["completion_len"]
             d.extra[TEACHER_TOKEN_LOGPROBS] = [0.0] * (len(d.target_tokens) - n) + list(t[-n:])
         return
-    dists = cast(Distributions, backend).distributions(teacher_batch, topk=topk if kind == "topk" else None, **kw).result()
+    dists = (
+        cast(Distributions, backend).distributions(teacher_batch, topk=topk if kind == "topk" else None, **kw).result()
+    )
     for d, dist in zip(batch.data, dists):
         n = d.extra["completion_len"]
         pad = len(d.target_tokens) - n
@@ -302,8 +319,15 @@ def fill_without_teacher(datum: Datum, kind: str, width: int) -> None:
         datum.extra[TEACHER_TOPK_LOGPROBS], datum.extra[TEACHER_TOPK_IDS] = topk_filler(n, width)
 
 
-def teacher_divergence(logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor], mode: str, alpha: float, topk: int,
-                       add_tail: bool, support: str) -> torch.Tensor:  # fmt: skip
+def teacher_divergence(
+    logprobs: torch.Tensor,
+    batch: Mapping[str, torch.Tensor],
+    mode: str,
+    alpha: float,
+    topk: int,
+    add_tail: bool,
+    support: str,
+) -> torch.Tensor:
     """The ``(B, T)`` per-token divergence of a logit mode between the student
     (``batch["logits"]``, at ``batch["logit_positions"]`` when present) and the teacher values
     :func:`attach_teacher` put in the batch; 0 where the logits were not computed.
@@ -326,7 +350,11 @@ def teacher_divergence(logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]
         per_token = topk_logits_loss(logits, alpha, topk, add_tail, teacher_logits=teacher(TEACHER_LOGITS).float())
     else:
         per_token = topk_logits_loss(
-            logits, alpha, topk, add_tail,
-            teacher_topk_logprobs=teacher(TEACHER_TOPK_LOGPROBS), teacher_topk_ids=teacher(TEACHER_TOPK_IDS),
-        )  # fmt: skip
+            logits,
+            alpha,
+            topk,
+            add_tail,
+            teacher_topk_logprobs=teacher(TEACHER_TOPK_LOGPROBS),
+            teacher_topk_ids=teacher(TEACHER_TOPK_IDS),
+        )
     return from_positions(per_token, positions, logprobs.shape[-1])

@@ -103,8 +103,12 @@ def routed(choice: Sequence[str | None], correct_by_model: Mapping[str, Sequence
     return [correct_by_model[c][i] if c in correct_by_model else 0.0 for i, c in enumerate(choice)]
 
 
-def evaluate_all(info: Mapping[str, Any], run_dir: Path, meta: Mapping[str, Any] | None = None,
-                 answers: Mapping[str, Sequence[str]] | None = None) -> dict[str, Any]:
+def evaluate_all(
+    info: Mapping[str, Any],
+    run_dir: Path,
+    meta: Mapping[str, Any] | None = None,
+    answers: Mapping[str, Sequence[str]] | None = None,
+) -> dict[str, Any]:
     """Score and tabulate. ``info`` is what ``experiment.train_all`` returned (it holds every
     model's answers, given by the training processes); ``answers`` replaces those."""
     rows = read_jsonl(info["paths"]["test"])
@@ -116,28 +120,50 @@ def evaluate_all(info: Mapping[str, Any], run_dir: Path, meta: Mapping[str, Any]
     correct = {m: score(answers[m], rows) for m in models}
 
     keyword_choice = routing.route_all(questions)
-    routers: dict[str, Any] = {"keyword": {"accuracy": routing.accuracy(keyword_choice, rows),
-                                           "confusion": routing.confusion(keyword_choice, rows)}}
+    routers: dict[str, Any] = {
+        "keyword": {
+            "accuracy": routing.accuracy(keyword_choice, rows),
+            "confusion": routing.confusion(keyword_choice, rows),
+        }
+    }
     choices: dict[str, list[str | None]] = {"keyword": keyword_choice, "oracle": [r["domain"] for r in rows]}
     if has_router:
         model_choice = [routing.parse_domain(a) for a in answers["router_model"]]
         choices["model"] = model_choice
-        routers["model"] = {"accuracy": routing.accuracy(model_choice, rows), "confusion": routing.confusion(model_choice, rows),
-                            "train_wall_s": timing.get("router_model_wall_s"),
-                            "train_samples": runs["router_model"]["samples_seen"]["total"],
-                            "unparsed": sum(c is None for c in model_choice),
-                            "examples": [{"question": q, "answer": a} for q, a in list(zip(questions, answers["router_model"]))[:5]]}
+        routers["model"] = {
+            "accuracy": routing.accuracy(model_choice, rows),
+            "confusion": routing.confusion(model_choice, rows),
+            "train_wall_s": timing.get("router_model_wall_s"),
+            "train_samples": runs["router_model"]["samples_seen"]["total"],
+            "unparsed": sum(c is None for c in model_choice),
+            "examples": [{"question": q, "answer": a} for q, a in list(zip(questions, answers["router_model"]))[:5]],
+        }
 
     specialists = {d: correct[d] for d in DOMAINS}
     spec_samples = sum(runs[d]["samples_seen"]["total"] for d in DOMAINS)
     spec_wall = timing["specialists_parallel_wall_s"]
-    table = [{"system": "generalist", **per_domain(correct["generalist"], rows),
-              "train_wall_s": timing["generalist_wall_s"], "samples_seen": runs["generalist"]["samples_seen"]["total"]}]
-    for name, key in (("keyword router + specialists", "keyword"), ("model router + specialists", "model"),
-                      ("oracle routing + specialists", "oracle")):
+    table = [
+        {
+            "system": "generalist",
+            **per_domain(correct["generalist"], rows),
+            "train_wall_s": timing["generalist_wall_s"],
+            "samples_seen": runs["generalist"]["samples_seen"]["total"],
+        }
+    ]
+    for name, key in (
+        ("keyword router + specialists", "keyword"),
+        ("model router + specialists", "model"),
+        ("oracle routing + specialists", "oracle"),
+    ):
         if key in choices:
-            table.append({"system": name, **per_domain(routed(choices[key], specialists), rows),
-                          "train_wall_s": spec_wall, "samples_seen": spec_samples})
+            table.append(
+                {
+                    "system": name,
+                    **per_domain(routed(choices[key], specialists), rows),
+                    "train_wall_s": spec_wall,
+                    "samples_seen": spec_samples,
+                }
+            )
 
     timing = {**timing, **free_core_estimates(timing)}
     results = {
@@ -150,9 +176,13 @@ def evaluate_all(info: Mapping[str, Any], run_dir: Path, meta: Mapping[str, Any]
         "samples_seen": {m: runs[m]["samples_seen"] for m in runs},
         "timing": dict(timing),
         "test_counts": {d: sum(r["domain"] == d for r in rows) for d in DOMAINS},
-        "answers_sample": {m: [{"prompt": q, "answer": a, "correct": c}
-                               for q, a, c in list(zip(questions, answers[m], correct[m]))[:: max(len(rows) // 12, 1)]]
-                           for m in models},
+        "answers_sample": {
+            m: [
+                {"prompt": q, "answer": a, "correct": c}
+                for q, a, c in list(zip(questions, answers[m], correct[m]))[:: max(len(rows) // 12, 1)]
+            ]
+            for m in models
+        },
     }
     write_outputs(results, run_dir)
     return results
@@ -178,47 +208,84 @@ def _pct(x: Any) -> str:
 def markdown(results: Mapping[str, Any]) -> str:
     t = results["timing"]
     m = results.get("meta", {})
-    lines = [f"# Domain specialists vs one generalist ({m.get('scale', '?')} scale, {m.get('backend', '?')} backend)", ""]
+    lines = [
+        f"# Domain specialists vs one generalist ({m.get('scale', '?')} scale, {m.get('backend', '?')} backend)",
+        "",
+    ]
     lines += ["Test accuracy (%, exact match, greedy):", ""]
     lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in results["systems"]:
-        cells = [row["system"], *(_pct(row[d]) for d in (*DOMAINS, "overall")), f"{row['train_wall_s']:.1f}", str(row["samples_seen"])]
+        cells = [
+            row["system"],
+            *(_pct(row[d]) for d in (*DOMAINS, "overall")),
+            f"{row['train_wall_s']:.1f}",
+            str(row["samples_seen"]),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     counts = results["test_counts"]
-    lines += ["", f"Test questions: {', '.join(f'{d} {n}' for d, n in counts.items())}; `overall` is the mean over "
-              "questions. `train_wall_s`: the generalist trained alone; the specialists' figure is the wall-clock of "
-              "training all three at once (the same for every routed system: the routers' own cost is below).", ""]
-    lines += ["Router accuracy on the test set (%):", "", "| router | " + " | ".join(DOMAINS) + " | overall | notes |",
-              "|" + "---|" * (len(DOMAINS) + 3)]
+    lines += [
+        "",
+        f"Test questions: {', '.join(f'{d} {n}' for d, n in counts.items())}; `overall` is the mean over "
+        "questions. `train_wall_s`: the generalist trained alone; the specialists' figure is the wall-clock of "
+        "training all three at once (the same for every routed system: the routers' own cost is below).",
+        "",
+    ]
+    lines += [
+        "Router accuracy on the test set (%):",
+        "",
+        "| router | " + " | ".join(DOMAINS) + " | overall | notes |",
+        "|" + "---|" * (len(DOMAINS) + 3),
+    ]
     for name, r in results["routers"].items():
         note = "regular expressions, no training"
         if name == "model":
-            note = (f"generalist + {r['train_samples']} SFT rows on domain labels, {r['train_wall_s']:.1f} s; "
-                    f"{r['unparsed']} answers named no domain")
-        lines.append(f"| {name} | " + " | ".join(_pct(r["accuracy"][d]) for d in DOMAINS) + f" | {_pct(r['accuracy']['overall'])} | {note} |")
+            note = (
+                f"generalist + {r['train_samples']} SFT rows on domain labels, {r['train_wall_s']:.1f} s; "
+                f"{r['unparsed']} answers named no domain"
+            )
+        lines.append(
+            f"| {name} | "
+            + " | ".join(_pct(r["accuracy"][d]) for d in DOMAINS)
+            + f" | {_pct(r['accuracy']['overall'])} | {note} |"
+        )
     lg, ls = t["load_generalist"], t["load_specialists"]
-    lines += ["", "Wall-clock of training:", "",
-              f"- generalist alone: **{t['generalist_wall_s']:.1f} s** ({t['generalist_cpu_s']:.1f} CPU-s)",
-              f"- three specialists concurrently: **{t['specialists_parallel_wall_s']:.1f} s** "
-              f"({sum(t['specialists_cpu_s'].values()):.1f} CPU-s in all; each run's own training time: "
-              + ", ".join(f"{d} {s:.1f} s" for d, s in t["specialists_train_wall_s"].items()) + ")",
-              f"- ratio generalist / parallel specialists: **{t['ratio_generalist_over_parallel']:.2f}x** measured "
-              f"(ideal with one free core per process: ~{len(DOMAINS)}x; "
-              f"this machine has {results['meta'].get('cpu_count', '?')} cores)",
-              f"- from the CPU-seconds (no contention): {t['ratio_cpu_estimate_3_free_cores']:.2f}x on 3 free cores, "
-              f"{t['ratio_cpu_estimate_2_free_cores']:.2f}x on 2; the generalist did "
-              f"{t['work_ratio_generalist_over_specialists']:.2f}x the specialists' total CPU work for the same samples",
-              f"- load average (1 min) during the generalist: before {lg['before_1min']}, "
-              f"mean {lg['mean_1min']}, max {lg['max_1min']}; "
-              f"during the specialists: before {ls['before_1min']}, mean {ls['mean_1min']}, max {ls['max_1min']}",
-              f"- not timed: starting the worker fork server ({t['warm_up_s']:.1f} s: torch and transformers imported once); "
-              f"the test-set answers after training ({t['eval_wall_s']:.1f} s in all)", ""]
-    lines += ["Each model on each domain's test questions (%): the specialists off their domain show why routing matters.", "",
-              "| model | " + " | ".join(DOMAINS) + " |", "|" + "---|" * (len(DOMAINS) + 1)]
+    lines += [
+        "",
+        "Wall-clock of training:",
+        "",
+        f"- generalist alone: **{t['generalist_wall_s']:.1f} s** ({t['generalist_cpu_s']:.1f} CPU-s)",
+        f"- three specialists concurrently: **{t['specialists_parallel_wall_s']:.1f} s** "
+        f"({sum(t['specialists_cpu_s'].values()):.1f} CPU-s in all; each run's own training time: "
+        + ", ".join(f"{d} {s:.1f} s" for d, s in t["specialists_train_wall_s"].items())
+        + ")",
+        f"- ratio generalist / parallel specialists: **{t['ratio_generalist_over_parallel']:.2f}x** measured "
+        f"(ideal with one free core per process: ~{len(DOMAINS)}x; "
+        f"this machine has {results['meta'].get('cpu_count', '?')} cores)",
+        f"- from the CPU-seconds (no contention): {t['ratio_cpu_estimate_3_free_cores']:.2f}x on 3 free cores, "
+        f"{t['ratio_cpu_estimate_2_free_cores']:.2f}x on 2; the generalist did "
+        f"{t['work_ratio_generalist_over_specialists']:.2f}x the specialists' total CPU work for the same samples",
+        f"- load average (1 min) during the generalist: before {lg['before_1min']}, "
+        f"mean {lg['mean_1min']}, max {lg['max_1min']}; "
+        f"during the specialists: before {ls['before_1min']}, mean {ls['mean_1min']}, max {ls['max_1min']}",
+        f"- not timed: starting the worker fork server ({t['warm_up_s']:.1f} s: torch and transformers imported once); "
+        f"the test-set answers after training ({t['eval_wall_s']:.1f} s in all)",
+        "",
+    ]
+    lines += [
+        "Each model on each domain's test questions (%): the specialists off their domain show why routing matters.",
+        "",
+        "| model | " + " | ".join(DOMAINS) + " |",
+        "|" + "---|" * (len(DOMAINS) + 1),
+    ]
     for model, acc in results["cross_domain"].items():
         lines.append(f"| {model} | " + " | ".join(_pct(acc[d]) for d in DOMAINS) + " |")
-    lines += ["", "Validation accuracy at the end of each stage (%; SFT warmup -> GRPO):", "",
-              "| run | " + " | ".join(f"after {s}" for s in ("warmup", "rl")) + " |", "|---|---|---|"]
+    lines += [
+        "",
+        "Validation accuracy at the end of each stage (%; SFT warmup -> GRPO):",
+        "",
+        "| run | " + " | ".join(f"after {s}" for s in ("warmup", "rl")) + " |",
+        "|---|---|---|",
+    ]
     for run, stages in results["val_after_stage"].items():
         if run != "router_model":
             lines.append(f"| {run} | " + " | ".join(_pct(stages.get(s)) for s in ("warmup", "rl")) + " |")
@@ -250,11 +317,21 @@ def plot(results: Mapping[str, Any], path: Path) -> None:
     bars = bx.bar(labels, values, color=["tab:blue", "tab:orange", "lightgray"])
     bars[2].set_hatch("//")
     bx.axhline(t["generalist_wall_s"] / len(DOMAINS), color="gray", linestyle="--", linewidth=1)
-    bx.text(2.45, t["generalist_wall_s"] / len(DOMAINS), f"1/{len(DOMAINS)}", va="bottom", ha="right", fontsize=8, color="gray")
+    bx.text(
+        2.45,
+        t["generalist_wall_s"] / len(DOMAINS),
+        f"1/{len(DOMAINS)}",
+        va="bottom",
+        ha="right",
+        fontsize=8,
+        color="gray",
+    )
     for b, v in zip(bars, values):
         bx.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f} s", ha="center", va="bottom", fontsize=8)
     bx.set_ylabel("training wall-clock (s)")
-    bx.set_title(f"ratio {t['ratio_generalist_over_parallel']:.2f}x (load {t['load_specialists']['mean_1min']})", fontsize=10)
+    bx.set_title(
+        f"ratio {t['ratio_generalist_over_parallel']:.2f}x (load {t['load_specialists']['mean_1min']})", fontsize=10
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -275,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("run_dir", type=Path)
-    ap.add_argument("--from-checkpoints", action="store_true", help="reload every saved model and answer the test set again")
+    ap.add_argument(
+        "--from-checkpoints", action="store_true", help="reload every saved model and answer the test set again"
+    )
     args = ap.parse_args(argv)
     info = json.loads((args.run_dir / "training.json").read_text(encoding="utf-8"))
     previous_path = args.run_dir / "results.json"

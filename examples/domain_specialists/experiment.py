@@ -52,11 +52,19 @@ class Scale:
 SCALES: dict[str, Scale] = {
     # A smoke test (the end-to-end test): under a minute on 2 cores; the models learn little.
     "tiny": Scale(
-        sft_steps=40, grpo_steps=2, router_steps=15, val_size=20, test_size=30,
+        sft_steps=40,
+        grpo_steps=2,
+        router_steps=15,
+        val_size=20,
+        test_size=30,
         overrides=[
-            "backend.model_kwargs.hidden_size=32", "backend.model_kwargs.num_layers=1",
-            "backend.model_kwargs.num_heads=2", "backend.model_kwargs.intermediate_size=64",
-            "stages.warmup.batch_size=32", "stages.rl.prompts_per_step=8", "stages.rl.group_size=4",
+            "backend.model_kwargs.hidden_size=32",
+            "backend.model_kwargs.num_layers=1",
+            "backend.model_kwargs.num_heads=2",
+            "backend.model_kwargs.intermediate_size=64",
+            "stages.warmup.batch_size=32",
+            "stages.rl.prompts_per_step=8",
+            "stages.rl.group_size=4",
         ],
     ),
     # The measured experiment (docs/domain_specialists.md).
@@ -119,8 +127,10 @@ def prepare_data(run_dir: Path, scale: Scale, data_dir: Path = DATA) -> dict[str
     strip = lambda rows: [{"prompt": r["prompt"], "answer": r["answer"], "domain": r["domain"]} for r in rows]
     paths: dict[str, Any] = {}
     for d in DOMAINS:
-        paths[d] = {"train": _write_jsonl(out / f"{d}_train.jsonl", strip(train[d])),
-                    "val": _write_jsonl(out / f"{d}_val.jsonl", strip(val[d]))}
+        paths[d] = {
+            "train": _write_jsonl(out / f"{d}_train.jsonl", strip(train[d])),
+            "val": _write_jsonl(out / f"{d}_val.jsonl", strip(val[d])),
+        }
     paths["generalist"] = {
         "train": _write_jsonl(out / "generalist_train.jsonl", balanced_union(train)),
         "val": _write_jsonl(out / "generalist_val.jsonl", [r for d in DOMAINS for r in val[d]]),
@@ -172,8 +182,10 @@ def build_recipe(
 
     fixed = [o for o in overrides if o.partition("=")[0].strip().endswith(".steps")]
     if fixed:
-        raise ValueError(f"{fixed[0]}: steps come from the scale (the generalist takes the sum of the "
-                         "specialists'); use run.py --sft-steps / --grpo-steps instead")
+        raise ValueError(
+            f"{fixed[0]}: steps come from the scale (the generalist takes the sum of the "
+            "specialists'); use run.py --sft-steps / --grpo-steps instead"
+        )
     if role != "generalist" and role not in DOMAINS:
         raise ValueError(f"role must be 'generalist' or one of {DOMAINS}, got '{role}'")
     data = load_template()
@@ -214,33 +226,42 @@ def validate_recipe(recipe: Any) -> None:
     for i, stage in enumerate(recipe.stages):
         algorithm = registry.build("algorithm", {k: v for k, v in stage.items() if k != "id"}, f"stages[{i}]")
         if hasattr(algorithm, "validate"):  # nested blocks: optimizer, eval, loss, reward, ...
-            ctx = RunContext(registry, None, recipe.to_dict(), "", [], recipe.seed, stage_index=i, stage_id=stage_id(stage, i))
+            ctx = RunContext(
+                registry, None, recipe.to_dict(), "", [], recipe.seed, stage_index=i, stage_id=stage_id(stage, i)
+            )
             with config_only():  # the data does not exist yet (placeholder paths)
                 algorithm.validate(ctx)
 
 
-def check_config(scale: Scale, backend: Mapping[str, Any] | None = None, reward: Any = "exact_match",
-                 overrides: Sequence[str] = ()) -> None:
+def check_config(
+    scale: Scale, backend: Mapping[str, Any] | None = None, reward: Any = "exact_match", overrides: Sequence[str] = ()
+) -> None:
     """Build and validate every run's recipe (with placeholder data paths)."""
     paths = {role: {"train": "-", "val": "-"} for role in ("generalist", *DOMAINS)}
     for role in paths:
         validate_recipe(build_recipe(role, Path("-"), paths, scale, backend, reward, overrides))
 
 
-def build_router_recipe(run_dir: Path, paths: Mapping[str, Any], scale: Scale, generalist: Any,
-                        overrides: Sequence[str] = ()) -> Any:
+def build_router_recipe(
+    run_dir: Path, paths: Mapping[str, Any], scale: Scale, generalist: Any, overrides: Sequence[str] = ()
+) -> Any:
     """The model router: one more SFT stage on the generalist's weights, teaching it to answer
     ``"domain of: <question>"`` with the domain's name (the same optimizer settings)."""
     from tempering.training.recipe import Recipe
 
     warmup = next(s for s in generalist.stages if s.get("id") == "warmup")
     stage = copy.deepcopy(dict(warmup))
-    stage.update(id="route", steps=scale.router_steps,
-                 dataset={"name": "jsonl", "path": paths["router"]["train"]})
+    stage.update(id="route", steps=scale.router_steps, dataset={"name": "jsonl", "path": paths["router"]["train"]})
     stage["eval"] = {**stage.get("eval", {}), "dataset": {"name": "jsonl", "path": paths["router"]["val"]}}
     stage["optimizer"] = {**stage.get("optimizer", {}), "warmup_steps": 0}
-    data = {"name": "ds_router", "seed": generalist.seed, "output_dir": str(run_dir / "router_model"),
-            "backend": copy.deepcopy(generalist.backend), "loggers": ["jsonl"], "stages": [stage]}
+    data = {
+        "name": "ds_router",
+        "seed": generalist.seed,
+        "output_dir": str(run_dir / "router_model"),
+        "backend": copy.deepcopy(generalist.backend),
+        "loggers": ["jsonl"],
+        "stages": [stage],
+    }
     return Recipe.from_dict(data, overrides)
 
 
@@ -273,12 +294,23 @@ def samples_seen(recipe: Any) -> dict[str, int]:
 #: Imported once by the fork server, so that a training process starts in a fraction of a
 #: second instead of importing torch + transformers itself (10+ CPU-seconds on a busy machine).
 PRELOAD = [
-    "torch", "transformers", "transformers.models.llama.modeling_llama", "transformers.generation.utils",
-    "tempering.training.recipe", "tempering.plugins.backends.local.backend", "tempering.plugins.models.tiny",
-    "tempering.algorithms.sft.algorithm", "tempering.algorithms.grpo.algorithm", "tempering.plugins.rewards.basic",
-    "tempering.plugins.datasets.files", "tempering.plugins.loggers.jsonl", "tempering.plugins.loggers.plot",
-    "matplotlib", "matplotlib.pyplot",
-    "experiment", "evaluate_systems",
+    "torch",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.generation.utils",
+    "tempering.training.recipe",
+    "tempering.plugins.backends.local.backend",
+    "tempering.plugins.models.tiny",
+    "tempering.algorithms.sft.algorithm",
+    "tempering.algorithms.grpo.algorithm",
+    "tempering.plugins.rewards.basic",
+    "tempering.plugins.datasets.files",
+    "tempering.plugins.loggers.jsonl",
+    "tempering.plugins.loggers.plot",
+    "matplotlib",
+    "matplotlib.pyplot",
+    "experiment",
+    "evaluate_systems",
 ]
 
 
@@ -321,11 +353,19 @@ def train_one(job: Mapping[str, Any]) -> dict[str, Any]:
         t1, c1 = time.time(), _cpu_seconds()
         answers = answer_with(backend, prompts) if prompts else []
         progress = read_progress(result.output_dir) or {}
-        return {"output_dir": result.output_dir, "checkpoint": progress.get("checkpoint"),
-                "completed": progress.get("completed", []), "stages": result.stages,
-                "samples_seen": samples_seen(recipe), "train_started": t0, "train_ended": t1,
-                "train_wall_s": t1 - t0, "train_cpu_s": c1 - c0, "answers": answers,
-                "eval_wall_s": time.time() - t1}
+        return {
+            "output_dir": result.output_dir,
+            "checkpoint": progress.get("checkpoint"),
+            "completed": progress.get("completed", []),
+            "stages": result.stages,
+            "samples_seen": samples_seen(recipe),
+            "train_started": t0,
+            "train_ended": t1,
+            "train_wall_s": t1 - t0,
+            "train_cpu_s": c1 - c0,
+            "answers": answers,
+            "eval_wall_s": time.time() - t1,
+        }
 
     recipe = job["recipe"]
     backend = _build_backend(recipe)
@@ -368,9 +408,13 @@ class LoadSampler:
 
     def summary(self) -> dict[str, float]:
         s = self.samples or [self.before[0]]
-        return {"before_1min": round(self.before[0], 2), "before_5min": round(self.before[1], 2),
-                "mean_1min": round(sum(s) / len(s), 2), "max_1min": round(max(s), 2),
-                "after_1min": round(self.after[0], 2)}
+        return {
+            "before_1min": round(self.before[0], 2),
+            "before_5min": round(self.before[1], 2),
+            "mean_1min": round(sum(s) / len(s), 2),
+            "max_1min": round(max(s), 2),
+            "after_1min": round(self.after[0], 2),
+        }
 
 
 def mp_context() -> Any:
@@ -394,8 +438,11 @@ def warm_up() -> float:
     return time.perf_counter() - t0
 
 
-def run_concurrently(jobs: Mapping[str, Mapping[str, Any]], fn: Callable[[Mapping[str, Any]], Any] = train_one,
-                     workers: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def run_concurrently(
+    jobs: Mapping[str, Mapping[str, Any]],
+    fn: Callable[[Mapping[str, Any]], Any] = train_one,
+    workers: int | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run ``fn(job)`` for every job, each in its own worker process, all at once.
 
     Returns the results by name and the timing: ``wall_s`` from the launch to the last
@@ -441,12 +488,17 @@ def train_all(
     run_dir.mkdir(parents=True)
     paths = prepare_data(run_dir, scale)
     questions = [r["prompt"] for r in test_rows(scale)]
-    recipes = {role: build_recipe(role, run_dir, paths, scale, backend, reward, overrides)
-               for role in ("generalist", *DOMAINS)}
+    recipes = {
+        role: build_recipe(role, run_dir, paths, scale, backend, reward, overrides) for role in ("generalist", *DOMAINS)
+    }
     for recipe in recipes.values():
         validate_recipe(recipe)
-    info: dict[str, Any] = {"scale": asdict(scale), "paths": paths, "cpu_count": os.cpu_count(),
-                            "recipes": {k: r.to_dict() for k, r in recipes.items()}}
+    info: dict[str, Any] = {
+        "scale": asdict(scale),
+        "paths": paths,
+        "cpu_count": os.cpu_count(),
+        "recipes": {k: r.to_dict() for k, r in recipes.items()},
+    }
     log(f"[0/2] starting the worker fork server (imports torch once; not timed; load {os.getloadavg()[0]:.2f})")
     info["warm_up_s"] = warm_up()
 
@@ -456,18 +508,27 @@ def train_all(
         gen_job["then"] = {"recipe": router, "prompts": [router_prompt(q) for q in questions]}
         info["recipes"]["router_model"] = router.to_dict()
     g = recipes["generalist"]
-    log(f"[1/2] generalist: {g.stages[0]['steps']} SFT + {g.stages[1]['steps']} GRPO steps in one process "
-        f"(load {os.getloadavg()[0]:.2f})" + (f"; then the model router: {scale.router_steps} SFT steps" if model_router else ""))
+    log(
+        f"[1/2] generalist: {g.stages[0]['steps']} SFT + {g.stages[1]['steps']} GRPO steps in one process "
+        f"(load {os.getloadavg()[0]:.2f})"
+        + (f"; then the model router: {scale.router_steps} SFT steps" if model_router else "")
+    )
     gen, gen_t = run_concurrently({"generalist": gen_job})
-    log(f"      trained in {gen_t['train_wall_s']:.1f} s (load avg 1 min: mean {gen_t['load']['mean_1min']}, "
+    log(
+        f"      trained in {gen_t['train_wall_s']:.1f} s (load avg 1 min: mean {gen_t['load']['mean_1min']}, "
         f"max {gen_t['load']['max_1min']}); "
-        f"with evaluation{' and router' if model_router else ''} {gen_t['wall_s']:.1f} s")
+        f"with evaluation{' and router' if model_router else ''} {gen_t['wall_s']:.1f} s"
+    )
 
-    log(f"[2/2] specialists: {scale.sft_steps} SFT + {scale.grpo_steps} GRPO steps each, {len(DOMAINS)} processes "
-        f"at once (load {os.getloadavg()[0]:.2f})")
+    log(
+        f"[2/2] specialists: {scale.sft_steps} SFT + {scale.grpo_steps} GRPO steps each, {len(DOMAINS)} processes "
+        f"at once (load {os.getloadavg()[0]:.2f})"
+    )
     spec, spec_t = run_concurrently({d: {"recipe": recipes[d], "prompts": questions} for d in DOMAINS})
-    log(f"      trained in {spec_t['train_wall_s']:.1f} s (load avg 1 min: mean {spec_t['load']['mean_1min']}, "
-        f"max {spec_t['load']['max_1min']}); with evaluation {spec_t['wall_s']:.1f} s")
+    log(
+        f"      trained in {spec_t['train_wall_s']:.1f} s (load avg 1 min: mean {spec_t['load']['mean_1min']}, "
+        f"max {spec_t['load']['max_1min']}); with evaluation {spec_t['wall_s']:.1f} s"
+    )
 
     runs = {"generalist": gen["generalist"], **spec}
     if model_router:

@@ -44,8 +44,13 @@ ARITH_SIZES = {"val": 150, "test": 200}  # the rest of the 2500 pairs is train
 
 #: (small unit, big unit, big / small), all powers of ten.
 UNIT_PAIRS = (
-    ("mm", "cm", 10), ("cm", "m", 100), ("mm", "m", 1000), ("m", "km", 1000),
-    ("mg", "g", 1000), ("g", "kg", 1000), ("ml", "l", 1000),
+    ("mm", "cm", 10),
+    ("cm", "m", 100),
+    ("mm", "m", 1000),
+    ("m", "km", 1000),
+    ("mg", "g", 1000),
+    ("g", "kg", 1000),
+    ("ml", "l", 1000),
 )
 UNIT_MAX = 999
 UNIT_SIZES = {"train": 1200, "val": 150, "test": 200}
@@ -152,8 +157,11 @@ def write(out: Path = DATA) -> dict[str, str]:
 
 def stale(out: Path = DATA) -> list[str]:
     """Files under ``out`` that differ from what the generator makes now."""
-    return [rel for rel, text in render(generate()).items()
-            if not (out / rel).exists() or (out / rel).read_text(encoding="utf-8") != text]
+    return [
+        rel
+        for rel, text in render(generate()).items()
+        if not (out / rel).exists() or (out / rel).read_text(encoding="utf-8") != text
+    ]
 
 
 def load_split(domain: str, split: str, data_dir: Path = DATA) -> list[dict[str, str]]:
@@ -168,7 +176,9 @@ def load_meta(data_dir: Path = DATA) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if the files under data/ are not what the generator makes")
+    ap.add_argument(
+        "--check", action="store_true", help="exit 1 if the files under data/ are not what the generator makes"
+    )
     args = ap.parse_args(argv)
     if args.check:
         bad = stale()

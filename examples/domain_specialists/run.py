@@ -29,20 +29,36 @@ from tempering.errors import TemperingError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n", 2)[2])
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n", 2)[2],
+    )
     ap.add_argument("--scale", choices=sorted(experiment.SCALES), default="default")
     ap.add_argument("--backend", choices=["local", "tinker"], default="local")
-    ap.add_argument("--base-model", default=os.environ.get("TINKER_BASE_MODEL"),
-                    help="Tinker base model (--backend tinker), e.g. meta-llama/Llama-3.2-1B")
+    ap.add_argument(
+        "--base-model",
+        default=os.environ.get("TINKER_BASE_MODEL"),
+        help="Tinker base model (--backend tinker), e.g. meta-llama/Llama-3.2-1B",
+    )
     ap.add_argument("--rank", type=int, default=32, help="LoRA rank on Tinker")
     ap.add_argument("--reward", choices=["exact_match", "llm_judge"], default="exact_match", help="the GRPO reward")
     ap.add_argument("--judge-url", help="llm_judge: an OpenAI-compatible base URL (e.g. http://127.0.0.1:8000/v1)")
     ap.add_argument("--judge-model", help="llm_judge: the judge's model name")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="a recipe override applied to every run, e.g. stages.rl.group_size=4 (repeatable)")
-    ap.add_argument("--sft-steps", type=int, help="SFT steps per specialist (the generalist takes 3x); default: the scale's")
-    ap.add_argument("--grpo-steps", type=int, help="GRPO steps per specialist (the generalist takes 3x); default: the scale's")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe override applied to every run, e.g. stages.rl.group_size=4 (repeatable)",
+    )
+    ap.add_argument(
+        "--sft-steps", type=int, help="SFT steps per specialist (the generalist takes 3x); default: the scale's"
+    )
+    ap.add_argument(
+        "--grpo-steps", type=int, help="GRPO steps per specialist (the generalist takes 3x); default: the scale's"
+    )
     ap.add_argument("--router-steps", type=int, help="SFT steps of the model router; default: the scale's")
     ap.add_argument("--no-model-router", action="store_true", help="skip training the model router")
     ap.add_argument("--out", type=Path, help="output folder (default runs/domain_specialists/<scale>); replaced")
@@ -70,12 +86,28 @@ def main(argv: list[str] | None = None) -> dict:
     out = (args.out or Path("runs") / "domain_specialists" / args.scale).resolve()
 
     t0 = time.perf_counter()
-    print(f"domain specialists: scale={args.scale} backend={args.backend} reward={args.reward} "
-          f"cores={os.cpu_count()} -> {out}", flush=True)
-    info = experiment.train_all(out, scale, backend, reward, args.overrides, model_router=not args.no_model_router,
-                                log=lambda s: print(s, flush=True))
-    meta = {"scale": args.scale, "backend": args.backend, "reward": args.reward, "cpu_count": os.cpu_count(),
-            "base_model": args.base_model if args.backend == "tinker" else "tiny_llama", "overrides": args.overrides}
+    print(
+        f"domain specialists: scale={args.scale} backend={args.backend} reward={args.reward} "
+        f"cores={os.cpu_count()} -> {out}",
+        flush=True,
+    )
+    info = experiment.train_all(
+        out,
+        scale,
+        backend,
+        reward,
+        args.overrides,
+        model_router=not args.no_model_router,
+        log=lambda s: print(s, flush=True),
+    )
+    meta = {
+        "scale": args.scale,
+        "backend": args.backend,
+        "reward": args.reward,
+        "cpu_count": os.cpu_count(),
+        "base_model": args.base_model if args.backend == "tinker" else "tiny_llama",
+        "overrides": args.overrides,
+    }
     results = evaluate_systems.evaluate_all(info, out, meta=meta)
     results["timing"]["total_wall_s"] = time.perf_counter() - t0
     evaluate_systems.write_outputs(results, out)

@@ -58,8 +58,21 @@ def evaluate(folder: str) -> list[dict[str, Any]]:
     out = os.path.join(folder, "evals", "capitals") if is_run else os.path.join("runs", "base_capitals")
     path = os.path.join(out, "rollouts.jsonl")
     if not os.path.exists(path):
-        cmd = [sys.executable, "-m", "tempering", "eval", folder, "--dataset", TEST, "--reward", "exact_match",
-               "--max-tokens", "16", "--out", out]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "tempering",
+            "eval",
+            folder,
+            "--dataset",
+            TEST,
+            "--reward",
+            "exact_match",
+            "--max-tokens",
+            "16",
+            "--out",
+            out,
+        ]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     with open(path, encoding="utf-8") as fh:
         return [json.loads(line) for line in fh if line.strip()]
@@ -72,7 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'folder':36}{'n':>5}{'exact':>8}{'json':>8}{'named':>8}")
     for folder in args.runs:
         s = score(evaluate(folder))
-        print(f"{os.path.basename(folder.rstrip('/')):36}{int(s['n']):>5}{s['exact']:8.2f}{s['json']:8.2f}{s['named']:8.2f}")
+        print(
+            f"{os.path.basename(folder.rstrip('/')):36}{int(s['n']):>5}{s['exact']:8.2f}{s['json']:8.2f}{s['named']:8.2f}"
+        )
+
 
 if __name__ == "__main__":
     main()

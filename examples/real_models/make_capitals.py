@@ -23,8 +23,15 @@ def rows() -> list[dict[str, str]]:
     with open(COUNTRIES, encoding="utf-8") as fh:
         pairs = [(r["country"], r["capital"]) for r in csv.DictReader(fh)]
     random.Random(0).shuffle(pairs)
-    return [{"prompt": f"What is the capital of {country}?", "demonstration": json.dumps({"capital": capital}),
-             "answer": json.dumps({"capital": capital}), "capital": capital} for country, capital in pairs]  # fmt: skip
+    return [
+        {
+            "prompt": f"What is the capital of {country}?",
+            "demonstration": json.dumps({"capital": capital}),
+            "answer": json.dumps({"capital": capital}),
+            "capital": capital,
+        }
+        for country, capital in pairs
+    ]
 
 
 def main() -> None:

@@ -31,12 +31,19 @@ from tempering.types import Batch
 
 def pair_logprobs(backend: Any, batch: Batch, **kwargs: Any) -> list[tuple[float, float]]:
     """(chosen, rejected) sequence logprobs of each pair of ``batch`` (one row per side)."""
-    sums = [sum(lp * w for lp, w in zip(lps, d.weights)) for d, lps in zip(batch.data, backend.logprobs(batch, **kwargs).result())]
+    sums = [
+        sum(lp * w for lp, w in zip(lps, d.weights))
+        for d, lps in zip(batch.data, backend.logprobs(batch, **kwargs).result())
+    ]
     return list(zip(sums[0::2], sums[1::2]))
 
 
-def summarise(rows: Sequence[Mapping[str, Any]], policy: Sequence[tuple[float, float]],
-              base: Sequence[tuple[float, float]], beta: float) -> dict[str, float]:  # fmt: skip
+def summarise(
+    rows: Sequence[Mapping[str, Any]],
+    policy: Sequence[tuple[float, float]],
+    base: Sequence[tuple[float, float]],
+    beta: float,
+) -> dict[str, float]:
     n = len(rows)
     margins = [beta * ((pc - bc) - (pr - br)) for (pc, pr), (bc, br) in zip(policy, base)]
     return {
@@ -78,7 +85,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         tok = backend.tokenizer
         dpo = DPO()
         dpo._chat_text = chat_text_prompts(stage.get("renderer", "auto"), tok)  # as DPO.setup decides
-        renderer = registry.build("renderer", renderer_spec(stage.get("renderer", "auto"), tok), "renderer", tokenizer=tok)
+        renderer = registry.build(
+            "renderer", renderer_spec(stage.get("renderer", "auto"), tok), "renderer", tokenizer=tok
+        )
         policy: list[tuple[float, float]] = []
         base: list[tuple[float, float]] = []
         for start in range(0, len(rows), args.chunk):

@@ -47,8 +47,19 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 def after_eval(run_dir: str, dataset: str, reward: str | None, max_tokens: int) -> float:
     out = os.path.join(run_dir, "evals", "after")
-    cmd = [sys.executable, "-m", "tempering", "eval", run_dir, "--dataset", dataset,
-           "--max-tokens", str(max_tokens), "--out", out]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tempering",
+        "eval",
+        run_dir,
+        "--dataset",
+        dataset,
+        "--max-tokens",
+        str(max_tokens),
+        "--out",
+        out,
+    ]
     if reward:
         cmd += ["--reward", reward]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -75,7 +86,16 @@ def main(argv: list[str] | None = None) -> None:
         run_dir = os.path.join("runs", f"{name}_s{seed}")
         t0 = time.perf_counter()
         if not (args.skip_existing and os.path.exists(os.path.join(run_dir, "metrics.jsonl"))):
-            cmd = [sys.executable, "-m", "tempering", "run", args.recipe, f"seed={seed}", f"output_dir={run_dir}", *args.set]
+            cmd = [
+                sys.executable,
+                "-m",
+                "tempering",
+                "run",
+                args.recipe,
+                f"seed={seed}",
+                f"output_dir={run_dir}",
+                *args.set,
+            ]
             print("$", " ".join(cmd), flush=True)
             subprocess.run(cmd, check=True)
         summary = summarise(read_rows(run_dir))

@@ -77,8 +77,14 @@ def hf(
     return _rename([dict(r) for r in ds], rename)
 
 
-def _peek_hf(path: str, split: str = "train", data_files: Any = None, rename: dict[str, str] | None = None,
-             size: int | None = None, **_: Any) -> list[dict[str, Any]] | None:  # fmt: skip
+def _peek_hf(
+    path: str,
+    split: str = "train",
+    data_files: Any = None,
+    rename: dict[str, str] | None = None,
+    size: int | None = None,
+    **_: Any,
+) -> list[dict[str, Any]] | None:
     """Local ``data_files`` must exist; the first rows of a JSON-lines one are read. ``None``
     (rows unknown until the stage loads them) for anything else, e.g. a hub name."""
     if data_files is None:

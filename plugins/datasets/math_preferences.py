@@ -45,14 +45,23 @@ def math_preferences(
     ``small``, ``test_share`` and ``seed`` (so the same questions, in the same order)."""
     if rejected not in REJECTED_KINDS:
         raise ValueError(f"math_preferences: rejected must be one of {REJECTED_KINDS}, got '{rejected}'")
-    rows = math_questions(split=split, size=size, kinds=kinds, low=low, high=high, small=small,
-                          test_share=test_share, seed=seed)  # fmt: skip
+    rows = math_questions(
+        split=split, size=size, kinds=kinds, low=low, high=high, small=small, test_share=test_share, seed=seed
+    )
     rng = random.Random(f"{seed}-{split}-{rejected}")
     out = []
     for i, row in enumerate(rows):
         kind = rejected if rejected != "mixed" else _MIXED[i % len(_MIXED)]
-        out.append({"prompt": row["question"], "chosen": row["answer"], "rejected": _rejected(row, kind, rng),
-                    "answer": row["answer"], "kind": row["kind"], "rejected_kind": kind})  # fmt: skip
+        out.append(
+            {
+                "prompt": row["question"],
+                "chosen": row["answer"],
+                "rejected": _rejected(row, kind, rng),
+                "answer": row["answer"],
+                "kind": row["kind"],
+                "rejected_kind": kind,
+            }
+        )
     return out
 
 

@@ -51,7 +51,9 @@ def math_questions(
     if unknown or not kinds:
         raise ValueError(f"math_questions: unknown kinds {unknown}; choose from {sorted(TEMPLATES)}")
     if not (2 <= small and 2 <= low <= high):
-        raise ValueError(f"math_questions: need 2 <= small and 2 <= low <= high, got small={small}, low={low}, high={high}")
+        raise ValueError(
+            f"math_questions: need 2 <= small and 2 <= low <= high, got small={small}, low={low}, high={high}"
+        )
     want = size if size is not None else (2000 if split == "train" else 200)
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
@@ -71,8 +73,14 @@ def math_questions(
         seen.add(key)
         template, op = TEMPLATES[kind]
         question = template.format(a=a, b=b, n=n, t=t) + (SUFFIX if suffix else "")
-        rows.append({"messages": [{"role": "user", "content": question}], "question": question,
-                     "answer": str(a + b if op == "+" else a - b), "kind": kind})  # fmt: skip
+        rows.append(
+            {
+                "messages": [{"role": "user", "content": question}],
+                "question": question,
+                "answer": str(a + b if op == "+" else a - b),
+                "kind": kind,
+            }
+        )
     return rows
 
 

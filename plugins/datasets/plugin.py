@@ -5,16 +5,35 @@ from tempering.hookspecs import hookimpl
 
 @hookimpl
 def register_datasets(register):
-    register("arithmetic", "tempering.plugins.datasets.arithmetic:arithmetic", description="synthetic a+b=c, train/test split")
+    register(
+        "arithmetic",
+        "tempering.plugins.datasets.arithmetic:arithmetic",
+        description="synthetic a+b=c, train/test split",
+    )
     register("jsonl", "tempering.plugins.datasets.files:jsonl", description="rows of a local JSON-lines file")
     register("hf", "tempering.plugins.datasets.files:hf", description="datasets.load_dataset (hub name or local files)")
-    register("tool_use", "tempering.plugins.datasets.tool_use:tool_use",
-             description="products a*b for the calculator environment, or SFT tool-use transcripts")
-    register("agentic_search", "tempering.plugins.datasets.search_traces:agentic_search",
-             description="multi-hop questions over a generated corpus: tasks, SFT trajectories or DPO pairs")
-    register("math_questions", "tempering.plugins.datasets.math_questions:math_questions",
-             description="arithmetic questions in natural language (chat messages) for instruct models")
-    register("synthetic_preferences", "tempering.plugins.datasets.synthetic_preferences:synthetic_preferences",
-             description="addition prompts, chosen = right sum, rejected = near miss or malformed")
-    register("math_preferences", "tempering.plugins.datasets.math_preferences:math_preferences",
-             description="DPO pairs on math_questions: the bare right number over a wrong or verbose answer")
+    register(
+        "tool_use",
+        "tempering.plugins.datasets.tool_use:tool_use",
+        description="products a*b for the calculator environment, or SFT tool-use transcripts",
+    )
+    register(
+        "agentic_search",
+        "tempering.plugins.datasets.search_traces:agentic_search",
+        description="multi-hop questions over a generated corpus: tasks, SFT trajectories or DPO pairs",
+    )
+    register(
+        "math_questions",
+        "tempering.plugins.datasets.math_questions:math_questions",
+        description="arithmetic questions in natural language (chat messages) for instruct models",
+    )
+    register(
+        "synthetic_preferences",
+        "tempering.plugins.datasets.synthetic_preferences:synthetic_preferences",
+        description="addition prompts, chosen = right sum, rejected = near miss or malformed",
+    )
+    register(
+        "math_preferences",
+        "tempering.plugins.datasets.math_preferences:math_preferences",
+        description="DPO pairs on math_questions: the bare right number over a wrong or verbose answer",
+    )

@@ -76,8 +76,9 @@ def _names(rng: random.Random, count: int, taken: set[str], length: int) -> list
     return out
 
 
-def generate(style: str = "tiny", seed: int = 0, people: int = 350, cities: int = 30, countries: int = 8,
-             families: int = 40) -> Corpus:  # fmt: skip
+def generate(
+    style: str = "tiny", seed: int = 0, people: int = 350, cities: int = 30, countries: int = 8, families: int = 40
+) -> Corpus:
     """The corpus of ``style`` (see the module docstring); the same arguments give the same
     corpus, documents and questions."""
     if style not in STYLES:
@@ -112,20 +113,31 @@ def generate(style: str = "tiny", seed: int = 0, people: int = 350, cities: int 
     people_order = list(range(people))
     rng.shuffle(people_order)
     n_test = n_val = max(1, people // 7)
-    split_of = {i: "test" if k < n_test else "val" if k < n_test + n_val else "train" for k, i in enumerate(people_order)}
+    split_of = {
+        i: "test" if k < n_test else "val" if k < n_test + n_val else "train" for k, i in enumerate(people_order)
+    }
     questions: dict[str, list[dict[str, Any]]] = {s: [] for s in SPLITS}
     for i, (name, city) in enumerate(person):
         chain = [(name, city), (city, city_country[city]), (city_country[city], language_of[city_country[city]])]
         for relation, hops in RELATIONS.items():
             links = chain[:hops]
-            questions[split_of[i]].append({
-                "question": _question(style, relation, name),
-                "answer": links[-1][1],
-                "gold_ids": [doc_of[subject] for subject, _ in links],
-                "hops": hops,
-                "queries": [subject for subject, _ in links],  # the gold path: one search per hop
-            })  # fmt: skip
-    spec = {"style": style, "seed": seed, "people": people, "cities": cities, "countries": countries, "families": families}
+            questions[split_of[i]].append(
+                {
+                    "question": _question(style, relation, name),
+                    "answer": links[-1][1],
+                    "gold_ids": [doc_of[subject] for subject, _ in links],
+                    "hops": hops,
+                    "queries": [subject for subject, _ in links],  # the gold path: one search per hop
+                }
+            )
+    spec = {
+        "style": style,
+        "seed": seed,
+        "people": people,
+        "cities": cities,
+        "countries": countries,
+        "families": families,
+    }
     return Corpus(documents, questions, spec)
 
 
@@ -141,7 +153,9 @@ def _city_text(style: str, city: str, country: str, rng: random.Random) -> str:
     if style == "tiny":
         return f"is in {country}."
     river = rng.choice(["a wide river", "two lakes", "an old bridge", "a busy port", "a hill fort"])
-    return f"{city} is known for {river} and {rng.randint(2, 90)} thousand people. The city of {city} lies in {country}."
+    return (
+        f"{city} is known for {river} and {rng.randint(2, 90)} thousand people. The city of {city} lies in {country}."
+    )
 
 
 def _country_text(style: str, country: str, language: str, capital: str, rng: random.Random) -> str:
@@ -174,8 +188,10 @@ def corpus_from_spec(spec: Any) -> Corpus:
     params = dict(spec or {})
     unknown = sorted(set(params) - {"style", "seed", "people", "cities", "countries", "families"})
     if unknown:
-        raise ValueError(f"search corpus: unknown key(s) {', '.join(unknown)} (keys: style, seed, people, cities, "
-                         "countries, families; or a path to a documents JSONL file)")  # fmt: skip
+        raise ValueError(
+            f"search corpus: unknown key(s) {', '.join(unknown)} (keys: style, seed, people, cities, "
+            "countries, families; or a path to a documents JSONL file)"
+        )
     full = {"style": "tiny", "seed": 0, "people": 350, "cities": 30, "countries": 8, "families": 40, **params}
     return _cached(str(full["style"]), *(int(full[k]) for k in ("seed", "people", "cities", "countries", "families")))
 

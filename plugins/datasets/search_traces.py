@@ -125,7 +125,9 @@ def gold_turns(env: Any, task: dict[str, Any], prune: bool = False) -> list[Pars
     return [*turns, final_answer(task)]
 
 
-async def replay(env: Any, example: dict[str, Any], turns: Sequence[ParsedResponse]) -> tuple[list[Message], list[list[Message]]]:
+async def replay(
+    env: Any, example: dict[str, Any], turns: Sequence[ParsedResponse]
+) -> tuple[list[Message], list[list[Message]]]:
     """Play scripted turns through ``env`` as an episode would (call ids, history, the view).
     Returns the history and, per turn, the messages the model saw before it."""
     from tempering.rollouts.episode import model_view
@@ -168,12 +170,15 @@ def _environment(env_keys: dict[str, Any]) -> Any:
 
     keys = dict(env_keys)
     if keys.pop("name", "search") != "search":
-        raise ValueError(f"agentic_search: the trajectories are played in the 'search' environment, not '{env_keys['name']}'")
+        raise ValueError(
+            f"agentic_search: the trajectories are played in the 'search' environment, not '{env_keys['name']}'"
+        )
     return Search(**keys)
 
 
-async def transcript_rows(env_keys: dict[str, Any], task: dict[str, Any], prune: bool = False,
-                          rng: random.Random | None = None) -> list[dict[str, Any]]:  # fmt: skip
+async def transcript_rows(
+    env_keys: dict[str, Any], task: dict[str, Any], prune: bool = False, rng: random.Random | None = None
+) -> list[dict[str, Any]]:
     """The SFT rows of ``task``'s gold path (see the module docstring)."""
     env = _environment(env_keys)
     await env.reset(dict(task))
@@ -183,8 +188,9 @@ async def transcript_rows(env_keys: dict[str, Any], task: dict[str, Any], prune:
     return [{"messages": row, "tools": tools} for row in context_rows(contexts, [t.to_message() for t in turns])]
 
 
-async def pair_rows(env_keys: dict[str, Any], task: dict[str, Any], prune: bool = False,
-                    rng: random.Random | None = None) -> list[dict[str, Any]]:  # fmt: skip
+async def pair_rows(
+    env_keys: dict[str, Any], task: dict[str, Any], prune: bool = False, rng: random.Random | None = None
+) -> list[dict[str, Any]]:
     """One DPO pair per gold turn of ``task``: its context, the gold turn, a bad one."""
     rng = rng or random.Random(0)
     env = _environment(env_keys)
@@ -195,23 +201,40 @@ async def pair_rows(env_keys: dict[str, Any], task: dict[str, Any], prune: bool 
     shown = [env._hits(q) for q in task["queries"]]
     rows = []
     for i, (context, gold) in enumerate(zip(contexts, turns)):
-        kind, bad = rejected_turn(task, turns[:i], shown, last=i == len(turns) - 1, snippets=bool(env.snippet_chars),
-                                  rng=rng)  # fmt: skip
+        kind, bad = rejected_turn(
+            task, turns[:i], shown, last=i == len(turns) - 1, snippets=bool(env.snippet_chars), rng=rng
+        )
         assign_call_ids(bad.tool_calls, i)
-        rows.append({"messages": context, "tools": tools, "chosen": [gold.to_message()], "rejected": [bad.to_message()],
-                     "kind": kind})  # fmt: skip
+        rows.append(
+            {
+                "messages": context,
+                "tools": tools,
+                "chosen": [gold.to_message()],
+                "rejected": [bad.to_message()],
+                "kind": kind,
+            }
+        )
     return rows
 
 
-def rejected_turn(task: dict[str, Any], before: Sequence[ParsedResponse], shown: Sequence[list[str]], last: bool,
-                  snippets: bool, rng: random.Random) -> tuple[str, ParsedResponse]:  # fmt: skip
+def rejected_turn(
+    task: dict[str, Any],
+    before: Sequence[ParsedResponse],
+    shown: Sequence[list[str]],
+    last: bool,
+    snippets: bool,
+    rng: random.Random,
+) -> tuple[str, ParsedResponse]:
     """A wasted or wrong turn in place of the gold turn that follows the gold turns ``before``
     (``shown``: each gold search's hits; ``snippets``: search shows snippets, so only an opened
     document has been read in full)."""
     calls = [c for t in before for c in t.tool_calls]
     hops = sum(c.name == "search" for c in calls)  # searches made so far
-    read = {c.arguments["doc_id"] for c in calls if c.name == "open"} if snippets else {
-        d for h in range(hops) for d in shown[h]}  # fmt: skip
+    read = (
+        {c.arguments["doc_id"] for c in calls if c.name == "open"}
+        if snippets
+        else {d for h in range(hops) for d in shown[h]}
+    )
     options = []
     if hops:
         options += ["repeat", *(["open_seen"] if read else [])]

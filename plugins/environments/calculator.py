@@ -9,11 +9,11 @@ with the number the tool returned::
 
 The reward is exact match of the final answer; a wrong one's feedback says what was expected,
 what came and how the tool was used (``expected '3108', got '3018'; the last tool result was
-'3108'``), and a failing tool call is feedback too (``tool mul raised ValueError: ...``). Each episode also counts how the model used the
-tool -- ``right_calls`` (calls equal to the reference solution's call at that position) and
-``copied_result`` (final answers that repeat the last tool result) -- summed over a batch as
-``env/right_calls`` and ``env/copied_result`` (``eval/...`` in evaluations), so a run shows which
-half of the skill training improved.
+'3108'``), and a failing tool call is feedback too (``tool mul raised ValueError: ...``).
+Each episode also counts how the model used the tool -- ``right_calls`` (calls equal to the
+reference solution's call at that position) and ``copied_result`` (final answers that repeat
+the last tool result) -- summed over a batch as ``env/right_calls`` and ``env/copied_result``
+(``eval/...`` in evaluations), so a run shows which half of the skill training improved.
 """
 
 from __future__ import annotations

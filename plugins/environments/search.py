@@ -97,8 +97,10 @@ class Search(Environment):
 
         spec = self.corpus if self.corpus is not None else example.get("corpus")
         if spec is None:
-            raise ValueError("search: no corpus: set the environment's 'corpus' key (a documents JSONL path) or give "
-                             "examples a 'corpus' spec")  # fmt: skip
+            raise ValueError(
+                "search: no corpus: set the environment's 'corpus' key (a documents JSONL path) or give "
+                "examples a 'corpus' spec"
+            )
         self.index = index_of(corpus_from_spec(spec))
         if self.snippet_chars is None:
             self.snippet_chars = 0 if self.index.corpus.spec.get("style") == "tiny" else 80
@@ -157,8 +159,12 @@ class Search(Environment):
                     self.pruned_at[doc_id] = self.steps
                 counts["pruned"] += len(args["doc_ids"])
         messages = [tool_message(call, r.content) for call, r in zip(response.tool_calls, results)]
-        return StepResult(messages, reward=0.0, metrics={**tool_metrics(results), **counts},
-                          errors=[r.error for r in results if r.error])  # fmt: skip
+        return StepResult(
+            messages,
+            reward=0.0,
+            metrics={**tool_metrics(results), **counts},
+            errors=[r.error for r in results if r.error],
+        )
 
     async def score(self, response: ParsedResponse) -> float:
         """0: the episode's reward is computed once it ended (:meth:`group_reward`)."""
@@ -197,7 +203,9 @@ class Search(Environment):
             final = traj.turns[-1].response.text if traj.stop == "done" and traj.turns else ""
             value = reward(final, {**self.example, "episode": stats})
             value = await value if inspect.isawaitable(value) else value
-            out.append(Scored(as_finite(value, "search: the episode reward"), feedback_of(value, "search: the episode reward")))
+            out.append(
+                Scored(as_finite(value, "search: the episode reward"), feedback_of(value, "search: the episode reward"))
+            )
             cited = {c.lower() for c in cited_ids(final, self.citation)}
             for key in ("context_tokens", "peak_context"):
                 traj.count(key, float(stats[key]))
@@ -220,7 +228,7 @@ class Search(Environment):
 
     def _document(self, doc_id: Any) -> Any:
         if not isinstance(doc_id, str):
-            raise TypeError(f"doc_id must be a document id such as \"d12\", got {doc_id!r}")
+            raise TypeError(f'doc_id must be a document id such as "d12", got {doc_id!r}')
         found = self.index.corpus.by_id.get(doc_id.strip())
         if found is None:
             raise KeyError(f"no document '{doc_id}'")
@@ -228,7 +236,7 @@ class Search(Environment):
 
     def _prunable(self, doc_ids: Any) -> list[str]:
         if not isinstance(doc_ids, list) or not doc_ids or not all(isinstance(d, str) for d in doc_ids):
-            raise TypeError(f"doc_ids must be a non-empty list of document ids such as [\"d3\"], got {doc_ids!r}")
+            raise TypeError(f'doc_ids must be a non-empty list of document ids such as ["d3"], got {doc_ids!r}')
         visible = self.visible()
         missing = [d for d in doc_ids if d not in visible]
         if missing:
@@ -237,8 +245,9 @@ class Search(Environment):
 
     def visible(self) -> set[str]:
         """Documents whose text the model's context holds now."""
-        return {d for listing in self.listings.values() for d in listing.doc_ids
-                if self.pruned_at.get(d, 0) <= listing.step}  # fmt: skip
+        return {
+            d for listing in self.listings.values() for d in listing.doc_ids if self.pruned_at.get(d, 0) <= listing.step
+        }
 
     def _listing(self, doc_ids: list[str], snippet: bool) -> str:
         return self._render(doc_ids, snippet, set()) if doc_ids else "no document matches"
@@ -287,8 +296,9 @@ class Index:
         self.tokenizer = Tokenizer(stopwords="en")
         # the title counts twice (a field boost): a search for a name ranks the document about
         # it above the ones that merely mention it
-        tokens = self.tokenizer.tokenize([f"{d.title} {d.title} {d.text}" for d in corpus.documents], return_as="ids",
-                                         show_progress=False)  # fmt: skip
+        tokens = self.tokenizer.tokenize(
+            [f"{d.title} {d.title} {d.text}" for d in corpus.documents], return_as="ids", show_progress=False
+        )
         self.bm25 = bm25s.BM25()
         self.bm25.index(tokens, show_progress=False)
         self.lock = threading.Lock()  # tools may run on threads; bm25s is not documented thread-safe

@@ -209,13 +209,20 @@ def _first_traceback(label: str, exc: BaseException) -> None:
 def _same_messages(prompt: Any, messages: Sequence[Mapping[str, Any]]) -> bool:
     if not isinstance(prompt, list) or len(prompt) != len(messages):
         return False
-    return all(p.get("role") == m.get("role") and p.get("content") == m.get("content")
-               for p, m in zip(prompt, messages))  # fmt: skip
+    return all(
+        p.get("role") == m.get("role") and p.get("content") == m.get("content") for p, m in zip(prompt, messages)
+    )
 
 
 #: JSON schema types as the Python annotations transformers' ``get_json_schema`` maps back to them.
-_JSON_TYPES: dict[str, Any] = {"integer": int, "number": float, "string": str, "boolean": bool, "array": list,
-                               "object": dict}  # fmt: skip
+_JSON_TYPES: dict[str, Any] = {
+    "integer": int,
+    "number": float,
+    "string": str,
+    "boolean": bool,
+    "array": list,
+    "object": dict,
+}
 
 
 def _tool_method(tool: Tool) -> Callable[..., str]:
@@ -250,8 +257,9 @@ def _tool_method(tool: Tool) -> Callable[..., str]:
     return method
 
 
-def environment_factory(spec: str | Mapping[str, Any] | Callable[[], Environment], *, timeout: float | None = 60.0,
-                        **args: Any) -> type[TRLEnvironment]:  # fmt: skip
+def environment_factory(
+    spec: str | Mapping[str, Any] | Callable[[], Environment], *, timeout: float | None = 60.0, **args: Any
+) -> type[TRLEnvironment]:
     """A TRL ``environment_factory`` for a tempering environment.
 
     ``spec``: a registered environment's name (``"calculator"``), a mapping ``{name: ..., <keys>}``,

@@ -28,11 +28,18 @@ class MlflowLogger(TrackerLogger):
 
     check_params = staticmethod(package_check("mlflow", "mlflow", "mlflow"))
 
-    def __init__(self, output_dir: str, experiment: str = "tempering", run_name: str | None = None,
-                 tracking_uri: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        output_dir: str,
+        experiment: str = "tempering",
+        run_name: str | None = None,
+        tracking_uri: str | None = None,
+    ) -> None:
         super().__init__(output_dir)
         self.experiment, self.name = experiment, run_name
-        uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or os.path.abspath(os.path.join(output_dir, "mlruns"))
+        uri = (
+            tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or os.path.abspath(os.path.join(output_dir, "mlruns"))
+        )
         if "://" not in uri and not uri.startswith("file:"):
             uri = "file://" + os.path.abspath(uri)
         self.tracking_uri = uri

@@ -66,7 +66,9 @@ def plot_metrics(
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, color=colours[name], marker="o" if len(pts) < 60 else None, markersize=3, label=name)
                 drawn = True
-        if not any(series(stage_rows, m) for m in metrics if not m.startswith("eval/")) and series(stage_rows, secondary):
+        if not any(series(stage_rows, m) for m in metrics if not m.startswith("eval/")) and series(
+            stage_rows, secondary
+        ):
             twin = ax.twinx()
             xs, ys = zip(*series(stage_rows, secondary))
             twin.plot(xs, ys, color="grey", alpha=0.6, linewidth=0.8, label=secondary)

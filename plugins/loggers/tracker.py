@@ -25,8 +25,22 @@ from typing import Any
 from tempering.errors import ConfigError
 
 #: Table columns of a logged rollout, in order.
-COLUMNS = ("stage", "step", "kind", "group", "sample", "reward", "advantage", "failed", "failure", "stop", "turns",
-           "prompt", "completion", "transcript")  # fmt: skip
+COLUMNS = (
+    "stage",
+    "step",
+    "kind",
+    "group",
+    "sample",
+    "reward",
+    "advantage",
+    "failed",
+    "failure",
+    "stop",
+    "turns",
+    "prompt",
+    "completion",
+    "transcript",
+)
 SKIPPED = frozenset({"step", "time"})
 
 
@@ -37,7 +51,9 @@ def package_check(package: str, logger: str, extra: str) -> Callable[[Mapping[st
 
     def check(params: Mapping[str, Any], path: str) -> None:
         if importlib.util.find_spec(package) is None:
-            raise ConfigError(f"the {logger} logger needs the '{package}' package: pip install 'tempering[{extra}]'", path)
+            raise ConfigError(
+                f"the {logger} logger needs the '{package}' package: pip install 'tempering[{extra}]'", path
+            )
 
     return check
 
@@ -135,7 +151,9 @@ class TrackerLogger:
 
     def display_name(self, name: str | None) -> str:
         """The tracker run's name: ``name``, else the recipe's name."""
-        return name or str(self.config().get("recipe", {}).get("name") or os.path.basename(os.path.abspath(self.output_dir)))
+        return name or str(
+            self.config().get("recipe", {}).get("name") or os.path.basename(os.path.abspath(self.output_dir))
+        )
 
     def _ensure_started(self) -> None:
         if not self._started:

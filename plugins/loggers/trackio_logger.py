@@ -16,8 +16,14 @@ class TrackioLogger(TrackerLogger):
 
     check_params = staticmethod(package_check("trackio", "trackio", "trackio"))
 
-    def __init__(self, output_dir: str, project: str = "tempering", run_name: str | None = None, group: str | None = None,
-                 space_id: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        output_dir: str,
+        project: str = "tempering",
+        run_name: str | None = None,
+        group: str | None = None,
+        space_id: str | None = None,
+    ) -> None:
         super().__init__(output_dir)
         self.settings = {"project": project, "run_name": run_name, "group": group, "space_id": space_id}
         self.run: Any = None
@@ -26,9 +32,16 @@ class TrackioLogger(TrackerLogger):
         import trackio
 
         s = self.settings
-        self.run = trackio.init(project=s["project"], name=self.display_name(s["run_name"]), group=s["group"],
-                                space_id=s["space_id"], config=config, embed=False, auto_log_cpu=False,
-                                auto_log_gpu=False)  # fmt: skip
+        self.run = trackio.init(
+            project=s["project"],
+            name=self.display_name(s["run_name"]),
+            group=s["group"],
+            space_id=s["space_id"],
+            config=config,
+            embed=False,
+            auto_log_cpu=False,
+            auto_log_gpu=False,
+        )
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)

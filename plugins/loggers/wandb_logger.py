@@ -20,10 +20,25 @@ class WandbLogger(TrackerLogger):
 
     check_params = staticmethod(package_check("wandb", "wandb", "wandb"))
 
-    def __init__(self, output_dir: str, project: str = "tempering", run_name: str | None = None, entity: str | None = None,
-                 group: str | None = None, tags: list | None = None, mode: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        output_dir: str,
+        project: str = "tempering",
+        run_name: str | None = None,
+        entity: str | None = None,
+        group: str | None = None,
+        tags: list | None = None,
+        mode: str | None = None,
+    ) -> None:
         super().__init__(output_dir)
-        self.settings: dict[str, Any] = {"project": project, "run_name": run_name, "entity": entity, "group": group, "tags": tags, "mode": mode}
+        self.settings: dict[str, Any] = {
+            "project": project,
+            "run_name": run_name,
+            "entity": entity,
+            "group": group,
+            "tags": tags,
+            "mode": mode,
+        }
         self.run: Any = None
         self.table: Any = None
 
@@ -31,8 +46,16 @@ class WandbLogger(TrackerLogger):
         import wandb
 
         s = self.settings
-        self.run = wandb.init(project=s["project"], name=self.display_name(s["run_name"]), entity=s["entity"], group=s["group"],
-                              tags=s["tags"], mode=s["mode"], dir=self.output_dir, config=config)  # fmt: skip
+        self.run = wandb.init(
+            project=s["project"],
+            name=self.display_name(s["run_name"]),
+            entity=s["entity"],
+            group=s["group"],
+            tags=s["tags"],
+            mode=s["mode"],
+            dir=self.output_dir,
+            config=config,
+        )
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)

@@ -52,8 +52,11 @@ def check_gguf_file(path: str, key: str = "model_kwargs.path") -> None:
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
-        raise ConfigError(f"'{path}' is not a GGUF file (it starts with {magic!r}, not b'GGUF'): "
-                          "the file is corrupt or of another format", key)  # fmt: skip
+        raise ConfigError(
+            f"'{path}' is not a GGUF file (it starts with {magic!r}, not b'GGUF'): "
+            "the file is corrupt or of another format",
+            key,
+        )
     try:
         import gguf  # noqa: F401
     except ImportError:
@@ -86,9 +89,12 @@ def converted_folder(path: str, cache_dir: str | None = None, name: str | None =
             convert(path, work)
         except Exception as exc:  # a truncated or unsupported file fails deep in gguf/transformers
             first = (str(exc).strip().splitlines() or [""])[0][:300]
-            raise ConfigError(f"could not convert the GGUF file '{path}' ({type(exc).__name__}: {first}); the file may be "
-                              "truncated or corrupt (reinstall it), or of an architecture transformers cannot read "
-                              "from GGUF", "backend.model") from exc  # fmt: skip
+            raise ConfigError(
+                f"could not convert the GGUF file '{path}' ({type(exc).__name__}: {first}); the file may be "
+                "truncated or corrupt (reinstall it), or of an architecture transformers cannot read "
+                "from GGUF",
+                "backend.model",
+            ) from exc
         os.chmod(work, 0o755)  # mkdtemp's 0700 would hide the folder from other users of the cache
         with open(os.path.join(work, DONE_FILE), "w") as f:
             json.dump({"source": path, "format": "gguf"}, f)
@@ -121,8 +127,10 @@ def convert(path: str, folder: str) -> None:
     # Tied embeddings show up as a missing lm_head when the file stores one matrix.
     missing = [k for k in missing if not (k == "lm_head.weight" and getattr(config, "tie_word_embeddings", False))]
     if missing or unexpected:
-        raise ValueError(f"converting '{path}': the dequantised weights do not fit the model built from its config "
-                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")  # fmt: skip
+        raise ValueError(
+            f"converting '{path}': the dequantised weights do not fit the model built from its config "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     if getattr(config, "tie_word_embeddings", False):
         plain.tie_weights()
     plain.generation_config = quantised.generation_config

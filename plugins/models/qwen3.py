@@ -44,9 +44,15 @@ class TmlTokenizer:
         self.lib = lib_tokenizer
         self.special_ids = {name: int(lib_tokenizer.encode_special(name)) for name in lib_tokenizer.all_special_tokens}
         self._special_set = set(self.special_ids.values())
-        self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(self.special_ids, key=len, reverse=True)) + ")")
+        self._split = re.compile(
+            "(" + "|".join(re.escape(t) for t in sorted(self.special_ids, key=len, reverse=True)) + ")"
+        )
         self.eos_token, self.pad_token, self.bos_token = eos_token, pad_token, None
-        self.eos_token_id, self.pad_token_id, self.bos_token_id = self.special_ids[eos_token], self.special_ids[pad_token], None
+        self.eos_token_id, self.pad_token_id, self.bos_token_id = (
+            self.special_ids[eos_token],
+            self.special_ids[pad_token],
+            None,
+        )
         self.all_special_tokens = list(self.special_ids)
         self.all_special_ids = list(self.special_ids.values())
         self.name_or_path = type(lib_tokenizer).__name__
@@ -100,8 +106,13 @@ class TmlTokenizer:
         ``Qwen/Qwen3-*`` tokenizer, whose ids these are."""
         os.makedirs(path, exist_ok=True)
         file = os.path.join(path, TOKENIZER_FILE)
-        spec = {"class": type(self.lib).__name__, "package": "tml-renderers", "eos_token": self.eos_token,
-                "pad_token": self.pad_token, "renderer": getattr(self, "tempering_renderer", None)}  # fmt: skip
+        spec = {
+            "class": type(self.lib).__name__,
+            "package": "tml-renderers",
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+            "renderer": getattr(self, "tempering_renderer", None),
+        }
         with open(file, "w") as f:
             json.dump(spec, f, indent=2)
         return (file,)
@@ -120,7 +131,9 @@ def qwen3_tokenizer(renderer: str = "qwen3_instruct") -> TmlTokenizer:
     ``<|endoftext|>``, as the Qwen3 instruct checkpoints set them."""
     from tml_renderers import tokenizers
 
-    return TmlTokenizer(tokenizers.Qwen3Tokenizer(), eos_token="<|im_end|>", pad_token="<|endoftext|>", renderer=renderer)
+    return TmlTokenizer(
+        tokenizers.Qwen3Tokenizer(), eos_token="<|im_end|>", pad_token="<|endoftext|>", renderer=renderer
+    )
 
 
 def tiny_qwen3(

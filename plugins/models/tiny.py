@@ -138,8 +138,18 @@ def tiny_llama(
     ``tiny_chat`` renderer, and :data:`CHAT_CHARS` unless ``chars`` is given."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return _tiny(LlamaConfig, LlamaForCausalLM, chars, chat, seed, hidden_size, num_layers, num_heads, intermediate_size,
-                 max_position_embeddings)
+    return _tiny(
+        LlamaConfig,
+        LlamaForCausalLM,
+        chars,
+        chat,
+        seed,
+        hidden_size,
+        num_layers,
+        num_heads,
+        intermediate_size,
+        max_position_embeddings,
+    )
 
 
 def tiny_qwen(
@@ -156,5 +166,15 @@ def tiny_qwen(
     in the stack is Llama-specific."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    return _tiny(Qwen2Config, Qwen2ForCausalLM, chars, chat, seed, hidden_size, num_layers, num_heads, intermediate_size,
-                 max_position_embeddings)
+    return _tiny(
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        chars,
+        chat,
+        seed,
+        hidden_size,
+        num_layers,
+        num_heads,
+        intermediate_size,
+        max_position_embeddings,
+    )

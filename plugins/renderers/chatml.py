@@ -68,9 +68,11 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 AUTO = "auto"
 #: How the system turn declares tools (after the system prompt, if any).
 TOOLS_INTRO = "# Tools\n\nYou can call the tools whose JSON schemas are listed inside <tools></tools>:\n<tools>\n"
-TOOLS_OUTRO = ("\n</tools>\n\nTo call a tool, write a JSON object with its name and arguments inside "
-               "<tool_call></tool_call> tags, one block per call:\n<tool_call>\n"
-               '{"name": "<tool name>", "arguments": {"<argument>": <value>}}\n</tool_call>')  # fmt: skip
+TOOLS_OUTRO = (
+    "\n</tools>\n\nTo call a tool, write a JSON object with its name and arguments inside "
+    "<tool_call></tool_call> tags, one block per call:\n<tool_call>\n"
+    '{"name": "<tool name>", "arguments": {"<argument>": <value>}}\n</tool_call>'
+)
 
 
 class ChatML:
@@ -104,8 +106,10 @@ class ChatML:
     def render_response(self, message: Message) -> list[int]:
         """What the model emits for an assistant message: its text and calls, then ``<|im_end|>``."""
         if message.get("reasoning_content"):
-            raise ValueError("renderer 'chatml' has no reasoning block, so the assistant message's reasoning_content "
-                             "would be dropped; put it in the content, or use a renderer whose format reasons")  # fmt: skip
+            raise ValueError(
+                "renderer 'chatml' has no reasoning block, so the assistant message's reasoning_content "
+                "would be dropped; put it in the content, or use a renderer whose format reasons"
+            )
         calls = [ToolCall.from_openai(c) for c in message.get("tool_calls") or []]
         return [*self._encode(format_hermes(text_of(message), calls)), self.im_end]
 
@@ -124,10 +128,14 @@ class ChatML:
                 out += self._turn(str(m.get("role")), text_of(m))
         return out
 
-    def render_prompt(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None) -> RenderedPrompt:
+    def render_prompt(
+        self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None
+    ) -> RenderedPrompt:
         return RenderedPrompt([*self._history(messages, tools), self.im_start, *self._header], self.parse)
 
-    def render_training(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None) -> list[TrainingRow]:
+    def render_training(
+        self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[TrainingRow]:
         return training_rows(lambda h: self.render_prompt(h, tools).tokens, self.render_response, messages)
 
     def stop(self) -> list[int]:
@@ -163,7 +171,9 @@ def marker_ids(tokenizer: Any) -> tuple[int, int]:
     if missing or ordinary:
         path = getattr(tokenizer, "name_or_path", "")
         theirs = type(tokenizer).__name__ + (f" '{path}'" if isinstance(path, str) and path else "")
-        problems = ([f"no {' or '.join(missing)} token"] if missing else []) + [f"{m} as an ordinary token" for m in ordinary]
+        problems = ([f"no {' or '.join(missing)} token"] if missing else []) + [
+            f"{m} as an ordinary token" for m in ordinary
+        ]
         raise ConfigError(
             f"renderer 'chatml' needs {IM_START} and {IM_END} as single special tokens, but the model's tokenizer "
             f"({theirs}) has {' and '.join(problems)}; use the renderer of the model's chat format (renderer: auto "

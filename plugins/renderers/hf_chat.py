@@ -38,8 +38,19 @@ from tempering.rollouts.renderer import RenderedPrompt
 from tempering.rollouts.trajectory import TrainingRow, training_rows
 
 #: End-of-turn markers of common chat formats (ChatML, Llama 3, Phi, Gemma, harmony, DeepSeek, ...).
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|end_of_turn|>",
-               "<|return|>", "<|call|>", "</s>", "<｜end▁of▁sentence｜>", "<|endoftext|>")  # fmt: skip
+END_OF_TURN = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|end_of_turn|>",
+    "<|return|>",
+    "<|call|>",
+    "</s>",
+    "<｜end▁of▁sentence｜>",
+    "<|endoftext|>",
+)
 
 
 class HfChat:
@@ -60,17 +71,31 @@ class HfChat:
         self.prefix_preserving = self._measure_prefix()
 
     # ------------------------------------------------------------------ rendering
-    def _template(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None, generation: bool) -> list[int]:
-        ids = self.tokenizer.apply_chat_template([_hf_message(m) for m in messages], tools=list(tools) if tools else None,
-                                                 add_generation_prompt=generation, tokenize=True, return_dict=False)  # fmt: skip
+    def _template(
+        self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None, generation: bool
+    ) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(
+            [_hf_message(m) for m in messages],
+            tools=list(tools) if tools else None,
+            add_generation_prompt=generation,
+            tokenize=True,
+            return_dict=False,
+        )
         return [int(i) for i in (ids["input_ids"] if isinstance(ids, Mapping) else ids)]
 
-    def render_prompt(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None) -> RenderedPrompt:
+    def render_prompt(
+        self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None
+    ) -> RenderedPrompt:
         tokens = self._template(messages, tools, True)
         return RenderedPrompt(tokens, lambda sampled: self.parse(sampled, tokens, tools))
 
-    def response_tokens(self, prompt: Sequence[int], history: Sequence[Message], message: Message,
-                        tools: Sequence[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
+    def response_tokens(
+        self,
+        prompt: Sequence[int],
+        history: Sequence[Message],
+        message: Message,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """The tokens the model emits for assistant ``message`` after ``history`` (whose
         generation prompt is ``prompt``), its stop token included."""
         full = self._template([*history, message], tools, False)
@@ -79,8 +104,8 @@ class HfChat:
             at = next((i for i, (a, b) in enumerate(zip(full, prompt)) if a != b), min(len(full), len(prompt)))
             raise ValueError(
                 f"hf_chat: the chat template renders the conversation before an assistant turn differently once the "
-                f"turn is added (from token {at}, the prompt has {self.decode(prompt[at:at + 8])!r}, the transcript "
-                f"{self.decode(full[at:at + 8])!r}), so the turn's tokens cannot be cut out of it; train this model "
+                f"turn is added (from token {at}, the prompt has {self.decode(prompt[at : at + 8])!r}, the transcript "
+                f"{self.decode(full[at : at + 8])!r}), so the turn's tokens cannot be cut out of it; train this model "
                 "with a renderer written for its format"
             )
         turn = full[len(prompt) :]
@@ -88,7 +113,9 @@ class HfChat:
         # A template that writes no stop token: a sampled turn still ends with one.
         return turn[:end] if end is not None else [*turn, self._stop[0]]
 
-    def render_training(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None) -> list[TrainingRow]:
+    def render_training(
+        self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[TrainingRow]:
         # training_rows asks for each assistant turn's prompt, then for its tokens: the turn's
         # tokens need that prompt and history, kept here between the two calls.
         last: dict[str, Any] = {}
@@ -97,7 +124,9 @@ class HfChat:
             last.update(history=list(history), tokens=self._template(history, tools, True))
             return last["tokens"]
 
-        return training_rows(prompt, lambda m: self.response_tokens(last["tokens"], last["history"], m, tools), messages)
+        return training_rows(
+            prompt, lambda m: self.response_tokens(last["tokens"], last["history"], m, tools), messages
+        )
 
     def stop(self) -> list[int]:
         return list(self._stop)
@@ -106,12 +135,16 @@ class HfChat:
         return self.tokenizer.decode([int(t) for t in tokens], skip_special_tokens=False)
 
     # ------------------------------------------------------------------ parsing
-    def parse(self, tokens: Sequence[int], prompt: Sequence[int] = (), tools: Sequence[dict[str, Any]] | None = None) -> ParsedResponse:
+    def parse(
+        self, tokens: Sequence[int], prompt: Sequence[int] = (), tools: Sequence[dict[str, Any]] | None = None
+    ) -> ParsedResponse:
         tokens = [int(t) for t in tokens]
         raw = self.decode(tokens)
         try:
             if self.response_template is not None:
-                message = self.tokenizer.parse_response(tokens, prefix=list(prompt), tools=list(tools) if tools else None)
+                message = self.tokenizer.parse_response(
+                    tokens, prefix=list(prompt), tools=list(tools) if tools else None
+                )
                 return _from_message(message, raw)
             body = tokens[:-1] if tokens and tokens[-1] in self._stop else tokens
             return parse_hermes(self.decode(body), raw)
@@ -154,7 +187,13 @@ def _hf_message(m: Message) -> dict[str, Any]:
     calls = []
     for call in m["tool_calls"]:
         c = ToolCall.from_openai(call)
-        calls.append({**({"id": c.id} if c.id else {}), "type": "function", "function": {"name": c.name, "arguments": c.arguments}})
+        calls.append(
+            {
+                **({"id": c.id} if c.id else {}),
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
+        )
     return {**m, "tool_calls": calls}
 
 
@@ -164,15 +203,22 @@ def stop_ids(tokenizer: Any, template: Any) -> list[int]:
     generation)`` renders; see the module docstring)."""
     eos = getattr(tokenizer, "eos_token_id", None)
     out = [int(e) for e in eos] if isinstance(eos, (list, tuple)) else ([int(eos)] if eos is not None else [])
-    source = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else " ".join(tokenizer.chat_template.values())
+    source = (
+        tokenizer.chat_template
+        if isinstance(tokenizer.chat_template, str)
+        else " ".join(tokenizer.chat_template.values())
+    )
     out += [i for i in (_single_token(tokenizer, m) for m in END_OF_TURN if m in source) if i is not None]
     end = _turn_end(tokenizer, template)
     if end is not None:
         out.append(end)
     out = list(dict.fromkeys(out))
     if not out:
-        raise ConfigError(f"the model's tokenizer ({type(tokenizer).__name__}) has no EOS and its chat template no "
-                          "end-of-turn token: a turn could never end; set tokenizer.eos_token", "renderer")  # fmt: skip
+        raise ConfigError(
+            f"the model's tokenizer ({type(tokenizer).__name__}) has no EOS and its chat template no "
+            "end-of-turn token: a turn could never end; set tokenizer.eos_token",
+            "renderer",
+        )
     return out
 
 
@@ -200,4 +246,8 @@ def special_ids(tokenizer: Any) -> set[int]:
     """The ids the tokenizer treats as special: its named special tokens and the added tokens
     marked special (a tokenizer built with extra special tokens lists them only there)."""
     special = {int(i) for i in getattr(tokenizer, "all_special_ids", ())}
-    return special | {int(i) for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items() if getattr(t, "special", False)}
+    return special | {
+        int(i)
+        for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+        if getattr(t, "special", False)
+    }

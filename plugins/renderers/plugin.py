@@ -29,11 +29,20 @@ TML_FAMILIES = {
 
 @hookimpl
 def register_renderers(register):
-    register("tiny_chat", f"{_R}.tiny_chat:TinyChat",
-             description="compact chat format of the tiny in-code models (tiny_llama(chat=True))")
-    register("hf_chat", f"{_R}.hf_chat:HfChat",
-             description="the tokenizer's own chat template; Hermes-style or response_template tool-call parsing")
-    register("chatml", f"{_R}.chatml:ChatML",
-             description="ChatML (SmolLM2, Qwen2.5, ...) with Hermes-style tool calls, token by token")
+    register(
+        "tiny_chat",
+        f"{_R}.tiny_chat:TinyChat",
+        description="compact chat format of the tiny in-code models (tiny_llama(chat=True))",
+    )
+    register(
+        "hf_chat",
+        f"{_R}.hf_chat:HfChat",
+        description="the tokenizer's own chat template; Hermes-style or response_template tool-call parsing",
+    )
+    register(
+        "chatml",
+        f"{_R}.chatml:ChatML",
+        description="ChatML (SmolLM2, Qwen2.5, ...) with Hermes-style tool calls, token by token",
+    )
     for name, what in TML_FAMILIES.items():
         register(name, f"{_R}.tml:{name}", description=f"{what} chat format (tml-renderers)")

@@ -67,7 +67,9 @@ class TinyChat:
         if ids is None:
             if len(self._cache) > 100_000:
                 self._cache.clear()
-            ids = self._cache[text] = tuple(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+            ids = self._cache[text] = tuple(
+                self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            )
         return list(ids)
 
     def _seen(self, text: str) -> list[int]:
@@ -76,7 +78,9 @@ class TinyChat:
         token, and an environment's text must never make a prompt unrenderable. Letters outside
         the alphabet are lower-cased, other unknown characters become ``?``."""
         fallback = "?" if "?" in self.chars else ""
-        return self._text("".join(c if c in self.chars else c.lower() if c.lower() in self.chars else fallback for c in text))
+        return self._text(
+            "".join(c if c in self.chars else c.lower() if c.lower() in self.chars else fallback for c in text)
+        )
 
     def _message(self, m: Message) -> list[int]:
         role: Any = m.get("role")  # a missing role is a KeyError below
@@ -100,10 +104,14 @@ class TinyChat:
             out += self._message(m)
         return out
 
-    def render_prompt(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None) -> RenderedPrompt:
+    def render_prompt(
+        self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None
+    ) -> RenderedPrompt:
         return RenderedPrompt([*self._prefix(messages, tools), self.role_ids["assistant"]], self.parse)
 
-    def render_training(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None) -> list[TrainingRow]:
+    def render_training(
+        self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[TrainingRow]:
         return training_rows(lambda h: self.render_prompt(h, tools).tokens, self.render_response, messages)
 
     def stop(self) -> list[int]:

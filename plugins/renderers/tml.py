@@ -46,8 +46,9 @@ class TmlRenderer:
     tools with them is a ``ValueError`` naming the renderer.
     """
 
-    def __init__(self, name: str, renderer: Any, tokenizer: Any = None, *, prefix_preserving: bool,
-                 supports_tools: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, name: str, renderer: Any, tokenizer: Any = None, *, prefix_preserving: bool, supports_tools: bool = True
+    ) -> None:
         self.name = name
         self.prefix_preserving = prefix_preserving
         self.supports_tools = supports_tools
@@ -65,19 +66,25 @@ class TmlRenderer:
         out = chat.OpenAIMessage.from_oss_messages([_oss_message(m) for m in messages])
         if tools:
             if not self.supports_tools:
-                raise ValueError(f"renderer '{self.name}' has no tool format (tml-renderers cannot declare tools for "
-                                 "it); use a tool-free environment or a renderer whose format has tools")  # fmt: skip
+                raise ValueError(
+                    f"renderer '{self.name}' has no tool format (tml-renderers cannot declare tools for "
+                    "it); use a tool-free environment or a renderer whose format has tools"
+                )
             # After any leading system messages: a family with one system block merges them.
             at = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
             out.insert(at, tool_declaration(tools))
         return out
 
-    def render_prompt(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None) -> RenderedPrompt:
+    def render_prompt(
+        self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None
+    ) -> RenderedPrompt:
         spans, parser = self.renderer.render_for_completion(self._messages(messages, tools))
         strings = string_parameters(tools or ())
         return RenderedPrompt(_tokens(spans), lambda tokens: self.parse(parser, tokens, strings))
 
-    def render_training(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None) -> list[TrainingRow]:
+    def render_training(
+        self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[TrainingRow]:
         """The family's own supervised rendering (``render_for_sft``), with its examples merged
         where one extends the previous: tml-renderers gives one example per assistant turn, each
         repeating the earlier turns at weight 0; a merged row trains the same tokens in the same
@@ -88,8 +95,10 @@ class TmlRenderer:
         keep = [trains(m) for m in messages if m.get("role") == "assistant"]
         if not all(keep):
             if len(keep) != len(examples):
-                raise ValueError(f"renderer '{self.name}': {len(examples)} supervised examples for {len(keep)} assistant "
-                                 "messages, so the 'weight': 0 ones cannot be told apart; give them weight 1")  # fmt: skip
+                raise ValueError(
+                    f"renderer '{self.name}': {len(examples)} supervised examples for {len(keep)} assistant "
+                    "messages, so the 'weight': 0 ones cannot be told apart; give them weight 1"
+                )
             examples = [e for e, k in zip(examples, keep) if k]
         rows: list[TrainingRow] = []
         for e in examples:
@@ -148,8 +157,14 @@ def tool_declaration(tools: Sequence[dict[str, Any]]) -> Any:
     specs = []
     for spec in tools:
         fn = spec.get("function", spec)
-        specs.append(chat.ToolSpecJson(type_name=spec.get("type", "function"), name=fn["name"],
-                                       description=fn.get("description", ""), parameters=fn.get("parameters") or {}))  # fmt: skip
+        specs.append(
+            chat.ToolSpecJson(
+                type_name=spec.get("type", "function"),
+                name=fn["name"],
+                description=fn.get("description", ""),
+                parameters=fn.get("parameters") or {},
+            )
+        )
     return chat.OpenAIMessage(author=chat.Author(chat.AuthorKind.System), content=[chat.ToolDeclareJson(specs)])
 
 
@@ -160,7 +175,10 @@ def _oss_message(m: Message) -> dict[str, Any]:
     reasoning = out.pop("reasoning_content", None) or out.pop("reasoning", None)
     if reasoning:
         text = text_of(out)
-        out["content"] = [{"type": "thinking", "thinking": reasoning}, *([{"type": "text", "text": text}] if text else [])]
+        out["content"] = [
+            {"type": "thinking", "thinking": reasoning},
+            *([{"type": "text", "text": text}] if text else []),
+        ]
     if out.get("tool_calls"):
         calls = [ToolCall.from_openai(call).to_openai() for call in out["tool_calls"]]
         out["tool_calls"] = [{k: v for k, v in c.items() if v is not None} for c in calls]  # no "id": None
@@ -222,7 +240,7 @@ def check_tokenizer(name: str, lib_tokenizer: Any, stop: Sequence[int], tokenize
         want = [int(i) for i in lib_tokenizer.encode_ordinary(PROBE)]
         if got != want:
             at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-            problem = f"it encodes text differently (token {at}: {got[at:at + 3]} vs {want[at:at + 3]})"
+            problem = f"it encodes text differently (token {at}: {got[at : at + 3]} vs {want[at : at + 3]})"
     for sid in stop:
         if problem is not None:
             break
@@ -261,8 +279,16 @@ def _token_id(tokenizer: Any, text: str) -> int | None:
 
 
 # ---------------------------------------------------------------------- the registered families
-def _family(name: str, cls: str, tokenizer: Any, *, prefix_preserving: bool, supports_tools: bool = True,
-            variant: str | None = None, **options: Any) -> TmlRenderer:  # fmt: skip
+def _family(
+    name: str,
+    cls: str,
+    tokenizer: Any,
+    *,
+    prefix_preserving: bool,
+    supports_tools: bool = True,
+    variant: str | None = None,
+    **options: Any,
+) -> TmlRenderer:
     """``tml_renderers.renderers.<cls>(**options)`` (or its ``variant`` constructor) as
     ``name``; an option value the family refuses is a ConfigError."""
     from tml_renderers import renderers
@@ -279,7 +305,9 @@ def qwen3(tokenizer: Any = None, strip_thinking_from_history: bool = True) -> Tm
     """Qwen3 hybrid checkpoints with thinking on. Not prefix-preserving: history re-renders a
     turn's ``<think>`` block differently from how it was sampled (dropped by default, written
     without its newlines when kept)."""
-    return _family("qwen3", "Qwen3", tokenizer, prefix_preserving=False, strip_thinking_from_history=strip_thinking_from_history)
+    return _family(
+        "qwen3", "Qwen3", tokenizer, prefix_preserving=False, strip_thinking_from_history=strip_thinking_from_history
+    )
 
 
 def qwen3_instruct(tokenizer: Any = None, strip_thinking_from_history: bool = True) -> TmlRenderer:
@@ -287,30 +315,58 @@ def qwen3_instruct(tokenizer: Any = None, strip_thinking_from_history: bool = Tr
     answer re-render exactly as sampled, but not prefix-preserving in general: text before a
     tool call is sampled (and SFT-rendered) as ``.`` + ``\\n`` + ``<tool_call>`` while history
     merges ``.\\n`` into one token (tml-renderers' own SFT splits such a conversation in two)."""
-    return _family("qwen3_instruct", "Qwen3", tokenizer, prefix_preserving=False, variant="instruct",
-                   strip_thinking_from_history=strip_thinking_from_history)  # fmt: skip
+    return _family(
+        "qwen3_instruct",
+        "Qwen3",
+        tokenizer,
+        prefix_preserving=False,
+        variant="instruct",
+        strip_thinking_from_history=strip_thinking_from_history,
+    )
 
 
 def qwen3_disable_thinking(tokenizer: Any = None, strip_thinking_from_history: bool = True) -> TmlRenderer:
     """Qwen3 hybrid checkpoints with thinking off (the prompt ends in an empty ``<think>``
     block). Not prefix-preserving: history drops that empty block."""
-    return _family("qwen3_disable_thinking", "Qwen3", tokenizer, prefix_preserving=False, variant="disable_thinking",
-                   strip_thinking_from_history=strip_thinking_from_history)  # fmt: skip
+    return _family(
+        "qwen3_disable_thinking",
+        "Qwen3",
+        tokenizer,
+        prefix_preserving=False,
+        variant="disable_thinking",
+        strip_thinking_from_history=strip_thinking_from_history,
+    )
 
 
-def qwen3_5(tokenizer: Any = None, strip_thinking_from_history: bool = True, enable_thinking: bool = True) -> TmlRenderer:
+def qwen3_5(
+    tokenizer: Any = None, strip_thinking_from_history: bool = True, enable_thinking: bool = True
+) -> TmlRenderer:
     """Qwen3.5 (XML tool calls, its own 248k vocabulary). Not prefix-preserving: history
     re-tokenizes the whitespace around an empty think block and drops reasoning before a user
     turn."""
-    return _family("qwen3_5", "Qwen35", tokenizer, prefix_preserving=False,
-                   strip_thinking_from_history=strip_thinking_from_history, enable_thinking=enable_thinking)  # fmt: skip
+    return _family(
+        "qwen3_5",
+        "Qwen35",
+        tokenizer,
+        prefix_preserving=False,
+        strip_thinking_from_history=strip_thinking_from_history,
+        enable_thinking=enable_thinking,
+    )
 
 
-def qwen3_8(tokenizer: Any = None, reasoning_effort: str = "xhigh", strip_thinking_from_history: bool = False) -> TmlRenderer:
+def qwen3_8(
+    tokenizer: Any = None, reasoning_effort: str = "xhigh", strip_thinking_from_history: bool = False
+) -> TmlRenderer:
     """Qwen3.8 (Qwen3.5 vocabulary; effort ``low``/``medium``/``xhigh``). Not prefix-preserving:
     an answer without reasoning re-renders its empty think block differently."""
-    return _family("qwen3_8", "Qwen38", tokenizer, prefix_preserving=False, reasoning_effort=reasoning_effort,
-                   strip_thinking_from_history=strip_thinking_from_history)  # fmt: skip
+    return _family(
+        "qwen3_8",
+        "Qwen38",
+        tokenizer,
+        prefix_preserving=False,
+        reasoning_effort=reasoning_effort,
+        strip_thinking_from_history=strip_thinking_from_history,
+    )
 
 
 def deepseek_v3(tokenizer: Any = None) -> TmlRenderer:
@@ -322,8 +378,14 @@ def deepseek_v3(tokenizer: Any = None) -> TmlRenderer:
 def deepseek_v3_1(tokenizer: Any = None, thinking: bool = False) -> TmlRenderer:
     """DeepSeek V3.1 (no tool format). Prefix-preserving without thinking; with ``thinking``
     history drops the reasoning."""
-    return _family("deepseek_v3_1", "DeepSeekV31", tokenizer, prefix_preserving=not thinking, supports_tools=False,
-                   thinking=thinking)  # fmt: skip
+    return _family(
+        "deepseek_v3_1",
+        "DeepSeekV31",
+        tokenizer,
+        prefix_preserving=not thinking,
+        supports_tools=False,
+        thinking=thinking,
+    )
 
 
 def deepseek_r1(tokenizer: Any = None) -> TmlRenderer:
@@ -331,63 +393,133 @@ def deepseek_r1(tokenizer: Any = None) -> TmlRenderer:
     return _family("deepseek_r1", "DeepSeekR1", tokenizer, prefix_preserving=False, supports_tools=False)
 
 
-def deepseek_v4(tokenizer: Any = None, reasoning_effort: str | None = None, thinking_mode: str = "thinking") -> TmlRenderer:
+def deepseek_v4(
+    tokenizer: Any = None, reasoning_effort: str | None = None, thinking_mode: str = "thinking"
+) -> TmlRenderer:
     """DeepSeek V4 (DSML tool calls; ``thinking_mode`` ``thinking`` or ``chat``). Prefix-preserving."""
-    return _family("deepseek_v4", "DeepSeekV4", tokenizer, prefix_preserving=True, reasoning_effort=reasoning_effort,
-                   thinking_mode=thinking_mode)  # fmt: skip
+    return _family(
+        "deepseek_v4",
+        "DeepSeekV4",
+        tokenizer,
+        prefix_preserving=True,
+        reasoning_effort=reasoning_effort,
+        thinking_mode=thinking_mode,
+    )
 
 
-def deepseek_v4_1(tokenizer: Any = None, reasoning_effort: str | None = None, thinking_mode: str = "thinking") -> TmlRenderer:
+def deepseek_v4_1(
+    tokenizer: Any = None, reasoning_effort: str | None = None, thinking_mode: str = "thinking"
+) -> TmlRenderer:
     """DeepSeek V4.1 (effort ``low``/``high``/``max``). Prefix-preserving."""
-    return _family("deepseek_v4_1", "DeepSeekV41", tokenizer, prefix_preserving=True, reasoning_effort=reasoning_effort,
-                   thinking_mode=thinking_mode)  # fmt: skip
+    return _family(
+        "deepseek_v4_1",
+        "DeepSeekV41",
+        tokenizer,
+        prefix_preserving=True,
+        reasoning_effort=reasoning_effort,
+        thinking_mode=thinking_mode,
+    )
 
 
 def kimi_k2(tokenizer: Any = None, strip_thinking_from_history: bool = True) -> TmlRenderer:
     """Kimi K2 (thinking). Prefix-preserving only with ``strip_thinking_from_history: false``:
     by default the reasoning of a turn answered by a user message is dropped from history."""
-    return _family("kimi_k2", "KimiK2", tokenizer, prefix_preserving=not strip_thinking_from_history,
-                   strip_thinking_from_history=strip_thinking_from_history)  # fmt: skip
+    return _family(
+        "kimi_k2",
+        "KimiK2",
+        tokenizer,
+        prefix_preserving=not strip_thinking_from_history,
+        strip_thinking_from_history=strip_thinking_from_history,
+    )
 
 
-def kimi_k2_5(tokenizer: Any = None, support_thinking: bool = True, strip_thinking_from_history: bool = True) -> TmlRenderer:
+def kimi_k2_5(
+    tokenizer: Any = None, support_thinking: bool = True, strip_thinking_from_history: bool = True
+) -> TmlRenderer:
     """Kimi K2.5. Prefix-preserving only with ``strip_thinking_from_history: false`` (as K2)."""
-    return _family("kimi_k2_5", "KimiK25", tokenizer, prefix_preserving=not strip_thinking_from_history,
-                   support_thinking=support_thinking, strip_thinking_from_history=strip_thinking_from_history)  # fmt: skip
+    return _family(
+        "kimi_k2_5",
+        "KimiK25",
+        tokenizer,
+        prefix_preserving=not strip_thinking_from_history,
+        support_thinking=support_thinking,
+        strip_thinking_from_history=strip_thinking_from_history,
+    )
 
 
 def glm_5(tokenizer: Any = None, reasoning_effort: str = "max", clear_thinking: bool = True) -> TmlRenderer:
     """GLM-5 (tml-renderers' ``Glm52``, GLM-5.2; effort ``high``/``max``). Not prefix-preserving:
     a sampled turn ends in ``<|endoftext|>`` while history follows it with the next role token."""
-    return _family("glm_5", "Glm52", tokenizer, prefix_preserving=False, reasoning_effort=reasoning_effort,
-                   clear_thinking=clear_thinking)  # fmt: skip
+    return _family(
+        "glm_5",
+        "Glm52",
+        tokenizer,
+        prefix_preserving=False,
+        reasoning_effort=reasoning_effort,
+        clear_thinking=clear_thinking,
+    )
 
 
 def glm_5_3(tokenizer: Any = None, reasoning_effort: str = "max", clear_thinking: bool = True) -> TmlRenderer:
     """GLM-5.3 (effort ``low``/``high``/``max``). Not prefix-preserving (as ``glm_5``)."""
-    return _family("glm_5_3", "Glm53", tokenizer, prefix_preserving=False, reasoning_effort=reasoning_effort,
-                   clear_thinking=clear_thinking)  # fmt: skip
+    return _family(
+        "glm_5_3",
+        "Glm53",
+        tokenizer,
+        prefix_preserving=False,
+        reasoning_effort=reasoning_effort,
+        clear_thinking=clear_thinking,
+    )
 
 
 def glm_5_3_flash(tokenizer: Any = None, reasoning_effort: str = "max", clear_thinking: bool = True) -> TmlRenderer:
     """GLM-5.3 Flash. Not prefix-preserving (as ``glm_5``)."""
-    return _family("glm_5_3_flash", "Glm53Flash", tokenizer, prefix_preserving=False, reasoning_effort=reasoning_effort,
-                   clear_thinking=clear_thinking)  # fmt: skip
+    return _family(
+        "glm_5_3_flash",
+        "Glm53Flash",
+        tokenizer,
+        prefix_preserving=False,
+        reasoning_effort=reasoning_effort,
+        clear_thinking=clear_thinking,
+    )
 
 
-def gpt_oss(tokenizer: Any = None, reasoning_effort: str = "medium", current_date: str | None = None,
-            model_identity: str | None = None) -> TmlRenderer:  # fmt: skip
+def gpt_oss(
+    tokenizer: Any = None,
+    reasoning_effort: str = "medium",
+    current_date: str | None = None,
+    model_identity: str | None = None,
+) -> TmlRenderer:
     """GPT-OSS (harmony; effort ``low``/``medium``/``high``). Not prefix-preserving: a final
     answer is sampled ending in ``<|return|>`` but sits in history ending in ``<|end|>``. Set
     ``current_date`` (``YYYY-MM-DD``) for reproducible prompts; the default is today's date."""
-    return _family("gpt_oss", "GptOss", tokenizer, prefix_preserving=False, reasoning_effort=reasoning_effort,
-                   current_date=current_date, model_identity=model_identity)  # fmt: skip
+    return _family(
+        "gpt_oss",
+        "GptOss",
+        tokenizer,
+        prefix_preserving=False,
+        reasoning_effort=reasoning_effort,
+        current_date=current_date,
+        model_identity=model_identity,
+    )
 
 
-def nemotron3(tokenizer: Any = None, strip_thinking_from_history: bool = True, ultra: bool = False,
-              reasoning_effort: str | None = None, support_thinking: bool = True) -> TmlRenderer:  # fmt: skip
+def nemotron3(
+    tokenizer: Any = None,
+    strip_thinking_from_history: bool = True,
+    ultra: bool = False,
+    reasoning_effort: str | None = None,
+    support_thinking: bool = True,
+) -> TmlRenderer:
     """Nemotron 3. Not prefix-preserving: a turn without reasoning re-renders its empty think
     block without the newline it was sampled with."""
-    return _family("nemotron3", "Nemotron3", tokenizer, prefix_preserving=False,
-                   strip_thinking_from_history=strip_thinking_from_history, ultra=ultra,
-                   reasoning_effort=reasoning_effort, support_thinking=support_thinking)  # fmt: skip
+    return _family(
+        "nemotron3",
+        "Nemotron3",
+        tokenizer,
+        prefix_preserving=False,
+        strip_thinking_from_history=strip_thinking_from_history,
+        ultra=ultra,
+        reasoning_effort=reasoning_effort,
+        support_thinking=support_thinking,
+    )

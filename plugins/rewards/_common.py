@@ -199,7 +199,8 @@ def resolve_reward(spec: Any, params: Mapping[str, Any] | None = None, path: str
             raise
         raise ConfigError(
             f"'{spec}' is neither an importable module:attr ({type(import_error).__name__}: {import_error}) "
-            f"nor a registered reward ({str(exc).splitlines()[0]})", path
+            f"nor a registered reward ({str(exc).splitlines()[0]})",
+            path,
         ) from None
 
 

@@ -165,7 +165,9 @@ def _prompt_text(example: Mapping[str, Any], key: str) -> str:
         users = [m.get("content", "") for m in messages if isinstance(m, Mapping) and m.get("role") == "user"]
         if users:
             return str(users[-1])
-    raise KeyError(f"llm_judge: the example has no '{key}' (or user 'messages') to show the judge (keys: {sorted(example)})")
+    raise KeyError(
+        f"llm_judge: the example has no '{key}' (or user 'messages') to show the judge (keys: {sorted(example)})"
+    )
 
 
 async def _resolve(value: Any) -> Any:
@@ -183,8 +185,9 @@ class _HTTPState:
     def __init__(self, concurrency: int, timeout: float | None) -> None:
         import httpx
 
-        self.client = httpx.AsyncClient(timeout=timeout, trust_env=False,
-                                        limits=httpx.Limits(max_connections=concurrency))
+        self.client = httpx.AsyncClient(
+            timeout=timeout, trust_env=False, limits=httpx.Limits(max_connections=concurrency)
+        )
         self.sem = asyncio.Semaphore(concurrency)
 
 
@@ -290,12 +293,24 @@ class LLMJudge:
         state = self._http.get()
         key = self.api_key or (os.environ.get(self.api_key_env) if self.api_key_env else None)
         headers = {"authorization": f"Bearer {key}"} if key else {}
-        payload = {"model": self.model, "messages": self._messages(text),
-                   "temperature": self.temperature, "max_tokens": self.max_tokens}
+        payload = {
+            "model": self.model,
+            "messages": self._messages(text),
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+        }
         async with state.sem:
-            reply = await post_json(state.client, self.endpoint, payload, retries=self.retries, backoff=self.backoff,
-                                    backoff_max=self.backoff_max, timeout=self.timeout, headers=headers,
-                                    what="judge request")
+            reply = await post_json(
+                state.client,
+                self.endpoint,
+                payload,
+                retries=self.retries,
+                backoff=self.backoff,
+                backoff_max=self.backoff_max,
+                timeout=self.timeout,
+                headers=headers,
+                what="judge request",
+            )
         try:
             content = reply["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):

@@ -74,8 +74,11 @@ def _replace_fracs(s: str) -> str:
         ta, tb = parse_number(a), parse_number(b)
         if ta is not None and tb is not None and not ta.percent and not tb.percent and tb.value != 0:
             value = ta.value / tb.value
-            out.append(f"{'-' if value < 0 else ''}{abs(value.numerator)}/{value.denominator}"
-                       if value.denominator != 1 else str(value.numerator))
+            out.append(
+                f"{'-' if value < 0 else ''}{abs(value.numerator)}/{value.denominator}"
+                if value.denominator != 1
+                else str(value.numerator)
+            )
         else:
             out.append(f"({a})/({b})")
         i = den[1]

@@ -46,6 +46,7 @@ def _worker_reward(key: str | None, spec: Any, params: Mapping[str, Any]) -> Any
 def _call_in_worker(key: str | None, spec: Any, params: Mapping[str, Any], completion: str, example: dict) -> Any:
     value = _worker_reward(key, spec, params)(completion, example)
     if inspect.isawaitable(value):  # an async reward in a worker: give it a loop of its own
+
         async def wait() -> Any:
             return await value
 
@@ -77,13 +78,22 @@ class _Pool:
     timeout starts, so process start-up never counts against a call.
     """
 
-    def __init__(self, workers: int, start_method: str, key: str | None, spec: Any, params: Mapping[str, Any],
-                 startup_timeout: float) -> None:
+    def __init__(
+        self,
+        workers: int,
+        start_method: str,
+        key: str | None,
+        spec: Any,
+        params: Mapping[str, Any],
+        startup_timeout: float,
+    ) -> None:
         ctx = multiprocessing.get_context(start_method)
         self.workers = workers
         self._ready_sem = ctx.Semaphore(0)
         self.executor = concurrent.futures.ProcessPoolExecutor(
-            max_workers=workers, mp_context=ctx, initializer=_init_worker,
+            max_workers=workers,
+            mp_context=ctx,
+            initializer=_init_worker,
             initargs=(self._ready_sem, key if isinstance(spec, (str, Mapping)) else None, spec, params),
         )
         self.active = 0  # calls submitted here that are neither finished nor given up on
@@ -192,8 +202,11 @@ class ProcessPoolReward:
         try:
             get_registry().get("reward", reward)
         except UnknownComponentError:
-            raise ConfigError(f"cannot import module '{module}' (of '{reward}') and no reward is registered under that "
-                              "name; check the module's name and that it is installed", f"{path}.reward") from None
+            raise ConfigError(
+                f"cannot import module '{module}' (of '{reward}') and no reward is registered under that "
+                "name; check the module's name and that it is installed",
+                f"{path}.reward",
+            ) from None
 
     def _label(self) -> str:
         if isinstance(self.reward, str):
@@ -206,8 +219,9 @@ class ProcessPoolReward:
     def _acquire(self) -> _Pool:
         with self._lock:
             if self._pool is None:
-                self._pool = _Pool(self.workers, self.start_method, self._key, self._spec, self.params,
-                                   self.startup_timeout)
+                self._pool = _Pool(
+                    self.workers, self.start_method, self._key, self._spec, self.params, self.startup_timeout
+                )
             self._pool.active += 1
             return self._pool
 
@@ -255,7 +269,9 @@ class ProcessPoolReward:
         self.close()
 
     def __getstate__(self) -> dict[str, Any]:  # picklable as a config, without its pool
-        return {k: getattr(self, k) for k in ("reward", "params", "workers", "timeout", "start_method", "startup_timeout")}
+        return {
+            k: getattr(self, k) for k in ("reward", "params", "workers", "timeout", "start_method", "startup_timeout")
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)  # type: ignore[misc]
@@ -267,7 +283,9 @@ class ProcessPoolReward:
             try:
                 try:
                     await asyncio.wrap_future(pool.ready)  # start-up is not part of the timeout
-                    fut = pool.executor.submit(_call_in_worker, self._key, self._spec, self.params, completion, dict(example))
+                    fut = pool.executor.submit(
+                        _call_in_worker, self._key, self._spec, self.params, completion, dict(example)
+                    )
                 except (BrokenProcessPool, RuntimeError, RewardError) as exc:  # broken or shut down under us
                     self._retire(pool)
                     raise RewardError(f"{self.__name__}: worker pool unavailable ({exc}); it was recycled") from exc

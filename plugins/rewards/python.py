@@ -50,8 +50,11 @@ def load_function(target: Any, path: str) -> Any:
         return load_target(target)
     except ModuleNotFoundError as exc:
         if exc.name and (module == exc.name or module.startswith(exc.name + ".")):  # the module itself
-            raise ConfigError(f"cannot import '{target}': {exc} (looked in the working folder {os.getcwd()} "
-                              "and the installed packages)", path) from None
+            raise ConfigError(
+                f"cannot import '{target}': {exc} (looked in the working folder {os.getcwd()} "
+                "and the installed packages)",
+                path,
+            ) from None
         raise ConfigError(f"importing '{module}' failed: {exc} (a module it imports is not installed)", path) from None
     except AttributeError:
         raise ConfigError(f"module '{module}' has no '{attr}'", path) from None

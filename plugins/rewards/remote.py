@@ -98,8 +98,9 @@ class RemoteReward:
                 raise ConfigError(f"must be >= {low}, got {params[key]}", f"{path}.{key}")
 
     def __post_init__(self) -> None:
-        self.check_params({"url": self.url, "batch_size": self.batch_size, "concurrency": self.concurrency,
-                           "retries": self.retries})  # fmt: skip
+        self.check_params(
+            {"url": self.url, "batch_size": self.batch_size, "concurrency": self.concurrency, "retries": self.retries}
+        )
         token = os.environ.get(self.token_env) if self.token_env else None
         # Not a dataclass field: stays out of repr() and of anything that prints the config.
         self._headers = {**dict(self.headers), **({"Authorization": f"Bearer {token.strip()}"} if token else {})}
@@ -147,8 +148,15 @@ class RemoteReward:
         state = self._state.get()
         async with state.sem:
             reply = await post_json(
-                state.client, self.endpoint, {"samples": items}, retries=self.retries, backoff=self.backoff,
-                backoff_max=self.backoff_max, timeout=self.timeout, headers=self._headers, what="reward request",
+                state.client,
+                self.endpoint,
+                {"samples": items},
+                retries=self.retries,
+                backoff=self.backoff,
+                backoff_max=self.backoff_max,
+                timeout=self.timeout,
+                headers=self._headers,
+                what="reward request",
             )
         self.requests += 1
         return _parse_reply(reply, len(items), self.endpoint)
@@ -164,8 +172,9 @@ def _parse_reply(reply: Any, n: int, url: str) -> list[Any]:
     if not (len(rewards) == len(errors) == n):
         raise HTTPRewardError(f"{url} returned {len(rewards)} rewards / {len(errors)} errors for {n} samples")
     out: list[Any] = []
-    for r, e, i, f in zip(rewards, errors, list(infos) + [{}] * (n - len(infos)),
-                          list(feedbacks) + [None] * (n - len(feedbacks))):  # fmt: skip
+    for r, e, i, f in zip(
+        rewards, errors, list(infos) + [{}] * (n - len(infos)), list(feedbacks) + [None] * (n - len(feedbacks))
+    ):
         if e is not None:
             out.append(RemoteRewardError(f"server: {e}"))
         elif r is None:

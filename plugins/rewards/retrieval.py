@@ -77,5 +77,7 @@ class RetrievalRecall:
         return RewardResult(
             recall - self.cost_coef * cost,
             {"recall": recall, "cited": cited, "hits": hits, "cost": cost, "penalty": self.cost_coef * cost},
-            feedback=f"cited {len(hits)} of {len(gold)} supporting documents; missing {', '.join(missing)}" if missing else None,
+            feedback=f"cited {len(hits)} of {len(gold)} supporting documents; missing {', '.join(missing)}"
+            if missing
+            else None,
         )

@@ -53,15 +53,19 @@ class AnswerMatch:
             raise KeyError(f"answer_match: the example has no '{self.answer_key}' key (keys: {sorted(example)})")
         gold, answer = answer_text(str(example[self.answer_key]), self.citation), answer_text(completion, self.citation)
         correct = float(answer == gold)
-        return RewardResult(correct, {"correct": correct, "answer": answer}, feedback=None if correct else mismatch(gold, answer))
+        return RewardResult(
+            correct, {"correct": correct, "answer": answer}, feedback=None if correct else mismatch(gold, answer)
+        )
 
 
 def episode(example: Mapping[str, Any], who: str) -> Mapping[str, Any]:
     """``example["episode"]``, or an error saying where it comes from."""
     stats = example.get(EPISODE_KEY)
     if not isinstance(stats, Mapping):
-        raise KeyError(f"{who}: the example has no '{EPISODE_KEY}' statistics; they are added by the search "
-                       "environment, so use this reward in its 'reward' key")  # fmt: skip
+        raise KeyError(
+            f"{who}: the example has no '{EPISODE_KEY}' statistics; they are added by the search "
+            "environment, so use this reward in its 'reward' key"
+        )
     return stats
 
 

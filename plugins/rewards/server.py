@@ -107,12 +107,16 @@ def is_loopback(host: str) -> bool:
 def check_access(host: str, token: str | None) -> None:
     """Refuse to serve a non-loopback address without a token (a ConfigError saying how)."""
     if token is not None and not token.strip():
-        raise ConfigError(f"the token is empty; set {TOKEN_ENV} (or --token) to a secret, or unset it", "serve-reward --token")
+        raise ConfigError(
+            f"the token is empty; set {TOKEN_ENV} (or --token) to a secret, or unset it", "serve-reward --token"
+        )
     if not token and not is_loopback(host):
         raise ConfigError(
             f"refusing to serve on '{host}' without a token: anyone who reaches the port could use the reward. "
             f"Set {TOKEN_ENV} to a shared secret on both machines (or pass --token; the remote reward sends "
-            "it from that variable), or bind 127.0.0.1", "serve-reward --host")  # fmt: skip
+            "it from that variable), or bind 127.0.0.1",
+            "serve-reward --host",
+        )
 
 
 def score_payload(runner: RewardRunner, payload: Any) -> dict[str, Any]:
@@ -181,9 +185,18 @@ class RewardHTTPServer(HTTPServer):
     allow_reuse_address = True
     request_queue_size = 1024  # listen backlog (the kernel caps it at net.core.somaxconn)
 
-    def __init__(self, address: tuple[str, int], runner: RewardRunner, name: str, quiet: bool = True,
-                 token: str | None = None, max_body: int = MAX_BODY, workers: int = WORKERS,
-                 max_connections: int = MAX_CONNECTIONS, read_timeout: float = READ_TIMEOUT) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        runner: RewardRunner,
+        name: str,
+        quiet: bool = True,
+        token: str | None = None,
+        max_body: int = MAX_BODY,
+        workers: int = WORKERS,
+        max_connections: int = MAX_CONNECTIONS,
+        read_timeout: float = READ_TIMEOUT,
+    ) -> None:
         self.runner, self.reward_name, self.quiet = runner, name, quiet
         self._token = token.encode() if token else None  # kept out of repr and logs
         self.max_body = int(max_body)
@@ -207,7 +220,9 @@ class RewardHTTPServer(HTTPServer):
                 self._conns.add(request)
                 waiting = len(self._conns) - self._serving
                 if len(self._threads) < self.workers and waiting > len(self._threads) - self._serving:
-                    thread = threading.Thread(target=self._work, name=f"reward-worker-{len(self._threads)}", daemon=True)
+                    thread = threading.Thread(
+                        target=self._work, name=f"reward-worker-{len(self._threads)}", daemon=True
+                    )
                     self._threads.append(thread)
                     thread.start()
         if full:
@@ -241,8 +256,10 @@ class RewardHTTPServer(HTTPServer):
         try:
             request.settimeout(1.0)
             body = b'{"error": "the reward server has too many open connections; retry later"}'
-            request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                            b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            request.sendall(
+                b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
         except OSError:
             pass
         super().shutdown_request(request)
@@ -345,8 +362,13 @@ class _Handler(BaseHTTPRequestHandler):
             return False
         self._received()
         self.close_connection = True
-        self._reply(401, {"error": f"this reward server needs a token: send 'Authorization: Bearer <token>' "
-                                   f"(the remote reward reads it from {TOKEN_ENV})"})
+        self._reply(
+            401,
+            {
+                "error": f"this reward server needs a token: send 'Authorization: Bearer <token>' "
+                f"(the remote reward reads it from {TOKEN_ENV})"
+            },
+        )
         if self.command == "POST" or self.headers.get("Content-Length") or self.headers.get("Transfer-Encoding"):
             self._linger()
         return True
@@ -356,8 +378,14 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self._received()
         if self.path.rstrip("/") == "/health":
-            self._reply(200, {"status": "ok", "reward": self.server.reward_name,
-                              "uptime_s": round(time.time() - self.server.started, 3)})
+            self._reply(
+                200,
+                {
+                    "status": "ok",
+                    "reward": self.server.reward_name,
+                    "uptime_s": round(time.time() - self.server.started, 3),
+                },
+            )
         else:
             self._reply(404, {"error": f"no route GET {self.path}; use POST /score or GET /health"})
 
@@ -372,7 +400,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._received()
             self.close_connection = True  # the body cannot be skipped: drop the connection
             status, what = (413, "is over") if length > 0 else (400, "is required, up to")
-            self._reply(status, {"error": f"a Content-Length {what} this server's limit of {self.server.max_body} bytes"})
+            self._reply(
+                status, {"error": f"a Content-Length {what} this server's limit of {self.server.max_body} bytes"}
+            )
             self._linger()
             return
         raw = self.rfile.read(length)  # read it even for a wrong path, to keep the stream in sync
@@ -404,10 +434,17 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def make_server(
-    target: str | Callable[..., Any], host: str = "127.0.0.1", port: int = 0,
-    timeout: float | None = 60.0, concurrency: int = 64, quiet: bool = True,
-    token: str | None = None, max_body: int = MAX_BODY, workers: int = WORKERS,
-    max_connections: int = MAX_CONNECTIONS, read_timeout: float = READ_TIMEOUT,
+    target: str | Callable[..., Any],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    timeout: float | None = 60.0,
+    concurrency: int = 64,
+    quiet: bool = True,
+    token: str | None = None,
+    max_body: int = MAX_BODY,
+    workers: int = WORKERS,
+    max_connections: int = MAX_CONNECTIONS,
+    read_timeout: float = READ_TIMEOUT,
 ) -> RewardHTTPServer:
     """A bound (not yet serving) server for ``target``. ``timeout`` bounds each async reward
     call; ``concurrency`` the async calls in flight per request; ``token`` is the shared secret
@@ -425,8 +462,17 @@ def make_server(
     reward = load_reward(target)
     runner = RewardRunner(reward, timeout=timeout, concurrency=concurrency)
     name = target if isinstance(target, str) else reward_name(reward)
-    return RewardHTTPServer((host, port), runner, name, quiet=quiet, token=token, max_body=max_body,
-                            workers=workers, max_connections=max_connections, read_timeout=read_timeout)
+    return RewardHTTPServer(
+        (host, port),
+        runner,
+        name,
+        quiet=quiet,
+        token=token,
+        max_body=max_body,
+        workers=workers,
+        max_connections=max_connections,
+        read_timeout=read_timeout,
+    )
 
 
 def start_server(
@@ -436,8 +482,12 @@ def start_server(
     listening socket and every open connection (clients see connection errors at once) and is
     idempotent. ``port=0`` picks a free port."""
     server = make_server(target, host, port, **kwargs)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                              name=f"reward-server-{server.server_address[1]}", daemon=True)
+    thread = threading.Thread(
+        target=server.serve_forever,
+        kwargs={"poll_interval": 0.05},
+        name=f"reward-server-{server.server_address[1]}",
+        daemon=True,
+    )
     thread.start()
     url = f"http://{host}:{server.server_address[1]}"
     stopped = threading.Event()
@@ -455,19 +505,34 @@ def start_server(
     return url, stop
 
 
-def serve(target: str, host: str = "127.0.0.1", port: int = 8765, timeout: float | None = 60.0,
-          quiet: bool = False, token: str | None = None, max_body: int = MAX_BODY, **limits: Any) -> None:
+def serve(
+    target: str,
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    timeout: float | None = 60.0,
+    quiet: bool = False,
+    token: str | None = None,
+    max_body: int = MAX_BODY,
+    **limits: Any,
+) -> None:
     """Serve ``target`` until interrupted (the ``tempering serve-reward`` command). ``token``
     defaults to ``$TEMPERING_REWARD_TOKEN``; ``limits``: ``workers``, ``max_connections``,
     ``read_timeout`` (see :func:`make_server`)."""
     token = os.environ.get(TOKEN_ENV) if token is None else token
     server = make_server(target, host, port, timeout=timeout, quiet=quiet, token=token, max_body=max_body, **limits)
     real_port = server.server_address[1]
-    kind = "async" if inspect.iscoroutinefunction(getattr(server.runner.reward, "__call__", None)) or \
-        inspect.iscoroutinefunction(server.runner.reward) else "sync"
+    kind = (
+        "async"
+        if inspect.iscoroutinefunction(getattr(server.runner.reward, "__call__", None))
+        or inspect.iscoroutinefunction(server.runner.reward)
+        else "sync"
+    )
     access = "requests need the token" if token else "no token: loopback only"
-    print(f"tempering: serving {kind} reward '{server.reward_name}' on http://{host}:{real_port} "
-          f"(POST /score, GET /health; {access}); Ctrl-C to stop", flush=True)
+    print(
+        f"tempering: serving {kind} reward '{server.reward_name}' on http://{host}:{real_port} "
+        f"(POST /score, GET /health; {access}); Ctrl-C to stop",
+        flush=True,
+    )
     try:
         server.serve_forever(poll_interval=0.2)
     except KeyboardInterrupt:

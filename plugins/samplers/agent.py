@@ -114,11 +114,16 @@ def load_harness(target: Any, path: str) -> Callable[..., Any]:
         except UnknownComponentError as exc:
             if not sep:  # not module:function either: one line, the registry's first and the known names
                 known = ", ".join(registry.names("harness")) or "none"
-                raise ConfigError(f"{str(exc).splitlines()[0]} Registered harnesses: {known}; or give "
-                                  "'module:function', an async def run(client, example)", path) from None  # fmt: skip
+                raise ConfigError(
+                    f"{str(exc).splitlines()[0]} Registered harnesses: {known}; or give "
+                    "'module:function', an async def run(client, example)",
+                    path,
+                ) from None
         else:
             if not callable(found):
-                raise ConfigError(f"the registered harness '{target}' is a {type(found).__name__}, not a function", path)
+                raise ConfigError(
+                    f"the registered harness '{target}' is a {type(found).__name__}, not a function", path
+                )
             return found
     fn = load_function(target, path)
     if not callable(fn):
@@ -178,8 +183,9 @@ class EndpointSampler:
         return self.context.reward if self.context is not None else None
 
     # ------------------------------------------------------------------ sampling
-    async def sample(self, client: Any, examples: list[dict[str, Any]], group_size: int, params: SamplingParams,
-                     first_id: int = 0) -> Rollout:  # fmt: skip
+    async def sample(
+        self, client: Any, examples: list[dict[str, Any]], group_size: int, params: SamplingParams, first_id: int = 0
+    ) -> Rollout:
         assert self.context is not None, "AgentSampler needs its stage's context"
         renderer = self.context.renderer()
         params = with_stops(params, renderer.stop())
@@ -190,11 +196,15 @@ class EndpointSampler:
             return asyncio.run_coroutine_threadsafe(queue.sample(key, prompt, max_tokens), loop)
 
         limits = EndpointLimits(
-            max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-            max_total_tokens=self.max_total_tokens, max_n=self.max_n, timeout=self.harness_timeout,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_total_tokens=self.max_total_tokens,
+            max_n=self.max_n,
+            timeout=self.harness_timeout,
             keys={k: f"{self.path}.{k}" for k in ("max_total_tokens", "max_n")}
             | {"temperature": "temperature", "top_p": "top_p", "timeout": f"{self.path}.harness_timeout"},
-        )  # fmt: skip
+        )
         jobs = [(i * group_size + j, example) for i, example in enumerate(examples) for j in range(group_size)]
         t0 = time.perf_counter()
         with PolicyEndpoint(model, renderer, self.context.tokenizer, limits) as endpoint:
@@ -223,8 +233,9 @@ class EndpointSampler:
         metrics = {"time/episodes": t1 - t0, "time/reward": time.perf_counter() - t1, "env/model_calls": float(calls)}
         return Rollout(groups, stats, metrics)
 
-    async def play(self, endpoint: PolicyEndpoint, queue: ModelQueue,
-                   jobs: Sequence[tuple[int, dict[str, Any]]]) -> list[tuple[EpisodeCalls, Outcome]]:  # fmt: skip
+    async def play(
+        self, endpoint: PolicyEndpoint, queue: ModelQueue, jobs: Sequence[tuple[int, dict[str, Any]]]
+    ) -> list[tuple[EpisodeCalls, Outcome]]:
         """Every job's episode on ``endpoint``: its calls and how it ended, in job order."""
         raise NotImplementedError
 
@@ -272,23 +283,28 @@ class EndpointSampler:
         warnings.warn(
             f"tempering: {key} is not used for the episodes whose harness returns a reward: the harness's number "
             f"wins. To score the last answer with {key}, return None from the harness; otherwise remove {key}",
-            UserWarning, stacklevel=2,
-        )  # fmt: skip
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 @dataclass
 class AgentSampler(EndpointSampler):
     """Config keys: ``harness`` (required: an ``async def run(client, example)``, as a registered
-    harness name -- a plugin's ``register_harnesses`` -- or ``module:function``), and the endpoint samplers' ``harness_timeout``, ``max_concurrent``,
-    ``max_total_tokens``, ``max_n``, ``batch_wait`` (:class:`EndpointSampler`)."""
+    harness name -- a plugin's ``register_harnesses`` -- or ``module:function``), and the endpoint
+    samplers' ``harness_timeout``, ``max_concurrent``, ``max_total_tokens``, ``max_n``,
+    ``batch_wait`` (:class:`EndpointSampler`)."""
 
     harness: Any = None
 
     @staticmethod
     def check_config(config: Mapping[str, Any]) -> Any:
         if openai_missing():
-            yield Problem("", f"the agent sampler gives harnesses an openai.AsyncOpenAI client, and openai is not "
-                              f"installed: {OPENAI_HINT}")  # fmt: skip
+            yield Problem(
+                "",
+                f"the agent sampler gives harnesses an openai.AsyncOpenAI client, and openai is not "
+                f"installed: {OPENAI_HINT}",
+            )
         yield from EndpointSampler.limit_problems(config)
         if config.get("harness") is None:
             yield Problem(
@@ -310,12 +326,15 @@ class AgentSampler(EndpointSampler):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.harness is None:
-            raise ConfigError("the agent sampler needs 'harness: module:function', an async def run(client, example)",
-                              f"{self.path}.harness")  # fmt: skip
+            raise ConfigError(
+                "the agent sampler needs 'harness: module:function', an async def run(client, example)",
+                f"{self.path}.harness",
+            )
         self._harness = load_harness(self.harness, f"{self.path}.harness")
 
-    async def play(self, endpoint: PolicyEndpoint, queue: ModelQueue,
-                   jobs: Sequence[tuple[int, dict[str, Any]]]) -> list[tuple[EpisodeCalls, Outcome]]:  # fmt: skip
+    async def play(
+        self, endpoint: PolicyEndpoint, queue: ModelQueue, jobs: Sequence[tuple[int, dict[str, Any]]]
+    ) -> list[tuple[EpisodeCalls, Outcome]]:
         """Every job's episode, at most ``max_concurrent`` at once, each harness on a loop of
         its own. An episode joins the model queue when it starts and leaves when it ends, so
         lockstep batching waits only for episodes in flight."""
@@ -368,8 +387,10 @@ async def guarded(run: Awaitable[Any], path: str) -> Outcome:
     try:
         return Outcome(value=await run)
     except HarnessTimeout as exc:
-        return Outcome(error=f"{exc} ({path}.harness_timeout; raise it for slower harnesses, or null for no limit)",
-                       cause="harness_timeout")  # fmt: skip
+        return Outcome(
+            error=f"{exc} ({path}.harness_timeout; raise it for slower harnesses, or null for no limit)",
+            cause="harness_timeout",
+        )
     except Exception as exc:
         if debug():
             raise
@@ -391,8 +412,10 @@ def read_result(value: Any) -> tuple[float | None, dict[str, float], str | None]
     if value is None:
         return None, {}, None
     if isinstance(value, (str, bytes)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"returned a {type(value).__name__}; return a number, None (the stage's reward scores) or "
-                        "{'reward': ..., 'metrics': {...}, 'feedback': ...}")  # fmt: skip
+        raise TypeError(
+            f"returned a {type(value).__name__}; return a number, None (the stage's reward scores) or "
+            "{'reward': ..., 'metrics': {...}, 'feedback': ...}"
+        )
     return reward_number(value), {}, feedback_of(value, "the harness")
 
 

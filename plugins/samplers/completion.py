@@ -45,8 +45,9 @@ class CompletionSampler:
         prompt = self.context.renderer().render_prompt(messages, example.get("tools"))
         return prompt.tokens, prompt
 
-    async def sample(self, client: Any, examples: list[dict[str, Any]], group_size: int, params: SamplingParams,
-                     first_id: int = 0) -> Rollout:  # fmt: skip
+    async def sample(
+        self, client: Any, examples: list[dict[str, Any]], group_size: int, params: SamplingParams, first_id: int = 0
+    ) -> Rollout:
         assert self.context is not None, "CompletionSampler needs its stage's context"
         encoded = [self._encode(e) for e in examples]
         chat = any(rendered is not None for _, rendered in encoded)

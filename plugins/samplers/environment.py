@@ -81,9 +81,18 @@ class EnvironmentSampler:
         if self.max_total_tokens < 0:
             raise ConfigError(f"must be >= 0 (0 = no budget), got {self.max_total_tokens}", f"{path}.max_total_tokens")
         if self.env_timeout is not None and not self.env_timeout > 0:
-            raise ConfigError(f"must be > 0 (seconds) or null for no limit, got {self.env_timeout}", f"{path}.env_timeout")
-        self.limits = EpisodeLimits(self.max_turns, self.max_total_tokens, self.tool_timeout, self.on_max_turns,
-                                    self.on_context_limit, self.env_timeout, f"{path}.env_timeout")  # fmt: skip
+            raise ConfigError(
+                f"must be > 0 (seconds) or null for no limit, got {self.env_timeout}", f"{path}.env_timeout"
+            )
+        self.limits = EpisodeLimits(
+            self.max_turns,
+            self.max_total_tokens,
+            self.tool_timeout,
+            self.on_max_turns,
+            self.on_context_limit,
+            self.env_timeout,
+            f"{path}.env_timeout",
+        )
         self._warned_reward = False
         self._factory = self.context.factory("environment", self.environment, "environment") if self.context else None
 
@@ -91,8 +100,9 @@ class EnvironmentSampler:
     def reward_runner(self) -> Any:
         return self.context.reward if self.context is not None else None
 
-    async def sample(self, client: Any, examples: list[dict[str, Any]], group_size: int, params: SamplingParams,
-                     first_id: int = 0) -> Rollout:  # fmt: skip
+    async def sample(
+        self, client: Any, examples: list[dict[str, Any]], group_size: int, params: SamplingParams, first_id: int = 0
+    ) -> Rollout:
         assert self.context is not None and self._factory is not None, "EnvironmentSampler needs its stage's context"
         renderer = self.context.renderer()
         params = with_stops(params, renderer.stop())
@@ -124,7 +134,11 @@ class EnvironmentSampler:
                 stats = await self.context.reward.ascore(to_score)
                 for s in to_score:
                     s.reward += bonus[id(s)] if not s.failed else 0.0
-        metrics = {"time/episodes": t1 - t0, "time/reward": time.perf_counter() - t1, "env/model_calls": float(queue.calls)}
+        metrics = {
+            "time/episodes": t1 - t0,
+            "time/reward": time.perf_counter() - t1,
+            "env/model_calls": float(queue.calls),
+        }
         return Rollout(groups, stats, metrics)
 
     def _sample(self, example: dict[str, Any], traj: Any, total: float | None) -> tuple[Sample, bool]:
@@ -162,8 +176,9 @@ class EnvironmentSampler:
             f"tempering: {key} is not used for the episodes the environment scores itself: the environment's score "
             f"returned a number, which wins over the stage's reward. To score final answers with {key}, return None "
             f"from its score (the Environment.score default); otherwise remove {key}",
-            UserWarning, stacklevel=2,
-        )  # fmt: skip
+            UserWarning,
+            stacklevel=2,
+        )
 
     async def _group_reward(self, env: Any, samples: list[Sample]) -> None:
         """Add the environment's group reward (if it defines one) to each trainable sample, and

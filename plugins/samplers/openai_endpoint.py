@@ -60,8 +60,14 @@ ModelFn = Callable[[int, list[int], int], "Future[Completion]"]
 class RequestError(Exception):
     """A request the endpoint refuses: HTTP ``status`` and an OpenAI-style error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
@@ -152,8 +158,9 @@ class PolicyEndpoint:
         server = _Server(("127.0.0.1", 0), _Handler)
         server.endpoint = self
         self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="tempering-openai-endpoint", daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="tempering-openai-endpoint", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -207,13 +214,20 @@ class PolicyEndpoint:
         with self._lock:
             episode = self._episodes.get(parts[0]) if parts else None
         if episode is None or not episode.open:
-            raise RequestError(404, "no open episode at this address: it ended, or the URL is not the base_url "
-                                    "the episode's client was given", code="episode_not_found")  # fmt: skip
+            raise RequestError(
+                404,
+                "no open episode at this address: it ended, or the URL is not the base_url "
+                "the episode's client was given",
+                code="episode_not_found",
+            )
         route = "/".join(parts[1:])
         known = {"v1/models": "GET", "v1/chat/completions": "POST", "v1/completions": "POST"}
         if route not in known:
-            raise RequestError(404, f"unknown route '/{route}': this endpoint serves /v1/chat/completions, "
-                                    "/v1/completions and /v1/models", code="unknown_url")  # fmt: skip
+            raise RequestError(
+                404,
+                f"unknown route '/{route}': this endpoint serves /v1/chat/completions, /v1/completions and /v1/models",
+                code="unknown_url",
+            )
         if method != known[route]:
             raise RequestError(405, f"/{route} takes {known[route]}, not {method}", code="method_not_allowed")
         if route == "v1/models":
@@ -235,14 +249,24 @@ class PolicyEndpoint:
             with self._text_lock:
                 prompt = self.renderer.render_prompt(messages, tools or None)
         except Exception as exc:  # noqa: BLE001 - a renderer's refusal is the request's problem
-            raise RequestError(400, f"the messages cannot be rendered in the model's chat format: "
-                                    f"{type(exc).__name__}: {exc}", "messages") from None  # fmt: skip
+            raise RequestError(
+                400,
+                f"the messages cannot be rendered in the model's chat format: {type(exc).__name__}: {exc}",
+                "messages",
+            ) from None
         sampled = self._sample(episode, prompt.tokens, common)  # without the lock: batched with other episodes
         with self._text_lock:
             return self._chat_answer(episode, prompt, sampled, messages, tools, common)
 
-    def _chat_answer(self, episode: EpisodeCalls, prompt: Any, sampled: list[Completion], messages: list[dict[str, Any]],
-                     tools: list[dict[str, Any]], common: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    def _chat_answer(
+        self,
+        episode: EpisodeCalls,
+        prompt: Any,
+        sampled: list[Completion],
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        common: dict[str, Any],
+    ) -> dict[str, Any]:
         choices, completions = [], []
         for i, completion in enumerate(sampled):
             completion, cut_text = cut_at_stop(completion, common["stop"], self.renderer.decode)
@@ -254,8 +278,12 @@ class PolicyEndpoint:
                 message["tool_calls"] = [c.to_openai() for c in response.tool_calls]
             if response.reasoning:
                 message["reasoning_content"] = response.reasoning
-            choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": finish_reason(completion, response),
-                                      "logprobs": None}  # fmt: skip
+            choice: dict[str, Any] = {
+                "index": i,
+                "message": message,
+                "finish_reason": finish_reason(completion, response),
+                "logprobs": None,
+            }
             if response.parse_error is not None and completion.stop_reason == "stop":
                 choice["parse_error"] = response.parse_error
             if common["logprobs"]:
@@ -281,8 +309,9 @@ class PolicyEndpoint:
         with self._text_lock:
             return self._completion_answer(episode, prompt_ids, sampled, common)
 
-    def _completion_answer(self, episode: EpisodeCalls, prompt_ids: list[int], sampled: list[Completion],
-                           common: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    def _completion_answer(
+        self, episode: EpisodeCalls, prompt_ids: list[int], sampled: list[Completion], common: dict[str, Any]
+    ) -> dict[str, Any]:
         choices, completions = [], []
         for i, completion in enumerate(sampled):
             completion, cut_text = cut_at_stop(completion, common["stop"], self.renderer.decode)
@@ -296,8 +325,12 @@ class PolicyEndpoint:
                 "logprobs": None,
             }
             if common["logprobs"]:
-                choice["logprobs"] = {"tokens": [self._token_text(t) for t in completion.tokens],
-                                      "token_logprobs": list(completion.logprobs), "top_logprobs": None, "text_offset": None}  # fmt: skip
+                choice["logprobs"] = {
+                    "tokens": [self._token_text(t) for t in completion.tokens],
+                    "token_logprobs": list(completion.logprobs),
+                    "top_logprobs": None,
+                    "text_offset": None,
+                }
             if common["token_ids"]:
                 choice["token_ids"] = list(completion.tokens)
             choices.append(choice)
@@ -323,16 +356,28 @@ class PolicyEndpoint:
                 or isinstance(given, bool)
                 or not math.isclose(float(given), value, abs_tol=1e-6)
             ):
-                raise RequestError(400, f"{name}={given!r}: this endpoint samples at the stage's {name} {value:g} "
-                                        f"({limits.key(name)}), which the RL update assumes; leave {name} out or "
-                                        f"set it to {value:g}", name)  # fmt: skip
+                raise RequestError(
+                    400,
+                    f"{name}={given!r}: this endpoint samples at the stage's {name} {value:g} "
+                    f"({limits.key(name)}), which the RL update assumes; leave {name} out or "
+                    f"set it to {value:g}",
+                    name,
+                )
         top = request.get("top_logprobs")
         if top not in (None, 0):
-            raise RequestError(400, "top_logprobs is not supported: the sampler records the chosen token's logprob only",
-                               "top_logprobs")  # fmt: skip
-        return {"n": n, "max_tokens": min(max_tokens, limits.max_tokens), "stop": check_stop(request.get("stop")),
-                "logprobs": bool(request.get("logprobs")), "token_ids": bool(request.get("return_token_ids")),
-                "model": str(request.get("model") or MODEL_NAME)}  # fmt: skip
+            raise RequestError(
+                400,
+                "top_logprobs is not supported: the sampler records the chosen token's logprob only",
+                "top_logprobs",
+            )
+        return {
+            "n": n,
+            "max_tokens": min(max_tokens, limits.max_tokens),
+            "stop": check_stop(request.get("stop")),
+            "logprobs": bool(request.get("logprobs")),
+            "token_ids": bool(request.get("return_token_ids")),
+            "model": str(request.get("model") or MODEL_NAME),
+        }
 
     def _completion_prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -356,9 +401,13 @@ class PolicyEndpoint:
         if budget:
             room = min(room, budget - len(prompt))
             if room <= 0:
-                raise RequestError(400, f"the prompt has {len(prompt)} tokens, which leaves no room within the context "
-                                        f"budget {self.limits.key('max_total_tokens')}={budget}", "messages",
-                                   code="context_length_exceeded")  # fmt: skip
+                raise RequestError(
+                    400,
+                    f"the prompt has {len(prompt)} tokens, which leaves no room within the context "
+                    f"budget {self.limits.key('max_total_tokens')}={budget}",
+                    "messages",
+                    code="context_length_exceeded",
+                )
         futures = [self.model(episode.key, list(prompt), room) for _ in range(common["n"])]
         out = []
         deadline = None if self.limits.timeout is None else time.monotonic() + self.limits.timeout
@@ -367,8 +416,12 @@ class PolicyEndpoint:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 out.append(f.result(timeout=left))
         except TimeoutError:
-            raise RequestError(504, f"the model did not answer within {self.limits.timeout:g} s "
-                                    f"({self.limits.key('timeout')})", kind="timeout", code="timeout") from None  # fmt: skip
+            raise RequestError(
+                504,
+                f"the model did not answer within {self.limits.timeout:g} s ({self.limits.key('timeout')})",
+                kind="timeout",
+                code="timeout",
+            ) from None
         except RequestError:
             raise
         except Exception as exc:  # noqa: BLE001 - the backend failed: the harness sees a server error
@@ -378,16 +431,25 @@ class PolicyEndpoint:
                 f.cancel()
         return out
 
-    def _answer(self, obj: str, prompt: Sequence[int], choices: list[dict[str, Any]], completions: list[Completion],
-                common: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    def _answer(
+        self,
+        obj: str,
+        prompt: Sequence[int],
+        choices: list[dict[str, Any]],
+        completions: list[Completion],
+        common: dict[str, Any],
+    ) -> dict[str, Any]:
         used = sum(len(c.tokens) for c in completions)
         version = min((c.policy_version for c in completions), default=0)
         out: dict[str, Any] = {
             "id": f"{'chatcmpl' if obj == 'chat.completion' else 'cmpl'}-{secrets.token_hex(12)}",
-            "object": obj, "created": int(time.time()), "model": common["model"],
-            "system_fingerprint": f"tempering-policy-v{version}", "choices": choices,
+            "object": obj,
+            "created": int(time.time()),
+            "model": common["model"],
+            "system_fingerprint": f"tempering-policy-v{version}",
+            "choices": choices,
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": used, "total_tokens": len(prompt) + used},
-        }  # fmt: skip
+        }
         if common["token_ids"]:
             out["prompt_token_ids"] = list(prompt)
         return out
@@ -458,16 +520,21 @@ def check_chat_messages(messages: Any) -> list[dict[str, Any]]:
             try:
                 ToolCall.from_openai(call)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise RequestError(400, f"{where}.tool_calls[{j}] is malformed: {type(exc).__name__}: {exc}",
-                                   f"{where}.tool_calls") from None  # fmt: skip
+                raise RequestError(
+                    400, f"{where}.tool_calls[{j}] is malformed: {type(exc).__name__}: {exc}", f"{where}.tool_calls"
+                ) from None
         out.append(m)
     return out
 
 
 def check_tools(tools: Any, tool_choice: Any) -> list[dict[str, Any]]:
     if tool_choice not in (None, "auto", "none"):
-        raise RequestError(400, f"tool_choice {tool_choice!r} is not supported: use 'auto' or 'none' (the policy "
-                                "decides whether to call a tool)", "tool_choice")  # fmt: skip
+        raise RequestError(
+            400,
+            f"tool_choice {tool_choice!r} is not supported: use 'auto' or 'none' (the policy "
+            "decides whether to call a tool)",
+            "tool_choice",
+        )
     if tools is None or tool_choice == "none":
         return []
     if not isinstance(tools, list):
@@ -546,8 +613,12 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if not endpoint.authorized(self.headers.get("Authorization")):
                 self._skip_body()
-                raise RequestError(401, "missing or wrong API key: use the api_key the episode's client was given",
-                                   kind="authentication_error", code="invalid_api_key")  # fmt: skip
+                raise RequestError(
+                    401,
+                    "missing or wrong API key: use the api_key the episode's client was given",
+                    kind="authentication_error",
+                    code="invalid_api_key",
+                )
             payload = endpoint.route(self.command, self.path, self._body())
             status = 200
         except RequestError as exc:

@@ -63,8 +63,10 @@ def id_problem(id: Any) -> str | None:
     except (ImportError, ValueError):
         found = False
     if not found:
-        return (f"no verifiers environment '{id}' is installed (looked for the module '{module}'): pip install "
-                "the environment's package, or check the id")  # fmt: skip
+        return (
+            f"no verifiers environment '{id}' is installed (looked for the module '{module}'): pip install "
+            "the environment's package, or check the id"
+        )
     return None
 
 
@@ -129,12 +131,15 @@ class VerifiersSampler(EndpointSampler):
     def _task(self, example: Mapping[str, Any]) -> Any:
         index = example.get("task")
         if not isinstance(index, int) or not 0 <= index < len(self._tasks):
-            raise ValueError(f"the example's 'task' must be a task index of '{self.id}' (0..{len(self._tasks) - 1}), "
-                             f"got {index!r}; use dataset: {{name: verifiers, id: {self.id}}}")  # fmt: skip
+            raise ValueError(
+                f"the example's 'task' must be a task index of '{self.id}' (0..{len(self._tasks) - 1}), "
+                f"got {index!r}; use dataset: {{name: verifiers, id: {self.id}}}"
+            )
         return self._tasks[index]
 
-    async def play(self, endpoint: PolicyEndpoint, queue: ModelQueue,
-                   jobs: Sequence[tuple[int, dict[str, Any]]]) -> list[tuple[EpisodeCalls, Outcome]]:  # fmt: skip
+    async def play(
+        self, endpoint: PolicyEndpoint, queue: ModelQueue, jobs: Sequence[tuple[int, dict[str, Any]]]
+    ) -> list[tuple[EpisodeCalls, Outcome]]:
         """Every job as one verifiers episode, all on one loop (verifiers serves its
         interception server there for the whole batch), each within ``harness_timeout``."""
         import verifiers.v1 as vf

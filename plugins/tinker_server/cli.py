@@ -134,7 +134,8 @@ def _place_tokenizer(server: Any, name: str) -> str:
 
     base = server.service.base(name)
     if not isinstance(base.tokenizer, PreTrainedTokenizerBase):
-        return f"tokenizer of {name}: not a Hugging Face tokenizer ({type(base.tokenizer).__name__}); not placed in the cache"
+        kind = type(base.tokenizer).__name__
+        return f"tokenizer of {name}: not a Hugging Face tokenizer ({kind}); not placed in the cache"
     written = install_tokenizer(name, base.tokenizer, config=getattr(base.model, "config", None))
     if written:
         return f"tokenizer of {name} placed in the Hugging Face cache ({written}): get_tokenizer() works offline here"

@@ -44,11 +44,18 @@ class RunRecord:
     closed: str | None = None  # why the run no longer takes requests (session expired, server restarted)
 
     def as_training_run(self, last: CheckpointRecord | None, last_sampler: CheckpointRecord | None) -> dict[str, Any]:
-        return {"training_run_id": self.training_run_id, "base_model": self.base_model, "model_owner": "local",
-                "is_lora": self.lora_rank is not None, "corrupted": False, "lora_rank": self.lora_rank,
-                "last_request_time": self.last_request_time, "user_metadata": self.user_metadata,
-                "last_checkpoint": last.as_checkpoint() if last else None,
-                "last_sampler_checkpoint": last_sampler.as_checkpoint() if last_sampler else None}  # fmt: skip
+        return {
+            "training_run_id": self.training_run_id,
+            "base_model": self.base_model,
+            "model_owner": "local",
+            "is_lora": self.lora_rank is not None,
+            "corrupted": False,
+            "lora_rank": self.lora_rank,
+            "last_request_time": self.last_request_time,
+            "user_metadata": self.user_metadata,
+            "last_checkpoint": last.as_checkpoint() if last else None,
+            "last_sampler_checkpoint": last_sampler.as_checkpoint() if last_sampler else None,
+        }
 
 
 @dataclass
@@ -75,9 +82,16 @@ class CheckpointRecord:
         return self.tinker_path.removeprefix("tinker://").split("/", 1)[1]
 
     def as_checkpoint(self) -> dict[str, Any]:
-        return {"checkpoint_id": self.checkpoint_id, "checkpoint_type": self.checkpoint_type, "time": self.time,
-                "tinker_path": self.tinker_path, "size_bytes": self.size_bytes, "public": self.public,
-                "user_metadata": self.user_metadata, "expires_at": self.expires_at}  # fmt: skip
+        return {
+            "checkpoint_id": self.checkpoint_id,
+            "checkpoint_type": self.checkpoint_type,
+            "time": self.time,
+            "tinker_path": self.tinker_path,
+            "size_bytes": self.size_bytes,
+            "public": self.public,
+            "user_metadata": self.user_metadata,
+            "expires_at": self.expires_at,
+        }
 
 
 def folder_size(folder: str) -> int:

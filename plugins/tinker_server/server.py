@@ -70,6 +70,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from tinker import types
+
 from tempering.plugins.tinker_server import wire
 from tempering.plugins.tinker_server.service import (
     LocalService,
@@ -77,7 +79,6 @@ from tempering.plugins.tinker_server.service import (
     ServedModel,
     UserError,
 )
-from tinker import types
 
 log = logging.getLogger(__name__)
 _request = threading.local()  # the query string of the request this thread answers
@@ -237,17 +238,34 @@ class LocalTinkerServer:
     the SDK (``TINKER_BASE_URL`` or ``ServiceClient(base_url=...)``).
     """
 
-    def __init__(self, models: Mapping[str, ServedModel | Mapping[str, Any]] | None = None, *, host: str = "127.0.0.1",
-                 port: int = 0, api_keys: set[str] | None = None, hold_seconds: float = 1.0, root: str | None = None,
-                 url_ttl_seconds: float = 3600.0, session_timeout_seconds: float = 60.0,
-                 gap_timeout_seconds: float = 30.0, batch_sampling: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        models: Mapping[str, ServedModel | Mapping[str, Any]] | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_keys: set[str] | None = None,
+        hold_seconds: float = 1.0,
+        root: str | None = None,
+        url_ttl_seconds: float = 3600.0,
+        session_timeout_seconds: float = 60.0,
+        gap_timeout_seconds: float = 30.0,
+        batch_sampling: bool = False,
+    ) -> None:
         if not _is_loopback(host) and not api_keys:
-            raise ValueError(f"serving on {host!r} (not loopback) needs api_keys: anyone who reaches the port could "
-                             "train and sample; give a key (clients send it as TINKER_API_KEY)")  # fmt: skip
+            raise ValueError(
+                f"serving on {host!r} (not loopback) needs api_keys: anyone who reaches the port could "
+                "train and sample; give a key (clients send it as TINKER_API_KEY)"
+            )
         self._own_root = root is None
         self.root = root or tempfile.mkdtemp(prefix="tempering-tinker-")
-        self.service = LocalService(models if models is not None else DEFAULT_MODELS, self.root,
-                                    session_timeout_seconds, gap_timeout_seconds, batch_sampling)  # fmt: skip
+        self.service = LocalService(
+            models if models is not None else DEFAULT_MODELS,
+            self.root,
+            session_timeout_seconds,
+            gap_timeout_seconds,
+            batch_sampling,
+        )
         self.housekeeping: list[str] = []  # what the housekeeping thread did (expired sessions, given-up seq_ids)
         self._stopping = threading.Event()
         self._connections: set[socket.socket] = set()
@@ -269,11 +287,12 @@ class LocalTinkerServer:
     @property
     def url(self) -> str:
         host, port = self._http.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host.decode() if isinstance(host, bytes) else host}:{port}"
 
     def start(self) -> LocalTinkerServer:
-        self._thread = threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="local-tinker-server", daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._http.serve_forever, kwargs={"poll_interval": 0.05}, name="local-tinker-server", daemon=True
+        )
         self._thread.start()
         threading.Thread(target=self._housekeep, name="local-tinker-housekeeping", daemon=True).start()
         return self
@@ -284,7 +303,7 @@ class LocalTinkerServer:
                 for line in self.service.reap():
                     log.warning("tinker server: %s", line)
                     self.housekeeping.append(line)
-            except Exception:  # noqa: BLE001 - housekeeping must not die; the first failure is shown
+            except Exception:
                 log.exception("tinker server housekeeping failed")
 
     def stop(self) -> None:
@@ -321,8 +340,14 @@ class LocalTinkerServer:
         with self._lock:
             self.received.append(Received(route, kind, body))
 
-    def _future(self, kind: str, future: Future[Any], render: Callable[[Any], tuple[str, bytes]],
-                model_id: str | None = None, **extra: Any) -> dict[str, Any]:  # fmt: skip
+    def _future(
+        self,
+        kind: str,
+        future: Future[Any],
+        render: Callable[[Any], tuple[str, bytes]],
+        model_id: str | None = None,
+        **extra: Any,
+    ) -> dict[str, Any]:
         """Register a server future (applying a planned fault for ``kind``): the UntypedAPIFuture."""
         request_id = f"req-{next(self._ids)}"
         self.futures[request_id] = _Pending(kind, future, render, self.faults.take(f"kind:{kind}", ("hang", "expire")))
@@ -443,9 +468,9 @@ class LocalTinkerServer:
         if method == "GET" and (m := re.fullmatch(r"sessions/([^/]+)", route)):
             if m.group(1) not in self.service.sessions:
                 return 404, *_json({"detail": f"no session {m.group(1)!r}"})
-            runs = [r for r in reg.runs if r.startswith(m.group(1) + ":")]
+            run_ids = [r for r in reg.runs if r.startswith(m.group(1) + ":")]
             samplers = [s for s in self.service.samplers if s.startswith(m.group(1) + ":")]
-            return 200, *_json({"training_run_ids": runs, "sampler_ids": samplers})
+            return 200, *_json({"training_run_ids": run_ids, "sampler_ids": samplers})
         if method == "GET" and (m := re.fullmatch(r"training_runs/([^/]+)", route)):
             run = reg.training_run(m.group(1))
             return (
@@ -492,6 +517,7 @@ class LocalTinkerServer:
         svc = self.service
         query: dict[str, str] = getattr(_request, "query", {})
         data: Any = json.loads(body or b"null") if "protobuf" not in headers.get("content-type", "") else None
+        fut: Future[Any]  # the answer of a queued or sampled request, one name for every route below
         if route == "healthz":
             return 200, *_json({"status": "ok"})
         if route == "client/config":
@@ -515,9 +541,9 @@ class LocalTinkerServer:
             svc.finish(m.group(1), (data.get("reason") or {}).get("type", "success"))
             return 200, *_json(None)
         if route == "create_model":
-            req = types.CreateModelRequest.model_validate(data)
-            self._record(route, "CreateModel", req)
-            model_id, fut = svc.create_model(req)
+            create = types.CreateModelRequest.model_validate(data)
+            self._record(route, "CreateModel", create)
+            model_id, fut = svc.create_model(create)
             return 200, *_json(self._future("CreateModel", fut, _json, model_id))
         if route == "get_info":
             return 200, *_json(svc.info(data["model_id"]))
@@ -550,32 +576,35 @@ class LocalTinkerServer:
         if method == "GET" and (m := re.fullmatch(r"external/([^/]+)/(.+)", route)):
             return self._download(m.group(1), m.group(2))
         if route == "load_weights":
-            req = types.LoadWeightsRequest.model_validate(data)
-            self._record(route, "LoadWeights", req)
-            model_id, fut = svc.load_state(req)
+            load = types.LoadWeightsRequest.model_validate(data)
+            self._record(route, "LoadWeights", load)
+            model_id, fut = svc.load_state(load)
             return 200, *_json(self._future("LoadWeights", fut, _json, model_id))
         if route == "create_sampling_session":
-            req = types.CreateSamplingSessionRequest.model_validate(data)
-            self._record(route, "CreateSamplingSession", req)
+            session = types.CreateSamplingSessionRequest.model_validate(data)
+            self._record(route, "CreateSamplingSession", session)
             return 200, *_json(
-                {"type": "create_sampling_session", "sampling_session_id": svc.create_sampling_session(req)}
+                {"type": "create_sampling_session", "sampling_session_id": svc.create_sampling_session(session)}
             )
         if method == "GET" and (m := re.fullmatch(r"samplers/([^/]+)", route)) is not None:
             sampler = svc.sampler(m.group(1))
             return 200, *_json({"sampler_id": m.group(1), "base_model": sampler.base_model, "model_path": sampler.path})
         if route == "asample":
-            req = types.SampleRequest.model_validate(data)
-            self._record(route, "Sample", req)
-            ids = [f"{req.sampling_session_id}:{req.seq_id}:{i}" for i in range(int(req.num_samples))]
+            sample = types.SampleRequest.model_validate(data)
+            self._record(route, "Sample", sample)
+            ids = [f"{sample.sampling_session_id}:{sample.seq_id}:{i}" for i in range(int(sample.num_samples))]
             if self._peek_fail("Sample") is not None:
-                fut: Future[Any] = Future()
+                fut = Future()
                 fut.set_exception(RuntimeError("injected server failure"))
             else:
-                fut = svc.sample(req, ids)
-                if not (req.prompt_logprobs or req.topk_prompt_logprobs):  # not a scoring request's throwaway token
-                    fut.add_done_callback(lambda f, p=req.prompt.to_ints(): self._record_samples(p, f))
+                fut = svc.sample(sample, ids)
+                if not (
+                    sample.prompt_logprobs or sample.topk_prompt_logprobs
+                ):  # not a scoring request's throwaway token
+                    prompt_ids = sample.prompt.to_ints()
+                    fut.add_done_callback(lambda f: self._record_samples(prompt_ids, f))
             return 200, *_json(
-                self._future("Sample", fut, _render_sample, req.sampling_session_id, sample_sequence_ids=ids)
+                self._future("Sample", fut, _render_sample, sample.sampling_session_id, sample_sequence_ids=ids)
             )
         if route == "retrieve_future":
             return self._retrieve(types.FutureRetrieveRequest.model_validate(data).request_id)
@@ -584,8 +613,9 @@ class LocalTinkerServer:
 
 def _render_sample(result: Any) -> tuple[str, bytes]:
     seqs = [(c.tokens, c.logprobs, c.stop_reason) for c in result.completions]
-    return wire.PROTO, wire.encode_sample(seqs, result.prompt_logprobs, result.topk_prompt, result.k,
-                                          result.topk_sampled, result.k_sampled)  # fmt: skip
+    return wire.PROTO, wire.encode_sample(
+        seqs, result.prompt_logprobs, result.topk_prompt, result.k, result.topk_sampled, result.k_sampled
+    )
 
 
 def _is_loopback(host: str) -> bool:
@@ -634,7 +664,7 @@ def _handler(server: LocalTinkerServer) -> type[BaseHTTPRequestHandler]:
             with contextlib.suppress(OSError):
                 super().finish()
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        def log_message(self, format: str, *args: Any) -> None:
             pass
 
     return Handler

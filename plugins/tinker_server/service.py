@@ -48,7 +48,8 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -124,8 +125,14 @@ class Sampler:
     #: set by the service (``batch_sampling``); off, each request is its own generate call.
     batching = False
 
-    def __init__(self, owner: LocalBackend, base_model: str, client: LocalSamplingClient | None = None,
-                 snapshot: str | None = None, path: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        owner: LocalBackend,
+        base_model: str,
+        client: LocalSamplingClient | None = None,
+        snapshot: str | None = None,
+        path: str | None = None,
+    ) -> None:
         self.owner, self.base_model, self.client, self.snapshot, self.path = owner, base_model, client, snapshot, path
         self._batcher: SampleBatcher | None = None
         self._batcher_lock = threading.Lock()
@@ -156,10 +163,16 @@ class InflightSampler:
         self.path = None
 
     def sample(self, prompt: list[int], n: int, params: SamplingParams) -> Future[list[Any]]:
-        return self.run.inflight.sample(prompt, n, params)
+        return self._published().sample(prompt, n, params)
 
     def score(self, prompt: list[int], topk: int = 0) -> Future[Any]:
-        return self.run.inflight.score(prompt, topk)
+        return self._published().score(prompt, topk)
+
+    def _published(self) -> Sampler:
+        """What the run published last (a session of a run that published nothing yet is refused
+        where it is created, so there always is one here)."""
+        assert self.run.inflight is not None, "an inflight session of a run that published no weights"
+        return self.run.inflight
 
 
 class TrainingRun:
@@ -239,9 +252,7 @@ class TrainingRun:
             except BaseException as err:  # noqa: BLE001 - a request's failure is its future's
                 out.set_exception(err)
                 continue
-            inner.add_done_callback(
-                lambda f, out=out: out.set_exception(f.exception()) if f.exception() else out.set_result(f.result())
-            )
+            inner.add_done_callback(partial(_relay, out=out))
 
     def snapshot_name(self) -> str:
         return f"sampler-{next(self._snapshots)}"
@@ -257,21 +268,26 @@ class BuiltinLoss:
     def __init__(self, loss_fn: str, config: Mapping[str, Any] | None, keys: frozenset[str], two_d: bool) -> None:
         self.loss_fn, self.config, self.keys, self.two_d = loss_fn, dict(config or {}), keys, two_d
         self.needs_logits = two_d
+        self.tinker_builtin: str | None = None  # the Loss protocol's: this loss is computed here, not sent on
         self.rows: list[torch.Tensor] = []
 
-    def __call__(self, lp: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> LossOutput:
-        names = {"weights": "weights", "logprobs": "sampler_logprobs", "advantages": "advantages",
-                 "sequence_ratio_mask": "sequence_ratio_mask"}  # fmt: skip
-        total, self.rows = lp.new_zeros(()), []
-        for b, n in enumerate(tensors["attention_mask"].sum(-1).tolist()):
+    def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
+        names = {
+            "weights": "weights",
+            "logprobs": "sampler_logprobs",
+            "advantages": "advantages",
+            "sequence_ratio_mask": "sequence_ratio_mask",
+        }
+        total, self.rows = logprobs.new_zeros(()), []
+        for b, n in enumerate(batch["attention_mask"].sum(-1).tolist()):
             if self.two_d:
-                ids = tensors["soft_ids"][b, :n].long()
-                row = torch.log_softmax(tensors["logits"][b, :n].float(), dim=-1).gather(-1, ids)
-                inputs = {"target_tokens": ids, "weights": tensors["soft_weights"][b, :n]}
+                ids = batch["soft_ids"][b, :n].long()
+                row = torch.log_softmax(batch["logits"][b, :n].float(), dim=-1).gather(-1, ids)
+                inputs = {"target_tokens": ids, "weights": batch["soft_weights"][b, :n]}
             else:
-                row = lp[b, :n]
-                inputs = {"target_tokens": tensors["target_ids"][b, :n]}
-                inputs.update({k: tensors[names[k]][b, :n] for k in self.keys if k != "target_tokens"})
+                row = logprobs[b, :n]
+                inputs = {"target_tokens": batch["target_ids"][b, :n]}
+                inputs.update({k: batch[names[k]][b, :n] for k in self.keys if k != "target_tokens"})
             total = total + builtin_loss(self.loss_fn, self.config, row, inputs)
             self.rows.append(row.detach())
         return LossOutput(total, {})
@@ -331,8 +347,16 @@ def _to_batch(
                 raise UserError(f"datum {i}: {err}") from err
             given = sampler or [0.0] * len(tokens)
             sampler = [given[t] if q is None else q for t, q in enumerate(found)]
-        rows.append(Datum(tokens, target.tolist(), weights, sampler,
-                          inputs["advantages"].tolist() if "advantages" in inputs else None, extra))  # fmt: skip
+        rows.append(
+            Datum(
+                tokens,
+                target.tolist(),
+                weights,
+                sampler,
+                inputs["advantages"].tolist() if "advantages" in inputs else None,
+                extra,
+            )
+        )
     two_d = bool(rows) and "soft_ids" in rows[0].extra
     if loss_fn == "stable_reinforce":
         keys = (keys or frozenset()) | {"logprobs"}
@@ -390,9 +414,14 @@ class LocalService:
             under a cookbook RL step; off, each request is one generate call, timing-independent).
     """
 
-    def __init__(self, models: Mapping[str, ServedModel | Mapping[str, Any]], root: str,
-                 session_timeout_seconds: float = 60.0, gap_timeout_seconds: float = 30.0,
-                 batch_sampling: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        models: Mapping[str, ServedModel | Mapping[str, Any]],
+        root: str,
+        session_timeout_seconds: float = 60.0,
+        gap_timeout_seconds: float = 30.0,
+        batch_sampling: bool = False,
+    ) -> None:
         self.models = {
             name: spec if isinstance(spec, ServedModel) else ServedModel(**spec) for name, spec in models.items()
         }
@@ -617,17 +646,10 @@ class LocalService:
             for rows in _micro_batches(batch.data, self.micro_batch_tokens):
                 part, part_loss = Batch(rows), BuiltinLoss(loss.loss_fn, loss.config, loss.keys, loss.two_d)
                 if call.forward_only:
-                    parts.append(
-                        _then(
-                            run.backend.logprobs(part), lambda lp, b=part, pl=part_loss: self._score_forward(b, pl, lp)
-                        )
-                    )
+                    parts.append(_then(run.backend.logprobs(part), partial(self._score_forward, part, part_loss)))
                 else:
                     parts.append(
-                        _then(
-                            run.backend.forward_backward(part, part_loss),
-                            lambda m, pl=part_loss: self._outputs(pl, m["loss"]),
-                        )
+                        _then(run.backend.forward_backward(part, part_loss), partial(self._outputs_of, part_loss))
                     )
             return _then(_all(parts), _joined)
 
@@ -636,6 +658,13 @@ class LocalService:
     @staticmethod
     def _outputs(loss: BuiltinLoss, total: float) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
         return [{"logprobs": r.cpu().numpy()} for r in loss.rows], {"loss:sum": float(total)}
+
+    @classmethod
+    def _outputs_of(
+        cls, loss: BuiltinLoss, metrics: Mapping[str, float]
+    ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+        """:meth:`_outputs` of a finished ``forward_backward`` (its metrics hold the loss)."""
+        return cls._outputs(loss, metrics["loss"])
 
     def _score_forward(self, batch: Batch, loss: BuiltinLoss, rows: list[list[float]]) -> Any:
         width = max(len(r) for r in rows)
@@ -655,14 +684,22 @@ class LocalService:
 
         if (refused := run.admit(req.seq_id, check)) is not None:
             return refused
-        params = AdamParams(learning_rate=p.learning_rate, beta1=p.beta1, beta2=p.beta2, eps=p.eps,
-                            weight_decay=p.weight_decay, grad_clip_norm=p.grad_clip_norm)  # fmt: skip
+        params = AdamParams(
+            learning_rate=p.learning_rate,
+            beta1=p.beta1,
+            beta2=p.beta2,
+            eps=p.eps,
+            weight_decay=p.weight_decay,
+            grad_clip_norm=p.grad_clip_norm,
+        )
         return run.run(req.seq_id, lambda: _then(run.backend.optim_step(params), lambda m: {"metrics": m}))
 
     def _check_name(self, path: str, overwrite: bool, what: str) -> None:
         if path in self.registry.checkpoints and not overwrite:
-            raise UserError(f"{what} {path} already exists (a name is taken once; pass overwrite=True where the call "
-                            "takes it, or choose another name)")  # fmt: skip
+            raise UserError(
+                f"{what} {path} already exists (a name is taken once; pass overwrite=True where the call "
+                "takes it, or choose another name)"
+            )
 
     def save_state(self, req: Any) -> Future[Any]:
         run = self.run(req.model_id)
@@ -678,8 +715,9 @@ class LocalService:
 
         def go() -> Future[Any]:
             run.backend.save(folder)  # returns once written, after every earlier call
-            self.registry.add_checkpoint(CheckpointRecord(path, "training", folder, run.base_model, run.rank,
-                                                          user_metadata=req.user_metadata))  # fmt: skip
+            self.registry.add_checkpoint(
+                CheckpointRecord(path, "training", folder, run.base_model, run.rank, user_metadata=req.user_metadata)
+            )
             return resolved({"path": path, "type": "save_weights"})
 
         return run.run(req.seq_id, go)
@@ -722,8 +760,10 @@ class LocalService:
         def check() -> None:
             record = self._checkpoint(req.path)
             if record.base_model != run.base_model or record.lora_rank != run.rank:
-                raise UserError(f"{req.path} is a state of {record.base_model} (LoRA rank {record.lora_rank}); run "
-                                f"{req.model_id} trains {run.base_model} (rank {run.rank})")  # fmt: skip
+                raise UserError(
+                    f"{req.path} is a state of {record.base_model} (LoRA rank {record.lora_rank}); run "
+                    f"{req.model_id} trains {run.base_model} (rank {run.rank})"
+                )
             found.append(record)
 
         if (refused := run.admit(req.seq_id, check)) is not None:
@@ -756,8 +796,9 @@ class LocalService:
             if path is not None:
                 folder = self._folder("sampler_weights", path)
                 run.backend.save(folder)
-                self.registry.add_checkpoint(CheckpointRecord(path, "sampler", folder, run.base_model, run.rank,
-                                                              user_metadata=req.user_metadata))  # fmt: skip
+                self.registry.add_checkpoint(
+                    CheckpointRecord(path, "sampler", folder, run.base_model, run.rank, user_metadata=req.user_metadata)
+                )
             return _then(
                 run.backend.sampling_client(),
                 lambda client: publish(self._sampler(run.backend, run.base_model, client, name, path)),
@@ -792,8 +833,10 @@ class LocalService:
                 try:
                     import pyrage  # type: ignore[import-not-found]  # noqa: F401
                 except ImportError as err:
-                    raise UserError("this server encrypts external weights (age_encryption_recipients) with pyrage, "
-                                    "which is not installed here: pip install pyrage") from err  # fmt: skip
+                    raise UserError(
+                        "this server encrypts external weights (age_encryption_recipients) with pyrage, "
+                        "which is not installed here: pip install pyrage"
+                    ) from err
             self._check_name(path, False, "external weights")
 
         if (refused := run.admit(req.seq_id, check)) is not None:
@@ -820,8 +863,11 @@ class LocalService:
         if path not in self.external:
             raise Rejected(404, f"no external weights at {path}")
         root = self.external[path]
-        return {os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/"): os.path.join(d, f)
-                for d, _, files in os.walk(root) for f in files}  # fmt: skip
+        return {
+            os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/"): os.path.join(d, f)
+            for d, _, files in os.walk(root)
+            for f in files
+        }
 
     def delete_checkpoint(self, path: str) -> None:
         """Forget a saved state, sampler weights or external weights, and remove its files."""
@@ -893,7 +939,7 @@ class LocalService:
             temperature=float(sp.temperature),
             top_p=float(sp.top_p),
             top_k=max(int(sp.top_k), 0),
-            stop=[stop] if isinstance(stop, (str, int)) else list(stop),
+            stop=cast("list[str] | list[int]", [stop] if isinstance(stop, (str, int)) else list(stop)),
             seed=sp.seed,
         )
         k, k_sampled = int(req.topk_prompt_logprobs or 0), int(req.topk_sample_logprobs or 0)
@@ -979,3 +1025,11 @@ def _all(futures: list[Future[Any]]) -> Future[list[Any]]:
     for f in futures:
         f.add_done_callback(one)
     return out
+
+
+def _relay(inner: Future[Any], out: Future[Any]) -> None:
+    """``inner``'s outcome onto ``out``."""
+    if inner.exception() is not None:
+        out.set_exception(inner.exception())
+    else:
+        out.set_result(inner.result())

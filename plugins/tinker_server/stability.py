@@ -69,11 +69,15 @@ class StabilityRecords:
                 del self._records[sequence_id]
                 rec = None
             if rec is None:
-                raise ValueError(f"no recorded sequence {sequence_id!r}: sample with record_stability_info=True "
-                                 "(and train on it within a day, from the same server process)")  # fmt: skip
+                raise ValueError(
+                    f"no recorded sequence {sequence_id!r}: sample with record_stability_info=True "
+                    "(and train on it within a day, from the same server process)"
+                )
             if rec.session != session:
-                raise ValueError(f"sequence {sequence_id!r} was sampled in session {rec.session!r}, not this run's "
-                                 f"session {session!r}: sample and train in the same session")  # fmt: skip
+                raise ValueError(
+                    f"sequence {sequence_id!r} was sampled in session {rec.session!r}, not this run's "
+                    f"session {session!r}: sample and train in the same session"
+                )
             rec.used = time.monotonic()
             return rec
 
@@ -83,8 +87,10 @@ class StabilityRecords:
         its targets, each run's tokens equal to what was recorded."""
         spans = datum.loss_fn_input_spans
         if not spans:
-            raise ValueError("stable_reinforce needs provenance on every datum (Datum.with_provenance naming the "
-                             "sampled sequence behind each position)")  # fmt: skip
+            raise ValueError(
+                "stable_reinforce needs provenance on every datum (Datum.with_provenance naming the "
+                "sampled sequence behind each position)"
+            )
         if sum(s.length for s in spans) != len(targets):
             raise ValueError(
                 f"loss_fn_input_spans cover {sum(s.length for s in spans)} positions, target_tokens {len(targets)}"
@@ -97,7 +103,9 @@ class StabilityRecords:
             pos = len(out)
             if list(targets[pos : pos + span.length]) != source[span.offset : span.offset + span.length]:
                 kind = "sampled tokens" if sampled else "prompt"
-                raise ValueError(f"target_tokens[{pos}:{pos + span.length}] differ from the {kind} of sequence "
-                                 f"{span.sequence_id!r} at offset {span.offset}")  # fmt: skip
+                raise ValueError(
+                    f"target_tokens[{pos}:{pos + span.length}] differ from the {kind} of sequence "
+                    f"{span.sequence_id!r} at offset {span.offset}"
+                )
             out.extend(rec.logprobs[span.offset : span.offset + span.length] if sampled else [None] * span.length)
         return out

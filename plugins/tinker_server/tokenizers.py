@@ -69,8 +69,10 @@ def install_tokenizer(name: str, tokenizer: Any, cache: str | None = None, confi
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Install a served model's tokenizer into this machine's Hugging "
-                                                 "Face cache under the name the server serves it as.")  # fmt: skip
+    parser = argparse.ArgumentParser(
+        description="Install a served model's tokenizer into this machine's Hugging "
+        "Face cache under the name the server serves it as."
+    )
     parser.add_argument("name", help="the served name, e.g. HuggingFaceTB/SmolLM2-135M-Instruct")
     parser.add_argument("--from", dest="source", required=True, help="a folder holding the tokenizer files")
     args = parser.parse_args(argv)

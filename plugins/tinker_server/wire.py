@@ -51,7 +51,7 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
         config = dict(msg.loss_fn_config.items())
     data = []
     for datum in msg.data:
-        chunks = []
+        chunks: list[types.ModelInputChunk] = []
         for chunk in datum.model_input:
             if chunk.WhichOneof("chunk") != "encoded_text":
                 raise ValueError(f"this server takes token chunks only, got {chunk.WhichOneof('chunk')!r}")
@@ -63,8 +63,14 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
             raise ValueError(
                 "provenance comes as a pair: a datum has model_input_spans or loss_fn_input_spans, not both"
             )
-        data.append(types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs=inputs,
-                                model_input_spans=spans[0], loss_fn_input_spans=spans[1]))  # fmt: skip
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput(chunks=chunks),
+                loss_fn_inputs=inputs,
+                model_input_spans=spans[0],
+                loss_fn_input_spans=spans[1],
+            )
+        )
     return ForwardBackwardCall(msg.model_id, int(msg.seq_id), msg.loss_fn, config or None, bool(msg.forward_only), data)
 
 

@@ -52,11 +52,34 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "HF_HUB_CACHE": str(root / "hf"), "HF_HUB_OFFLINE": "1", "TINKER_TELEMETRY": "0",
-           "TINKER_API_KEY": KEY, "TINKER_BASE_URL": f"http://127.0.0.1:{port}"}  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "tempering", "serve-tinker", "--model", "smollm2", "--name", MODEL,
-                             "--port", str(port), "--root", str(root / "root")],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    env = {
+        **os.environ,
+        "HF_HUB_CACHE": str(root / "hf"),
+        "HF_HUB_OFFLINE": "1",
+        "TINKER_TELEMETRY": "0",
+        "TINKER_API_KEY": KEY,
+        "TINKER_BASE_URL": f"http://127.0.0.1:{port}",
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tempering",
+            "serve-tinker",
+            "--model",
+            "smollm2",
+            "--name",
+            MODEL,
+            "--port",
+            str(port),
+            "--root",
+            str(root / "root"),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         first = _readline(proc, START_S)
         assert f"127.0.0.1:{port}" in first, first

@@ -16,16 +16,34 @@ RENDERER = "role_colon"  # the cookbook's generic renderer (it has no SmolLM2-sp
 def _arithmetic(batch_size: int = 2, group_size: int = 2):
     from tinker_cookbook.recipes.math_rl import arithmetic_env
 
-    return arithmetic_env.ArithmeticDatasetBuilder(batch_size=batch_size, model_name_for_tokenizer=MODEL, renderer_name=RENDERER,
-                                                   n_batches=4, include_fewshot=True, group_size=group_size)  # fmt: skip
+    return arithmetic_env.ArithmeticDatasetBuilder(
+        batch_size=batch_size,
+        model_name_for_tokenizer=MODEL,
+        renderer_name=RENDERER,
+        n_batches=4,
+        include_fewshot=True,
+        group_size=group_size,
+    )
 
 
 def _rl_config(log_path: str, **kwargs):
     from tinker_cookbook.rl import train
 
-    settings = {"learning_rate": 1e-5, "dataset_builder": _arithmetic(), "model_name": MODEL, "recipe_name": "compat",
-                "max_tokens": 5, "log_path": log_path, "lora_rank": 8, "max_steps": 2, "eval_every": 0, "save_every": 1,
-                "renderer_name": RENDERER, "base_url": os.environ["TINKER_BASE_URL"], **kwargs}  # fmt: skip
+    settings = {
+        "learning_rate": 1e-5,
+        "dataset_builder": _arithmetic(),
+        "model_name": MODEL,
+        "recipe_name": "compat",
+        "max_tokens": 5,
+        "log_path": log_path,
+        "lora_rank": 8,
+        "max_steps": 2,
+        "eval_every": 0,
+        "save_every": 1,
+        "renderer_name": RENDERER,
+        "base_url": os.environ["TINKER_BASE_URL"],
+        **kwargs,
+    }
     return train.Config(**settings)
 
 
@@ -55,10 +73,19 @@ def sft(log_path: str, data: str) -> None:
     common = ChatDatasetBuilderCommonConfig(
         model_name_for_tokenizer=MODEL, renderer_name=RENDERER, max_length=128, batch_size=2
     )
-    config = train.Config(log_path=log_path, model_name=MODEL, recipe_name="compat", renderer_name=RENDERER, lora_rank=8,
-                          dataset_builder=FromConversationFileBuilder(file_path=data, test_size=2, common_config=common),
-                          learning_rate=1e-4, max_steps=2, save_every=1, eval_every=1,
-                          base_url=os.environ["TINKER_BASE_URL"])  # fmt: skip
+    config = train.Config(
+        log_path=log_path,
+        model_name=MODEL,
+        recipe_name="compat",
+        renderer_name=RENDERER,
+        lora_rank=8,
+        dataset_builder=FromConversationFileBuilder(file_path=data, test_size=2, common_config=common),
+        learning_rate=1e-4,
+        max_steps=2,
+        save_every=1,
+        eval_every=1,
+        base_url=os.environ["TINKER_BASE_URL"],
+    )
     asyncio.run(train.main(config))
 
 
@@ -90,5 +117,14 @@ def rest(tinker_path: str) -> None:
     listed = rc.list_checkpoints(run.training_run_id).result(timeout=30).checkpoints
     info = rc.get_weights_info_by_tinker_path(tinker_path).result(timeout=30)
     renderer = checkpoint_utils.get_renderer_name_from_checkpoint(tinker.ServiceClient(), tinker_path)
-    print("RESULT", json.dumps({"renderer": renderer, "checkpoints": [[c.checkpoint_type, c.tinker_path] for c in listed],
-                      "base_model": info.base_model, "lora_rank": info.lora_rank}))  # fmt: skip
+    print(
+        "RESULT",
+        json.dumps(
+            {
+                "renderer": renderer,
+                "checkpoints": [[c.checkpoint_type, c.tinker_path] for c in listed],
+                "base_model": info.base_model,
+                "lora_rank": info.lora_rank,
+            }
+        ),
+    )

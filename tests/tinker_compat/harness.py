@@ -25,8 +25,9 @@ def run_driver(served: Served, call: str, tmp_path: Path, timeout: float = 60) -
     the wait. Returns its output; a failure shows the output's end."""
     code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from drivers import *; {call}"
     began = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", code], env=served.env, cwd=tmp_path, capture_output=True, text=True,
-                         timeout=timeout)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=served.env, cwd=tmp_path, capture_output=True, text=True, timeout=timeout
+    )
     text = out.stdout + out.stderr
     assert out.returncode == 0, f"{call} failed after {time.monotonic() - began:.0f} s:\n{text[-4000:]}"
     return text

@@ -42,9 +42,20 @@ def test_math_rl_cli_runs_two_steps_with_its_default_loss(served, tmp_path):
     (the cookbook has none for SmolLM2) and the batch (2 groups of 2, not 100 of 4) -- so its
     loss is the default ``stable_reinforce``."""
     log = tmp_path / "math_rl"
-    cmd = [sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", f"model_name={MODEL}", "renderer_name=role_colon",
-           "groups_per_batch=2", "group_size=2", "max_steps=2", "eval_every=0", f"log_path={log}",
-           "behavior_if_log_dir_exists=delete", "lora_rank=8"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tinker_cookbook.recipes.math_rl.train",
+        f"model_name={MODEL}",
+        "renderer_name=role_colon",
+        "groups_per_batch=2",
+        "group_size=2",
+        "max_steps=2",
+        "eval_every=0",
+        f"log_path={log}",
+        "behavior_if_log_dir_exists=delete",
+        "lora_rank=8",
+    ]
     out = subprocess.run(cmd, env=served.env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     assert "Training completed successfully" in out.stdout + out.stderr

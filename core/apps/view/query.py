@@ -57,7 +57,9 @@ class RolloutQuery:
             return False
         if not _within(r.get("step"), self.step_min, self.step_max):
             return False
-        if (self.reward_min is not None or self.reward_max is not None) and not _within(r.get("reward"), self.reward_min, self.reward_max):
+        if (self.reward_min is not None or self.reward_max is not None) and not _within(
+            r.get("reward"), self.reward_min, self.reward_max
+        ):
             return False
         if self.failed != "any" and bool(r.get("failed")) != (self.failed == "yes"):
             return False
@@ -88,7 +90,9 @@ def run_query(records: Sequence[Mapping[str, Any]], query: RolloutQuery) -> dict
     """One page of matching records, newest step first, with the total count and the values
     the filter bar offers (stages, kinds, failure causes, the step range)."""
     hits = [r for r in records if query.matches(r)]
-    hits.sort(key=lambda r: (-(r.get("step") or 0), r.get("kind") != "train", r.get("group") or 0, r.get("sample") or 0))
+    hits.sort(
+        key=lambda r: (-(r.get("step") or 0), r.get("kind") != "train", r.get("group") or 0, r.get("sample") or 0)
+    )
     steps = [r["step"] for r in records if isinstance(r.get("step"), int)]
     return {
         "total": len(hits),

@@ -38,8 +38,11 @@ from tempering.runs import rollout_log
 from tempering.runs.runfolder import PROGRESS_FILE
 
 HOST = "127.0.0.1"
-STATIC = {"/": ("index.html", "text/html"), "/view.js": ("view.js", "text/javascript"),
-          "/view.css": ("view.css", "text/css")}  # fmt: skip
+STATIC = {
+    "/": ("index.html", "text/html"),
+    "/view.js": ("view.js", "text/javascript"),
+    "/view.css": ("view.css", "text/css"),
+}
 
 
 def host_allowed(host: str | None, allowed: Iterable[str] = ()) -> bool:
@@ -51,7 +54,7 @@ def host_allowed(host: str | None, allowed: Iterable[str] = ()) -> bool:
         return False
     name = host.strip().lower()
     if name.startswith("["):  # [v6]:port
-        name = name[1:name.find("]")] if "]" in name else name
+        name = name[1 : name.find("]")] if "]" in name else name
     elif name.count(":") == 1:
         name = name.split(":", 1)[0]
     name = name.rstrip(".")
@@ -105,8 +108,10 @@ class RunViewer:
             "progress": self.run.progress(),
             "recipe": recipe,
             "components": info.get("components") or {},
-            "files": {f: os.path.exists(os.path.join(self.run.path, f))
-                      for f in (RUN_FILE, METRICS_FILE, rollout_log.FILENAME, PROGRESS_FILE)},
+            "files": {
+                f: os.path.exists(os.path.join(self.run.path, f))
+                for f in (RUN_FILE, METRICS_FILE, rollout_log.FILENAME, PROGRESS_FILE)
+            },
         }
 
     def route(self, path: str, query: str) -> tuple[int, Any]:
@@ -124,8 +129,9 @@ class RunViewer:
         return 404, {"error": f"no such endpoint {path}"}
 
 
-def make_handler(viewer: RunViewer, log: Callable[[str], None] | None = None,
-                 allowed_hosts: Iterable[str] = ()) -> type[BaseHTTPRequestHandler]:
+def make_handler(
+    viewer: RunViewer, log: Callable[[str], None] | None = None, allowed_hosts: Iterable[str] = ()
+) -> type[BaseHTTPRequestHandler]:
     allowed = tuple(allowed_hosts)
 
     class Handler(BaseHTTPRequestHandler):
@@ -133,9 +139,11 @@ def make_handler(viewer: RunViewer, log: Callable[[str], None] | None = None,
 
         def do_GET(self) -> None:  # http.server's name
             if not host_allowed(self.headers.get("Host"), allowed):
-                error = {"error": f"host {self.headers.get('Host')!r} refused: this viewer answers loopback names "
-                                  "(127.0.0.1, localhost, [::1]) only, against DNS rebinding; to use another name "
-                                  "for this machine, start it with `tempering view --allow-host NAME`"}
+                error = {
+                    "error": f"host {self.headers.get('Host')!r} refused: this viewer answers loopback names "
+                    "(127.0.0.1, localhost, [::1]) only, against DNS rebinding; to use another name "
+                    "for this machine, start it with `tempering view --allow-host NAME`"
+                }
                 return self._send(403, json.dumps(error).encode(), "application/json")
             parts = urlsplit(self.path)
             if parts.path == "/favicon.ico":
@@ -167,14 +175,16 @@ class ViewServer:
     a background thread once :meth:`start` is called (or in the foreground: :meth:`serve`).
     Requests must name a loopback host or one of ``allowed_hosts`` (see :func:`host_allowed`)."""
 
-    def __init__(self, run_dir: str, port: int = 0, log: Callable[[str], None] | None = None,
-                 allowed_hosts: Iterable[str] = ()) -> None:
+    def __init__(
+        self, run_dir: str, port: int = 0, log: Callable[[str], None] | None = None, allowed_hosts: Iterable[str] = ()
+    ) -> None:
         self.viewer = RunViewer(RunDir.open(run_dir))
         try:
             self.httpd = ThreadingHTTPServer((HOST, port), make_handler(self.viewer, log, allowed_hosts))
         except OSError as exc:
-            raise ConfigError(f"cannot listen on {HOST}:{port}: {exc.strerror}; pick another --port (0 = any free one)",
-                              "--port") from None  # fmt: skip
+            raise ConfigError(
+                f"cannot listen on {HOST}:{port}: {exc.strerror}; pick another --port (0 = any free one)", "--port"
+            ) from None
         self.httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
 
@@ -201,4 +211,3 @@ class ViewServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-

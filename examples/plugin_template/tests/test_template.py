@@ -26,8 +26,11 @@ DIST = "tempering-plugin-template"
 def test_plugin_registers_its_components_and_their_targets_import():
     comps = check_plugin(plugin)
     assert sorted((c.kind, c.name) for c in comps) == [
-        ("advantage", "rank"), ("dataset", "unit_questions"), ("environment", "unit_converter"),
-        ("reward", "length_penalty")]
+        ("advantage", "rank"),
+        ("dataset", "unit_questions"),
+        ("environment", "unit_converter"),
+        ("reward", "length_penalty"),
+    ]
     assert {c.load() for c in comps} == {LengthPenalty, RankAdvantage, UnitConverter, unit_questions}
     # the dataset's three shapes (docs/writing-a-plugin.md#datasets)
     assert set(unit_questions("tasks", 2)[0]) == {"question", "answer"}
@@ -49,7 +52,9 @@ def test_config_keys_come_from_the_dataclass_fields():
     reg = make_registry(plugin)
     built = reg.build("reward", {"name": "length_penalty", "max_chars": 2}, "stages[0].reward")
     assert built == LengthPenalty(max_chars=2)
-    with pytest.raises(ConfigError, match=r"stages\[0\]\.reward\.max_char: unknown key 'max_char'\. Did you mean 'max_chars'\?"):
+    with pytest.raises(
+        ConfigError, match=r"stages\[0\]\.reward\.max_char: unknown key 'max_char'\. Did you mean 'max_chars'\?"
+    ):
         reg.build("reward", {"name": "length_penalty", "max_char": 2}, "stages[0].reward")
 
 
@@ -69,13 +74,25 @@ def test_rank_advantage():
 def test_in_a_grpo_stage(tmp_path):
     """The components inside a real GRPO stage, on a fake backend (no model needed)."""
     reg = make_registry(plugin, dist=DIST)  # tempering's built-ins + this plugin
-    recipe = Recipe.from_dict({
-        "name": "template", "output_dir": str(tmp_path), "loggers": [],
-        "stages": [{"name": "grpo", "steps": 1, "prompts_per_step": 2, "group_size": 3, "max_tokens": 8,
+    recipe = Recipe.from_dict(
+        {
+            "name": "template",
+            "output_dir": str(tmp_path),
+            "loggers": [],
+            "stages": [
+                {
+                    "name": "grpo",
+                    "steps": 1,
+                    "prompts_per_step": 2,
+                    "group_size": 3,
+                    "max_tokens": 8,
                     "dataset": {"name": "arithmetic", "size": 4},
                     "reward": {"name": f"{DIST}:length_penalty", "max_chars": 1, "penalty": 0.5},
-                    "advantage": f"{DIST}:rank"}],
-    })
+                    "advantage": f"{DIST}:rank",
+                }
+            ],
+        }
+    )
     backend = FakeBackend(complete=lambda prompt, i: "7" * (i + 1))  # lengths 1, 2, 3
     result = recipe.run(registry=reg, backend=backend)
     assert result.stages["grpo"]["reward/mean"] == pytest.approx((1.0 + 0.5 + 0.0) / 3)
@@ -93,7 +110,9 @@ def test_unit_converter_episode():
         [spec] = [t.spec() for t in env.tools()]
         call = ParsedResponse(tool_calls=[ToolCall("convert", {"value": 3, "unit": "km", "to": "m"}, "c0")])
         answered = await env.step(call)
-        bad = await env.step(ParsedResponse(tool_calls=[ToolCall("convert", {"value": 3, "unit": "km", "to": "yd"}, "c1")]))
+        bad = await env.step(
+            ParsedResponse(tool_calls=[ToolCall("convert", {"value": 3, "unit": "km", "to": "yd"}, "c1")])
+        )
         right, wrong, junk = [await env.step(ParsedResponse(text=t)) for t in ("2999", "30", "three km")]
         return first, spec, answered, bad, right, wrong, junk
 
@@ -101,9 +120,15 @@ def test_unit_converter_episode():
     assert first == [{"role": "user", "content": "how many m is 3 km?"}]
     assert spec["function"]["name"] == "convert"
     assert spec["function"]["parameters"]["required"] == ["value", "unit", "to"]
-    assert spec["function"]["parameters"]["properties"]["value"] == {"type": "number", "description": "the length, in `unit`"}
+    assert spec["function"]["parameters"]["properties"]["value"] == {
+        "type": "number",
+        "description": "the length, in `unit`",
+    }
     assert (answered.messages, answered.done, answered.metrics["tool_calls"]) == (
-        [{"role": "tool", "tool_call_id": "c0", "name": "convert", "content": "3000"}], False, 1.0)
+        [{"role": "tool", "tool_call_id": "c0", "name": "convert", "content": "3000"}],
+        False,
+        1.0,
+    )
     # a tool that raises: the model reads the error as the tool's answer, the sampler counts it
     assert bad.messages[0]["content"] == "Error: ValueError: unknown unit 'yd': use one of mm, cm, m, km, in, ft, mi"
     assert (bad.done, bad.metrics["tool_errors"]) == (False, 1.0)

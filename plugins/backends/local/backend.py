@@ -40,12 +40,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
 
 import torch
-from tempering.errors import ConfigError
-from tempering.interfaces import Loss
+
 import tempering.plugins.backends.local.checkpoint as checkpoint
 import tempering.plugins.backends.local.config as config
 import tempering.plugins.backends.local.distributed as distributed
 import tempering.plugins.backends.local.sharding as sharding
+from tempering.errors import ConfigError
+from tempering.interfaces import Loss
 from tempering.plugins.backends.common import checked_extra, run_on
 from tempering.plugins.backends.local.building import (
     ModelSource,
@@ -124,9 +125,18 @@ class LocalBackend:
         vllm: Mapping[str, Any] | None = None,
         model_builder: Callable[..., tuple[Any, Any]] | None = None,
     ) -> None:
-        self.check_params({"model": model, "model_kwargs": model_kwargs, "lora": lora, "device": device, "dtype": dtype,
-                           "parallel": parallel,
-                           "sample_batch_size": sample_batch_size, "model_builder": model_builder})  # fmt: skip
+        self.check_params(
+            {
+                "model": model,
+                "model_kwargs": model_kwargs,
+                "lora": lora,
+                "device": device,
+                "dtype": dtype,
+                "parallel": parallel,
+                "sample_batch_size": sample_batch_size,
+                "model_builder": model_builder,
+            }
+        )
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         self.model_name = model
@@ -140,7 +150,9 @@ class LocalBackend:
         self.sample_batch_size = sample_batch_size
         self.step = 0
 
-        self._source = ModelSource(self.model_name, self.model_kwargs, self.seed, self.dtype, self.device, model_builder)
+        self._source = ModelSource(
+            self.model_name, self.model_kwargs, self.seed, self.dtype, self.device, model_builder
+        )
         base, self.tokenizer = self._source.build()
         self.pad_token_id, self.eos_token_ids = special_ids(base, self.tokenizer)
         base.generation_config = neutral_generation_config(self.tokenizer, self.pad_token_id, self.eos_token_ids)
@@ -151,19 +163,28 @@ class LocalBackend:
         self._sharded = parallel == "fsdp" and self.world_size > 1
         if self._sharded:  # FSDP2: parameters become DTensors, so the weights list them after this
             sharding.shard_model(self.model, self.dtype)
-        self._weights = PolicyWeights(self.model, bool(self.lora), self._sharded, self.dtype,
-                                      lambda: self._source.build()[0], initial, self.model_name)  # fmt: skip
+        self._weights = PolicyWeights(
+            self.model,
+            bool(self.lora),
+            self._sharded,
+            self.dtype,
+            lambda: self._source.build()[0],
+            initial,
+            self.model_name,
+        )
         self._trainer = Trainer(self._weights, self.pad_token_id, self.device, self.world_size)
         checkpoint.seed_everything(self.seed + self.rank)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tempering-local") if threaded else None
-        self._generator = Generator(self.tokenizer, self.pad_token_id, self.eos_token_ids, self.device,
-                                    sample_batch_size)  # fmt: skip
+        self._generator = Generator(
+            self.tokenizer, self.pad_token_id, self.eos_token_ids, self.device, sample_batch_size
+        )
         # The sampling engine of sampling_client(): a model copy and a thread, made on first use.
         self._sampling = SamplerCopy(threaded)
         vllm_params = check_engine(engine, vllm, "backend")
         if vllm_params is not None and self.world_size > 1:
-            raise ConfigError("engine 'vllm' runs in a single process for now; use engine: generate under torchrun",
-                              "backend.engine")  # fmt: skip
+            raise ConfigError(
+                "engine 'vllm' runs in a single process for now; use engine: generate under torchrun", "backend.engine"
+            )
         self._vllm = VllmEngine(self, vllm_params) if vllm_params is not None else None
 
     @staticmethod
@@ -210,9 +231,7 @@ class LocalBackend:
         """
         return self._submit(self._sample, [list(p) for p in prompts], num_samples, params)
 
-    def logprobs(
-        self, batch: Batch, reference: bool = False, weights: str | None = None
-    ) -> Future[list[list[float]]]:
+    def logprobs(self, batch: Batch, reference: bool = False, weights: str | None = None) -> Future[list[list[float]]]:
         """Per-target-token logprobs of each row (one forward pass, no gradients).
 
         ``reference=True`` scores with the reference policy (adapter off / initial copy);
@@ -275,8 +294,11 @@ class LocalBackend:
         from the process-global torch RNG, which training does not use.
         """
         if self._sharded:
-            raise ConfigError("asynchronous sampling (a sampling client on its own thread) cannot keep the ranks' "
-                              "forwards in lockstep; use parallel: ddp or a synchronous stage", "backend.parallel")
+            raise ConfigError(
+                "asynchronous sampling (a sampling client on its own thread) cannot keep the ranks' "
+                "forwards in lockstep; use parallel: ddp or a synchronous stage",
+                "backend.parallel",
+            )
         return self._submit(self._sampling_snapshot)
 
     def forward_backward(self, batch: Batch, loss: Loss) -> Future[dict[str, float]]:
@@ -306,8 +328,10 @@ class LocalBackend:
         tempering (``AutoModelForCausalLM.from_pretrained(path)``): a LoRA policy merged into
         its base weights, or with ``adapter=True`` the peft adapter alone. Rank 0 only."""
         if adapter and not self.lora:
-            raise ValueError("export_pretrained(adapter=True): this backend trains every weight (no lora:), "
-                             "so there is no adapter; export the full model")  # fmt: skip
+            raise ValueError(
+                "export_pretrained(adapter=True): this backend trains every weight (no lora:), "
+                "so there is no adapter; export the full model"
+            )
         return self._submit(self._export, str(path), adapter).result()
 
     def close(self) -> None:
@@ -347,8 +371,16 @@ class LocalBackend:
         return metrics
 
     def _save(self, path: str, extra: dict[str, Any]) -> str:
-        return checkpoint.save(path, self._weights, self._trainer, step=self.step, extra=extra,
-                               model=self.model_name, lora=self.lora, world_size=self.world_size)  # fmt: skip
+        return checkpoint.save(
+            path,
+            self._weights,
+            self._trainer,
+            step=self.step,
+            extra=extra,
+            model=self.model_name,
+            lora=self.lora,
+            world_size=self.world_size,
+        )
 
     def _load(self, path: str) -> dict[str, Any]:
         meta = checkpoint.load(path, self._weights, self._trainer)

@@ -16,8 +16,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
-from tempering.plugins.backends.local.model_source import quiet_loading, registered_builder, source_folder
 from transformers import GenerationConfig
+
+from tempering.plugins.backends.local.model_source import quiet_loading, registered_builder, source_folder
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+
 import tempering.plugins.backends.local.distributed as distributed
 import tempering.plugins.backends.local.sharding as sharding
 from tempering.plugins.backends.local.training import Trainer

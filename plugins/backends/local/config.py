@@ -14,9 +14,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from tempering.errors import ConfigError
+
 import tempering.plugins.backends.local.distributed as distributed
 import tempering.plugins.backends.local.sharding as sharding
+from tempering.errors import ConfigError
 from tempering.plugins.backends.local.model_source import check_model
 from tempering.plugins.backends.local.vllm_engine import check_engine
 
@@ -45,8 +46,9 @@ def check_params(params: Mapping[str, Any], path: str = "backend") -> None:
     if "device" in params:
         resolve_device(params["device"], f"{path}.device")
     if params.get("parallel", "ddp") not in sharding.PARALLEL_MODES:
-        raise ConfigError(f"unknown mode {params['parallel']!r}; choose ddp (replicated) or fsdp (sharded)",
-                          f"{path}.parallel")  # fmt: skip
+        raise ConfigError(
+            f"unknown mode {params['parallel']!r}; choose ddp (replicated) or fsdp (sharded)", f"{path}.parallel"
+        )
     if params.get("sample_batch_size", 1) < 1:
         raise ConfigError(f"must be >= 1, got {params['sample_batch_size']}", f"{path}.sample_batch_size")
     if "engine" in params or "vllm" in params:

@@ -23,9 +23,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
-from tempering.plugins.backends.common import run_on
-from tempering.plugins.backends.local.stops import before_first, split_stop
-from tempering.types import Completion, SamplingParams
 from transformers import (
     GenerationConfig,
     LogitsProcessor,
@@ -36,6 +33,10 @@ from transformers import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+from tempering.plugins.backends.common import run_on
+from tempering.plugins.backends.local.stops import before_first, split_stop
+from tempering.types import Completion, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
     from tempering.plugins.backends.local.backend import LocalBackend

@@ -70,11 +70,13 @@ def check_model(name: Any, model_kwargs: Any, path: str) -> None:
     ``name`` is a builder whose arguments ``model_kwargs`` fit, a saved-model folder, or a hub id
     that exists."""
     if not isinstance(name, str) or not name:
-        raise ConfigError(f"expected a model builder name, a folder or a Hugging Face hub id, got {name!r}",
-                          f"{path}.model")  # fmt: skip
+        raise ConfigError(
+            f"expected a model builder name, a folder or a Hugging Face hub id, got {name!r}", f"{path}.model"
+        )
     if model_kwargs is not None and not isinstance(model_kwargs, Mapping):
-        raise ConfigError(f"expected a mapping of keyword arguments, got {type(model_kwargs).__name__}",
-                          f"{path}.model_kwargs")  # fmt: skip
+        raise ConfigError(
+            f"expected a mapping of keyword arguments, got {type(model_kwargs).__name__}", f"{path}.model_kwargs"
+        )
     try:
         builder = registered_builder(name)
     except PluginError as exc:  # two packages register this model name
@@ -89,11 +91,17 @@ def check_model(name: Any, model_kwargs: Any, path: str) -> None:
         return
     if os.path.isdir(name):
         if not os.path.isfile(os.path.join(name, "config.json")):
-            raise ConfigError(f"the folder '{name}' holds no config.json, so it is not a saved model "
-                              "(write one with save_pretrained or the backend's export_pretrained)", f"{path}.model")
+            raise ConfigError(
+                f"the folder '{name}' holds no config.json, so it is not a saved model "
+                "(write one with save_pretrained or the backend's export_pretrained)",
+                f"{path}.model",
+            )
         if not any(os.path.isfile(os.path.join(name, f)) for f in TOKENIZER_FILES):
-            raise ConfigError(f"the folder '{name}' holds a model but no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
-                              "save one there with tokenizer.save_pretrained(folder)", f"{path}.model")  # fmt: skip
+            raise ConfigError(
+                f"the folder '{name}' holds a model but no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                "save one there with tokenizer.save_pretrained(folder)",
+                f"{path}.model",
+            )
         return
     problem = _hub_problem(name, (model_kwargs or {}).get("revision"))
     if problem is None:
@@ -103,7 +111,9 @@ def check_model(name: Any, model_kwargs: Any, path: str) -> None:
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     raise ConfigError(
         f"'{name}' is not a registered model builder{hint}, not an existing folder, and {problem}. "
-        f"Model builders: {', '.join(builders) or '(none)'}", f"{path}.model")  # fmt: skip
+        f"Model builders: {', '.join(builders) or '(none)'}",
+        f"{path}.model",
+    )
 
 
 def _hub_problem(name: str, revision: str | None) -> str | None:
@@ -150,6 +160,8 @@ def hub_lookup(name: str) -> str | None:
         return "not a model on the Hugging Face hub (no such repository, or a private one: log in with `hf auth login`)"
     except Exception as exc:  # noqa: BLE001 - any network failure: say so in one line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return (f"the Hugging Face hub could not be reached to look it up ({type(exc).__name__}: {first}); "
-                "fix the name, or download the model and set HF_HUB_OFFLINE=1")
+        return (
+            f"the Hugging Face hub could not be reached to look it up ({type(exc).__name__}: {first}); "
+            "fix the name, or download the model and set HF_HUB_OFFLINE=1"
+        )
     return None

@@ -5,4 +5,8 @@ from tempering.hookspecs import hookimpl
 
 @hookimpl
 def register_backends(register):
-    register("local", "tempering.plugins.backends.local.backend:LocalBackend", description="torch/transformers/peft on this machine")
+    register(
+        "local",
+        "tempering.plugins.backends.local.backend:LocalBackend",
+        description="torch/transformers/peft on this machine",
+    )

@@ -44,6 +44,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
+
 import tempering.plugins.backends.local.distributed as distributed
 
 if TYPE_CHECKING:

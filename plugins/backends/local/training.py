@@ -10,9 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from tempering.interfaces import Loss, at_positions, from_positions
+
 import tempering.plugins.backends.local.distributed as distributed
 import tempering.plugins.backends.local.sharding as sharding
+from tempering.interfaces import Loss, at_positions, from_positions
 from tempering.plugins.backends.common import float_metrics
 from tempering.plugins.backends.local.logprobs import (
     model_logits,
@@ -82,7 +83,9 @@ class Trainer:
         out = loss(lp, tensors)
         value = getattr(out, "loss", None)
         if not isinstance(value, torch.Tensor) or value.dim() != 0:
-            raise TypeError(f"forward_backward: {type(loss).__name__} must return a LossOutput with a scalar tensor .loss")
+            raise TypeError(
+                f"forward_backward: {type(loss).__name__} must return a LossOutput with a scalar tensor .loss"
+            )
         value.backward()
         metrics = float_metrics(getattr(out, "metrics", {}) or {}, type(loss).__name__)
         metrics["loss"] = float(value.detach())

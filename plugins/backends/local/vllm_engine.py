@@ -82,9 +82,13 @@ def check_engine(engine: Any, options: Any, path: str = "backend") -> VllmParams
         raise ConfigError(f"engine 'vllm' needs vLLM, which is not installed: {INSTALL}", f"{path}.engine")
     params = VllmParams(**validate_params(VllmParams, dict(options or {}), f"{path}.vllm"))
     if not 0.0 < params.gpu_memory_utilization <= 1.0:
-        raise ConfigError(f"must be in (0, 1], got {params.gpu_memory_utilization}", f"{path}.vllm.gpu_memory_utilization")
+        raise ConfigError(
+            f"must be in (0, 1], got {params.gpu_memory_utilization}", f"{path}.vllm.gpu_memory_utilization"
+        )
     if params.kv_cache_space_gib < 1:
-        raise ConfigError(f"must be a whole number of GiB >= 1, got {params.kv_cache_space_gib}", f"{path}.vllm.kv_cache_space_gib")
+        raise ConfigError(
+            f"must be a whole number of GiB >= 1, got {params.kv_cache_space_gib}", f"{path}.vllm.kv_cache_space_gib"
+        )
     return params
 
 
@@ -167,7 +171,10 @@ class VllmEngine:
                 use_tqdm=False,
                 lora_request=self._lora_request,
             )
-        return [[self._convert(p, o, params, stop_strings, version) for o in out.outputs] for p, out in zip(prompts, outputs)]
+        return [
+            [self._convert(p, o, params, stop_strings, version) for o in out.outputs]
+            for p, out in zip(prompts, outputs)
+        ]
 
     def invalidate(self) -> None:
         """The backend's weights changed without a new policy version (a checkpoint load)."""
@@ -267,7 +274,9 @@ class VllmEngine:
             logprobs=0,  # the sampled token's logprob only
         )
 
-    def _convert(self, prompt: list[int], out: Any, params: SamplingParams, stop_strings: list[str], version: int) -> Completion:
+    def _convert(
+        self, prompt: list[int], out: Any, params: SamplingParams, stop_strings: list[str], version: int
+    ) -> Completion:
         tokens = list(out.token_ids)
         logprobs = [float(step[tok].logprob) for step, tok in zip(out.logprobs or [], tokens)]
         text = self.backend.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -284,11 +293,7 @@ def _save_base(model: Any, tokenizer: Any, folder: str, lora: bool) -> None:
         model.save_pretrained(folder)
     else:
         base = model.get_base_model()
-        state = {
-            n.replace(".base_layer.", "."): t
-            for n, t in base.state_dict().items()
-            if ".lora_" not in n
-        }
+        state = {n.replace(".base_layer.", "."): t for n, t in base.state_dict().items() if ".lora_" not in n}
         base.save_pretrained(folder, state_dict=state)
     tokenizer.save_pretrained(folder)
 

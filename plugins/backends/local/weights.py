@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
 import tempering.plugins.backends.local.sharding as sharding
 from tempering.plugins.backends.local.building import fingerprint
 
@@ -95,9 +96,7 @@ class PolicyWeights:
 
     def snapshots_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Every snapshot as whole CPU tensors (a sharded one gathered), for a checkpoint."""
-        return {
-            k: {n: sharding.full_tensor(t.detach()).cpu() for n, t in v.items()} for k, v in self.snapshots.items()
-        }
+        return {k: {n: sharding.full_tensor(t.detach()).cpu() for n, t in v.items()} for k, v in self.snapshots.items()}
 
     def restore_snapshots(self, saved: dict[str, dict[str, torch.Tensor]]) -> None:
         """Replace the snapshots by checkpointed ones, each laid out (sharded or not) like its parameter."""
@@ -116,7 +115,9 @@ class PolicyWeights:
         """Load what :meth:`state` (or a sharded gather) returned into the policy."""
         missing = [n for n, _ in self.named if n not in weights] if self.lora else []
         if missing:
-            raise ValueError(f"LocalBackend.load: the checkpoint lacks adapter tensors {missing[:3]}... (lora config differs?)")
+            raise ValueError(
+                f"LocalBackend.load: the checkpoint lacks adapter tensors {missing[:3]}... (lora config differs?)"
+            )
         if self.sharded:
             sharding.load_weights(self.model, weights, self.lora)
             return

@@ -355,7 +355,7 @@ class TinkerBackend:
                 client = self.training_client
                 try:
                     self._tokenizer = client.get_tokenizer()
-                except Exception as err:  # noqa: BLE001 - e.g. no access to the Hugging Face hub
+                except Exception as err:
                     raise TinkerBackendError(
                         f"could not load the tokenizer of {self.base_model!r} ({one_line(err)}); set backend.tokenizer "
                         "to a local path or hub name of the same tokenizer"
@@ -544,9 +544,9 @@ class TinkerBackend:
         if plan.custom:
             dry_run(loss, tensors)
             fn = custom_loss_fn(loss, tensors, captured)
-            submit = lambda c: c.forward_backward_custom(data, fn)  # noqa: E731
+            submit = lambda c: c.forward_backward_custom(data, fn)
         else:
-            submit = lambda c: c.forward_backward(data, plan.loss_fn, plan.loss_fn_config)  # noqa: E731
+            submit = lambda c: c.forward_backward(data, plan.loss_fn, plan.loss_fn_config)
         with self._lock:
             call = self.calls.submit("forward_backward", submit, stateful=True)
         return self.session.spawn(lambda: loss_metrics(self.calls.result(call), plan, loss, tensors, captured))

@@ -73,7 +73,16 @@ def retryable(tinker: Any, err: BaseException) -> bool:
     """Worth sending again (for a request that changes nothing on the service)."""
     from tinker.lib.retryable_exception import RetryableException
 
-    if isinstance(err, (tinker.RateLimitError, tinker.InternalServerError, tinker.APIConnectionError, RetryableException, ConnectionError)):
+    if isinstance(
+        err,
+        (
+            tinker.RateLimitError,
+            tinker.InternalServerError,
+            tinker.APIConnectionError,
+            RetryableException,
+            ConnectionError,
+        ),
+    ):
         return True
     if isinstance(err, tinker.RequestFailedError):
         return not is_user_failure(tinker, err)
@@ -82,7 +91,9 @@ def retryable(tinker: Any, err: BaseException) -> bool:
     return False
 
 
-def translate(tinker: Any, err: BaseException, what: str, training: bool = False, attempts: int | None = None) -> TemperingError:
+def translate(
+    tinker: Any, err: BaseException, what: str, training: bool = False, attempts: int | None = None
+) -> TemperingError:
     """A one-line error that says what happened and what to do.
 
     ``training``: ``err`` came from a training-client call; unless the request itself was at
@@ -92,11 +103,17 @@ def translate(tinker: Any, err: BaseException, what: str, training: bool = False
         return err
     detail = one_line(getattr(err, "message", None) or err)[:300]
     text = str(err)
-    if isinstance(err, tinker.AuthenticationError) or "status 401" in text or "api_key must start with" in text \
-            or "api_key client option must be set" in text:  # fmt: skip
+    if (
+        isinstance(err, tinker.AuthenticationError)
+        or "status 401" in text
+        or "api_key must start with" in text
+        or "api_key client option must be set" in text
+    ):
         return TinkerAuthError(f"Tinker rejected the API key while trying to {what} ({detail}): {KEY_HINT}")
     if isinstance(err, tinker.PermissionDeniedError) or "status 403" in text:
-        return TinkerAuthError(f"Tinker denied access while trying to {what} (403: {detail}); check the key's project and {KEY_HINT}")
+        return TinkerAuthError(
+            f"Tinker denied access while trying to {what} (403: {detail}); check the key's project and {KEY_HINT}"
+        )
     if isinstance(err, tinker.BillingError):
         return TinkerServiceError(f"Tinker refused to {what}: billing is not set up for this account (402: {detail})")
     if isinstance(err, tinker.ConflictError):
@@ -108,7 +125,9 @@ def translate(tinker: Any, err: BaseException, what: str, training: bool = False
     if retryable(tinker, err):
         kind = "rate limit (429)" if isinstance(err, tinker.RateLimitError) else type(err).__name__
         if attempts is None:
-            return TinkerServiceError(f"Tinker could not {what}: {kind} persisted after the SDK's own retries ({detail}); try again later")
+            return TinkerServiceError(
+                f"Tinker could not {what}: {kind} persisted after the SDK's own retries ({detail}); try again later"
+            )
         return TinkerServiceError(
             f"Tinker could not {what}: {kind} persisted over {attempts} attempt(s) ({detail}); "
             "raise backend.max_retries or backend.retry_backoff, or try later"

@@ -90,7 +90,9 @@ class LossPlan:
     @property
     def two_dimensional(self) -> bool:
         """``(N, K)`` targets (top-k soft cross-entropy)."""
-        return bool(self.inputs and self.inputs[0]["target_tokens"] and isinstance(self.inputs[0]["target_tokens"][0], list))
+        return bool(
+            self.inputs and self.inputs[0]["target_tokens"] and isinstance(self.inputs[0]["target_tokens"][0], list)
+        )
 
 
 def plan_loss(loss: Any, batch: Batch) -> LossPlan:
@@ -135,7 +137,9 @@ def _builtin_plan(loss: Any, builtin: BuiltinLoss, batch: Batch) -> LossPlan:
             raise ValueError(f"{who}: either every row has {SOFT_IDS}/{SOFT_WEIGHTS} (soft targets) or none does")
         if all(soft):
             soft_rows = [_soft_inputs(d, who) for d in batch.data]
-            return LossPlan(name, None, soft_rows, note=f"{who} as Tinker's cross_entropy with (N, K) soft targets (exact)")
+            return LossPlan(
+                name, None, soft_rows, note=f"{who} as Tinker's cross_entropy with (N, K) soft targets (exact)"
+            )
         hard_rows = _token_weight_inputs(batch)
         return LossPlan(name, None, hard_rows, note=f"{who} as Tinker's cross_entropy (exact: a weighted sum)")
     _require(batch, ("sampler_logprobs", "advantages"), f"{who} (Tinker's {name})")
@@ -151,7 +155,11 @@ def _builtin_plan(loss: Any, builtin: BuiltinLoss, batch: Batch) -> LossPlan:
     inputs: list[dict[str, list[Any]]] = []
     for i, d in enumerate(batch.data):
         n = len(d.target_tokens)
-        row = {"target_tokens": list(d.target_tokens), "logprobs": old[i, :n].tolist(), "advantages": adv[i, :n].tolist()}
+        row = {
+            "target_tokens": list(d.target_tokens),
+            "logprobs": old[i, :n].tolist(),
+            "advantages": adv[i, :n].tolist(),
+        }
         if name == "gspo":
             row["sequence_ratio_mask"] = [1.0 if w else 0.0 for w in d.weights]
         bad = [x for x in row["logprobs"] + row["advantages"] if not math.isfinite(x)]
@@ -167,7 +175,9 @@ def _soft_inputs(d: Any, who: str) -> dict[str, list[Any]]:
     ids, weights = _as_rows(d.extra[SOFT_IDS]), _as_rows(d.extra[SOFT_WEIGHTS])
     n = len(d.target_tokens)
     if len(ids) != n or len(weights) != n:
-        raise ValueError(f"{who}: {SOFT_IDS}/{SOFT_WEIGHTS} need one row per target token ({n}), got {len(ids)}/{len(weights)}")
+        raise ValueError(
+            f"{who}: {SOFT_IDS}/{SOFT_WEIGHTS} need one row per target token ({n}), got {len(ids)}/{len(weights)}"
+        )
     widths = {len(r) for r in ids} | {len(r) for r in weights}
     if len(widths) != 1:
         raise ValueError(f"{who}: {SOFT_IDS}/{SOFT_WEIGHTS} must be rectangular (T, K), got widths {sorted(widths)}")

@@ -63,8 +63,15 @@ class TrainingCalls:
         lock: the backend's lock (orders submissions).
     """
 
-    def __init__(self, create: Callable[[str | None], Any], wait: Callable[[Any, str], Any], max_recoveries: int,
-                 fresh_ok: bool, lock: threading.RLock, state: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        create: Callable[[str | None], Any],
+        wait: Callable[[Any, str], Any],
+        max_recoveries: int,
+        fresh_ok: bool,
+        lock: threading.RLock,
+        state: str | None = None,
+    ) -> None:
         self.create, self.wait = create, wait
         self.max_recoveries, self.fresh_ok, self.lock = int(max_recoveries), fresh_ok, lock
         self.state = state  # the tinker path the journal starts from (None: a fresh adapter)
@@ -124,9 +131,13 @@ class TrainingCalls:
         while True:
             if attempts >= self.max_recoveries or (self.state is None and not self.fresh_ok):
                 self.gave_up = True
-                why = (f"still failing after {attempts} new training client(s) (backend.max_recoveries)" if attempts
-                       else "no saved state to rebuild the training client from" if self.max_recoveries
-                       else "recovery is off (backend.max_recoveries: 0)")  # fmt: skip
+                why = (
+                    f"still failing after {attempts} new training client(s) (backend.max_recoveries)"
+                    if attempts
+                    else "no saved state to rebuild the training client from"
+                    if self.max_recoveries
+                    else "recovery is off (backend.max_recoveries: 0)"
+                )
                 raise TinkerTrainingError(
                     f"{err}; {why}. Re-run the same command (same output_dir) to resume from the last checkpoint"
                 ) from err
@@ -143,8 +154,11 @@ class TrainingCalls:
                 return  # another waiter already rebuilt the client
             replay = [c for c in self.journal if c.stateful or not c.done]
             source = f"the saved state {self.state}" if self.state else "a fresh adapter (same seed)"
-            warnings.warn(f"{err} -- rebuilding the training client from {source} and repeating {len(replay)} call(s)",
-                          RuntimeWarning, stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"{err} -- rebuilding the training client from {source} and repeating {len(replay)} call(s)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             client = self.create(self.state)
             self.generation += 1
             self.client = client

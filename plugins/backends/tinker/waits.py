@@ -40,8 +40,14 @@ def _done(fut: Any) -> bool:
     return bool(inner.done())
 
 
-def wait_for(fut: Any, what: str, timeout: float, warn_after: float, setting: str = "backend.request_timeout_seconds",
-             explain: Callable[[], str | None] | None = None) -> Any:
+def wait_for(
+    fut: Any,
+    what: str,
+    timeout: float,
+    warn_after: float,
+    setting: str = "backend.request_timeout_seconds",
+    explain: Callable[[], str | None] | None = None,
+) -> Any:
     """``fut.result()`` within ``timeout`` seconds (an SDK future or a concurrent one), warning
     after ``warn_after`` seconds and then at doubling intervals; :class:`Overdue` past it.
     ``explain`` (e.g. :func:`diagnose` of the service) says what is wrong when a warning is due:
@@ -60,9 +66,12 @@ def wait_for(fut: Any, what: str, timeout: float, warn_after: float, setting: st
             raise Overdue(what, elapsed)
         if elapsed >= warn_at:
             problem = explain() if explain is not None else None
-            why = (f"the service: {problem}, which the SDK retries without a word" if problem else
-                   "the service may be queueing it, or paused for capacity or rate limits, which the SDK waits out "
-                   "without a word")  # fmt: skip
+            why = (
+                f"the service: {problem}, which the SDK retries without a word"
+                if problem
+                else "the service may be queueing it, or paused for capacity or rate limits, which the SDK waits out "
+                "without a word"
+            )
             warnings.warn(
                 f"Tinker: still waiting for {what} after {elapsed:.0f} s ({why}); "
                 f"giving up after {timeout:.0f} s ({setting})",

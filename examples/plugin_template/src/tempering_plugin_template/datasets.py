@@ -64,12 +64,15 @@ def call(value: int, unit: str, to: str, call_id: str = "call_0_0") -> dict[str,
 
 def transcript(task: dict[str, Any], value: int, unit: str, to: str) -> dict[str, Any]:
     result = UnitConverter().convert(value, unit, to)
-    return {"messages": [
-        {"role": "user", "content": task["question"]},
-        {"role": "assistant", "content": "", "tool_calls": [call(value, unit, to)]},
-        {"role": "tool", "tool_call_id": "call_0_0", "name": "convert", "content": result},
-        {"role": "assistant", "content": task["answer"]},
-    ], "tools": tool_specs()}  # fmt: skip
+    return {
+        "messages": [
+            {"role": "user", "content": task["question"]},
+            {"role": "assistant", "content": "", "tool_calls": [call(value, unit, to)]},
+            {"role": "tool", "tool_call_id": "call_0_0", "name": "convert", "content": result},
+            {"role": "assistant", "content": task["answer"]},
+        ],
+        "tools": tool_specs(),
+    }
 
 
 def pair(task: dict[str, Any], value: int, unit: str, to: str) -> dict[str, Any]:

@@ -23,7 +23,9 @@ class LengthPenalty:
 
     def __post_init__(self) -> None:
         if self.max_chars < 0 or self.penalty < 0:
-            raise ValueError(f"length_penalty: max_chars and penalty must be >= 0, got {self.max_chars}, {self.penalty}")
+            raise ValueError(
+                f"length_penalty: max_chars and penalty must be >= 0, got {self.max_chars}, {self.penalty}"
+            )
 
     def __call__(self, completion: str, example: Mapping[str, Any]) -> float:
         extra = max(0, len(completion.strip()) - self.max_chars)
