@@ -15,6 +15,7 @@ complete (the leftover temporary is removed by the next conversion).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -57,10 +58,10 @@ def check_gguf_file(path: str, key: str = "model_kwargs.path") -> None:
             "the file is corrupt or of another format",
             key,
         )
-    try:
-        import gguf  # noqa: F401
-    except ImportError:
-        raise ConfigError(f"reading a GGUF file needs the `gguf` package: {GGUF_INSTALL}", key) from None
+    # A probe, not an import: transformers imports `gguf` itself when it reads the file, and
+    # the package is optional (installed with the model wheels), so type checkers must not need it.
+    if importlib.util.find_spec("gguf") is None:
+        raise ConfigError(f"reading a GGUF file needs the `gguf` package: {GGUF_INSTALL}", key)
 
 
 def file_digest(path: str) -> str:
