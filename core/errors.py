@@ -8,10 +8,15 @@ class TemperingError(Exception):
 
 
 class ConfigError(TemperingError, ValueError):
-    """A recipe or component config is invalid. The message names the key's path."""
+    """A recipe or component config is invalid. The message names the key's path.
+
+    ``path`` and ``message`` (the text without the ``path: `` prefix) stay apart as attributes,
+    so a check that shares a raising helper with the builder can report the error as a
+    :class:`~tempering.schema.Problem` without parsing the text (:func:`tempering.schema.caught`)."""
 
     def __init__(self, message: str, path: str | None = None) -> None:
         self.path = path
+        self.message = message
         super().__init__(f"{path}: {message}" if path else message)
 
 

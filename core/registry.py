@@ -39,18 +39,13 @@ ENTRY_POINT_GROUP = "tempering"
 ENV_LOAD = "TEMPERING_LOAD_PLUGINS"  # comma list of external plugins to load; "" = none
 ENV_STRICT = "TEMPERING_STRICT_PLUGINS"  # "1": a plugin that fails to load is an error
 BUILTIN_DIST = "tempering"
-#: A component's schema is its fields (a dataclass factory's, its ``Params`` dataclass's, or the
-#: factory's signature: :func:`validate_params`) plus its check, ``check_config(config)`` yielding
-#: ``(key, message)`` problems (:data:`tempering.schema.CHECK_CONFIG`). :meth:`Registry.check` and
-#: :meth:`Registry.build` run both once, before building, and report the first problem as a
-#: one-line ``ConfigError`` at its full key path. See :mod:`tempering.schema`.
-#:
-#: The older form of the check, still read for the factories not converted yet (the local
-#: backend, the ``python`` / ``remote`` / ``process_pool`` rewards, the tracker loggers):
-#: ``check_params(params, path)`` raising ``ConfigError`` under ``path`` -- the local backend
-#: resolves its model name and validates ``model_kwargs`` against the model builder there, so a
-#: typo fails in a second instead of after a download. New components write ``check_config``.
-CHECK_HOOK = "check_params"
+# A component's schema is its fields (a dataclass factory's, its ``Params`` dataclass's, or the
+# factory's signature: :func:`validate_params`) plus its check, ``check_config(config)`` yielding
+# ``(key, message)`` problems (:data:`tempering.schema.CHECK_CONFIG`), the one way to check a
+# component. :meth:`Registry.check` and :meth:`Registry.build` run both once, before building,
+# and report the first problem as a one-line ``ConfigError`` at its full key path. See
+# :mod:`tempering.schema`.
+
 #: A component as a recipe gives it: a registered name (``"local"``), a mapping of the name and
 #: its keys (``{"name": "local", "model": "tiny_llama"}``), or, from Python, the built object
 #: itself (a ``LocalBackend(...)``). The registry resolves the first two; the third is used as
@@ -362,7 +357,7 @@ class Registry:
         )
 
     def check(self, kind: str, spec: Any, path: str = "", context: Iterable[str] = ()) -> None:
-        """Validate ``spec`` (its name, keys and the factory's ``check_params``) without building
+        """Validate ``spec`` (its name, keys and the factory's ``check_config``) without building
         it: lets a recipe fail on a typo in its last stage before its first stage trains."""
         if isinstance(spec, (str, Mapping)) or _is_omegaconf(spec):
             self._resolve(kind, spec, path, set(context))
@@ -379,9 +374,6 @@ class Registry:
         kwargs = validate_params(factory, params, path, exclude=context)  # the schema's fields
         if callable(getattr(factory, CHECK_CONFIG, None)):  # its check, on every key
             check_config_at(factory, {**factory_defaults(factory), **kwargs}, path)
-        legacy = getattr(factory, CHECK_HOOK, None)
-        if callable(legacy):
-            legacy(kwargs, path)
         return factory, kwargs
 
 

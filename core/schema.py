@@ -34,6 +34,10 @@ A third-party loss, complete::
         def __post_init__(self):
             raise_problems(self)
 
+A check that shares a helper with the code building the component -- one that returns the
+values the build needs and raises a :class:`~tempering.errors.ConfigError` at a key path (the
+local backend's ``check_model``) -- turns that error into its problem with :func:`caught`.
+
 This module imports nothing but the standard library and :mod:`tempering.errors`, so the pure
 maths (:mod:`tempering.rlmath`) can declare its checks here too.
 """
@@ -42,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 from tempering.errors import ConfigError
@@ -50,10 +54,12 @@ from tempering.errors import ConfigError
 __all__ = [
     "CHECK_CONFIG",
     "Problem",
+    "caught",
     "check_config_at",
     "choice_message",
     "config_problems",
     "field_values",
+    "first_problem",
     "one_of",
     "raise_problems",
 ]
@@ -96,6 +102,35 @@ def config_problems(factory: Any, config: Mapping[str, Any]) -> list[Problem]:
     return [p for p in (check(config) if callable(check) else ()) if p is not None]
 
 
+def first_problem(factory: Any, config: Mapping[str, Any]) -> Problem | None:
+    """The first problem ``factory``'s check finds in ``config``, or ``None``. The check runs
+    only that far: what it would look at after a problem (the local backend's hub lookup of its
+    model name) is not done for an error that will not be shown."""
+    check = getattr(factory, CHECK_CONFIG, None)
+    return next((p for p in (check(config) if callable(check) else ()) if p is not None), None)
+
+
+def caught(root: str, helper: Callable[..., object], *args: Any) -> Problem | None:
+    """What ``helper(*args)`` raises, as a :class:`Problem`; ``None`` when it returns.
+
+    ``helper`` raises a :class:`ConfigError` at a key path under ``root``, a stand-in for the
+    component's real path, which a check does not know: the check passes ``root`` (or a path
+    under it) wherever the helper takes a path. The error's ``path`` less ``root.`` is the
+    problem's key and its bare ``message`` the message, so no text is parsed. An error outside
+    ``root`` keeps its whole text at the component. Any other exception (a broken plugin's
+    ``PluginError``) is no problem of the config's values and propagates."""
+    try:
+        helper(*args)
+    except ConfigError as error:
+        path = error.path or ""
+        if path == root:
+            return Problem("", error.message)
+        if path.startswith(root + "."):
+            return Problem(path[len(root) + 1 :], error.message)
+        return Problem("", str(error))
+    return None
+
+
 def field_values(component: Any) -> dict[str, Any]:
     """A dataclass instance's fields by name (not deep-copied, unlike ``dataclasses.asdict``)."""
     return {f.name: getattr(component, f.name) for f in dataclasses.fields(component)}
@@ -105,15 +140,15 @@ def raise_problems(component: Any) -> None:
     """For a dataclass component's ``__post_init__``: run its class's check on its own fields and
     raise the first problem as a ``ValueError`` (a Python caller's error; the registry reports
     the same problem as a :class:`ConfigError` at its key, before building)."""
-    problems = config_problems(type(component), field_values(component))
-    if problems:
-        raise ValueError(problems[0].message)
+    problem = first_problem(type(component), field_values(component))
+    if problem is not None:
+        raise ValueError(problem.message)
 
 
 def check_config_at(factory: Any, config: Mapping[str, Any], path: str) -> None:
     """Raise the first problem of ``factory``'s check on ``config`` as a one-line
     :class:`ConfigError` at its full key path (``path``: the component's)."""
-    problems = config_problems(factory, config)
-    if problems:
-        key, message = problems[0]
+    problem = first_problem(factory, config)
+    if problem is not None:
+        key, message = problem
         raise ConfigError(message, f"{path}.{key}" if key else path)

@@ -21,6 +21,7 @@ import torch
 
 from tempering.errors import ConfigError
 from tempering.plugins.backends.local.backend import LocalBackend
+from tempering.registry import get_registry
 from tempering.types import Batch, Datum
 
 TESTS = Path(__file__).parent
@@ -162,7 +163,7 @@ def test_fsdp_sampling_runs_in_lockstep_and_scores_like_one_process(fsdp_run: Pa
 
 def test_parallel_key_is_checked_and_fsdp_alone_is_one_process() -> None:
     with pytest.raises(ConfigError, match=r"backend\.parallel.*ddp.*fsdp"):
-        LocalBackend.check_params({"parallel": "zero3"})
+        get_registry().check("backend", {"name": "local", "parallel": "zero3"}, "backend")
     with pytest.raises(ConfigError, match=r"backend\.parallel"):
         LocalBackend(model_kwargs=ddp.MODEL_KWARGS, parallel="FSDP", threaded=False)
     b = LocalBackend(model_kwargs=ddp.MODEL_KWARGS, parallel="fsdp", threaded=False)

@@ -21,6 +21,7 @@ import torch
 from tempering.errors import ConfigError
 from tempering.interfaces import LossOutput
 from tempering.plugins.backends.local.backend import LocalBackend
+from tempering.registry import get_registry
 from tempering.rollouts.chat import ParsedResponse
 from tempering.rollouts.environment import Environment, StepResult
 from tempering.types import AdamParams, Batch, Completion, Datum, SamplingParams
@@ -179,21 +180,26 @@ def test_an_optimizer_step_reaches_the_engine(name: str, request: pytest.Fixture
     assert forward_gap(backend, from_client) > 1e-3  # sampled with the older weights
 
 
+def check_backend(keys: dict) -> None:
+    """The registry's check of a local backend with these keys (nothing is built)."""
+    get_registry().check("backend", {"name": "local", **keys}, "backend")
+
+
 def test_engine_key_is_checked() -> None:
     with pytest.raises(ConfigError, match=r"backend\.engine: unknown engine 'sglang'; choose one of generate, vllm"):
-        LocalBackend.check_params({"engine": "sglang"})
+        check_backend({"engine": "sglang"})
 
 
 @vllm_test
 def test_vllm_block_is_checked() -> None:
     with pytest.raises(ConfigError, match=r"backend\.vllm\.gpu_memory_utilization"):
-        LocalBackend.check_params({"engine": "vllm", "vllm": {"gpu_memory_utilization": 2.0}})
+        check_backend({"engine": "vllm", "vllm": {"gpu_memory_utilization": 2.0}})
 
 
 @pytest.mark.skipif(HAVE_VLLM, reason="checks the message shown where vLLM is missing")
 def test_missing_vllm_is_one_line_naming_the_install() -> None:
     with pytest.raises(ConfigError, match=r"backend\.engine: .*not installed: pip install 'tempering\[vllm\]'"):
-        LocalBackend.check_params({"engine": "vllm"})
+        check_backend({"engine": "vllm"})
 
 
 def partial_credit(completion: str, example: dict) -> float:

@@ -194,7 +194,7 @@ def check_stage(
     checks run) and returned by kind, for further checks -- the loss's declared inputs against
     what the stage's batches hold (:func:`tempering.loss_contract.check_reads`); the rest are
     checked by name, keys
-    and their factory's ``check_params`` (see :data:`tempering.registry.CHECK_HOOK`). Then,
+    and their factory's ``check_config`` (see :mod:`tempering.schema`). Then,
     unless in :func:`config_only`, the datasets (the stage's and ``eval``'s): ``columns`` is
     what the stage's rows must hold (see :func:`check_dataset`)."""
     steps = getattr(stage, "steps", 1)

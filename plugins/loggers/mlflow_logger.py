@@ -26,7 +26,7 @@ class MlflowLogger(TrackerLogger):
     """Keys: ``experiment`` (default ``tempering``), ``run_name`` (default: the recipe's name),
     ``tracking_uri`` (see the module docs)."""
 
-    check_params = staticmethod(package_check("mlflow", "mlflow", "mlflow"))
+    check_config = staticmethod(package_check("mlflow", "mlflow", "mlflow"))
 
     def __init__(
         self,

@@ -19,10 +19,10 @@ import importlib.util
 import json
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from tempering.errors import ConfigError
+from tempering.schema import Problem
 
 #: Table columns of a logged rollout, in order.
 COLUMNS = (
@@ -44,16 +44,14 @@ COLUMNS = (
 SKIPPED = frozenset({"step", "time"})
 
 
-def package_check(package: str, logger: str, extra: str) -> Callable[[Mapping[str, Any], str], None]:
-    """A logger's ``check_params`` (see :data:`tempering.registry.CHECK_HOOK`): the tracker's
-    package must be importable -- checked when the recipe is validated, before anything runs,
-    without importing it -- else one line with the install command."""
+def package_check(package: str, logger: str, extra: str) -> Callable[[Mapping[str, Any]], Iterator[Problem]]:
+    """A logger's ``check_config`` (see :mod:`tempering.schema`): the tracker's package must be
+    importable -- checked when the recipe is validated, before anything runs, without importing
+    it -- else one line at the logger with the install command."""
 
-    def check(params: Mapping[str, Any], path: str) -> None:
+    def check(config: Mapping[str, Any]) -> Iterator[Problem]:
         if importlib.util.find_spec(package) is None:
-            raise ConfigError(
-                f"the {logger} logger needs the '{package}' package: pip install 'tempering[{extra}]'", path
-            )
+            yield Problem("", f"the {logger} logger needs the '{package}' package: pip install 'tempering[{extra}]'")
 
     return check
 

@@ -14,7 +14,7 @@ class TrackioLogger(TrackerLogger):
     """Keys: ``project`` (default ``tempering``), ``run_name`` (default: the recipe's name),
     ``group``, ``space_id`` (log to a Hugging Face Space instead of locally)."""
 
-    check_params = staticmethod(package_check("trackio", "trackio", "trackio"))
+    check_config = staticmethod(package_check("trackio", "trackio", "trackio"))
 
     def __init__(
         self,

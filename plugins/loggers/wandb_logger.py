@@ -18,7 +18,7 @@ class WandbLogger(TrackerLogger):
     ``entity``, ``group``, ``tags``, ``mode`` (``online``/``offline``/``disabled``; null = wandb's
     default)."""
 
-    check_params = staticmethod(package_check("wandb", "wandb", "wandb"))
+    check_config = staticmethod(package_check("wandb", "wandb", "wandb"))
 
     def __init__(
         self,

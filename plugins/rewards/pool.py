@@ -23,12 +23,13 @@ import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
 from tempering.plugins.rewards._common import LoopLocal, RewardError, RewardTimeout, resolve_reward
+from tempering.schema import Problem, check_config_at, field_values
 
 # ----------------------------------------------------------------------------- worker side
 _WORKER_CACHE: dict[str, Any] = {}
@@ -165,7 +166,7 @@ class ProcessPoolReward:
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError("process_pool.timeout must be > 0")
         self.workers = int(self.workers) or (os.cpu_count() or 1)
-        self.check_params({"reward": self.reward})
+        check_config_at(type(self), field_values(self), "process_pool")
         if isinstance(self.reward, (str, Mapping)):
             self._key: str | None = json.dumps([self.reward, self.params], sort_keys=True, default=str)
             self._spec: Any = dict(self.reward) if isinstance(self.reward, Mapping) else self.reward
@@ -183,11 +184,11 @@ class ProcessPoolReward:
         self.recycled = 0  # pools retired because a call timed out or the pool broke
 
     @staticmethod
-    def check_params(params: Mapping[str, Any], path: str = "process_pool") -> None:
-        """Before anything trains (the registry's ``check_params`` hook; ``__post_init__``
-        too): a ``"module:attr"`` target's module must exist -- else every call would fail in
-        its worker. A registered ``"dist:name"`` reward is fine too."""
-        reward = params.get("reward")
+    def check_config(config: Mapping[str, Any]) -> Iterator[Problem]:
+        """Before anything trains (the registry's check; ``__post_init__`` runs it too): a
+        ``"module:attr"`` target's module must exist -- else every call would fail in its
+        worker. A registered ``"dist:name"`` reward is fine too."""
+        reward = config["reward"]
         if not isinstance(reward, str) or ":" not in reward:
             return
         module = reward.partition(":")[0]
@@ -196,17 +197,17 @@ class ProcessPoolReward:
                 return
         except (ImportError, ValueError):
             pass
-        from tempering.errors import ConfigError, UnknownComponentError
+        from tempering.errors import UnknownComponentError
         from tempering.registry import get_registry
 
         try:
             get_registry().get("reward", reward)
         except UnknownComponentError:
-            raise ConfigError(
+            yield Problem(
+                "reward",
                 f"cannot import module '{module}' (of '{reward}') and no reward is registered under that "
                 "name; check the module's name and that it is installed",
-                f"{path}.reward",
-            ) from None
+            )
 
     def _label(self) -> str:
         if isinstance(self.reward, str):

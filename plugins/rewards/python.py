@@ -24,10 +24,11 @@ import functools
 import inspect
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 from tempering.errors import ConfigError
+from tempering.schema import Problem, caught
 
 
 def working_folder_on_path() -> None:
@@ -93,9 +94,16 @@ def python_reward(function: str, params: Mapping[str, Any] | None = None) -> Cal
     return reward
 
 
-def check_params(params: Mapping[str, Any], path: str) -> None:
-    """The registry's ``check_params`` hook: import and check now, with the key's path."""
-    bind(load_function(params.get("function"), f"{path}.function"), params.get("params"), path, build=False)
+def check_reward(function: Any, params: Mapping[str, Any] | None, path: str) -> None:
+    """Import ``function`` and fit ``params`` to it without building the reward; a
+    :class:`ConfigError` under ``path`` (the component's path) for the first thing wrong."""
+    bind(load_function(function, f"{path}.function"), params, path, build=False)
 
 
-python_reward.check_params = check_params  # type: ignore[attr-defined]
+def check_config(config: Mapping[str, Any]) -> Iterator[Problem | None]:
+    """The reward's check: import and fit now, before anything trains, so a typo in the
+    import path is one line at its key (``function``, ``params.strict``)."""
+    yield caught("reward", check_reward, config["function"], config["params"], "reward")
+
+
+python_reward.check_config = check_config  # type: ignore[attr-defined]

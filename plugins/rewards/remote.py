@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tempering.errors import ConfigError
 from tempering.interfaces import RewardResult
 from tempering.plugins.rewards._common import (  # TOKEN_ENV: re-exported (defined beside the server's helpers)
     TOKEN_ENV,
@@ -35,6 +34,7 @@ from tempering.plugins.rewards._common import (  # TOKEN_ENV: re-exported (defin
     RewardError,
     post_json,
 )
+from tempering.schema import Problem, check_config_at, field_values
 
 
 class RemoteRewardError(RewardError):
@@ -87,20 +87,18 @@ class RemoteReward:
         serve(target, **options)
 
     @staticmethod
-    def check_params(params: Mapping[str, Any], path: str = "remote") -> None:
-        """The URL's scheme and the counts' ranges, under the reward's config path (the
-        registry calls this before building; ``__post_init__`` too)."""
-        url = params.get("url")
+    def check_config(config: Mapping[str, Any]) -> Iterator[Problem]:
+        """The URL's scheme and the counts' ranges (the registry's check before building;
+        ``__post_init__`` runs it too, for a reward built in Python)."""
+        url = config["url"]
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ConfigError(f"expected http(s)://host:port, got {url!r}", f"{path}.url")
+            yield Problem("url", f"expected http(s)://host:port, got {url!r}")
         for key, low in (("batch_size", 1), ("concurrency", 1), ("retries", 0)):
-            if key in params and params[key] < low:
-                raise ConfigError(f"must be >= {low}, got {params[key]}", f"{path}.{key}")
+            if config[key] < low:
+                yield Problem(key, f"must be >= {low}, got {config[key]}")
 
     def __post_init__(self) -> None:
-        self.check_params(
-            {"url": self.url, "batch_size": self.batch_size, "concurrency": self.concurrency, "retries": self.retries}
-        )
+        check_config_at(type(self), field_values(self), "remote")
         token = os.environ.get(self.token_env) if self.token_env else None
         # Not a dataclass field: stays out of repr() and of anything that prints the config.
         self._headers = {**dict(self.headers), **({"Authorization": f"Bearer {token.strip()}"} if token else {})}

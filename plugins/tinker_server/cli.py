@@ -72,12 +72,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def model_problem(model: str, model_kwargs: Any) -> str | None:
+    """What is wrong with the served model's source, as one line at the option that sets it
+    (``--model-kwargs.hiden_size: unknown key ...``), or ``None``: the local backend's own check
+    of ``model`` and ``model_kwargs``, so a typo fails at start, not at the first request."""
+    from tempering.errors import ConfigError
+    from tempering.plugins.backends.local.model_source import check_model
+
+    try:
+        check_model(model, model_kwargs, "server")
+    except ConfigError as err:
+        key = (err.path or "server.model").removeprefix("server.")
+        head, dot, rest = key.partition(".")
+        return f"--{head.replace('_', '-')}{dot}{rest}: {err.message}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted (Ctrl-C)."""
     import threading
 
-    from tempering.errors import ConfigError
-    from tempering.plugins.backends.local.backend import LocalBackend
     from tempering.plugins.tinker_server.server import LocalTinkerServer
     from tempering.plugins.tinker_server.service import ServedModel
 
@@ -85,12 +99,9 @@ def run(args: argparse.Namespace) -> int:
         kwargs: dict[str, Any] = json.loads(args.model_kwargs)
     except json.JSONDecodeError as err:
         raise SystemExit(f"--model-kwargs: not JSON ({err}); e.g. --model-kwargs '{{\"hidden_size\": 64}}'") from err
-    try:
-        LocalBackend.check_params({"model": args.model, "model_kwargs": kwargs}, "server")
-    except ConfigError as err:
-        raise SystemExit(
-            str(err).replace("server.model_kwargs", "--model-kwargs").replace("server.model", "--model")
-        ) from err
+    problem = model_problem(args.model, kwargs)
+    if problem:
+        raise SystemExit(problem)
     keys = set(args.api_key or []) or (
         {os.environ["TEMPERING_TINKER_API_KEY"]} if os.environ.get("TEMPERING_TINKER_API_KEY") else None
     )
@@ -145,18 +156,15 @@ def _place_tokenizer(server: Any, name: str) -> str:
 def served_models(argv: list[str] | None = None) -> tuple[dict[str, Any], argparse.Namespace]:
     """The command line's models (name -> what is served under it) and its other arguments;
     the model source is checked here, so a typo fails at start, not at the first request."""
-    from tempering.errors import ConfigError
-    from tempering.plugins.backends.local.backend import LocalBackend
     from tempering.plugins.tinker_server.service import ServedModel
 
     parser = argparse.ArgumentParser(prog="python -m tempering.plugins.tinker_server", description=DESCRIPTION)
     add_arguments(parser)
     args = parser.parse_args(argv)
     kwargs = json.loads(args.model_kwargs)
-    try:
-        LocalBackend.check_params({"model": args.model, "model_kwargs": kwargs}, "server")
-    except ConfigError as err:
-        parser.error(str(err).replace("server.model_kwargs", "--model-kwargs").replace("server.model", "--model"))
+    problem = model_problem(args.model, kwargs)
+    if problem:
+        parser.error(problem)
     return {args.name or args.model: ServedModel(args.model, kwargs)}, args
 
 

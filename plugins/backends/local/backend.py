@@ -35,7 +35,7 @@ This module imports torch and transformers at the top: the registry refers to it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
 
@@ -65,6 +65,7 @@ from tempering.plugins.backends.local.generation import (
 from tempering.plugins.backends.local.training import Trainer
 from tempering.plugins.backends.local.vllm_engine import VllmEngine, check_engine
 from tempering.plugins.backends.local.weights import PolicyWeights
+from tempering.schema import Problem, check_config_at
 from tempering.types import AdamParams, Batch, Completion, SamplingParams
 
 __all__ = ["LocalBackend", "LocalSamplingClient", "LoraParams", "DEFAULT_MODEL"]
@@ -125,18 +126,22 @@ class LocalBackend:
         vllm: Mapping[str, Any] | None = None,
         model_builder: Callable[..., tuple[Any, Any]] | None = None,
     ) -> None:
-        self.check_params(
-            {
-                "model": model,
-                "model_kwargs": model_kwargs,
-                "lora": lora,
-                "device": device,
-                "dtype": dtype,
-                "parallel": parallel,
-                "sample_batch_size": sample_batch_size,
-                "model_builder": model_builder,
-            }
-        )
+        settings = {
+            "model": model,
+            "model_kwargs": model_kwargs,
+            "lora": lora,
+            "seed": seed,
+            "device": device,
+            "dtype": dtype,
+            "parallel": parallel,
+            "sample_batch_size": sample_batch_size,
+            "num_threads": num_threads,
+            "threaded": threaded,
+            "engine": engine,
+            "vllm": vllm,
+            "model_builder": model_builder,
+        }
+        check_config_at(type(self), settings, "backend")  # what the registry checks, for a direct build
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         self.model_name = model
@@ -188,15 +193,16 @@ class LocalBackend:
         self._vllm = VllmEngine(self, vllm_params) if vllm_params is not None else None
 
     @staticmethod
-    def check_params(params: Mapping[str, Any], path: str = "backend") -> None:
-        """Check what can be checked before a model is built or downloaded; the keys present only.
+    def check_config(settings: Mapping[str, Any]) -> Iterator[Problem | None]:
+        """Check what can be checked before a model is built or downloaded (``settings``: every
+        key, the user's over the defaults).
 
-        ``Registry.check`` / ``build`` call this (the registry's ``check_params`` hook) and so does
-        ``__init__``: ``lora``, ``dtype``, ``device``, ``sample_batch_size``, and the model source
-        (:func:`~tempering.plugins.backends.local.model_source.check_model`: a registered
-        builder and its ``model_kwargs``, a saved-model folder, or a hub id). Errors are one
-        line under ``path``."""
-        config.check_params(params, path)
+        The registry runs this before building (``Registry.check`` / ``build``) and so does
+        ``__init__``: ``lora``, ``dtype``, ``device``, ``parallel``, ``sample_batch_size``, the
+        engine, and the model source (:func:`~tempering.plugins.backends.local.model_source.check_model`:
+        a registered builder and its ``model_kwargs``, a saved-model folder, or a hub id), each
+        problem a key relative to the backend (``lora.rank``). See :func:`.config.check_config`."""
+        return config.check_config(settings)
 
     # ------------------------------------------------------------------ state the tests read
     @property

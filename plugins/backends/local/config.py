@@ -2,15 +2,15 @@
 ``device``, ``parallel``, ``sample_batch_size``, the engine and the model source.
 
 Apart from :class:`~tempering.plugins.backends.local.backend.LocalBackend` because the registry
-runs these checks (``check_params``) without building anything, and the Tinker-protocol server
-runs them on its command line.
+runs these checks (``check_config``) without building anything, and the Tinker-protocol server
+runs the model source's on its command line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ import tempering.plugins.backends.local.sharding as sharding
 from tempering.errors import ConfigError
 from tempering.plugins.backends.local.model_source import check_model
 from tempering.plugins.backends.local.vllm_engine import check_engine
+from tempering.schema import Problem, caught
 
 DEFAULT_MODEL = "tiny_llama"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -36,25 +37,27 @@ class LoraParams:
     target_modules: Any = "all-linear"
 
 
-def check_params(params: Mapping[str, Any], path: str = "backend") -> None:
-    """Check what can be checked before a model is built or downloaded; the keys present only
-    (see :meth:`~tempering.plugins.backends.local.backend.LocalBackend.check_params`)."""
-    if "lora" in params:
-        check_lora(params["lora"], f"{path}.lora")
-    if "dtype" in params:
-        resolve_dtype(params["dtype"], f"{path}.dtype")
-    if "device" in params:
-        resolve_device(params["device"], f"{path}.device")
-    if params.get("parallel", "ddp") not in sharding.PARALLEL_MODES:
-        raise ConfigError(
-            f"unknown mode {params['parallel']!r}; choose ddp (replicated) or fsdp (sharded)", f"{path}.parallel"
-        )
-    if params.get("sample_batch_size", 1) < 1:
-        raise ConfigError(f"must be >= 1, got {params['sample_batch_size']}", f"{path}.sample_batch_size")
-    if "engine" in params or "vllm" in params:
-        check_engine(params.get("engine", "generate"), params.get("vllm"), path)
-    if params.get("model_builder") is None:  # a runtime builder takes any name and arguments
-        check_model(params.get("model", DEFAULT_MODEL), params.get("model_kwargs"), path)
+#: The path the check gives the raising helpers it shares with the build (``check_lora``,
+#: ``check_model`` ...); their errors come back relative to it (:func:`tempering.schema.caught`).
+ROOT = "backend"
+
+
+def check_config(config: Mapping[str, Any]) -> Iterator[Problem | None]:
+    """The backend's check (``config``: every key): what can be checked before a model is built
+    or downloaded, in this order -- the first problem is the one reported, and the model source
+    (a hub lookup, maybe) is only looked at when everything before it is fine. The defaults
+    pass every step; a ``model_builder`` takes any model name and arguments, so the model
+    source is not checked then."""
+    yield caught(ROOT, check_lora, config["lora"], f"{ROOT}.lora")
+    yield caught(ROOT, resolve_dtype, config["dtype"], f"{ROOT}.dtype")
+    yield caught(ROOT, resolve_device, config["device"], f"{ROOT}.device")
+    if config["parallel"] not in sharding.PARALLEL_MODES:
+        yield Problem("parallel", f"unknown mode {config['parallel']!r}; choose ddp (replicated) or fsdp (sharded)")
+    if config["sample_batch_size"] < 1:
+        yield Problem("sample_batch_size", f"must be >= 1, got {config['sample_batch_size']}")
+    yield caught(ROOT, check_engine, config["engine"], config["vllm"], ROOT)
+    if config["model_builder"] is None:
+        yield caught(ROOT, check_model, config["model"], config["model_kwargs"], ROOT)
 
 
 def check_lora(lora: Any, path: str) -> dict[str, Any] | None:
