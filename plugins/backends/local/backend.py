@@ -63,7 +63,7 @@ from tempering.plugins.backends.local.generation import (
     check_request,
 )
 from tempering.plugins.backends.local.training import Trainer
-from tempering.plugins.backends.local.vllm_engine import VllmEngine, check_engine
+from tempering.plugins.backends.local.vllm_engine import VllmEngine, check_engine, resolve_engine
 from tempering.plugins.backends.local.weights import PolicyWeights
 from tempering.schema import Problem, check_config_at
 from tempering.types import AdamParams, Batch, Completion, SamplingParams
@@ -96,8 +96,11 @@ class LocalBackend:
             fastest with 1; on a busy 2-core machine 2 threads can be 10x slower than 1.
         threaded: run calls on a worker thread (True) or inline, returning finished futures
             (handy for debugging: tracebacks point at the caller).
-        engine: what ``sample`` and sampling clients generate with: ``generate`` (transformers)
-            or ``vllm`` (an optional extra; :mod:`~tempering.plugins.backends.local.vllm_engine`).
+        engine: what ``sample`` and sampling clients generate with: ``generate`` (transformers),
+            ``vllm`` (an optional extra, colocated in this process, under torchrun too;
+            :mod:`~tempering.plugins.backends.local.vllm_engine`) or ``auto`` (vLLM where it is
+            installed and the device is a GPU, else ``generate``; :attr:`engine_choice` says which
+            and why).
         vllm: the vLLM engine's settings (:class:`~tempering.plugins.backends.local.vllm_engine.VllmParams`).
         model_builder: a runtime callable returning ``(model, tokenizer)``; not a config key.
     """
@@ -122,7 +125,7 @@ class LocalBackend:
         sample_batch_size: int = 256,
         num_threads: int = 0,
         threaded: bool = True,
-        engine: str = "generate",
+        engine: str = "auto",
         vllm: Mapping[str, Any] | None = None,
         model_builder: Callable[..., tuple[Any, Any]] | None = None,
     ) -> None:
@@ -185,11 +188,8 @@ class LocalBackend:
         )
         # The sampling engine of sampling_client(): a model copy and a thread, made on first use.
         self._sampling = SamplerCopy(threaded)
-        vllm_params = check_engine(engine, vllm, "backend")
-        if vllm_params is not None and self.world_size > 1:
-            raise ConfigError(
-                "engine 'vllm' runs in a single process for now; use engine: generate under torchrun", "backend.engine"
-            )
+        self.engine_choice = resolve_engine(engine, device)
+        vllm_params = check_engine(engine, vllm, "backend", device)
         self._vllm = VllmEngine(self, vllm_params) if vllm_params is not None else None
 
     @staticmethod

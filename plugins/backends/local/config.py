@@ -55,7 +55,7 @@ def check_config(config: Mapping[str, Any]) -> Iterator[Problem | None]:
         yield Problem("parallel", f"unknown mode {config['parallel']!r}; choose ddp (replicated) or fsdp (sharded)")
     if config["sample_batch_size"] < 1:
         yield Problem("sample_batch_size", f"must be >= 1, got {config['sample_batch_size']}")
-    yield caught(ROOT, check_engine, config["engine"], config["vllm"], ROOT)
+    yield caught(ROOT, check_engine, config["engine"], config["vllm"], ROOT, config["device"])
     if config["model_builder"] is None:
         yield caught(ROOT, check_model, config["model"], config["model_kwargs"], ROOT)
 

