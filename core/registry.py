@@ -56,6 +56,9 @@ ComponentSpec = Any
 #: show --resolved`` fills in the block's defaults and ``docs/reference.md`` lists its keys,
 #: both without importing the plugin that defines it.
 BLOCKS_HOOK = "config_blocks"
+#: A factory may also name the values an ``auto`` setting resolves to, for ``show --resolved``:
+#: a static ``resolved_values(settings) -> {key: value}`` (the local backend's ``engine: auto``).
+RESOLVE_HOOK = "resolved_values"
 
 
 @dataclass(frozen=True)
@@ -448,6 +451,12 @@ def factory_defaults(factory: Callable[..., Any]) -> dict[str, Any]:
 def config_blocks(factory: Callable[..., Any]) -> dict[str, type]:
     """The nested config blocks a factory declares (:data:`BLOCKS_HOOK`): key -> dataclass."""
     return dict(getattr(factory, BLOCKS_HOOK, None) or {})
+
+
+def resolved_values(factory: Callable[..., Any], settings: Mapping[str, Any]) -> dict[str, Any]:
+    """What the factory's ``auto`` settings resolve to for ``settings`` (:data:`RESOLVE_HOOK`)."""
+    hook = getattr(factory, RESOLVE_HOOK, None)
+    return dict(hook(settings)) if callable(hook) else {}
 
 
 def registered_builder(name: str, registry: Registry | None = None) -> Callable[..., tuple[Any, Any]] | None:

@@ -186,7 +186,7 @@ def check_backend(keys: dict) -> None:
 
 
 def test_engine_key_is_checked() -> None:
-    with pytest.raises(ConfigError, match=r"backend\.engine: unknown engine 'sglang'; choose one of generate, vllm"):
+    with pytest.raises(ConfigError, match=r"backend\.engine: unknown engine 'sglang'; choose one of auto, generate, vllm"):
         check_backend({"engine": "sglang"})
 
 

@@ -25,7 +25,15 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from tempering.registry import Registry, config_blocks, factory_defaults, get_registry, is_plain_data, params_schema
+from tempering.registry import (
+    Registry,
+    config_blocks,
+    factory_defaults,
+    get_registry,
+    is_plain_data,
+    params_schema,
+    resolved_values,
+)
 from tempering.training.stage import EvalConfig, OptimizerConfig
 
 #: Arguments each kind's factory gets at run time, not from the recipe.
@@ -87,6 +95,7 @@ def component(registry: Registry, kind: str, spec: Any) -> Any:
         if isinstance(out.get(key), Mapping):
             out[key] = _block(block, out[key])
     out.update({k: v for k, v in given.items() if k not in out})  # unknown keys: kept, for the validator to name
+    out.update(resolved_values(factory, out))  # e.g. the local backend's engine: auto -> what it picks
     return out
 
 

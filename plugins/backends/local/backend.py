@@ -35,6 +35,7 @@ This module imports torch and transformers at the top: the registry refers to it
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
@@ -189,8 +190,18 @@ class LocalBackend:
         # The sampling engine of sampling_client(): a model copy and a thread, made on first use.
         self._sampling = SamplerCopy(threaded)
         self.engine_choice = resolve_engine(engine, device)
+        if engine == "auto" and self.rank == 0:  # the run's first line: which engine samples, and why
+            choice = self.engine_choice
+            print(f"tempering: sampling with {choice.engine} ({choice.reason})", file=sys.stderr)
         vllm_params = check_engine(engine, vllm, "backend", device)
         self._vllm = VllmEngine(self, vllm_params) if vllm_params is not None else None
+
+    @staticmethod
+    def resolved_values(settings: Mapping[str, Any]) -> dict[str, Any]:
+        """What ``engine: auto`` picks for these settings (``tempering show --resolved``)."""
+        if settings.get("engine", "auto") != "auto":
+            return {}
+        return {"engine": resolve_engine("auto", str(settings.get("device", "cpu"))).engine}
 
     @staticmethod
     def check_config(settings: Mapping[str, Any]) -> Iterator[Problem | None]:
