@@ -128,6 +128,21 @@ def instrument(model: Any, timer: ModelTimer) -> None:
     model.generate, model.forward = generate, forward
 
 
+def instrument_engine(engine: Any, timer: ModelTimer) -> None:
+    """Count the vLLM engine's ``sample`` (weight sync + generation) as generate time."""
+    sample = engine.sample
+
+    @functools.wraps(sample)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return sample(*args, **kwargs)
+        finally:
+            timer.generate += time.perf_counter() - t0
+
+    engine.sample = timed
+
+
 def patch_backward() -> None:
     orig = torch.Tensor.backward
 
@@ -219,6 +234,8 @@ class Ours:
             device=args.device,
             dtype=args.dtype,
             lora=lora_params(args),
+            engine=args.engine,
+            vllm=args.vllm,
         )
         self.ctx = RunContext(registry, self.backend, {}, out_dir, [], 0)  # no loggers, no checkpoints
         self.grpo = GRPO(
@@ -242,6 +259,8 @@ class Ours:
         self.grpo.setup(self.ctx, {})  # what Stage.run does before the first step (incl. the KL reference)
         self.timer = ModelTimer()
         instrument(self.backend.model, self.timer)
+        if self.backend._vllm is not None:  # the engine samples, not model.generate: time its calls
+            instrument_engine(self.backend._vllm, self.timer)
         self._opt_seconds = 0.0
         inner = self.backend._optim_step  # LocalBackend._submit looks the bound method up per call
 
@@ -369,7 +388,10 @@ def build_trl(
 
         def on_step_begin(self, args, state, control, **kw):
             if not records:  # the Trainer switches checkpointing on in train(), so check here
-                assert trainer.model.is_activation_checkpointing == checkpointing, "gradient_checkpointing"
+                model = trainer.model  # the attribute's name before transformers 5.2x (the vLLM venv's)
+                on = getattr(model, "is_activation_checkpointing", None)
+                on = model.is_gradient_checkpointing if on is None else on
+                assert on == checkpointing, "gradient_checkpointing"
             timer.reset()
             tokens[0] = 0
             _ACTIVE[0] = timer
@@ -465,6 +487,18 @@ def main(argv: list[str] | None = None) -> int:
         help="skip the 'ours default' and 'ours kl/step' columns (KL logging: extra reference forwards)",
     )
     p.add_argument("--json", default=None, help="also write the raw per-step numbers here")
+    p.add_argument(
+        "--engine",
+        default="generate",
+        choices=("generate", "vllm", "auto"),
+        help="ours' sampling engine (backend.engine); vllm needs the vLLM venv (docs/local-scale.md)",
+    )
+    p.add_argument(
+        "--vllm",
+        type=json.loads,
+        default=None,
+        help='ours\' backend.vllm block as JSON, e.g. \'{"enforce_eager": false, "kv_cache_space_gib": 2}\'',
+    )
     p.add_argument("--model", default="tiny_llama", help="a registered model builder (tiny_llama, tiny_qwen3, ...)")
     p.add_argument(
         "--model-kwargs",

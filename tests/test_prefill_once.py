@@ -64,3 +64,33 @@ def test_no_repeated_prompt_no_prefill_call() -> None:
     finally:
         hook.remove()
     assert len(calls) == 2  # generate's own steps only: the prompt and one more token
+
+
+SHARED = "1234567890+1234567890 987654321="  # 32 characters every prompt starts with
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen"])
+def test_a_shared_beginning_is_run_once_with_the_same_tokens(model: str) -> None:
+    """Distinct prompts of different lengths (so different left padding) that share 32 tokens:
+    the prefix is run once, on one row; tokens equal, logprobs to rounding."""
+    backend = LocalBackend(model=model, num_threads=1, threaded=False, seed=5)
+    prompts = [backend.tokenizer.encode(SHARED + tail) for tail in ("1", "22+7=", "333 4=", "4")]
+    widths: list[tuple[int, int]] = []
+    hook = backend.model.register_forward_pre_hook(
+        lambda _m, args, kwargs: widths.append(tuple((kwargs.get("input_ids") if kwargs else args[0]).shape)),
+        with_kwargs=True,
+    )
+    out = []
+    try:
+        for once in (False, True):
+            backend._generator.prefill_once = once
+            torch.manual_seed(0)
+            out.append([g[0] for g in backend.sample(prompts, 1, SamplingParams(max_tokens=10)).result()])
+    finally:
+        hook.remove()
+    before, after = out
+    assert [c.tokens for c in before] == [c.tokens for c in after]
+    gap = max(abs(a - b) for x, y in zip(before, after) for a, b in zip(x.logprobs, y.logprobs))
+    assert gap < 1e-5
+    prefix_len = len(backend.tokenizer.encode(SHARED))
+    assert (1, prefix_len) in widths  # the shared beginning, once, on one row

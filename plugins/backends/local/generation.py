@@ -12,8 +12,10 @@ What ``generate`` is made to do here, and why:
 * stop strings match the completion only, never across the prompt boundary (:class:`_StopStrings`);
 * ``params.seed`` samples from a private RNG; without it the global stream (which checkpoints
   save) is used;
-* a prompt repeated in one call (a group's ``num_samples`` completions) is prefilled once and its
-  KV cache copied to its rows (:func:`_prefill_once`): the same logits, a G-th of the prompt work.
+* shared prompt work is done once (:func:`_prefill_once`): a prompt repeated in one call (a
+  group's ``num_samples`` completions, a group's episodes) is prefilled once and its KV cache
+  copied to its rows, and a long beginning all of a call's prompts share (a system turn with tool
+  specs) is run once and placed in every row's cache: the same logits, a fraction of the work.
 """
 
 from __future__ import annotations
@@ -299,29 +301,96 @@ def _cache_name() -> str:
 _CACHE_KEY = _cache_name()
 
 
-def _prefill_once(model: Any, rows: list[list[int]], input_ids: torch.Tensor, mask: torch.Tensor) -> Any:
-    """The KV cache of every row's prompt but its last token, each distinct prompt computed once
-    and copied to its rows; None when no prompt repeats (or the model cannot take it).
+#: Below this many shared tokens a separate forward for the common prefix costs more than it saves.
+MIN_SHARED_PREFIX = 16
 
-    Why: a group's G completions share one prompt, and ``generate`` would prefill it G times --
-    most of a step's generation work when prompts are long and completions short. ``generate``
-    then runs only the last prompt token (its cache positions continue this cache), so the first
-    sampled token sees the same logits as before (up to the float rounding of a smaller batch)
-    and the RNG is drawn exactly as before. Not under FSDP, whose lockstep ``generate`` expects
-    every rank to make the same forward calls."""
+
+def _prefill_once(model: Any, rows: list[list[int]], input_ids: torch.Tensor, mask: torch.Tensor) -> Any:
+    """The KV cache of every row's prompt but its last token, with shared work done once; None
+    when nothing is shared (or the model cannot take it).
+
+    Two kinds of sharing, both common in RL: a group's G completions share one prompt (each
+    distinct prompt is prefilled once and its cache copied to its rows), and the prompts of a
+    call share a long beginning -- a system turn with tool specs, an episode's earlier turns --
+    (that prefix is run once, on one row, and placed in every row's cache, see
+    :func:`_shared_prefix_cache`). ``generate`` then runs only the last prompt token (its cache
+    positions continue this cache), so the first sampled token sees the same logits as before
+    (up to the float rounding of other batch shapes) and the RNG is drawn exactly as before.
+    Not under FSDP, whose lockstep ``generate`` expects every rank to make the same forwards."""
     firsts: dict[tuple[int, ...], int] = {}
     owner = [firsts.setdefault(tuple(r), len(firsts)) for r in rows]
-    if len(firsts) == len(rows) or input_ids.shape[1] < 2 or getattr(model, "_is_fsdp_managed_module", False):
+    width = input_ids.shape[1]
+    if width < 2 or getattr(model, "_is_fsdp_managed_module", False):
         return None
-    unique = torch.tensor([owner.index(i) for i in range(len(firsts))], device=input_ids.device)
-    ids, attention = input_ids[unique, :-1], mask[unique, :-1]
+    unique = [owner.index(i) for i in range(len(firsts))]
+    shared = _common_prefix([rows[i] for i in unique])
+    if len(unique) == len(rows) and shared < MIN_SHARED_PREFIX:
+        return None
+    chosen = torch.tensor(unique, device=input_ids.device)
+    ids, attention = input_ids[chosen], mask[chosen]
     positions = (attention.cumsum(-1) - 1).clamp(min=0)  # what generate gives left-padded rows
-    out = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True)
-    cache = getattr(out, _CACHE_KEY, None)
+    cache, start = None, 0
+    if shared >= MIN_SHARED_PREFIX:
+        cache, start = _shared_prefix_cache(model, rows[unique[0]][:shared], attention)
+    if start < width - 1:
+        kwargs = {_CACHE_KEY: cache} if cache is not None else {}
+        out = model(
+            input_ids=ids[:, start : width - 1],
+            attention_mask=attention[:, : width - 1],
+            position_ids=positions[:, start : width - 1],
+            use_cache=True,
+            **kwargs,
+        )
+        cache = getattr(out, _CACHE_KEY, None)
     if cache is None or not hasattr(cache, "batch_select_indices"):
         return None
     cache.batch_select_indices(torch.tensor(owner, device=input_ids.device))
     return cache
+
+
+def _common_prefix(rows: list[list[int]]) -> int:
+    """Tokens every row starts with, leaving each row at least its last token (which
+    ``generate`` runs itself); 0 for a single row."""
+    if len(rows) < 2:
+        return 0
+    n = min(len(r) for r in rows) - 1
+    first = rows[0]
+    for i in range(n):
+        if any(r[i] != first[i] for r in rows[1:]):
+            return i
+    return n
+
+
+def _shared_prefix_cache(model: Any, prefix: list[int], attention: torch.Tensor) -> tuple[Any, int]:
+    """A cache of the rows' first ``C`` columns from one forward of the shared ``prefix``, and C.
+
+    Rows are left-padded, so row i's prefix sits at columns ``pad_i ..`` -- but at the same
+    positions ``0 ..`` (positions count real tokens), and a prefix token attends only to the
+    prefix, so its keys and values are the same in every row. The cache covers the columns
+    ``[0, C)``, ``C = min(pad) + len(prefix)``: in every row each of them is padding (zeros,
+    masked) or a prefix token (copied). The model computes the rest. Falls back to no prefix
+    (C = 0) for cache layers other than plain dynamic ones (sliding windows, hybrids)."""
+    device = attention.device
+    out = model(
+        input_ids=torch.tensor([prefix], device=device),
+        position_ids=torch.arange(len(prefix), device=device)[None],
+        use_cache=True,
+    )
+    cache = getattr(out, _CACHE_KEY, None)
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer).__name__ != "DynamicLayer" for layer in layers):
+        return None, 0
+    pads = [int(p) for p in (attention == 0).sum(-1).tolist()]
+    columns = min(pads) + len(prefix)
+    for layer in layers:
+        for name in ("keys", "values"):
+            one = getattr(layer, name)  # (1, heads, len(prefix), head_dim)
+            full = one.new_zeros((len(pads), one.shape[1], columns, one.shape[3]))
+            for i, pad in enumerate(pads):
+                if columns > pad:
+                    full[i, :, pad:columns] = one[0, :, : columns - pad]
+            setattr(layer, name, full)
+    return cache, columns
 
 
 def _warpers(params: SamplingParams) -> list[LogitsProcessor]:
