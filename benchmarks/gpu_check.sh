@@ -110,4 +110,20 @@ if python -c "import trl, datasets" 2>/dev/null; then
 else
   echo "gpu_check: trl (and datasets) not installed here: the TRL comparison is skipped"
 fi
+echo "== colocated vLLM engine (in-memory sync) vs TRL's vLLM colocate mode, SmolLM2, LoRA then full"
+# Both engines in the trainer's process, same model, batch, lengths and GPU memory share (0.3);
+# prints step time, generate share, tokens, our weight-sync time and peak GPU memory. The
+# torchrun path (an engine per rank, external_launcher) needs a GPU per rank: NCCL refuses two
+# ranks on one device, so on one lent GPU it is covered by tests/test_vllm_torchrun.py on the CPU.
+if [ "$smollm2" = yes ] && python -c "import vllm, trl" 2>/dev/null; then
+  for lora in "--lora 16" ""; do
+    # shellcheck disable=SC2086  # lora is one optional argument pair
+    timeout 150 python benchmarks/grpo_step_vs_trl.py --model smollm2 $lora --device "$device" --dtype "$dtype" \
+      --steps 4 --warmup 2 --prompts "$prompts" --group "$group" --max-tokens "$tokens" --no-log-kl \
+      --engine vllm --trl-vllm colocate \
+      || echo "gpu_check: colocated grpo_step_vs_trl ($lora) failed or timed out (exit $?)"
+  done
+else
+  echo "gpu_check: vllm (or trl, or SmolLM2) is not installed here: the colocated comparison is skipped"
+fi
 echo "== done in $(( $(date +%s) - start )) s"

@@ -290,6 +290,16 @@ class Ours:
         return StepRecord(dt, t.generate, t.forward, t.backward, self._opt_seconds, tokens, t.decode_steps)
 
 
+def trl_vllm_config(args: argparse.Namespace) -> dict[str, Any]:
+    """TRL's generation: ``generate`` (``--trl-vllm off``), or its vLLM colocate mode (an engine in
+    the trainer's process, weights loaded in memory, the mode TRL recommends on one GPU) with the
+    same memory share as ours (``gpu_memory_utilization`` of ``--vllm``, default 0.3)."""
+    if args.trl_vllm == "off":
+        return {"use_vllm": False}
+    share = float((args.vllm or {}).get("gpu_memory_utilization", 0.3))
+    return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": share}
+
+
 def build_trl(
     args: argparse.Namespace, examples: list[dict[str, Any]], model_dir: str, out_dir: str, on_step: Callable[[], None]
 ):
@@ -324,7 +334,7 @@ def build_trl(
         top_p=1.0,
         top_k=0,
         repetition_penalty=1.0,
-        use_vllm=False,
+        **trl_vllm_config(args),
         loss_type="dapo",
         beta=0.0,
         epsilon=0.2,
@@ -494,6 +504,12 @@ def main(argv: list[str] | None = None) -> int:
         help="ours' sampling engine (backend.engine); vllm needs the vLLM venv (docs/local-scale.md)",
     )
     p.add_argument(
+        "--trl-vllm",
+        default="off",
+        choices=("off", "colocate"),
+        help="TRL's generation: generate (off) or its vLLM colocate mode (a GPU with vLLM installed)",
+    )
+    p.add_argument(
         "--vllm",
         type=json.loads,
         default=None,
@@ -637,6 +653,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"TRL loop between timed steps (data fetch, logging): median {between_med * 1000:.1f} ms, not counted above")
     print(f"TRL trainer setup {trl_setup:.1f} s (incl. import trl); whole run {time.perf_counter() - t_start:.1f} s")
+    for name, side in sides.items():
+        engine = side.backend._vllm
+        if engine is not None and engine.sync_seconds:
+            syncs = engine.sync_seconds[1:] or engine.sync_seconds  # the first push is the engine's start
+            print(f"{name}: vLLM weight sync median {statistics.median(syncs) * 1000:.0f} ms over {len(syncs)} syncs")
+    if torch.cuda.is_available() and args.device.startswith("cuda"):
+        print(f"peak GPU memory (both sides, one process): {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
     if args.json:
         keys = (
             "per_device_train_batch_size",

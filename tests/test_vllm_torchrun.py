@@ -72,3 +72,95 @@ def test_each_rank_samples_its_own_prompts(records, mode: str) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_syncs_write_no_file(records, mode: str) -> None:
     assert [rank["new_files"] for rank in records[mode]] == [[], []]
+
+
+# ---------------------------------------------------------------------- a whole run under torchrun
+RECIPE = """
+name: colocated
+seed: 0
+output_dir: {out}
+checkpoint_every: 1
+backend:
+  name: local
+  model: tiny_llama
+  model_kwargs: {{chat: true, hidden_size: 64, num_layers: 1, num_heads: 2, intermediate_size: 64,
+                 max_position_embeddings: 128}}
+  num_threads: 1
+  engine: vllm
+  vllm: {{enforce_eager: true, max_model_len: 128, kv_cache_space_gib: 1}}
+loggers: [jsonl]
+stages:
+  - id: warmup
+    name: sft
+    renderer: tiny_chat
+    dataset: {{name: tool_use, split: train, transcripts: true, size: 64}}
+    steps: 4
+    batch_size: 8
+    optimizer: {{learning_rate: 3.0e-3}}
+  - id: rl
+    name: grpo
+    renderer: tiny_chat
+    dataset: {{name: tool_use, split: train}}
+    sampler: {{name: environment, environment: calculator, max_turns: 3, max_total_tokens: 96}}
+    steps: 4
+    prompts_per_step: 2
+    group_size: 4
+    max_tokens: 12
+    optimizer: {{learning_rate: 1.0e-3}}
+  - id: async
+    name: offpolicy
+    renderer: tiny_chat
+    dataset: {{name: tool_use, split: train}}
+    sampler: {{name: environment, environment: calculator, max_turns: 3, max_total_tokens: 96}}
+    steps: 2
+    prompts_per_step: 2
+    group_size: 4
+    max_tokens: 12
+    max_steps_off_policy: 1
+"""
+
+
+def torchrun_recipe(path: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
+    """``torchrun -m tempering run`` in a session of its own (so the whole group can be killed),
+    its output to ``log`` (a pipe nobody reads would block it)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += ["-m", "tempering", "run", str(path)]
+    with log.open("w") as sink:
+        return subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_a_run_under_torchrun_survives_kill_9_and_resumes_on_fresh_engines(tmp_path: Path) -> None:
+    """SFT, then multi-turn environment episodes (GRPO, synchronous) and the off-policy producer
+    (sampling clients), both sampled by each rank's colocated engine; the run is killed (-9, the
+    whole torchrun group) once the GRPO stage has checkpointed step 2, then run again: it resumes
+    there, every engine starts afresh from the checkpoint's weights (on-policy ratios ~1: the
+    engine samples what the trainer scores) and the run completes."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    recipe = tmp_path / "colocated.yaml"
+    recipe.write_text(RECIPE.format(out=out))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "TEMPERING_PROGRESS": "0"}
+    first = torchrun_recipe(recipe, env, tmp_path / "first.log")
+    deadline = time.monotonic() + 300
+    progress = out / "progress.json"
+    while time.monotonic() < deadline and first.poll() is None:
+        saved = json.loads(progress.read_text())["checkpoints"] if progress.exists() else []
+        if any(c["stage"] == "rl" and c["global_step"] >= 4 + 2 for c in saved):  # 4 SFT steps, then RL step 2
+            break
+        time.sleep(0.5)
+    assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(timeout=60)
+    second = torchrun_recipe(recipe, env, tmp_path / "second.log")
+    assert second.wait(timeout=400) == 0, (tmp_path / "second.log").read_text()[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r["stage"] == "rl" and "loss" in r]
+    off = [r for r in rows if r["stage"] == "async" and "loss" in r]
+    assert [r["step"] for r in rl] == [1, 2, 3, 4]  # steps 3-4 after the resume, none repeated
+    assert len(off) == 2
+    assert all(r["env/turns_mean"] >= 1.0 for r in rl + off)
+    # on-policy steps: the engine's sampler logprobs are the trainer's (a stale engine after the
+    # resume would put ratios far from 1)
+    assert all(abs(r["ratio/max"] - 1.0) < 1e-3 for r in rl), [r["ratio/max"] for r in rl]
