@@ -89,7 +89,8 @@ def main() -> int:
     print(f"\n{args.model}, LoRA r{args.rank}, {shape}, {args.threads} threads; medians over {args.rounds} rounds")
     print(f"{'lora_sync':>10} {'sync s':>8} {'generate s':>11} {'sync+gen s':>11} {'logprob gap':>12}")
     for mode, r in results.items():
-        print(f"{mode:>10} {r['sync']:>8.3f} {r['generate']:>11.3f} {r['sync'] + r['generate']:>11.3f} {r['gap']:>12.2e}")
+        both = r["sync"] + r["generate"]
+        print(f"{mode:>10} {r['sync']:>8.3f} {r['generate']:>11.3f} {both:>11.3f} {r['gap']:>12.2e}")
     return 0
 
 
