@@ -186,7 +186,8 @@ def check_backend(keys: dict) -> None:
 
 
 def test_engine_key_is_checked() -> None:
-    with pytest.raises(ConfigError, match=r"backend\.engine: unknown engine 'sglang'; choose one of auto, generate, vllm"):
+    message = r"backend\.engine: unknown engine 'sglang'; choose one of auto, generate, vllm"
+    with pytest.raises(ConfigError, match=message):
         check_backend({"engine": "sglang"})
 
 
@@ -194,6 +195,49 @@ def test_engine_key_is_checked() -> None:
 def test_vllm_block_is_checked() -> None:
     with pytest.raises(ConfigError, match=r"backend\.vllm\.gpu_memory_utilization"):
         check_backend({"engine": "vllm", "vllm": {"gpu_memory_utilization": 2.0}})
+
+
+@vllm_test
+@pytest.mark.parametrize(
+    ("block", "message"),
+    [
+        ({"enable_sleep_mode": True}, r"backend\.vllm\.enable_sleep_mode: sleep mode releases GPU memory"),
+        ({"tensor_parallel_size": 0}, r"backend\.vllm\.tensor_parallel_size: must be >= 1 and divide the 1 rank"),
+        ({"lora_sync": "disk"}, r"backend\.vllm\.lora_sync: unknown lora_sync 'disk'; choose one of merged, adapter"),
+    ],
+)
+def test_colocation_keys_are_checked_in_one_line(block: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        check_backend({"engine": "vllm", "vllm": block})
+
+
+def test_auto_picks_vllm_only_with_vllm_and_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``engine: auto`` (the default): vLLM where it is installed and the device is a GPU."""
+    import tempering.plugins.backends.local.vllm_engine as vllm_engine
+
+    def installed(flag: bool):
+        monkeypatch.setattr(vllm_engine.importlib.util, "find_spec", lambda name: object() if flag else None)
+
+    installed(True)
+    assert vllm_engine.resolve_engine("auto", "cuda") == vllm_engine.EngineChoice(
+        "vllm", "auto: vLLM is installed and the device is a GPU"
+    )
+    assert vllm_engine.resolve_engine("auto", "cpu") == vllm_engine.EngineChoice(
+        "generate", "auto: the device is not a GPU"
+    )
+    assert vllm_engine.resolve_engine("generate", "cuda").engine == "generate"  # an explicit engine is kept
+    installed(False)
+    assert vllm_engine.resolve_engine("auto", "cuda:1") == vllm_engine.EngineChoice(
+        "generate", "auto: vLLM is not installed"
+    )
+
+
+def test_the_run_says_which_engine_auto_chose(capsys: pytest.CaptureFixture[str]) -> None:
+    backend = LocalBackend(model="tiny_llama", model_kwargs=TINY, num_threads=1, threaded=False)
+    assert backend._vllm is None and backend.engine_choice.engine == "generate"
+    assert "tempering: sampling with generate (auto: " in capsys.readouterr().err
+    LocalBackend(model="tiny_llama", model_kwargs=TINY, num_threads=1, threaded=False, engine="generate")
+    assert capsys.readouterr().err == ""  # named in the recipe: nothing to explain
 
 
 @pytest.mark.skipif(HAVE_VLLM, reason="checks the message shown where vLLM is missing")
