@@ -481,12 +481,13 @@ def _keeping_process_groups() -> Iterator[None]:
 
     import vllm.v1.engine.core as core
 
-    original = core.cleanup_dist_env_and_memory
-    core.cleanup_dist_env_and_memory = lambda *args, **kwargs: gc.collect()  # type: ignore[assignment]
+    name = "cleanup_dist_env_and_memory"  # looked up by name in EngineCore.shutdown
+    original = getattr(core, name)
+    setattr(core, name, lambda *args, **kwargs: gc.collect())
     try:
         yield
     finally:
-        core.cleanup_dist_env_and_memory = original
+        setattr(core, name, original)
 
 
 def _tp_subgroup(world: int, tp: int) -> Any:
