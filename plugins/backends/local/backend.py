@@ -380,6 +380,8 @@ class LocalBackend:
         return self._trainer.distributions(batch, reference, weights, topk)
 
     def _forward_backward(self, batch: Batch, loss: Loss) -> dict[str, float]:
+        if self._vllm is not None:  # sleep mode: the engine's memory goes to training until the next sample
+            self._vllm.release()
         return self._trainer.forward_backward(batch, loss)
 
     def _optim_step(self, params: AdamParams) -> dict[str, float]:

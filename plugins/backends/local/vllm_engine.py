@@ -34,9 +34,11 @@ Prefixes: vLLM's automatic prefix caching is on by default (``enable_prefix_cach
 completions and a multi-turn episode's turns share their prompts' KV cache; the cache is dropped
 after every weight sync (its entries were computed with the old weights).
 
-Sleep mode (``enable_sleep_mode``, GPUs only): after sampling the engine releases its KV cache
-(and, when every weight is re-pushed at the next sync, its weights) so the optimizer step has the
-memory; it wakes before the next sync. vLLM's CPU platform has no sleep mode: there the key is
+Sleep mode (``enable_sleep_mode``, GPUs only): when training begins (the backend's training
+forward, :meth:`VllmEngine.release`) the engine releases its KV cache (and, when every weight is
+re-pushed at the next sync, its weights) so the forward, backward and optimizer step have the
+memory; it wakes at the next sample. Not after each sample: a multi-turn step samples many
+times between two optimizer steps. vLLM's CPU platform has no sleep mode: there the key is
 refused with one line.
 
 Seeds. A per-request ``SamplingParams(seed=...)`` brings vLLM's CPU engine down, so the engine
@@ -118,17 +120,19 @@ def resolve_engine(engine: str, device: str) -> EngineChoice:
     if engine != "auto":
         return EngineChoice(engine, "set in the recipe")
     has_vllm = importlib.util.find_spec("vllm") is not None
-    gpu = device.startswith("cuda") or (device == "auto" and _cuda_available())
-    if has_vllm and gpu:
+    if has_vllm and _is_gpu(device):
         return EngineChoice("vllm", "auto: vLLM is installed and the device is a GPU")
     why = "vLLM is not installed" if not has_vllm else "the device is not a GPU"
     return EngineChoice("generate", f"auto: {why}")
 
 
-def _cuda_available() -> bool:
-    import torch
+def _is_gpu(device: str) -> bool:
+    """``device`` (a backend's ``device`` key) is, or for ``auto`` resolves to, a GPU."""
+    if device == "auto":
+        import torch
 
-    return bool(torch.cuda.is_available())
+        return bool(torch.cuda.is_available())
+    return device.startswith("cuda")
 
 
 def check_engine(engine: Any, options: Any, path: str = "backend", device: str = "cpu") -> VllmParams | None:
@@ -163,7 +167,7 @@ def check_engine(engine: Any, options: Any, path: str = "backend", device: str =
             f"must be >= 1 and divide the {world} rank(s) of this run, got {params.tensor_parallel_size}",
             f"{path}.vllm.tensor_parallel_size",
         )
-    if params.enable_sleep_mode and not str(device).startswith("cuda"):
+    if params.enable_sleep_mode and not _is_gpu(str(device)):
         raise ConfigError(
             "sleep mode releases GPU memory and vLLM's CPU platform has none; set it false on a CPU",
             f"{path}.vllm.enable_sleep_mode",
@@ -312,11 +316,26 @@ class VllmEngine:
                 use_tqdm=False,
                 lora_request=self._lora_request,
             )[mine]
-            self._sleep()
         return [
             [self._convert(p, o, params, stop_strings, version) for o in out.outputs]
             for p, out in zip(prompts, outputs)
         ]
+
+    def release(self) -> None:
+        """Training is about to use the memory: with sleep mode, release the KV cache, and the
+        weights when the next sync re-pushes every one of them (full fine-tuning and merged LoRA:
+        level 2, after which the next sample re-pushes even an unchanged version; an adapter
+        engine keeps its base weights: level 1). Called by the backend before a training
+        forward, not after each sample: a multi-turn step samples many times between two
+        optimizer steps, and must not re-push its weights for every turn."""
+        with self._lock:
+            if self._llm is None or not self.params.enable_sleep_mode or self._asleep:
+                return
+            keeps_weights = bool(self.backend.lora) and not self.merges_lora
+            self._llm.sleep(level=1 if keeps_weights else 2)
+            self._asleep = True
+            if not keeps_weights:
+                self._loaded = None
 
     def invalidate(self) -> None:
         """The backend's weights changed without a new policy version (a checkpoint load)."""
@@ -412,13 +431,6 @@ class VllmEngine:
         if previous is not None:
             self._llm.llm_engine.remove_lora(previous.lora_int_id)
             shutil.rmtree(previous.lora_path, ignore_errors=True)
-
-    def _sleep(self) -> None:
-        """After sampling: release the KV cache, and the weights when the next sync re-pushes
-        every one of them (level 2); an adapter engine keeps its base weights (level 1)."""
-        if self.params.enable_sleep_mode and not self._asleep:
-            self._llm.sleep(level=1 if self.backend.lora and not self.merges_lora else 2)
-            self._asleep = True
 
     def _wake(self, tag: str) -> None:
         if self._asleep:
