@@ -488,3 +488,53 @@ def test_smollm2_lora_export_loads_in_vllm_with_the_runs_logprobs(
     gap = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w, strict=True))
     print(f"smollm2 merged export in vLLM vs the run: {gap:.1e}")
     assert gap < SMOL_BOUND
+
+
+class RecordingLLM:
+    """Stands in for ``vllm.LLM``: records the engine's sleep, wake and weight pushes."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def sleep(self, level: int) -> None:
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.calls.append(("wake", tuple(tags)))
+
+    def collective_rpc(self, method: str, args: tuple) -> None:
+        self.calls.append((method, [name for name, _ in args[0]]))
+
+    def reset_prefix_cache(self) -> None:
+        self.calls.append(("reset_prefix_cache",))
+
+
+def test_sleep_mode_releases_at_training_and_repushes_discarded_weights() -> None:
+    """Level 2 discards the weights, so the next sample must push them even at the same policy
+    version; a second release while asleep does nothing; without sleep mode nothing sleeps."""
+    from types import SimpleNamespace
+
+    from tempering.plugins.backends.local.vllm_engine import VllmEngine, VllmParams
+
+    backend = SimpleNamespace(lora=None)
+    engine = VllmEngine(backend, VllmParams(enable_sleep_mode=True))  # type: ignore[arg-type]
+    llm = engine._llm = RecordingLLM()
+    weights = {"w": torch.zeros(2)}
+    engine._sync(weights, 3)
+    engine._sync(weights, 3)  # same version: no push
+    engine.release()
+    engine.release()
+    engine._sync(weights, 3)  # woken, and the discarded weights pushed again
+    assert llm.calls == [
+        ("tempering_reload_weights", ["w"]),
+        ("reset_prefix_cache",),
+        ("sleep", 2),
+        ("wake", ("weights",)),
+        ("tempering_reload_weights", ["w"]),
+        ("reset_prefix_cache",),
+        ("wake", ("kv_cache",)),
+    ]
+    quiet = VllmEngine(backend, VllmParams())  # type: ignore[arg-type]
+    quiet._llm = RecordingLLM()
+    quiet.release()
+    assert quiet._llm.calls == []
