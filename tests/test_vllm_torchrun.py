@@ -11,6 +11,7 @@ Skipped without vLLM; ``.ci/run`` runs it in the vLLM venv (~1.5-2.5 minutes on 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -120,6 +121,18 @@ stages:
 """
 
 
+def processes_running(path: Path) -> list[int]:
+    """Every process whose command line names ``path``: torchrun and its workers (torchrun starts
+    each worker in a session of its own, so killing its process group would leave them running)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if str(path).encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
+
+
 def torchrun_recipe(path: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
     """``torchrun -m tempering run`` in a session of its own (so the whole group can be killed),
     its output to ``log`` (a pipe nobody reads would block it)."""
@@ -151,14 +164,27 @@ def test_a_run_under_torchrun_survives_kill_9_and_resumes_on_fresh_engines(tmp_p
             break
         time.sleep(0.5)
     assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-    os.killpg(first.pid, signal.SIGKILL)
+    saved = json.loads(progress.read_text())["checkpoints"]
+    victims = processes_running(recipe)
+    assert len(victims) >= 3  # torchrun and its two workers
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     first.wait(timeout=60)
+    assert processes_running(recipe) == []
+    logged = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert max(logged) < 4 + 4 + 2  # killed before the end
+    restarted = time.time()
     second = torchrun_recipe(recipe, env, tmp_path / "second.log")
     assert second.wait(timeout=400) == 0, (tmp_path / "second.log").read_text()[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r["stage"] == "rl" and "loss" in r]
     off = [r for r in rows if r["stage"] == "async" and "loss" in r]
-    assert [r["step"] for r in rl] == [1, 2, 3, 4]  # steps 3-4 after the resume, none repeated
+    assert [r["step"] for r in rl] == [5, 6, 7, 8]  # global steps: none lost or repeated by the resume
+    # resumed, not restarted: rows up to the last checkpoint are the first run's, the rest the second's
+    resumed_at = max(c["global_step"] for c in saved)
+    assert 6 <= resumed_at < 10
+    assert all((r["time"] < restarted) == (r["step"] <= resumed_at) for r in rows), (resumed_at, restarted)
     assert len(off) == 2
     assert all(r["env/turns_mean"] >= 1.0 for r in rl + off)
     # on-policy steps: the engine's sampler logprobs are the trainer's (a stale engine after the

@@ -139,8 +139,9 @@ class RunContext:
             global_step=self.global_step,
             metrics_rows=self.rows_logged,
         )
-        runfolder.write_json(os.path.join(self.output_dir, PROGRESS_FILE), progress)
-        runfolder.remove_checkpoints(dropped)  # only once progress.json no longer lists them
+        if runfolder.is_primary_process():  # under torchrun, rank 0 alone: its rows and its save
+            runfolder.write_json(os.path.join(self.output_dir, PROGRESS_FILE), progress)
+            runfolder.remove_checkpoints(dropped)  # only once progress.json no longer lists them
         self._due, self._last_checkpoint = None, self.clock()
         return ckpt
 
@@ -254,7 +255,7 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Backen
         progress = read_progress(out_dir) if cfg["resume"] else None
         if backend is None:
             backend = registry.build("backend", backend_spec(registry, cfg), "backend")
-        for i, spec in enumerate(_as_list(cfg["loggers"])):
+        for i, spec in enumerate(_as_list(cfg["loggers"]) if primary else []):  # rank 0 alone writes the run's rows
             loggers.append(registry.build("logger", spec, f"loggers[{i}]", output_dir=out_dir))
         metadata = _metadata(registry, cfg)
         runfolder.write_json(os.path.join(out_dir, "run.json"), metadata)
