@@ -80,7 +80,7 @@ class GuardedH11(H11Protocol):
             self._answer_and_close(
                 503,
                 f"the server has {limits.max_connections} connections open, its limit; retry shortly",
-                [(b"retry-after", b"1")],
+                {"Retry-After": "1"},
             )
             return
         self._arm()
@@ -123,16 +123,20 @@ class GuardedH11(H11Protocol):
         self.counters.refused["bad_http"] += 1
         self._answer_and_close(400, f"malformed HTTP request: {self.conn.refusal or msg}")
 
-    def _answer_and_close(self, status: int, message: str, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    def _answer_and_close(self, status: int, message: str, extra: dict[str, str] | None = None) -> None:
         """Write an error in the server's shape straight to the socket and close it (no request
         cycle exists yet, or h11 has given up on the connection)."""
         body = json.dumps(self.policy.error_body(status, message)).encode()
-        headers = [(k.encode(), v.encode()) for k, v in self.policy.error_headers(status).items()]
-        head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}".encode()]
-        lines += [b"%s: %s" % kv for kv in head + headers + (extra or []) + [(b"connection", b"close")]]
+        headers = {
+            "Content-Type": "application/json",
+            "Content-Length": str(len(body)),
+            **self.policy.error_headers(status),
+            **(extra or {}),
+            "Connection": "close",
+        }
+        head = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}"] + [f"{k}: {v}" for k, v in headers.items()]
         with contextlib.suppress(Exception):
-            self.transport.write(b"\r\n".join(lines) + b"\r\n\r\n" + body)
+            self.transport.write("\r\n".join(head).encode("latin-1") + b"\r\n\r\n" + body)
         self._disarm()
         self.transport.close()
 
