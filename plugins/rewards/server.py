@@ -157,7 +157,9 @@ class RewardHTTPServer(BackgroundServer):
         rules = Policy(
             error_body=lambda status, message: {"error": message},
             error_headers=lambda status: {"WWW-Authenticate": "Bearer"} if status == 401 else {},
-            authorize=lambda method, path, headers: None if self.authorized(headers.get("authorization")) else UNAUTHORIZED,
+            authorize=lambda method, path, headers: (
+                None if self.authorized(headers.get("authorization")) else UNAUTHORIZED
+            ),
             allowed_hosts=hosts,
             host_hint="serve-reward's allowed_hosts option",
             is_json=lambda method, path, headers: method == "POST",
@@ -198,7 +200,8 @@ class RewardHTTPServer(BackgroundServer):
 
 
 UNAUTHORIZED = (
-    f"this reward server needs a token: send 'Authorization: Bearer <token>' (the remote reward reads it from {TOKEN_ENV})"
+    "this reward server needs a token: send 'Authorization: Bearer <token>' "
+    f"(the remote reward reads it from {TOKEN_ENV})"
 )
 
 

@@ -44,9 +44,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
+from tempering.rollouts.chat import ROLES, ParsedResponse, ToolCall, assign_call_ids, text_of
 from tempering.runs.serving import BackgroundServer, Limits, Policy, Reply, guarded_app
 from tempering.runs.serving import Call as HttpCall
-from tempering.rollouts.chat import ROLES, ParsedResponse, ToolCall, assign_call_ids, text_of
 from tempering.types import Completion
 
 #: The name ``/v1/models`` lists; a request may name any model (there is one policy).
@@ -601,9 +601,11 @@ def http_policy(endpoint: PolicyEndpoint) -> Policy:
     the sampler batches it with the others (fewer would queue calls the batch waits for)."""
     return Policy(
         error_body=openai_error,
-        authorize=lambda method, path, headers: None
-        if endpoint.authorized(headers.get("authorization"))
-        else "missing or wrong API key: use the api_key the episode's client was given",
+        authorize=lambda method, path, headers: (
+            None
+            if endpoint.authorized(headers.get("authorization"))
+            else "missing or wrong API key: use the api_key the episode's client was given"
+        ),
         host_hint="the episode's base_url (127.0.0.1)",
         is_json=lambda method, path, headers: method == "POST",
         limits=Limits(max_body=MAX_BODY_BYTES, max_connections=1024, workers=1024),

@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Iterable
 from importlib import resources
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs
 
 from tempering.apps.rundata import METRICS_FILE, RUN_FILE, RunDir, read_jsonl
 from tempering.apps.view.query import RolloutQuery, run_query
@@ -113,7 +113,9 @@ def make_handler(viewer: RunViewer) -> Callable[[Call], Reply]:
 
     def answer(call: Call) -> Reply:
         if call.method not in ("GET", "HEAD"):
-            return Reply(405, {"error": f"the viewer only reads: {call.method} is not answered"}, headers={"allow": "GET"})
+            return Reply(
+                405, {"error": f"the viewer only reads: {call.method} is not answered"}, headers={"allow": "GET"}
+            )
         if call.path == "/favicon.ico":
             return Reply(204, b"", "image/x-icon", NO_STORE)
         if call.path in STATIC:
@@ -148,7 +150,9 @@ class ViewServer:
         self.viewer = RunViewer(RunDir.open(run_dir))
         rules = policy(log, allowed_hosts)
         try:
-            self.httpd = BackgroundServer(guarded_app(rules, make_handler(self.viewer)), rules, HOST, port, "tempering-view")
+            self.httpd = BackgroundServer(
+                guarded_app(rules, make_handler(self.viewer)), rules, HOST, port, "tempering-view"
+            )
         except OSError as exc:
             raise ConfigError(
                 f"cannot listen on {HOST}:{port}: {exc.strerror}; pick another --port (0 = any free one)", "--port"
