@@ -643,7 +643,8 @@ def _policy(server: LocalTinkerServer, host: str, allowed_hosts: Iterable[str] |
         allowed_hosts=hosts,
         host_hint="serve-tinker --allow-host NAME",
         is_json=lambda method, path, headers: "protobuf" not in headers.get("content-type", ""),
-        limits=Limits(max_body=MAX_BODY, workers=256),  # a long poll holds a worker for hold_seconds
+        # a long poll holds a worker for hold_seconds (20 s under the CLI): one per waiting future
+        limits=Limits(max_body=MAX_BODY, workers=1024),
     )
 
 

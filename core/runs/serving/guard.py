@@ -204,10 +204,20 @@ async def in_thread(fn: Callable[..., T], *args: Any) -> T:
     return await done
 
 
-def guarded_app(policy: Policy, handler: Callable[[Call], Reply], counters: Counters | None = None) -> ASGIApp:
+class GuardedApp:
+    """The ASGI app :func:`guarded_app` makes; ``counters`` says what it refused."""
+
+    def __init__(self, app: ASGIApp, counters: Counters) -> None:
+        self.app, self.counters = app, counters
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+
+
+def guarded_app(policy: Policy, handler: Callable[[Call], Reply]) -> GuardedApp:
     """An ASGI app that makes the module's checks, then answers with ``handler`` (run in a
-    thread). ``counters`` records what was refused."""
-    seen = counters if counters is not None else Counters()
+    thread); its ``counters`` record what was refused (the server's protocol adds to them)."""
+    seen = Counters()
     limits = policy.limits
     workers = asyncio.Semaphore(limits.workers)  # bound to the loop it is first awaited on
 
@@ -293,4 +303,4 @@ def guarded_app(policy: Policy, handler: Callable[[Call], Reply], counters: Coun
         except asyncio.CancelledError:
             return  # the server is stopping and dropped this connection
 
-    return app
+    return GuardedApp(app, seen)

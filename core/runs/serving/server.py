@@ -37,7 +37,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from tempering.runs.serving.guard import ASGIApp, Counters, Limits, Policy
+from tempering.runs.serving.guard import Counters, GuardedApp, Limits, Policy
 
 WIRE_LOG = logging.getLogger("tempering.serving.wire")
 WIRE_LOG.setLevel(logging.ERROR)
@@ -164,10 +164,10 @@ class BackgroundServer:
     :meth:`serve_forever` serves in the foreground until interrupted."""
 
     def __init__(
-        self, app: ASGIApp, policy: Policy, host: str = "127.0.0.1", port: int = 0, name: str = "tempering-server"
+        self, app: GuardedApp, policy: Policy, host: str = "127.0.0.1", port: int = 0, name: str = "tempering-server"
     ) -> None:
         self.policy, self.name = policy, name
-        self.counters = Counters()
+        self.counters: Counters = app.counters
         self.socket = bind(host, port)
         self.server_address: tuple[str, int] = self.socket.getsockname()[:2]
         protocol = type("GuardedH11ForServer", (GuardedH11,), {"policy": policy, "counters": self.counters})
