@@ -14,7 +14,6 @@ connection with a traceback, and 300 disconnecting clients printed 6,304 lines o
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -49,7 +48,7 @@ class Target:
 def _reward() -> Target:
     from tempering.plugins.rewards.server import start_server
 
-    url, stop = start_server("tempering.plugins.rewards.testing:length", token=TOKEN)
+    _url, stop = start_server("tempering.plugins.rewards.testing:length", token=TOKEN)
     server = stop.server  # type: ignore[attr-defined]
     return Target(
         "serve-reward",
