@@ -170,7 +170,7 @@ class RewardHTTPServer(BackgroundServer):
                 max_connections=int(max_connections),
                 workers=int(workers),
             ),
-            log=None if quiet else lambda line: sys.stderr.write(f"[serve-reward] {line}\n"),
+            log=None if quiet else _log_request,
         )
         super().__init__(guarded_app(rules, self._answer), rules, host, address[1], f"reward-server-{address[1]}")
 
@@ -197,6 +197,10 @@ class RewardHTTPServer(BackgroundServer):
             return True
         scheme, _, value = (header or "").strip().partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self._token)
+
+
+def _log_request(line: str) -> None:
+    sys.stderr.write(f"[serve-reward] {line}\n")
 
 
 UNAUTHORIZED = (

@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import anyio
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
@@ -233,7 +234,7 @@ def guarded_app(policy: Policy, handler: Callable[[Call], Reply]) -> GuardedApp:
                 413, f"the request body of {length} bytes is over this server's limit of {limits.max_body} bytes"
             )
         chunks, size = [], 0
-        async with asyncio.timeout(limits.body_timeout):
+        with anyio.fail_after(limits.body_timeout):
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limits.max_body:

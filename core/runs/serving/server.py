@@ -72,8 +72,8 @@ class GuardedH11(H11Protocol):
         self.logger = WIRE_LOG
         self._head_timer: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
-        super().connection_made(transport)  # type: ignore[arg-type]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
         limits = self.policy.limits
         if len(self.connections) > limits.max_connections:
             self.counters.refused["busy"] += 1
@@ -121,7 +121,7 @@ class GuardedH11(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         self.counters.refused["bad_http"] += 1
-        self._answer_and_close(400, f"malformed HTTP request: {self.conn.refusal or msg}")
+        self._answer_and_close(400, f"malformed HTTP request: {getattr(self.conn, 'refusal', '') or msg}")
 
     def _answer_and_close(self, status: int, message: str, extra: dict[str, str] | None = None) -> None:
         """Write an error in the server's shape straight to the socket and close it (no request
