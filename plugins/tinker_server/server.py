@@ -241,6 +241,13 @@ class LocalTinkerServer:
         url_ttl_seconds: how long a signed download URL of external weights stays valid.
         session_timeout_seconds / gap_timeout_seconds / batch_sampling: see
             :class:`~tempering.plugins.tinker_server.service.LocalService`.
+        allowed_hosts: ``Host`` names answered besides loopback ones (403 otherwise, against DNS
+            rebinding); default: loopback names on a loopback address, any name on another
+            (which needs ``api_keys``).
+
+    The transport is tempering's one server stack (:mod:`tempering.runs.serving`): the Host
+    check, the key (before the body is read), a 64 MiB body cap, head/body timeouts, a
+    connection cap and JSON checks happen there, in Tinker's error shape.
 
     Binding anything but a loopback address needs ``api_keys``: the server trains and samples
     for whoever reaches it.
