@@ -135,3 +135,34 @@ def test_json_depth_is_measured_without_recursion() -> None:
     assert decode_json(b'{"a": [1]}', 2) == {"a": [1]}
     with pytest.raises(Exception, match="nested 3 levels deep; the limit is 2"):
         decode_json(b'{"a": [[1]]}', 2)
+
+
+def test_a_client_that_stops_reading_is_dropped_after_the_body_timeout(serve, capfd) -> None:
+    server = serve(lambda call: Reply(200, b"x" * (64 << 20), "application/octet-stream"), body_timeout=0.5)
+    with _connect(server) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        deadline = time.monotonic() + 10
+        while server.counters.refused["slow_reader"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)  # never reading the 64 MB answer
+    assert server.counters.refused["slow_reader"] == 1
+    out, err = capfd.readouterr()
+    assert out + err == ""
+
+
+def test_a_client_that_disconnects_mid_request_is_no_error(serve, capfd) -> None:
+    done = threading.Event()
+
+    def slow(call: Call) -> Reply:
+        time.sleep(0.3)
+        done.set()
+        return Reply(200, {"late": True})
+
+    server = serve(slow)
+    with _connect(server) as s:
+        s.sendall(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n\r\n{}")
+    assert done.wait(5)
+    time.sleep(0.1)
+    assert server.counters.errors == 0
+    out, err = capfd.readouterr()
+    assert out + err == ""

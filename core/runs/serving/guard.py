@@ -84,7 +84,7 @@ class Refused(Exception):
 @dataclass
 class Counters:
     """Requests refused, by reason (``host``, ``auth``, ``too_large``, ``timeout``, ``bad_json``,
-    ``bad_http``, ``busy``), and server errors (500) with the first one's text."""
+    ``bad_http``, ``busy``, ``slow_reader``), and server errors (500) with the first one's text."""
 
     refused: Counter[str] = field(default_factory=Counter)
     errors: int = 0

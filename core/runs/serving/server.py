@@ -8,6 +8,8 @@ socket each, never a thread. What it does not do, this module's protocol adds:
   sends half a request head (slowloris), or dribbles it a byte at a time, would hold its
   connection forever; here the whole head must arrive within ``header_timeout`` of the
   connection (or of the previous answer), else 408 and close;
+* a **write timeout**: a client that stops reading its answer has ``body_timeout`` to read on
+  before its connection is dropped (uvicorn would wait for it forever);
 * a **connection cap**: a connection beyond ``max_connections`` is answered 503 (in the server's
   error shape, ``Retry-After: 1``) and closed at once; uvicorn's ``limit_concurrency`` would
   answer it only once its request head is in, and in plain text;
@@ -71,6 +73,7 @@ class GuardedH11(H11Protocol):
         self.conn = _Connection(h11.SERVER, self.config.h11_max_incomplete_event_size or 16 * 1024)
         self.logger = WIRE_LOG
         self._head_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -106,7 +109,28 @@ class GuardedH11(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._write_ok()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """The client stopped reading: it has ``body_timeout`` to read on, or is dropped."""
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.policy.limits.body_timeout, self._write_expired)
+
+    def resume_writing(self) -> None:
+        self._write_ok()
+        super().resume_writing()
+
+    def _write_ok(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_expired(self) -> None:
+        self._write_timer = None
+        self.counters.refused["slow_reader"] += 1
+        self.transport.abort()  # the answer being written is dropped; its request task ends quietly
 
     def _head_expired(self) -> None:
         self._head_timer = None
