@@ -187,3 +187,24 @@ def arithmetic_warmup(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "backend": dict(recipe.backend),
         "accuracy": result.stages["warmup"]["eval/accuracy"],
     }
+
+
+@pytest.fixture
+def json_server() -> Iterator[Callable[[Callable[..., Any]], str]]:
+    """Fake HTTP services for tests (an OpenAI-compatible judge, a scripted reward server), on
+    the project's one server stack: ``start(answer) -> base URL``, where ``answer(call)`` gets a
+    :class:`~tempering.runs.serving.Call` (``.json`` decoded) and returns a
+    :class:`~tempering.runs.serving.Reply`; every server is closed at teardown."""
+    from tempering.runs.serving import BackgroundServer, Policy, guarded_app
+
+    servers: list[Any] = []
+
+    def start(answer: Callable[..., Any]) -> str:
+        rules = Policy(error_body=lambda status, message: {"error": message}, is_json=lambda *_: True)
+        server = BackgroundServer(guarded_app(rules, answer), rules).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.close()

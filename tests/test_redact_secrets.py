@@ -8,8 +8,6 @@ view`` read) and printed by ``tempering show``. The judge must still get the rea
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -44,31 +42,17 @@ stages:
 
 
 @pytest.fixture
-def judge():
+def judge(json_server):
     """An OpenAI-compatible judge on loopback that answers YES and records the keys it got."""
+    from tempering.runs.serving import Reply
+
     seen: list[str] = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            self.rfile.read(int(self.headers.get("content-length") or 0))
-            seen.append(self.headers.get("authorization") or "")
-            body = json.dumps({"choices": [{"message": {"content": "YES"}}]}).encode()
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def answer(call):
+        seen.append(call.headers.get("authorization") or "")
+        return Reply(200, {"choices": [{"message": {"content": "YES"}}]})
 
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1", seen
-    finally:
-        server.shutdown()
-        server.server_close()
+    return json_server(answer) + "/v1", seen
 
 
 def test_a_literal_api_key_is_used_but_never_written(judge, tmp_path, capsys, fresh_registry):

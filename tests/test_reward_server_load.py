@@ -178,7 +178,7 @@ def test_the_token_is_checked_before_the_body_is_read(served):
     url, _ = served(token="s3cret-token-for-tests-0123456789", read_timeout=30)
     port = int(url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        s.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n")
+        s.sendall(b"POST /score HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000000\r\n\r\n")
         t0 = time.monotonic()
         reply = s.recv(4096)
         assert reply.startswith(b"HTTP/1.1 401"), reply

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -84,21 +81,22 @@ def test_template_rendering_and_checks():
 
 
 # --------------------------------------------------------------------------- OpenAI-compatible HTTP
-class _FakeOpenAI(BaseHTTPRequestHandler):
+class _FakeOpenAI:
     """/v1/chat/completions: grades by what the judge prompt says; fails the first
     ``fail_first`` requests with a 500."""
 
-    protocol_version = "HTTP/1.1"
     requests: list = []
     fail_first = 0
 
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        type(self).requests.append({"path": self.path, "auth": self.headers.get("authorization"), "body": body})
-        if type(self).fail_first > 0:
-            type(self).fail_first -= 1
-            self._send(500, {"error": "overloaded"})
-            return
+    @classmethod
+    def answer(cls, call):
+        from tempering.runs.serving import Reply
+
+        body = call.json
+        cls.requests.append({"path": call.path, "auth": call.headers.get("authorization"), "body": body})
+        if cls.fail_first > 0:
+            cls.fail_first -= 1
+            return Reply(500, {"error": "overloaded"})
         prompt = body["messages"][-1]["content"]
         if "GOOD" in prompt:
             text = "Looks right. Score: 9/10"
@@ -108,7 +106,7 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
             text = "Verdict: YES"
         else:
             text = "I am not sure what to say."
-        self._send(
+        return Reply(
             200,
             {
                 "id": "x",
@@ -117,27 +115,11 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
             },
         )
 
-    def _send(self, status, obj):
-        data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *a):
-        pass
-
 
 @pytest.fixture
-def openai_url():
+def openai_url(json_server):
     _FakeOpenAI.requests, _FakeOpenAI.fail_first = [], 0
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}/v1"
-    srv.shutdown()
-    srv.server_close()
+    return json_server(_FakeOpenAI.answer) + "/v1"
 
 
 def test_http_judge_graded(openai_url):

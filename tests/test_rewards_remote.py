@@ -6,7 +6,6 @@ subprocess killed with SIGKILL)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -14,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -171,49 +169,31 @@ def test_remote_concurrency_limit(server):
     assert stats.scored == 8 and tracking.peak == 2
 
 
-class _Scripted(BaseHTTPRequestHandler):
-    """Answers POST /score from a script of (status, delay_s) pairs, then 200s."""
-
-    protocol_version = "HTTP/1.1"
-    script: list = []
-    hits: list = []
-
-    def do_POST(self):
-        n = int(self.headers["Content-Length"])
-        samples = json.loads(self.rfile.read(n))["samples"]
-        self.hits.append(time.perf_counter())
-        status, delay = self.script.pop(0) if self.script else (200, 0)
-        time.sleep(delay)
-        body = json.dumps(
-            {"rewards": [1.0] * len(samples), "errors": [None] * len(samples)}
-            if status == 200
-            else {"error": "scripted"}
-        ).encode()
-        try:
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-        except OSError:
-            pass
-
-    def log_message(self, *a):
-        pass
-
-
 @pytest.fixture
-def scripted():
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Scripted)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+def scripted(json_server):
+    """``make(script) -> url``: a reward server answering POST /score from a script of
+    (status, delay_s) pairs, then 200s; ``make.hits`` holds the arrival times."""
+    from tempering.runs.serving import Reply
+
+    state: dict = {"script": [], "hits": []}
+
+    def answer(call):
+        samples = call.json["samples"]
+        state["hits"].append(time.perf_counter())
+        status, delay = state["script"].pop(0) if state["script"] else (200, 0)
+        time.sleep(delay)
+        if status != 200:
+            return Reply(status, {"error": "scripted"})
+        return Reply(200, {"rewards": [1.0] * len(samples), "errors": [None] * len(samples)})
+
+    url = json_server(answer)
 
     def make(script):
-        _Scripted.script, _Scripted.hits = list(script), []
-        return f"http://127.0.0.1:{srv.server_address[1]}"
+        state["script"], state["hits"] = list(script), []
+        make.hits = state["hits"]
+        return url
 
-    yield make
-    srv.shutdown()
-    srv.server_close()
+    return make
 
 
 def test_retries_with_exponential_backoff(scripted):
@@ -221,7 +201,7 @@ def test_retries_with_exponential_backoff(scripted):
     ss = mk([("x", {})])
     stats = RewardRunner(RemoteReward(url, retries=3, backoff=0.05, backoff_max=1.0)).score(ss)
     assert stats.scored == 1 and ss[0].reward == 1.0
-    hits = _Scripted.hits
+    hits = scripted.hits
     gaps = [b - a for a, b in zip(hits, hits[1:])]
     assert len(hits) == 4
     # delays 0.05, 0.1, 0.2 (+-25 % jitter): each gap at least 0.75x, and growing
@@ -236,7 +216,7 @@ def test_retries_exhausted_client_errors_and_timeouts_are_failures(scripted):
     url = scripted([(400, 0)])
     ss = mk([("x", {})])
     RewardRunner(RemoteReward(url, retries=3, backoff=0.01)).score(ss)
-    assert ss[0].failed and "HTTP 400" in ss[0].error and len(_Scripted.hits) == 1  # 4xx: no retry
+    assert ss[0].failed and "HTTP 400" in ss[0].error and len(scripted.hits) == 1  # 4xx: no retry
     url = scripted([(200, 1.0), (200, 1.0)])
     ss = mk([("x", {})])
     t0 = time.perf_counter()

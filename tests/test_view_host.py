@@ -60,6 +60,9 @@ def test_only_loopback_host_names_are_answered(run_dir: str) -> None:
         ):
             for path in ("/api/run", "/api/metrics", "/api/rollouts", "/"):
                 status, body = ask(server, path, host)
+                if host is None:  # HTTP/1.1 requires the header: the parser refuses the request
+                    assert status == 400 and "Host" in body and "reward" not in body, (path, status, body)
+                    continue
                 assert status == 403, (host, path, status)
                 assert "reward" not in body and "--allow-host" in body
 

@@ -22,9 +22,12 @@ Security: it binds 127.0.0.1 only, every request must carry the server's random 
 stops answering when the episode ends, and the server is shut down when the sampler's batch
 ends -- so it lives no longer than the stage that started it.
 
-The server is the standard library's threaded HTTP server, as ``tempering serve-reward`` and
-``tempering view`` use (no web framework is a dependency): each connection has a thread, which
-blocks on the model while the sampler's event loop batches the calls.
+The server is tempering's one HTTP stack (:mod:`tempering.runs.serving`: Starlette on uvicorn),
+as every tempering server uses: connections live on one event loop, so hundreds of episodes'
+connections (or slow clients) cost a socket each; a request's handling runs in a thread of its
+own, which blocks on the model while the sampler's event loop batches the calls. Requests must
+name a loopback host (DNS rebinding), the token is checked before the body is read, bodies are
+capped at ``MAX_BODY_BYTES`` (413), JSON nested deeper than 64 levels is a 400.
 """
 
 from __future__ import annotations
@@ -38,11 +41,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
 from tempering.rollouts.chat import ROLES, ParsedResponse, ToolCall, assign_call_ids, text_of
+from tempering.runs.serving import BackgroundServer, Limits, Policy, Reply, guarded_app
+from tempering.runs.serving import Call as HttpCall
 from tempering.types import Completion
 
 #: The name ``/v1/models`` lists; a request may name any model (there is one policy).
@@ -150,18 +154,14 @@ class PolicyEndpoint:
         self._text_lock = threading.Lock()
         self._episodes: dict[str, EpisodeCalls] = {}
         self._lock = threading.Lock()
-        self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
+        self._server: BackgroundServer | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> PolicyEndpoint:
-        server = _Server(("127.0.0.1", 0), _Handler)
-        server.endpoint = self
-        self._server = server
-        self._thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="tempering-openai-endpoint", daemon=True
-        )
-        self._thread.start()
+        rules = http_policy(self)
+        self._server = BackgroundServer(
+            guarded_app(rules, http_handler(self)), rules, "127.0.0.1", 0, "tempering-openai-endpoint"
+        ).start()
         return self
 
     @property
@@ -178,11 +178,8 @@ class PolicyEndpoint:
                 episode.close()
             self._episodes.clear()
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
             self._server = None
-        if self._thread is not None:
-            self._thread.join(timeout=5)
 
     def __enter__(self) -> PolicyEndpoint:
         return self.start()
@@ -589,75 +586,37 @@ def cut_at_stop(
 
 
 # ---------------------------------------------------------------------- HTTP
-class _Server(ThreadingHTTPServer):
-    """A thread per connection. ``request_queue_size`` is the listen backlog: the standard
-    library's 5 refuses connections when a batch's episodes all call at once (hundreds do)."""
-
-    request_queue_size = 4096
-    daemon_threads = True  # a request still waiting on the model never holds the process
-    endpoint: PolicyEndpoint
+_ERROR_KINDS = {401: ("authentication_error", "invalid_api_key"), 403: ("permission_error", "host_not_allowed")}
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: Any
+def openai_error(status: int, message: str) -> dict[str, Any]:
+    """OpenAI's error shape for a refusal made before :meth:`PolicyEndpoint.route` runs."""
+    kind, code = _ERROR_KINDS.get(status, ("server_error" if status >= 500 else "invalid_request_error", None))
+    return RequestError(status, message, code=code, kind=kind).body()
 
-    def do_GET(self) -> None:  # http.server's naming
-        self._serve()
 
-    def do_POST(self) -> None:  # http.server's naming
-        self._serve()
+def http_policy(endpoint: PolicyEndpoint) -> Policy:
+    """Loopback names only, the bearer token before the body, JSON bodies, OpenAI's error shape.
+    ``workers`` as high as the connection cap: every waiting episode's call holds a thread while
+    the sampler batches it with the others (fewer would queue calls the batch waits for)."""
+    return Policy(
+        error_body=openai_error,
+        authorize=lambda method, path, headers: (
+            None
+            if endpoint.authorized(headers.get("authorization"))
+            else "missing or wrong API key: use the api_key the episode's client was given"
+        ),
+        host_hint="the episode's base_url (127.0.0.1)",
+        is_json=lambda method, path, headers: method == "POST",
+        limits=Limits(max_body=MAX_BODY_BYTES, max_connections=1024, workers=1024),
+    )
 
-    def _serve(self) -> None:
-        endpoint: PolicyEndpoint = self.server.endpoint
+
+def http_handler(endpoint: PolicyEndpoint) -> Callable[[HttpCall], Reply]:
+    def answer(call: HttpCall) -> Reply:
         try:
-            if not endpoint.authorized(self.headers.get("Authorization")):
-                self._skip_body()
-                raise RequestError(
-                    401,
-                    "missing or wrong API key: use the api_key the episode's client was given",
-                    kind="authentication_error",
-                    code="invalid_api_key",
-                )
-            payload = endpoint.route(self.command, self.path, self._body())
-            status = 200
+            return Reply(200, endpoint.route(call.method, call.path, call.body))
         except RequestError as exc:
-            status, payload = exc.status, exc.body()
-        except Exception as exc:  # noqa: BLE001 - a bug here answers 500, never kills the server
-            status, payload = 500, RequestError(500, f"{type(exc).__name__}: {exc}", kind="server_error").body()
-        data = json.dumps(payload).encode("utf-8")
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+            return Reply(exc.status, exc.body())
 
-    def _length(self) -> int:
-        if self.headers.get("Transfer-Encoding"):
-            self.close_connection = True
-            raise RequestError(411, "send the body with a Content-Length (chunked bodies are not supported)")
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            self.close_connection = True
-            raise RequestError(400, "Content-Length is not a number") from None
-        if length > MAX_BODY_BYTES:
-            self.close_connection = True
-            raise RequestError(
-                413, f"the request body has {length} bytes, more than the {MAX_BODY_BYTES} this endpoint reads"
-            )
-        return length
-
-    def _body(self) -> bytes:
-        return self.rfile.read(self._length()) if self.command == "POST" else b""
-
-    def _skip_body(self) -> None:
-        try:
-            length = self._length()
-        except RequestError:
-            return
-        if self.command == "POST" and length:
-            self.rfile.read(length)
-
-    def log_message(self, format: str, *args: Any) -> None:  # http.server's name; no per-request lines
-        pass
+    return answer

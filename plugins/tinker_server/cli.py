@@ -44,6 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "HuggingFaceTB/SmolLM2-135M-Instruct; tinker-cookbook wants org/model",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind; anything but loopback needs --api-key")
+    parser.add_argument(
+        "--allow-host",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="a Host name clients may use besides loopback ones (repeatable; against DNS rebinding, "
+        "requests naming other hosts get 403; default on a non-loopback --host: any name)",
+    )
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument(
         "--api-key",
@@ -116,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
             session_timeout_seconds=args.session_timeout,
             hold_seconds=20.0,  # a long poll (the SDK waits 45 s): fewer 'try_again' warnings in clients' logs
             batch_sampling=True,  # a cookbook RL step sends groups_per_batch requests at once
+            allowed_hosts=args.allow_host,
         )
     except ValueError as err:
         raise SystemExit(f"{err} (--api-key)") from err

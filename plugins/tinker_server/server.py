@@ -49,27 +49,24 @@ sequence sampled as ``(prompt, completion)`` tokens (``server.sampled``).
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import ipaddress
 import itertools
 import json
 import logging
 import re
 import secrets
 import shutil
-import socket
 import tempfile
 import threading
 import time
 import urllib.parse
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from tinker import types
 
 from tempering.plugins.tinker_server import wire
@@ -78,6 +75,16 @@ from tempering.plugins.tinker_server.service import (
     Rejected,
     ServedModel,
     UserError,
+)
+from tempering.runs.serving import (
+    BackgroundServer,
+    Call,
+    Limits,
+    Policy,
+    Refused,
+    Reply,
+    guarded_app,
+    is_loopback_address,
 )
 
 log = logging.getLogger(__name__)
@@ -92,6 +99,10 @@ QUEUED_JSON: dict[str, tuple[Any, str, str]] = {
 }
 
 __all__ = ["LocalTinkerServer", "Faults", "Received", "DEFAULT_MODELS"]
+
+#: The largest request body: a forward_backward batch of long sequences in protobuf.
+MAX_BODY = 64 * 1024 * 1024
+INVALID_KEY = "Invalid API key"
 
 #: What ``tiny_llama`` means on a server started without ``models``: a very small char-level
 #: Llama, so that a test step takes milliseconds.
@@ -230,6 +241,13 @@ class LocalTinkerServer:
         url_ttl_seconds: how long a signed download URL of external weights stays valid.
         session_timeout_seconds / gap_timeout_seconds / batch_sampling: see
             :class:`~tempering.plugins.tinker_server.service.LocalService`.
+        allowed_hosts: ``Host`` names answered besides loopback ones (403 otherwise, against DNS
+            rebinding); default: loopback names on a loopback address, any name on another
+            (which needs ``api_keys``).
+
+    The transport is tempering's one server stack (:mod:`tempering.runs.serving`): the Host
+    check, the key (before the body is read), a 64 MiB body cap, head/body timeouts, a
+    connection cap and JSON checks happen there, in Tinker's error shape.
 
     Binding anything but a loopback address needs ``api_keys``: the server trains and samples
     for whoever reaches it.
@@ -251,8 +269,9 @@ class LocalTinkerServer:
         session_timeout_seconds: float = 60.0,
         gap_timeout_seconds: float = 30.0,
         batch_sampling: bool = False,
+        allowed_hosts: Iterable[str] | None = None,
     ) -> None:
-        if not _is_loopback(host) and not api_keys:
+        if not is_loopback_address(host) and not api_keys:
             raise ValueError(
                 f"serving on {host!r} (not loopback) needs api_keys: anyone who reaches the port could "
                 "train and sample; give a key (clients send it as TINKER_API_KEY)"
@@ -268,7 +287,6 @@ class LocalTinkerServer:
         )
         self.housekeeping: list[str] = []  # what the housekeeping thread did (expired sessions, given-up seq_ids)
         self._stopping = threading.Event()
-        self._connections: set[socket.socket] = set()
         self.api_keys = api_keys
         self.hold_seconds = float(hold_seconds)
         self.faults = Faults()
@@ -280,20 +298,16 @@ class LocalTinkerServer:
         self._signed: dict[str, tuple[str, float]] = {}  # URL token -> (external weights path, expiry time)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._http = ThreadingHTTPServer((host, port), _handler(self))
-        self._http.daemon_threads = True
-        self._thread: threading.Thread | None = None
+        rules = _policy(self, host, allowed_hosts)
+        self._http = BackgroundServer(guarded_app(rules, _handler(self)), rules, host, port, "local-tinker-server")
 
     @property
     def url(self) -> str:
         host, port = self._http.server_address[:2]
-        return f"http://{host.decode() if isinstance(host, bytes) else host}:{port}"
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
     def start(self) -> LocalTinkerServer:
-        self._thread = threading.Thread(
-            target=self._http.serve_forever, kwargs={"poll_interval": 0.05}, name="local-tinker-server", daemon=True
-        )
-        self._thread.start()
+        self._http.start()
         threading.Thread(target=self._housekeep, name="local-tinker-housekeeping", daemon=True).start()
         return self
 
@@ -309,13 +323,7 @@ class LocalTinkerServer:
     def stop(self) -> None:
         """Stop listening, release the models, remove the temporary folder."""
         self._stopping.set()
-        self._http.shutdown()
-        with self._lock:  # keep-alive connections would go on being answered by this (stopped) server
-            open_now, self._connections = list(self._connections), set()
-        for conn in open_now:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-        self._http.server_close()
+        self._http.close()  # drops kept-alive connections too: nothing is answered after this
         self.service.close()
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
@@ -426,6 +434,15 @@ class LocalTinkerServer:
         return 200, *pending.render(pending.future.result())
 
     # ------------------------------------------------------------------ routes
+    def key_accepted(self, route: str, headers: Mapping[str, str]) -> bool:
+        """Whether a request to ``route`` (without ``/api/v1/``) may proceed: ``healthz`` and
+        signed URLs (the token is the signature) need no key; the rest one of ``api_keys``,
+        or any ``tml-`` key when none are set."""
+        if route == "healthz" or route.startswith("external/"):
+            return True
+        key = headers.get("x-api-key") or ""
+        return key in self.api_keys if self.api_keys is not None else key.startswith("tml-")
+
     def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> tuple[int, str, bytes]:
         """One HTTP request -> ``(status, content type, body)``."""
         route = path.split("?", 1)[0].removeprefix("/api/v1/").strip("/")
@@ -433,11 +450,8 @@ class LocalTinkerServer:
         broken = self.faults.take_broken()
         if broken is not None:
             return broken.status, *_json({"detail": broken.message})
-        if route != "healthz" and not route.startswith("external/"):  # a signed URL carries its own token
-            key = headers.get("x-api-key") or ""
-            accepted = key in self.api_keys if self.api_keys is not None else key.startswith("tml-")
-            if not accepted:
-                return 401, *_json({"detail": "Invalid API key"})
+        if not self.key_accepted(route, headers):
+            return 401, *_json({"detail": INVALID_KEY})
         fault = self.faults.take(f"route:{route}")
         if fault is not None:
             return fault.status, *_json({"detail": fault.message})
@@ -618,53 +632,46 @@ def _render_sample(result: Any) -> tuple[str, bytes]:
     )
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+def _route_of(path: str) -> str:
+    return path.removeprefix("/api/v1/").strip("/")
 
 
-def _handler(server: LocalTinkerServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive: the SDK reuses its connections
-        disable_nagle_algorithm = True  # small answers go out at once (no 40 ms delayed-ACK stall)
+def _policy(server: LocalTinkerServer, host: str, allowed_hosts: Iterable[str] | None) -> Policy:
+    """Tinker's error shape (``{"detail": ...}``, ``x-should-retry: false`` on a 4xx the SDK
+    must not retry), the API key before the body, JSON bodies unless protobuf; loopback names
+    only on a loopback address (DNS rebinding), any on another (which needs ``api_keys``)."""
+    hosts: frozenset[str] | None = frozenset(allowed_hosts or ())
+    if allowed_hosts is None and not is_loopback_address(host):
+        hosts = None
+    return Policy(
+        error_body=lambda status, message: {"detail": message},
+        error_headers=server_headers,
+        authorize=lambda method, path, headers: None if server.key_accepted(_route_of(path), headers) else INVALID_KEY,
+        allowed_hosts=hosts,
+        host_hint="serve-tinker --allow-host NAME",
+        is_json=lambda method, path, headers: "protobuf" not in headers.get("content-type", ""),
+        # a long poll holds a worker for hold_seconds (20 s under the CLI): one per waiting future
+        limits=Limits(max_body=MAX_BODY, workers=1024),
+    )
 
-        def _serve(self) -> None:
-            length = int(self.headers.get("content-length") or 0)
-            body = self.rfile.read(length) if length else b""
-            headers = {k.lower(): v for k, v in self.headers.items()}
-            try:
-                status, ctype, payload = server.handle(self.command, self.path, headers, body)
-            except Exception as err:  # noqa: BLE001 - a bug here is the client's 500
-                status, (ctype, payload) = 500, _json({"detail": f"{type(err).__name__}: {err}"})
-            try:
-                self.send_response(status)
-                self.send_header("content-type", ctype)
-                if 400 <= status < 500 and status not in (408, 429):  # the SDK's base client obeys it
-                    self.send_header("x-should-retry", "false")
-                self.send_header("content-length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-            except (BrokenPipeError, ConnectionResetError):
-                self.close_connection = True  # the client gave up on this request (a cancelled poll)
 
-        do_GET = do_POST = do_DELETE = do_PUT = _serve
+def _handler(server: LocalTinkerServer) -> Callable[[Call], Reply]:
+    """The transport's side of :meth:`LocalTinkerServer.handle`: a request that does not fit
+    its route's schema (a JSON list, a missing field, protobuf that does not decode) is the
+    client's 400, not a 500 with a traceback."""
 
-        def setup(self) -> None:
-            super().setup()
-            with server._lock:
-                server._connections.add(self.connection)
+    def answer(call: Call) -> Reply:
+        target = call.path + (f"?{call.query}" if call.query else "")
+        try:
+            status, ctype, payload = server.handle(call.method, target, call.headers, call.body)
+        except (DecodeError, KeyError, TypeError, ValueError) as err:  # pydantic's ValidationError too
+            why = f"{type(err).__name__}: {err}"
+            raise Refused(400, f"{call.method} {call.path}: the request does not fit its route: {why}") from None
+        return Reply(status, payload, ctype, server_headers(status))
 
-        def finish(self) -> None:
-            with server._lock:
-                server._connections.discard(self.connection)
-            with contextlib.suppress(OSError):
-                super().finish()
+    return answer
 
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
 
-    return Handler
+def server_headers(status: int) -> dict[str, str]:
+    """``x-should-retry: false`` on a 4xx but 408/429: the SDK's base client obeys it."""
+    return {"x-should-retry": "false"} if 400 <= status < 500 and status not in (408, 429) else {}

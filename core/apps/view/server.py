@@ -7,7 +7,8 @@ with ``tempering view --allow-host NAME``; anything else is a 403. Binding loopb
 enough: with DNS rebinding a web page the user opens points its own name at 127.0.0.1 and
 could then read the run from the user's browser, but its requests carry its own name as Host.
 Files are re-read when they change (size and modification time), so reloading the
-page while a run trains shows its latest steps. Endpoints:
+page while a run trains shows its latest steps. The transport, Host check and limits are the
+shared stack of every tempering server (:mod:`tempering.runs.serving`). Endpoints:
 
 ======================  =======================================================================
 ``/``                   the page (``static/index.html``, ``view.js``, ``view.css``)
@@ -21,21 +22,21 @@ page while a run trains shows its latest steps. Endpoints:
 
 from __future__ import annotations
 
-import ipaddress
-import json
 import os
 import threading
 from collections.abc import Callable, Iterable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs
 
 from tempering.apps.rundata import METRICS_FILE, RUN_FILE, RunDir, read_jsonl
 from tempering.apps.view.query import RolloutQuery, run_query
 from tempering.errors import ConfigError
 from tempering.runs import rollout_log
 from tempering.runs.runfolder import PROGRESS_FILE
+from tempering.runs.serving import BackgroundServer, Call, Policy, Reply, guarded_app, host_allowed
+
+__all__ = ["RunViewer", "ViewServer", "host_allowed", "make_handler", "policy"]
 
 HOST = "127.0.0.1"
 STATIC = {
@@ -43,29 +44,7 @@ STATIC = {
     "/view.js": ("view.js", "text/javascript"),
     "/view.css": ("view.css", "text/css"),
 }
-
-
-def host_allowed(host: str | None, allowed: Iterable[str] = ()) -> bool:
-    """Whether a request's ``Host`` header names this machine's loopback (an IP literal that is
-    loopback, ``localhost`` or a ``*.localhost`` name, which resolve to loopback by RFC 6761) or
-    one of ``allowed`` (compared without port and case). A missing header is refused: every
-    browser sends one."""
-    if not host:
-        return False
-    name = host.strip().lower()
-    if name.startswith("["):  # [v6]:port
-        name = name[1 : name.find("]")] if "]" in name else name
-    elif name.count(":") == 1:
-        name = name.split(":", 1)[0]
-    name = name.rstrip(".")
-    if name in {a.strip().lower().rstrip(".") for a in allowed}:
-        return True
-    if name == "localhost" or name.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
+NO_STORE = {"cache-control": "no-store"}  # a live run: always the latest
 
 
 class CachedJsonl:
@@ -129,45 +108,35 @@ class RunViewer:
         return 404, {"error": f"no such endpoint {path}"}
 
 
-def make_handler(
-    viewer: RunViewer, log: Callable[[str], None] | None = None, allowed_hosts: Iterable[str] = ()
-) -> type[BaseHTTPRequestHandler]:
-    allowed = tuple(allowed_hosts)
+def make_handler(viewer: RunViewer) -> Callable[[Call], Reply]:
+    """The viewer's answers: the page's static files and the run's JSON (GET only)."""
 
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "tempering-view"
+    def answer(call: Call) -> Reply:
+        if call.method not in ("GET", "HEAD"):
+            return Reply(
+                405, {"error": f"the viewer only reads: {call.method} is not answered"}, headers={"allow": "GET"}
+            )
+        if call.path == "/favicon.ico":
+            return Reply(204, b"", "image/x-icon", NO_STORE)
+        if call.path in STATIC:
+            name, ctype = STATIC[call.path]
+            body = resources.files("tempering.apps.view").joinpath("static").joinpath(name).read_bytes()
+            return Reply(200, body, f"{ctype}; charset=utf-8", NO_STORE)
+        status, data = viewer.route(call.path, call.query)
+        return Reply(status, data, headers=NO_STORE)
 
-        def do_GET(self) -> None:  # http.server's name
-            if not host_allowed(self.headers.get("Host"), allowed):
-                error = {
-                    "error": f"host {self.headers.get('Host')!r} refused: this viewer answers loopback names "
-                    "(127.0.0.1, localhost, [::1]) only, against DNS rebinding; to use another name "
-                    "for this machine, start it with `tempering view --allow-host NAME`"
-                }
-                return self._send(403, json.dumps(error).encode(), "application/json")
-            parts = urlsplit(self.path)
-            if parts.path == "/favicon.ico":
-                return self._send(204, b"", "image/x-icon")
-            if parts.path in STATIC:
-                name, ctype = STATIC[parts.path]
-                body = resources.files("tempering.apps.view").joinpath("static").joinpath(name).read_bytes()
-                return self._send(200, body, f"{ctype}; charset=utf-8")
-            status, data = viewer.route(parts.path, parts.query)
-            self._send(status, json.dumps(data, ensure_ascii=False).encode(), "application/json")
+    return answer
 
-        def _send(self, status: int, body: bytes, ctype: str) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Cache-Control", "no-store")  # a live run: always the latest
-            self.end_headers()
-            self.wfile.write(body)
 
-        def log_message(self, format: str, *args: Any) -> None:  # http.server's name
-            if log is not None:
-                log(format % args)
-
-    return Handler
+def policy(log: Callable[[str], None] | None = None, allowed_hosts: Iterable[str] = ()) -> Policy:
+    """Loopback names (and ``--allow-host`` ones) only; no login (the page has none); JSON errors."""
+    return Policy(
+        error_body=lambda status, message: {"error": message},
+        error_headers=lambda status: NO_STORE,
+        allowed_hosts=frozenset(allowed_hosts),
+        host_hint="`tempering view --allow-host NAME`",
+        log=log,
+    )
 
 
 class ViewServer:
@@ -179,32 +148,29 @@ class ViewServer:
         self, run_dir: str, port: int = 0, log: Callable[[str], None] | None = None, allowed_hosts: Iterable[str] = ()
     ) -> None:
         self.viewer = RunViewer(RunDir.open(run_dir))
+        rules = policy(log, allowed_hosts)
         try:
-            self.httpd = ThreadingHTTPServer((HOST, port), make_handler(self.viewer, log, allowed_hosts))
+            self.httpd = BackgroundServer(
+                guarded_app(rules, make_handler(self.viewer)), rules, HOST, port, "tempering-view"
+            )
         except OSError as exc:
             raise ConfigError(
                 f"cannot listen on {HOST}:{port}: {exc.strerror}; pick another --port (0 = any free one)", "--port"
             ) from None
-        self.httpd.daemon_threads = True
-        self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.httpd.server_address[1]}/"
 
     def start(self) -> ViewServer:
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="tempering-view", daemon=True)
-        self._thread.start()
+        self.httpd.start()
         return self
 
     def serve(self) -> None:
         self.httpd.serve_forever()
 
     def close(self) -> None:
-        if self._thread is not None:
-            self.httpd.shutdown()
-            self._thread.join()
-        self.httpd.server_close()
+        self.httpd.close()
 
     def __enter__(self) -> ViewServer:
         return self.start()
