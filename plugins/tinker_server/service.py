@@ -61,6 +61,7 @@ from tempering.plugins.backends.local.checkpoint import kept_rng
 from tempering.plugins.backends.local.model_source import registered_builder
 from tempering.plugins.tinker_server.batching import SampleBatcher
 from tempering.plugins.tinker_server.builtin_losses import builtin_loss, check_builtin
+from tempering.plugins.tinker_server.memory import give_back
 from tempering.plugins.tinker_server.registry import CheckpointRecord, Registry, RunRecord
 from tempering.plugins.tinker_server.stability import StabilityRecords, session_of
 from tempering.types import AdamParams, Batch, Datum, SamplingParams
@@ -136,6 +137,7 @@ class Sampler:
         self.owner, self.base_model, self.client, self.snapshot, self.path = owner, base_model, client, snapshot, path
         self._batcher: SampleBatcher | None = None
         self._batcher_lock = threading.Lock()
+        self.retired = False  # its owner was released (the run's session ended): reload from ``path``
 
     def sample(self, prompt: list[int], n: int, params: SamplingParams) -> Future[list[Any]]:
         target = self.client if self.client is not None else self.owner
@@ -557,17 +559,44 @@ class LocalService:
         return done
 
     def _close_runs(self, session_id: str, why: str) -> list[str]:
-        closed = []
+        """End a session's runs and sampling sessions and free what they held: queued requests
+        fail, each run's model (training copy, sampling copy, snapshots, optimizer) is released,
+        and so are the session's sampling sessions, its ``stable_reinforce`` records and any
+        sampler weights loaded from disk that no live sampling session uses any more. The runs
+        stay in the registry (their checkpoints outlive them); a later request to one answers
+        404 naming its saved states. Returns the runs closed."""
+        closed, released = [], []
         for model_id, run in list(self.runs.items()):
             if session_of(model_id) == session_id and run.closed is None:
                 run.close(why)
                 run.backend.close()  # finishes what is running, then frees the worker
-                for path, sampler in list(self.sampler_paths.items()):
-                    if sampler.owner is run.backend:  # loaded again from disk when someone asks for it
-                        del self.sampler_paths[path]
+                released.append(run.backend)
                 self.registry.close_run(model_id, why)
+                del self.runs[model_id]
                 closed.append(model_id)
+        for path, sampler in list(self.sampler_paths.items()):
+            if sampler.owner in released:  # loaded again from disk when someone asks for it
+                del self.sampler_paths[path]
+        for name, sampler in list(self.samplers.items()):
+            if session_of(name) == session_id:
+                del self.samplers[name]
+            elif isinstance(sampler, Sampler) and sampler.owner in released:
+                sampler.retired = True  # another session's; reloaded from its path at its next use
+        self.records.drop_session(session_id)
+        self._drop_unused_loaded()
+        give_back()
         return closed
+
+    def _drop_unused_loaded(self) -> None:
+        """Release sampler weights loaded from disk (:meth:`_sampler_at`) that no sampling
+        session uses: each is a model copy of its own."""
+        with self._lock:
+            live = {id(s) for s in self.samplers.values()}
+            owners = {id(run.backend) for run in self.runs.values()} | {id(b) for b in self._bases.values()}
+            for path, sampler in list(self.sampler_paths.items()):
+                if id(sampler) not in live and id(sampler.owner) not in owners:
+                    del self.sampler_paths[path]
+                    sampler.owner.close()
 
     def run(self, model_id: str) -> TrainingRun:
         self.seen(model_id)
@@ -902,7 +931,8 @@ class LocalService:
         session = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
         self.seen(req.session_id)
         if req.model_path:
-            self.samplers[session] = self._sampler_at(req.model_path)
+            with self._lock:  # not released between loading and use (_drop_unused_loaded)
+                self.samplers[session] = self._sampler_at(req.model_path)
         elif req.base_model:
             try:
                 self.samplers[session] = self._sampler(self.base(req.base_model), req.base_model)
@@ -914,9 +944,15 @@ class LocalService:
 
     def sampler(self, session: str) -> Sampler | InflightSampler:
         if session not in self.samplers:
-            raise Rejected(404, f"no sampling session {session!r}")
+            state = self.sessions.get(session_of(session))
+            ended = f" (its session {state.status})" if state is not None and state.status else ""
+            raise Rejected(404, f"no sampling session {session!r}{ended}")
         self.seen(session)
-        return self.samplers[session]
+        found = self.samplers[session]
+        if isinstance(found, Sampler) and found.retired and found.path is not None:
+            with self._lock:  # the weights of a run whose session ended: from disk, as after a restart
+                found = self.samplers[session] = self._sampler_at(found.path)
+        return found
 
     def sample(self, req: Any, sequence_ids: list[str] | None = None) -> Future[SampleResult]:
         """Completions, and what the request asks for besides: prompt logprobs (all, or the last

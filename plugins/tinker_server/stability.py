@@ -61,6 +61,15 @@ class StabilityRecords:
             while len(self._records) > self.capacity:
                 self._records.popitem(last=False)
 
+    def drop_session(self, session: str) -> int:
+        """Forget a finished session's records (only that session may train on them); returns
+        how many."""
+        with self._lock:
+            gone = [sid for sid, rec in self._records.items() if rec.session == session]
+            for sid in gone:
+                del self._records[sid]
+        return len(gone)
+
     def get(self, sequence_id: str, session: str) -> Recorded:
         """The record, its day restarted; a :class:`ValueError` says why there is none."""
         with self._lock:
