@@ -299,12 +299,13 @@ def _to_batch(
     data: list[Any],
     loss_fn: str,
     config: Mapping[str, Any] | None,
-    recorded: Callable[[Any, list[int]], list[float | None]] | None = None,
+    recorded: Callable[[Any, list[int], list[bool]], list[float | None]] | None = None,
 ) -> tuple[Batch, BuiltinLoss]:
     """Tinker datums -> our rows (and the loss that reads them), after the checks of a strict
     server: the loss's input and config keys, and one value per ``model_input`` position.
-    ``stable_reinforce`` takes its sampler logprobs from ``recorded(datum, targets)`` (the
-    server's records; the client's ``logprobs`` fill the prompt positions no sampler scored)."""
+    ``stable_reinforce`` takes its sampler logprobs from ``recorded(datum, targets, needed)``
+    (the server's records, matched where the advantage is non-zero; the client's ``logprobs``
+    fill the prompt positions no sampler scored)."""
     rows, keys = [], None
     for i, datum in enumerate(data):
         tokens = datum.model_input.to_ints()
@@ -344,7 +345,7 @@ def _to_batch(
             if recorded is None:
                 raise UserError("stable_reinforce needs the server's sampling records")
             try:
-                found = recorded(datum, target.tolist())
+                found = recorded(datum, target.tolist(), (inputs["advantages"] != 0).tolist())
             except ValueError as err:
                 raise UserError(f"datum {i}: {err}") from err
             given = sampler or [0.0] * len(tokens)
@@ -667,14 +668,16 @@ class LocalService:
                 call.data,
                 call.loss_fn,
                 call.loss_fn_config,
-                lambda datum, targets: self.records.sampler_logprobs(datum, targets, session),
+                lambda datum, targets, needed: self.records.sampler_logprobs(datum, targets, session, needed),
             )
-            if call.forward_only and loss.two_d:
-                raise UserError("forward with (N, K) target_tokens is not supported by this server")
             parts = []  # micro-batches: the losses are sums over datums, so gradients accumulate exactly
             for rows in _micro_batches(batch.data, self.micro_batch_tokens):
                 part, part_loss = Batch(rows), BuiltinLoss(loss.loss_fn, loss.config, loss.keys, loss.two_d)
-                if call.forward_only:
+                if call.forward_only and loss.two_d:  # (N, K) targets: each candidate's logprob
+                    parts.append(
+                        _then(run.backend.distributions(part), partial(self._score_forward_2d, part, part_loss))
+                    )
+                elif call.forward_only:
                     parts.append(_then(run.backend.logprobs(part), partial(self._score_forward, part, part_loss)))
                 else:
                     parts.append(
@@ -694,6 +697,20 @@ class LocalService:
     ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
         """:meth:`_outputs` of a finished ``forward_backward`` (its metrics hold the loss)."""
         return cls._outputs(loss, metrics["loss"])
+
+    def _score_forward_2d(self, batch: Batch, loss: BuiltinLoss, dists: list[torch.Tensor]) -> Any:
+        """A forward of ``(N, K)`` ``target_tokens`` (``cross_entropy`` only): the ``(N, K)``
+        logprobs of the candidates, gathered from each position's full distribution, and the
+        loss ``-sum(weights * logprobs)`` -- what the SDK's ``forward_backward_custom`` reads
+        (the cookbook's SDFT with ``reverse=true`` sends the teacher's top-K this way)."""
+        total, loss.rows = 0.0, []
+        for datum, dist in zip(batch.data, dists):
+            ids = torch.tensor(datum.extra["soft_ids"], dtype=torch.long)
+            row = dist.float().gather(-1, ids)
+            weights = torch.tensor(datum.extra["soft_weights"], dtype=torch.float32)
+            total += float(builtin_loss(loss.loss_fn, loss.config, row, {"target_tokens": ids, "weights": weights}))
+            loss.rows.append(row)
+        return self._outputs(loss, total)
 
     def _score_forward(self, batch: Batch, loss: BuiltinLoss, rows: list[list[float]]) -> Any:
         width = max(len(r) for r in rows)
