@@ -12,6 +12,7 @@ a leak of one copy a run shows within the 20 runs, and a run takes a fraction of
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -102,3 +103,69 @@ def test_the_request_logs_are_bounded(monkeypatch, tmp_path):
             assert len(srv.received) == size and len(srv.sampled) == size
             if size:
                 assert [r.kind for r in srv.received][-1] == "FinishSession"
+
+
+# ---------------------------------------------------------------------- disk: checkpoints
+def test_sampler_weights_hold_weights_only_and_retention_keeps_the_newest(monkeypatch, tmp_path):
+    """Sampler checkpoints hold the adapter and nothing else (they held Adam's two moments and
+    every earlier sampling client's snapshot: 3x and growing); a state no longer carries the
+    server's sampler snapshots; ``keep_checkpoints=2`` keeps each run's newest two of each kind
+    (files removed too); ``--status`` shows counts and disk use."""
+    import subprocess
+
+    import torch
+
+    set_env(monkeypatch, tmp_path)
+    root = tmp_path / "r"
+    with LocalTinkerServer(
+        {"mem": ServedModel("tiny_llama", MODEL)}, hold_seconds=0.2, root=str(root), keep_checkpoints=2
+    ) as server:
+        sc = tinker.ServiceClient(base_url=server.url, api_key=KEY)
+        tc = sc.create_lora_training_client(base_model="mem", rank=8).result(timeout=T)
+        states, samplers = [], []
+        for i in range(4):
+            tc.forward_backward([DATUM], "cross_entropy").result(timeout=T)
+            tc.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=T)
+            tc.save_weights_and_get_sampling_client().result(timeout=T)  # a snapshot the server keeps
+            samplers.append(tc.save_weights_for_sampler(f"s{i}").result(timeout=T).path)
+            states.append(tc.save_state(f"w{i}").result(timeout=T).path)
+        kept = server.service.registry.checkpoints
+        assert [p for p in states + samplers if p in kept] == states[2:] + samplers[2:]
+        folders = {p: kept[p].folder for p in states[2:] + samplers[2:]}
+        assert sorted(os.listdir(root / "states")) == sorted(os.path.basename(folders[p]) for p in states[2:])
+        sampler_state = torch.load(Path(folders[samplers[-1]]) / "state.pt", weights_only=True)
+        full_state = torch.load(Path(folders[states[-1]]) / "state.pt", weights_only=True)
+        assert sampler_state["optimizer"] is None and sampler_state["snapshots"] == {}
+        assert full_state["optimizer"] is not None and full_state["snapshots"] == {}
+        sampler_size, state_size = kept[samplers[-1]].size_bytes, kept[states[-1]].size_bytes
+        print(f"sampler weights {sampler_size} B, state {state_size} B")
+        assert sampler_size < 0.45 * state_size  # weights alone: about a third of weights + Adam's moments
+        sc.close("success").result(timeout=T)
+    out = subprocess.run(
+        [sys.executable, "-m", "tempering", "serve-tinker", "--status", "--root", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=T,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = {line.split(":")[0].strip(): line for line in out.stdout.splitlines()}
+    assert "1 training runs (0 open)" in out.stdout
+    assert lines["training checkpoints"].split()[2] == "2" and lines["sampler checkpoints"].split()[2] == "2"
+    assert float(lines["disk use of the root"].split()[-2]) > 0
+
+
+def test_an_expired_checkpoint_is_deleted(monkeypatch, tmp_path):
+    """A TTL is enforced: the housekeeping deletes a checkpoint once its ``expires_at`` passed."""
+    set_env(monkeypatch, tmp_path)
+    with LocalTinkerServer({"mem": ServedModel("tiny_llama", MODEL)}, hold_seconds=0.2, root=str(tmp_path)) as server:
+        tc = (
+            tinker.ServiceClient(base_url=server.url, api_key=KEY)
+            .create_lora_training_client(base_model="mem", rank=8)
+            .result(timeout=T)
+        )
+        path = tc.save_state("short", ttl_seconds=3600).result(timeout=T).path
+        record = server.service.registry.checkpoints[path]
+        assert record.expires_at is not None  # recorded at save (was only by the REST ttl call)
+        record.expires_at = "2000-01-01T00:00:00+00:00"
+        assert server.service.expire_checkpoints() == [f"deleted {path}: its TTL ran out (2000-01-01T00:00:00+00:00)"]
+        assert path not in server.service.registry.checkpoints and not os.path.exists(record.folder)

@@ -37,6 +37,7 @@ failure.
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import itertools
 import os
@@ -111,6 +112,10 @@ def _then(future: Future[Any], fn: Callable[[Any], Any]) -> Future[Any]:
 
     future.add_done_callback(done)
     return out
+
+
+def _utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
 
 
 def _check_ttl(ttl: int | None) -> None:
@@ -415,6 +420,9 @@ class LocalService:
         gap_timeout_seconds: how long a run's request waits for a missing earlier ``seq_id``.
         batch_sampling: batch concurrent sampling requests while the model is busy (much faster
             under a cookbook RL step; off, each request is one generate call, timing-independent).
+        keep_checkpoints: keep only the newest N saved states and the newest N sampler weights of
+            each training run (older ones are deleted as a new one is saved; published ones are
+            kept); None keeps all. A checkpoint's TTL (``ttl_seconds``) is enforced either way.
     """
 
     def __init__(
@@ -424,6 +432,7 @@ class LocalService:
         session_timeout_seconds: float = 60.0,
         gap_timeout_seconds: float = 30.0,
         batch_sampling: bool = False,
+        keep_checkpoints: int | None = None,
     ) -> None:
         self.models = {
             name: spec if isinstance(spec, ServedModel) else ServedModel(**spec) for name, spec in models.items()
@@ -449,6 +458,9 @@ class LocalService:
         self._ids = itertools.count(1)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-sample")
         self.batch_sampling = bool(batch_sampling)
+        if keep_checkpoints is not None and keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be at least 1 (or None: keep all), got {keep_checkpoints}")
+        self.keep_checkpoints = keep_checkpoints
         #: padded tokens per forward/backward call (a request's datums are split to fit; see _micro_batches)
         self.micro_batch_tokens = 2048
 
@@ -553,6 +565,7 @@ class LocalService:
                 state.status = "expired"
                 why = f"its session {session_id} sent no heartbeat or request for {self.session_timeout_seconds:g} s"
                 done += [f"closed {run}: {why}" for run in self._close_runs(session_id, why)]
+        done += self.expire_checkpoints()
         for run in list(self.runs.values()):
             missing = run.give_up_gaps(self.gap_timeout_seconds)
             if missing:
@@ -760,13 +773,40 @@ class LocalService:
         folder = self._folder("states", path)
 
         def go() -> Future[Any]:
-            run.backend.save(folder)  # returns once written, after every earlier call
-            self.registry.add_checkpoint(
-                CheckpointRecord(path, "training", folder, run.base_model, run.rank, user_metadata=req.user_metadata)
+            # returns once written, after every earlier call; without the server's own sampler
+            # snapshots (one adapter copy per sampling client made, a state would grow with each)
+            run.backend.save(folder, snapshots=False)
+            self._saved(
+                CheckpointRecord(path, "training", folder, run.base_model, run.rank, user_metadata=req.user_metadata),
+                req.ttl_seconds,
             )
             return resolved({"path": path, "type": "save_weights"})
 
         return run.run(req.seq_id, go)
+
+    def _saved(self, record: CheckpointRecord, ttl_seconds: int | None) -> None:
+        """Register a checkpoint just written (with its expiry), then apply the retention rule."""
+        if ttl_seconds is not None:
+            record.expires_at = (_utcnow() + datetime.timedelta(seconds=int(ttl_seconds))).isoformat()
+        self.registry.add_checkpoint(record)
+        if self.keep_checkpoints is None:
+            return
+        same = [
+            c
+            for c in self.registry.checkpoints_of(record.run_id)
+            if c.checkpoint_type == record.checkpoint_type and not c.public
+        ]
+        for old in same[: -self.keep_checkpoints]:
+            self.delete_checkpoint(old.tinker_path)
+
+    def expire_checkpoints(self) -> list[str]:
+        """Delete the checkpoints whose TTL ran out (the housekeeping thread calls it)."""
+        stamp, done = _utcnow(), []
+        for record in list(self.registry.checkpoints.values()):
+            if record.expires_at and datetime.datetime.fromisoformat(record.expires_at) <= stamp:
+                self.delete_checkpoint(record.tinker_path)
+                done.append(f"deleted {record.tinker_path}: its TTL ran out ({record.expires_at})")
+        return done
 
     def _checkpoint(self, path: str, kinds: tuple[str, ...] = ("training",)) -> CheckpointRecord:
         record = self.registry.checkpoints.get(path)
@@ -841,9 +881,12 @@ class LocalService:
             run.backend.snapshot(name)
             if path is not None:
                 folder = self._folder("sampler_weights", path)
-                run.backend.save(folder)
-                self.registry.add_checkpoint(
-                    CheckpointRecord(path, "sampler", folder, run.base_model, run.rank, user_metadata=req.user_metadata)
+                run.backend.save(folder, optimizer=False, snapshots=False)  # weights to sample, nothing else
+                self._saved(
+                    CheckpointRecord(
+                        path, "sampler", folder, run.base_model, run.rank, user_metadata=req.user_metadata
+                    ),
+                    req.ttl_seconds,
                 )
             return _then(
                 run.backend.sampling_client(),

@@ -316,14 +316,18 @@ class LocalBackend:
         """One AdamW step on the accumulated (rank-averaged) gradients, then clear them."""
         return self._submit(self._optim_step, params)
 
-    def save(self, path: str, extra: Mapping[str, Any] | None = None) -> str:
+    def save(
+        self, path: str, extra: Mapping[str, Any] | None = None, *, optimizer: bool = True, snapshots: bool = True
+    ) -> str:
         """Write a checkpoint directory at ``path`` (after all queued calls); returns ``path``.
 
         Under torchrun every rank must call this (it gathers each rank's RNG state); rank 0
         alone writes. ``extra`` must be JSON-serialisable (e.g. the loop position).
+        ``optimizer=False`` / ``snapshots=False`` leave the optimizer state / the snapshots out
+        (weights to sample from; loading such a checkpoint starts a fresh optimizer).
         """
         payload = checked_extra(extra, "LocalBackend.save")
-        return self._submit(self._save, str(path), payload).result()
+        return self._submit(self._save, str(path), payload, optimizer, snapshots).result()
 
     def load(self, path: str) -> dict[str, Any]:
         """Restore a checkpoint written by :meth:`save`; returns its ``extra``."""
@@ -376,7 +380,7 @@ class LocalBackend:
         self.step += 1
         return metrics
 
-    def _save(self, path: str, extra: dict[str, Any]) -> str:
+    def _save(self, path: str, extra: dict[str, Any], optimizer: bool = True, snapshots: bool = True) -> str:
         return checkpoint.save(
             path,
             self._weights,
@@ -386,6 +390,8 @@ class LocalBackend:
             model=self.model_name,
             lora=self.lora,
             world_size=self.world_size,
+            optimizer_state=optimizer,
+            snapshots_state=snapshots,
         )
 
     def _load(self, path: str) -> dict[str, Any]:
