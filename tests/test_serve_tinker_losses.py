@@ -208,7 +208,7 @@ def test_stable_reinforce_formula_and_gradient_on_known_inputs(seed):
 def rl_loop_datum(seq, advantage: float) -> types.Datum:
     """tinker-cookbook's ``recipes.rl_loop`` datum: 0s as the targets (and logprobs) of the prompt
     positions, advantage 0 there, and provenance naming the prompt run anyway."""
-    n_prompt, n_sampled = len(PROMPT), len(seq.tokens)
+    n_prompt = len(PROMPT)
     honest = datum_for(seq, advantage)
     inputs = dict(honest.loss_fn_inputs)
     inputs["target_tokens"] = [0] * (n_prompt - 1) + list(seq.tokens)
@@ -232,13 +232,17 @@ def test_stable_reinforce_takes_the_cookbook_rl_loop_datums(training):
     wrong = rl_loop_datum(seqs[0], 1.0)
     adv = [1.0] * len(wrong.loss_fn_inputs["advantages"].tolist())
     bad_prompt = types.Datum(wrong.model_input, {**wrong.loss_fn_inputs, "advantages": adv})
-    bad_prompt = bad_prompt.with_provenance(model_input=wrong.model_input_spans, loss_fn_inputs=wrong.loss_fn_input_spans)
-    with pytest.raises(tinker.RequestFailedError, match="differ from the prompt .* non-zero advantage"):
+    bad_prompt = bad_prompt.with_provenance(
+        model_input=wrong.model_input_spans, loss_fn_inputs=wrong.loss_fn_input_spans
+    )
+    with pytest.raises(tinker.RequestFailedError, match=r"differ from the prompt .* non-zero advantage"):
         training.forward([bad_prompt], "stable_reinforce").result(timeout=T)
     targets = wrong.loss_fn_inputs["target_tokens"].tolist()
     targets[-1] = (targets[-1] + 1) % 20
     bad_sampled = types.Datum(wrong.model_input, {**wrong.loss_fn_inputs, "target_tokens": targets})
-    bad_sampled = bad_sampled.with_provenance(model_input=wrong.model_input_spans, loss_fn_inputs=wrong.loss_fn_input_spans)
+    bad_sampled = bad_sampled.with_provenance(
+        model_input=wrong.model_input_spans, loss_fn_inputs=wrong.loss_fn_input_spans
+    )
     with pytest.raises(tinker.RequestFailedError, match="differ from the sampled tokens"):
         training.forward([bad_sampled], "stable_reinforce").result(timeout=T)
 
@@ -247,7 +251,7 @@ def test_gspo_without_config_takes_ppo_thresholds(training):
     """The cookbook's ``rl_loop loss_fn=gspo`` sends no ``loss_fn_config`` (was refused: "needs
     clip_low_threshold (no documented default)"); the defaults are PPO's 0.8 / 1.2."""
     seq = sample(training.save_weights_and_get_sampling_client()).sequences[0]
-    n_prompt, n = len(PROMPT) - 1, len(PROMPT) - 1 + len(seq.tokens)
+    n_prompt = len(PROMPT) - 1
     full = PROMPT + list(seq.tokens)
     d = types.Datum(
         model_input=types.ModelInput.from_ints(full[:-1]),
@@ -279,8 +283,8 @@ def test_forward_with_n_by_k_target_tokens_gives_each_candidates_logprob(trainin
     d = types.Datum(
         model_input=types.ModelInput.from_ints(tokens),
         loss_fn_inputs={
-            "target_tokens": types.TensorData(data=sum(candidates, []), dtype="int64", shape=[5, 3]),
-            "weights": types.TensorData(data=sum(weights, []), dtype="float32", shape=[5, 3]),
+            "target_tokens": types.TensorData(data=[t for row in candidates for t in row], dtype="int64", shape=[5, 3]),
+            "weights": types.TensorData(data=[w for row in weights for w in row], dtype="float32", shape=[5, 3]),
         },
     )
     out = training.forward([d], "cross_entropy").result(timeout=T)

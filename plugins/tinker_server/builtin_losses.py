@@ -23,7 +23,8 @@ as tensors. With ``r = exp(lp - q)`` (``q`` the ``logprobs`` input, the sampler'
 
 ``lo``/``hi`` are ``loss_fn_config["clip_low_threshold" / "clip_high_threshold"]`` (ratios, e.g.
 0.8 / 1.28); without them ``ppo`` and ``gspo`` take 0.8 / 1.2 (Tinker's fixed epsilon 0.2; its
-GSPO page writes the clip with the same epsilons) and ``cispo`` 0.0 / 4.0. The formulas themselves are the shared ones of :mod:`tempering.rlmath.policy_loss`
+GSPO page writes the clip with the same epsilons) and ``cispo`` 0.0 / 4.0. The formulas
+themselves are the shared ones of :mod:`tempering.rlmath.policy_loss`
 (the same functions our ``ppo``/``cispo``/``tis``/``importance_sampling`` losses call), applied
 without a mask; this module holds what is Tinker's own: each built-in's inputs and config, and
 the dispatch. Two users share it: the local Tinker server

@@ -591,11 +591,11 @@ class LocalService:
         for path, sampler in list(self.sampler_paths.items()):
             if sampler.owner in released:  # loaded again from disk when someone asks for it
                 del self.sampler_paths[path]
-        for name, sampler in list(self.samplers.items()):
+        for name, used in list(self.samplers.items()):
             if session_of(name) == session_id:
                 del self.samplers[name]
-            elif isinstance(sampler, Sampler) and sampler.owner in released:
-                sampler.retired = True  # another session's; reloaded from its path at its next use
+            elif isinstance(used, Sampler) and used.owner in released:
+                used.retired = True  # another session's; reloaded from its path at its next use
         self.records.drop_session(session_id)
         self._drop_unused_loaded()
         give_back()
