@@ -169,3 +169,35 @@ def test_an_expired_checkpoint_is_deleted(monkeypatch, tmp_path):
         record.expires_at = "2000-01-01T00:00:00+00:00"
         assert server.service.expire_checkpoints() == [f"deleted {path}: its TTL ran out (2000-01-01T00:00:00+00:00)"]
         assert path not in server.service.registry.checkpoints and not os.path.exists(record.folder)
+
+
+def test_a_long_run_holds_only_its_newest_sampling_clients(monkeypatch, tmp_path):
+    """A cookbook RL loop makes a sampling client every step and never says it dropped the old
+    one: the server keeps a run's newest ``keep_sampling_clients`` in memory (one copy of the
+    weights each, shared with the snapshot it scores with); an older unnamed one answers 404
+    saying why, older named weights are loaded again from disk."""
+    set_env(monkeypatch, tmp_path)
+    with LocalTinkerServer(
+        {"mem": ServedModel("tiny_llama", MODEL)}, hold_seconds=0.2, root=str(tmp_path), keep_sampling_clients=2
+    ) as server:
+        sc = tinker.ServiceClient(base_url=server.url, api_key=KEY)
+        tc = sc.create_lora_training_client(base_model="mem", rank=8).result(timeout=T)
+        named = tc.save_weights_for_sampler("first").result(timeout=T).path
+        before = (
+            sc.create_sampling_client(model_path=named).result(timeout=T).compute_logprobs(PROMPT).result(timeout=T)
+        )
+        clients = []
+        for _ in range(4):
+            tc.forward_backward([DATUM], "cross_entropy").result(timeout=T)
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=T)
+            clients.append(tc.save_weights_and_get_sampling_client().result(timeout=T))
+        [run] = server.service.runs.values()
+        assert len(run.backend.snapshot_names()) == 2 and len(run.published) == 2
+        params = types.SamplingParams(max_tokens=2)
+        for newest in clients[2:]:
+            assert newest.sample(PROMPT, 1, params).result(timeout=T).sequences
+        with pytest.raises(Exception, match="was released: this server keeps each training run's newest 2"):
+            clients[0].sample(PROMPT, 1, params).result(timeout=T)
+        again = sc.create_sampling_client(model_path=named).result(timeout=T)  # from disk now
+        assert again.compute_logprobs(PROMPT).result(timeout=T) == pytest.approx(before, abs=1e-5)
+        sc.close("success").result(timeout=T)

@@ -75,6 +75,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "A checkpoint's TTL (ttl_seconds) is enforced either way",
     )
     parser.add_argument(
+        "--keep-sampling-clients",
+        type=_at_least_one,
+        default=16,
+        metavar="N",
+        help="how many of each training run's newest sampling clients stay in memory (each a copy of the "
+        "trained weights; older ones are released: their sessions answer 404, named sampler weights are "
+        "loaded again from disk); default 16",
+    )
+    parser.add_argument(
         "--status",
         action="store_true",
         help="print the runs, checkpoints and disk use under --root, then exit (no server is started)",
@@ -92,7 +101,7 @@ def _at_least_one(text: str) -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expects a whole number of checkpoints >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expects a whole number >= 1, got {text!r}")
     return value
 
 
@@ -169,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
             batch_sampling=True,  # a cookbook RL step sends groups_per_batch requests at once
             request_log=0,  # no request log: the server runs for days
             keep_checkpoints=args.keep_checkpoints,
+            keep_sampling_clients=args.keep_sampling_clients,
         )
     except DamagedRegistry as err:
         raise SystemExit(str(err)) from err

@@ -234,7 +234,8 @@ class LocalTinkerServer:
             reused (a server started again on it knows its checkpoints); default: a temporary
             one, removed by :meth:`stop`.
         url_ttl_seconds: how long a signed download URL of external weights stays valid.
-        session_timeout_seconds / gap_timeout_seconds / batch_sampling / keep_checkpoints: see
+        session_timeout_seconds / gap_timeout_seconds / batch_sampling / keep_checkpoints /
+            keep_sampling_clients: see
             :class:`~tempering.plugins.tinker_server.service.LocalService`.
         request_log: how many of the newest requests (``received``) and sampled sequences
             (``sampled``) to keep, for tests; 0 keeps none (a long-running server).
@@ -261,6 +262,7 @@ class LocalTinkerServer:
         batch_sampling: bool = False,
         request_log: int = 2000,
         keep_checkpoints: int | None = None,
+        keep_sampling_clients: int = 16,
     ) -> None:
         if not _is_loopback(host) and not api_keys:
             raise ValueError(
@@ -276,6 +278,7 @@ class LocalTinkerServer:
             gap_timeout_seconds,
             batch_sampling,
             keep_checkpoints,
+            keep_sampling_clients,
         )
         self.housekeeping: list[str] = []  # what the housekeeping thread did (expired sessions, given-up seq_ids)
         self._stopping = threading.Event()

@@ -194,6 +194,7 @@ class TrainingRun:
         self._lock = threading.Lock()
         self.names: set[str] = set()
         self._snapshots = itertools.count()
+        self.published: list[Sampler] = []  # its sampling clients' weights in memory, oldest first
 
     def run(self, seq_id: int, fn: Callable[[], Future[Any]]) -> Future[Any]:
         """Run ``fn`` (which submits to the backend) once every earlier ``seq_id`` has run."""
@@ -423,6 +424,9 @@ class LocalService:
         keep_checkpoints: keep only the newest N saved states and the newest N sampler weights of
             each training run (older ones are deleted as a new one is saved; published ones are
             kept); None keeps all. A checkpoint's TTL (``ttl_seconds``) is enforced either way.
+        keep_sampling_clients: how many of a run's newest sampling clients
+            (``save_weights_and_get_sampling_client``, named sampler weights) stay in memory;
+            see :meth:`_keep_newest`.
     """
 
     def __init__(
@@ -433,6 +437,7 @@ class LocalService:
         gap_timeout_seconds: float = 30.0,
         batch_sampling: bool = False,
         keep_checkpoints: int | None = None,
+        keep_sampling_clients: int = 16,
     ) -> None:
         self.models = {
             name: spec if isinstance(spec, ServedModel) else ServedModel(**spec) for name, spec in models.items()
@@ -461,6 +466,10 @@ class LocalService:
         if keep_checkpoints is not None and keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be at least 1 (or None: keep all), got {keep_checkpoints}")
         self.keep_checkpoints = keep_checkpoints
+        if keep_sampling_clients < 1:
+            raise ValueError(f"keep_sampling_clients must be at least 1, got {keep_sampling_clients}")
+        self.keep_sampling_clients = int(keep_sampling_clients)
+        self.released: dict[str, str] = {}  # sampling session -> why it was released (a 404's message)
         #: padded tokens per forward/backward call (a request's datums are split to fit; see _micro_batches)
         self.micro_batch_tokens = 2048
 
@@ -596,6 +605,8 @@ class LocalService:
                 del self.samplers[name]
             elif isinstance(used, Sampler) and used.owner in released:
                 used.retired = True  # another session's; reloaded from its path at its next use
+        for name in [n for n in self.released if session_of(n) == session_id]:
+            del self.released[name]
         self.records.drop_session(session_id)
         self._drop_unused_loaded()
         give_back()
@@ -878,7 +889,6 @@ class LocalService:
 
         def go() -> Future[Any]:
             name = run.snapshot_name()
-            run.backend.snapshot(name)
             if path is not None:
                 folder = self._folder("sampler_weights", path)
                 run.backend.save(folder, optimizer=False, snapshots=False)  # weights to sample, nothing else
@@ -889,11 +899,12 @@ class LocalService:
                     req.ttl_seconds,
                 )
             return _then(
-                run.backend.sampling_client(),
+                run.backend.sampling_client(snapshot=name),  # one copy: the client's, also scored with
                 lambda client: publish(self._sampler(run.backend, run.base_model, client, name, path)),
             )
 
         def publish(sampler: Sampler) -> dict[str, Any]:
+            self._keep_newest(run, sampler)
             if path is not None:
                 self.sampler_paths[path] = sampler
                 return {"path": path, "type": "save_weights_for_sampler"}
@@ -906,6 +917,30 @@ class LocalService:
             return {"sampling_session_id": session, "type": "save_weights_for_sampler"}
 
         return run.run(req.seq_id, go)
+
+    def _keep_newest(self, run: TrainingRun, sampler: Sampler) -> None:
+        """Hold the newest ``keep_sampling_clients`` sampling clients of a run in memory (each
+        is a copy of the trainable weights; the SDK never says one is dropped, so a long run
+        would grow by one per step). An older one is released: named sampler weights are
+        loaded again from disk at their next use, an unnamed client's session answers 404."""
+        run.published.append(sampler)
+        while len(run.published) > self.keep_sampling_clients:
+            old = run.published.pop(0)
+            if old is run.inflight:  # an inflight session samples the newest published weights
+                continue
+            run.backend.drop_snapshot(old.snapshot or "")
+            old.retired = True
+            for path, kept in list(self.sampler_paths.items()):
+                if kept is old:
+                    del self.sampler_paths[path]
+            for session, used in list(self.samplers.items()):
+                if used is old and old.path is None:
+                    del self.samplers[session]
+                    self.released[session] = (
+                        f"sampling session {session!r} was released: this server keeps each training run's "
+                        f"newest {self.keep_sampling_clients} sampling clients in memory "
+                        "(--keep-sampling-clients); save named weights (save_weights_for_sampler) to keep one"
+                    )
 
     def save_external(self, req: Any) -> Future[Any]:
         """``save_weights_external``: the run's weights as a Hugging Face folder at a
@@ -1003,6 +1038,8 @@ class LocalService:
         return session
 
     def sampler(self, session: str) -> Sampler | InflightSampler:
+        if session in self.released:
+            raise Rejected(404, self.released[session])
         if session not in self.samplers:
             state = self.sessions.get(session_of(session))
             ended = f" (its session {state.status})" if state is not None and state.status else ""
