@@ -16,6 +16,10 @@ own training code. What Tinker guarantees and this service keeps:
   up (the requests behind it run; it fails if it comes late), and a session silent for
   ``session_timeout_seconds`` (no heartbeat, no request) expires: its runs' queued requests
   fail and their models are released;
+* the server runs for days: a finished or expired session frees everything it held (its runs,
+  sampling sessions, records; see :meth:`LocalService._close_runs`), a run keeps only its newest
+  ``keep_sampling_clients`` sampling clients in memory, a checkpoint's TTL is enforced, and
+  ``keep_checkpoints`` keeps each run's newest N states and sampler weights;
 * a saved state or sampler checkpoint keeps its name unless ``overwrite``, and a TTL is
   ``None`` or at least 3600 s;
 * ``snapshot`` sampling sessions sample fixed weights; ``inflight`` ones sample the newest
@@ -25,7 +29,7 @@ own training code. What Tinker guarantees and this service keeps:
 Differences from the service, on purpose: samples come from the local backend (its sampler
 logprobs are those of the distribution sampled from; it always stops at the model's EOS, so
 ``stop=[]`` does not disable EOS here); ``train_mlp``/``train_attn``/``train_unembed`` are
-ignored; checkpoints never expire (a TTL is recorded, not enforced); a run's live state does
+ignored; a run's live state does
 not survive a restart (its checkpoints do: :mod:`~tempering.plugins.tinker_server.registry`);
 top-k logprobs (prompt and sampled) are of the model's untempered distribution.
 
