@@ -180,3 +180,18 @@ def test_the_sdk_loads_the_served_tokenizer_by_name_offline(tmp_path):
     assert json.loads(out.stdout.strip().splitlines()[-1]) == AutoTokenizer.from_pretrained(folder).encode(
         "What is 2 + 3?"
     )
+
+
+def test_a_damaged_registry_is_named_as_such(tmp_path):
+    """A truncated ``registry.json`` is one line naming the file and the way out (it was reported
+    as an ``--api-key`` problem), for serving and for ``--status``."""
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "registry.json").write_text('{"runs": [{"training_run_id": "x", "base')
+    for extra in ([], ["--status"]):
+        cmd = [sys.executable, "-m", "tempering", "serve-tinker", "--port", str(free_port()), "--root", str(root)]
+        out = subprocess.run(cmd + extra, env=env_for(tmp_path), capture_output=True, text=True, timeout=T)
+        err = out.stderr.strip()
+        assert out.returncode != 0 and len(err.splitlines()) == 1, err
+        assert "registry.json: the run registry is damaged" in err and "move it aside" in err
+        assert "--api-key" not in err and "Traceback" not in err

@@ -202,3 +202,106 @@ def test_stable_reinforce_formula_and_gradient_on_known_inputs(seed):
     expected_grad = [-min(math.exp(a - b), 2.0) * c for a, b, c in zip(lp, q, adv)]
     assert x.grad.tolist() == pytest.approx(expected_grad, rel=1e-9)
     assert any(math.exp(a - b) > 2.0 for a, b in zip(lp, q))
+
+
+# ---------------------------------------------------------------------- what the cookbook sends (issue 34)
+def rl_loop_datum(seq, advantage: float) -> types.Datum:
+    """tinker-cookbook's ``recipes.rl_loop`` datum: 0s as the targets (and logprobs) of the prompt
+    positions, advantage 0 there, and provenance naming the prompt run anyway."""
+    n_prompt = len(PROMPT)
+    honest = datum_for(seq, advantage)
+    inputs = dict(honest.loss_fn_inputs)
+    inputs["target_tokens"] = [0] * (n_prompt - 1) + list(seq.tokens)
+    zeros = types.Datum(honest.model_input, inputs)
+    return zeros.with_provenance(model_input=honest.model_input_spans, loss_fn_inputs=honest.loss_fn_input_spans)
+
+
+def test_stable_reinforce_takes_the_cookbook_rl_loop_datums(training):
+    """Provenance is compared where the loss uses it: the sampled tokens, and prompt positions
+    with a non-zero advantage (rl_loop's were refused: "differ from the prompt ... at offset 1")."""
+    sampler = training.save_weights_and_get_sampling_client(record_stability_info=True)
+    seqs = [s for s in sample(sampler, 4).sequences if len(s.tokens) >= 2][:2]
+    assert seqs, "the tiny model stopped at once on every sample"
+    cookbook = [rl_loop_datum(s, a) for s, a in zip(seqs, (1.0, -0.5))]
+    honest = [datum_for(s, a) for s, a in zip(seqs, (1.0, -0.5))]
+    got = training.forward_backward(cookbook, "stable_reinforce").result(timeout=T)
+    want = training.forward(honest, "stable_reinforce").result(timeout=T)
+    assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-5, abs=1e-6)
+    assert got.metrics["loss:sum"] != 0.0
+    # a wrong prompt token where the advantage is not 0 is still refused, and so is a wrong sampled token
+    wrong = rl_loop_datum(seqs[0], 1.0)
+    adv = [1.0] * len(wrong.loss_fn_inputs["advantages"].tolist())
+    bad_prompt = types.Datum(wrong.model_input, {**wrong.loss_fn_inputs, "advantages": adv})
+    bad_prompt = bad_prompt.with_provenance(
+        model_input=wrong.model_input_spans, loss_fn_inputs=wrong.loss_fn_input_spans
+    )
+    with pytest.raises(tinker.RequestFailedError, match=r"differ from the prompt .* non-zero advantage"):
+        training.forward([bad_prompt], "stable_reinforce").result(timeout=T)
+    targets = wrong.loss_fn_inputs["target_tokens"].tolist()
+    targets[-1] = (targets[-1] + 1) % 20
+    bad_sampled = types.Datum(wrong.model_input, {**wrong.loss_fn_inputs, "target_tokens": targets})
+    bad_sampled = bad_sampled.with_provenance(
+        model_input=wrong.model_input_spans, loss_fn_inputs=wrong.loss_fn_input_spans
+    )
+    with pytest.raises(tinker.RequestFailedError, match="differ from the sampled tokens"):
+        training.forward([bad_sampled], "stable_reinforce").result(timeout=T)
+
+
+def test_gspo_without_config_takes_ppo_thresholds(training):
+    """The cookbook's ``rl_loop loss_fn=gspo`` sends no ``loss_fn_config`` (was refused: "needs
+    clip_low_threshold (no documented default)"); the defaults are PPO's 0.8 / 1.2."""
+    seq = sample(training.save_weights_and_get_sampling_client()).sequences[0]
+    n_prompt = len(PROMPT) - 1
+    full = PROMPT + list(seq.tokens)
+    d = types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={
+            "target_tokens": full[1:],
+            "logprobs": [0.0] * n_prompt + [x - 0.3 for x in seq.logprobs],  # sequence ratio e^0.3 > 1.2: clipped
+            "advantages": [0.0] * n_prompt + [0.7] * len(seq.tokens),
+            "sequence_ratio_mask": [0.0] * n_prompt + [1.0] * len(seq.tokens),
+        },
+    )
+    default = training.forward([d], "gspo").result(timeout=T)
+    lp = default.loss_fn_outputs[0]["logprobs"].tolist()
+    q, adv = d.loss_fn_inputs["logprobs"].tolist(), d.loss_fn_inputs["advantages"].tolist()
+    s = math.exp(sum(x - y for x, y in zip(lp[n_prompt:], q[n_prompt:])) / len(seq.tokens))
+    assert s > 1.2
+    expected = -sum(min(s * a, min(max(s, 0.8), 1.2) * a) for a in adv)  # every token carries s's value
+    assert default.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4)
+    wider = training.forward([d], "gspo", {"clip_low_threshold": 0.8, "clip_high_threshold": 2.0}).result(timeout=T)
+    assert wider.metrics["loss:sum"] != pytest.approx(default.metrics["loss:sum"], rel=1e-3)
+
+
+def test_forward_with_n_by_k_target_tokens_gives_each_candidates_logprob(training):
+    """``forward`` with ``(N, K)`` ``target_tokens`` (what ``forward_backward_custom`` sends for
+    the cookbook's SDFT ``reverse=true``; was refused): logprobs ``(N, K)``, column k the
+    logprobs of a 1-D forward on column k, and loss ``-sum(weights * logprobs)``."""
+    tokens = [1, 4, 5, 13, 6]
+    candidates = [[4, 5, 6], [5, 4, 7], [13, 6, 8], [6, 7, 9], [7, 8, 10]]
+    weights = [[0.0, 0.0, 0.0], [0.5, 0.3, 0.2], [0.6, 0.4, 0.0], [1.0, 0.0, 0.0], [0.2, 0.2, 0.6]]
+    d = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData(data=[t for row in candidates for t in row], dtype="int64", shape=[5, 3]),
+            "weights": types.TensorData(data=[w for row in weights for w in row], dtype="float32", shape=[5, 3]),
+        },
+    )
+    out = training.forward([d], "cross_entropy").result(timeout=T)
+    lp = out.loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert lp.shape == (5, 3)
+    for k in range(3):
+        column = types.Datum(
+            model_input=types.ModelInput.from_ints(tokens),
+            loss_fn_inputs={"target_tokens": [row[k] for row in candidates], "weights": [1.0] * 5},
+        )
+        one = training.forward([column], "cross_entropy").result(timeout=T).loss_fn_outputs[0]["logprobs"].tolist()
+        assert lp[:, k].tolist() == pytest.approx(one, abs=1e-5)
+    expected = -sum(w * x for wr, xr in zip(weights, lp.tolist()) for w, x in zip(wr, xr))
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-5)
+
+    def custom(data, logprobs):  # the SDK's client-side custom loss runs on this forward
+        return -(logprobs[0] * data[0].loss_fn_inputs["weights"].to_torch()).sum(), {}
+
+    custom_out = training.forward_backward_custom([d], custom).result(timeout=T)
+    assert custom_out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4)

@@ -22,7 +22,9 @@ as tensors. With ``r = exp(lp - q)`` (``q`` the ``logprobs`` input, the sampler'
   logprob, ``s_t = sg(s) * exp(lp_t - sg(lp_t))``; ``-sum(min(s_t * A, clip(s_t, lo, hi) * A))``.
 
 ``lo``/``hi`` are ``loss_fn_config["clip_low_threshold" / "clip_high_threshold"]`` (ratios, e.g.
-0.8 / 1.28). The formulas themselves are the shared ones of :mod:`tempering.rlmath.policy_loss`
+0.8 / 1.28); without them ``ppo`` and ``gspo`` take 0.8 / 1.2 (Tinker's fixed epsilon 0.2; its
+GSPO page writes the clip with the same epsilons) and ``cispo`` 0.0 / 4.0. The formulas
+themselves are the shared ones of :mod:`tempering.rlmath.policy_loss`
 (the same functions our ``ppo``/``cispo``/``tis``/``importance_sampling`` losses call), applied
 without a mask; this module holds what is Tinker's own: each built-in's inputs and config, and
 the dispatch. Two users share it: the local Tinker server
@@ -72,7 +74,9 @@ BUILTIN_CONFIG: dict[str, dict[str, float | None]] = {
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},  # "currently fixed to 0.2"
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},  # the loss docs' defaults
     "stable_reinforce": {},
-    "gspo": {"clip_low_threshold": None, "clip_high_threshold": None},
+    # Tinker's GSPO page writes the clip as PPO's, clip(s_t, 1 - eps_low, 1 + eps_high), and its PPO
+    # page fixes eps to 0.2; the cookbook's rl_loop sends gspo with no config. So PPO's thresholds.
+    "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "dro": {"beta": None},
 }
 

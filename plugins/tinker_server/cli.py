@@ -74,10 +74,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds without heartbeat or request after which a client's session expires",
     )
     parser.add_argument(
+        "--keep-checkpoints",
+        type=_at_least_one,
+        default=None,
+        metavar="N",
+        help="keep only each training run's newest N saved states and newest N sampler weights "
+        "(older ones are deleted when a new one is saved; published ones stay); default: keep all. "
+        "A checkpoint's TTL (ttl_seconds) is enforced either way",
+    )
+    parser.add_argument(
+        "--keep-sampling-clients",
+        type=_at_least_one,
+        default=16,
+        metavar="N",
+        help="how many of each training run's newest sampling clients stay in memory (each a copy of the "
+        "trained weights; older ones are released: their sessions answer 404, named sampler weights are "
+        "loaded again from disk); default 16",
+    )
+    parser.add_argument(
+        "--status",
+        action="store_true",
+        help="print the runs, checkpoints and disk use under --root, then exit (no server is started)",
+    )
+    parser.add_argument(
         "--no-tokenizer-cache",
         action="store_true",
         help="do not place the served tokenizer in this machine's Hugging Face cache under --name",
     )
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expects a whole number >= 1, got {text!r}")
+    return value
+
+
+def status(root: str) -> str:
+    """What ``--status`` prints: the registry's runs and checkpoints under ``root`` and the disk
+    they use, read from ``registry.json`` (no server needed; a running one's state as last saved)."""
+    from tempering.plugins.tinker_server.registry import Registry, folder_size
+
+    registry = Registry(root)  # DamagedRegistry: one line, raised to the caller
+    open_runs = sum(1 for r in registry.runs.values() if r.closed is None)
+    lines = [f"root {root}: {len(registry.runs)} training runs ({open_runs} open)"]
+    for kind in ("training", "sampler", "external"):
+        found = [c for c in registry.checkpoints.values() if c.checkpoint_type == kind]
+        size = sum(folder_size(c.folder) for c in found)
+        lines.append(f"  {kind + ' checkpoints:':22} {len(found):5d}  {_mb(size)}")
+    lines.append(f"  {'disk use of the root:':22} {'':5}  {_mb(folder_size(root))}")
+    return "\n".join(lines)
+
+
+def _mb(size: int) -> str:
+    return f"{size / 2**20:10.1f} MB"
 
 
 def model_problem(model: str, model_kwargs: Any) -> str | None:
@@ -100,9 +153,16 @@ def run(args: argparse.Namespace) -> int:
     """Serve until interrupted (Ctrl-C)."""
     import threading
 
+    from tempering.plugins.tinker_server.registry import DamagedRegistry
     from tempering.plugins.tinker_server.server import LocalTinkerServer
     from tempering.plugins.tinker_server.service import ServedModel
 
+    if args.status:
+        try:
+            print(status(args.root or default_root()))
+        except DamagedRegistry as err:
+            raise SystemExit(str(err)) from err
+        return 0
     try:
         kwargs: dict[str, Any] = json.loads(args.model_kwargs)
     except json.JSONDecodeError as err:
@@ -125,7 +185,12 @@ def run(args: argparse.Namespace) -> int:
             hold_seconds=20.0,  # a long poll (the SDK waits 45 s): fewer 'try_again' warnings in clients' logs
             batch_sampling=True,  # a cookbook RL step sends groups_per_batch requests at once
             allowed_hosts=args.allow_host,
+            request_log=0,  # no request log: the server runs for days
+            keep_checkpoints=args.keep_checkpoints,
+            keep_sampling_clients=args.keep_sampling_clients,
         )
+    except DamagedRegistry as err:
+        raise SystemExit(str(err)) from err
     except ValueError as err:
         raise SystemExit(f"{err} (--api-key)") from err
     server.start()

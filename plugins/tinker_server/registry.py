@@ -20,7 +20,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Registry", "RunRecord", "CheckpointRecord", "now"]
+__all__ = ["Registry", "RunRecord", "CheckpointRecord", "DamagedRegistry", "now", "folder_size"]
 
 FILE = "registry.json"
 
@@ -95,7 +95,21 @@ class CheckpointRecord:
 
 
 def folder_size(folder: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
+    """Bytes of the files under ``folder`` (0 for a folder that is gone)."""
+    total = 0
+    for d, _, files in os.walk(folder):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(d, f))
+            except OSError:  # removed while we walked
+                pass
+    return total
+
+
+class DamagedRegistry(Exception):
+    """``registry.json`` cannot be read (truncated, not JSON, not a registry): one line that
+    names the file and the way out. Not a ValueError, so no caller mistakes it for bad input
+    of its own."""
 
 
 class Registry:
@@ -108,10 +122,17 @@ class Registry:
         self.checkpoints: dict[str, CheckpointRecord] = {}
         self._lock = threading.RLock()
         if os.path.isfile(self.path):
-            with open(self.path) as fh:
-                saved = json.load(fh)
-            self.runs = {r["training_run_id"]: RunRecord(**r) for r in saved.get("runs", [])}
-            self.checkpoints = {c["tinker_path"]: CheckpointRecord(**c) for c in saved.get("checkpoints", [])}
+            try:
+                with open(self.path) as fh:
+                    saved = json.load(fh)
+                self.runs = {r["training_run_id"]: RunRecord(**r) for r in saved.get("runs", [])}
+                self.checkpoints = {c["tinker_path"]: CheckpointRecord(**c) for c in saved.get("checkpoints", [])}
+            except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+                raise DamagedRegistry(
+                    f"{self.path}: the run registry is damaged ({type(err).__name__}: {err}); move it aside "
+                    "to start with an empty one (the checkpoint folders beside it are left as they are), "
+                    "or give another --root"
+                ) from err
             self.checkpoints = {p: c for p, c in self.checkpoints.items() if os.path.isdir(c.folder)}
 
     def save(self) -> None:

@@ -43,8 +43,9 @@ service can: an HTTP status at submission (401, 409, 429, 5xx, ...), a failed fu
 ``server`` or ``user``; the operation is not applied), a future that never completes (its
 queue paused for capacity), an expired future (410), a ``retrieve_future`` that answers 408, every request answering an
 HTTP 5xx (``faults.broken()``) until ``faults.clear()``.
-Every request is recorded (``server.received``) with its decoded ``tinker.types`` body, and every
-sequence sampled as ``(prompt, completion)`` tokens (``server.sampled``).
+The newest requests are recorded (``server.received``, a bounded log of ``request_log`` entries,
+2000 by default; ``tempering serve-tinker`` keeps none) with their decoded ``tinker.types``
+bodies, and the newest sequences sampled as ``(prompt, completion)`` tokens (``server.sampled``).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ from tempering.plugins.tinker_server.service import (
     ServedModel,
     UserError,
 )
+from tempering.plugins.tinker_server.stability import session_of
 from tempering.runs.serving import (
     BackgroundServer,
     Call,
@@ -103,6 +105,8 @@ __all__ = ["LocalTinkerServer", "Faults", "Received", "DEFAULT_MODELS"]
 #: The largest request body: a forward_backward batch of long sequences in protobuf.
 MAX_BODY = 64 * 1024 * 1024
 INVALID_KEY = "Invalid API key"
+#: How long a future's outcome stays retrievable after it was sent.
+FUTURE_GRACE_SECONDS = 60.0
 
 #: What ``tiny_llama`` means on a server started without ``models``: a very small char-level
 #: Llama, so that a test step takes milliseconds.
@@ -219,6 +223,7 @@ class _Pending:
     future: Future[Any]
     render: Callable[[Any], tuple[str, bytes]]
     fault: _Fault | None = None
+    answered: float | None = None  # when its outcome was sent (it is forgotten a while after)
 
 
 def _json(value: Any) -> tuple[str, bytes]:
@@ -239,11 +244,14 @@ class LocalTinkerServer:
             reused (a server started again on it knows its checkpoints); default: a temporary
             one, removed by :meth:`stop`.
         url_ttl_seconds: how long a signed download URL of external weights stays valid.
-        session_timeout_seconds / gap_timeout_seconds / batch_sampling: see
+        session_timeout_seconds / gap_timeout_seconds / batch_sampling / keep_checkpoints /
+            keep_sampling_clients: see
             :class:`~tempering.plugins.tinker_server.service.LocalService`.
         allowed_hosts: ``Host`` names answered besides loopback ones (403 otherwise, against DNS
             rebinding); default: loopback names on a loopback address, any name on another
             (which needs ``api_keys``).
+        request_log: how many of the newest requests (``received``) and sampled sequences
+            (``sampled``) to keep, for tests; 0 keeps none (a long-running server).
 
     The transport is tempering's one server stack (:mod:`tempering.runs.serving`): the Host
     check, the key (before the body is read), a 64 MiB body cap, head/body timeouts, a
@@ -270,6 +278,9 @@ class LocalTinkerServer:
         gap_timeout_seconds: float = 30.0,
         batch_sampling: bool = False,
         allowed_hosts: Iterable[str] | None = None,
+        request_log: int = 2000,
+        keep_checkpoints: int | None = None,
+        keep_sampling_clients: int = 16,
     ) -> None:
         if not is_loopback_address(host) and not api_keys:
             raise ValueError(
@@ -284,14 +295,17 @@ class LocalTinkerServer:
             session_timeout_seconds,
             gap_timeout_seconds,
             batch_sampling,
+            keep_checkpoints,
+            keep_sampling_clients,
         )
         self.housekeeping: list[str] = []  # what the housekeeping thread did (expired sessions, given-up seq_ids)
         self._stopping = threading.Event()
         self.api_keys = api_keys
         self.hold_seconds = float(hold_seconds)
         self.faults = Faults()
-        self.received: list[Received] = []
-        self.sampled: list[tuple[list[int], list[int]]] = []  # (prompt, completion) of every sequence served
+        # the newest ``request_log`` requests and sampled sequences (a bounded log: 0 keeps none)
+        self.received: deque[Received] = deque(maxlen=request_log)
+        self.sampled: deque[tuple[list[int], list[int]]] = deque(maxlen=request_log)  # (prompt, completion)
         self.futures: dict[str, _Pending] = {}
         self.paused = threading.Event()  # while set, finished results are held back (try_again)
         self.url_ttl_seconds = float(url_ttl_seconds)
@@ -317,6 +331,7 @@ class LocalTinkerServer:
                 for line in self.service.reap():
                     log.warning("tinker server: %s", line)
                     self.housekeeping.append(line)
+                self.forget_futures()
             except Exception:
                 log.exception("tinker server housekeeping failed")
 
@@ -342,6 +357,22 @@ class LocalTinkerServer:
 
     def bodies(self, *kinds: str) -> list[Any]:
         return [r.body for r in self.requests(*kinds)]
+
+    def forget_futures(self, answered_for: float = FUTURE_GRACE_SECONDS) -> int:
+        """Drop the futures whose outcome was sent ``answered_for`` seconds ago (a client may
+        poll once more after a dropped connection), and the finished futures of sessions that
+        ended: a server future holds its result (logprobs, samples) until then. Returns how
+        many were dropped (the housekeeping thread calls it every second)."""
+        stamp, gone = time.monotonic(), []
+        for request_id, pending in list(self.futures.items()):
+            session = self.service.sessions.get(session_of(self.service.request_sessions.get(request_id, "")))
+            ended = session is not None and session.status is not None and pending.future.done()
+            if ended or (pending.answered is not None and stamp - pending.answered > answered_for):
+                gone.append(request_id)
+        for request_id in gone:
+            self.futures.pop(request_id, None)
+            self.service.request_sessions.pop(request_id, None)
+        return len(gone)
 
     # ------------------------------------------------------------------ internals
     def _record(self, route: str, kind: str, body: Any) -> None:
@@ -428,6 +459,7 @@ class LocalTinkerServer:
         if hung or self.paused.is_set() or not pending.future.done():
             state = "paused_capacity" if hung or self.paused.is_set() else "active"
             return 200, *_json({"type": "try_again", "request_id": request_id, "queue_state": state})
+        pending.answered = time.monotonic()
         err = pending.future.exception()
         if err is not None:
             return 200, *_json({"error": str(err), "category": "user" if isinstance(err, UserError) else "server"})

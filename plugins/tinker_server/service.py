@@ -16,6 +16,10 @@ own training code. What Tinker guarantees and this service keeps:
   up (the requests behind it run; it fails if it comes late), and a session silent for
   ``session_timeout_seconds`` (no heartbeat, no request) expires: its runs' queued requests
   fail and their models are released;
+* the server runs for days: a finished or expired session frees everything it held (its runs,
+  sampling sessions, records; see :meth:`LocalService._close_runs`), a run keeps only its newest
+  ``keep_sampling_clients`` sampling clients in memory, a checkpoint's TTL is enforced, and
+  ``keep_checkpoints`` keeps each run's newest N states and sampler weights;
 * a saved state or sampler checkpoint keeps its name unless ``overwrite``, and a TTL is
   ``None`` or at least 3600 s;
 * ``snapshot`` sampling sessions sample fixed weights; ``inflight`` ones sample the newest
@@ -25,7 +29,7 @@ own training code. What Tinker guarantees and this service keeps:
 Differences from the service, on purpose: samples come from the local backend (its sampler
 logprobs are those of the distribution sampled from; it always stops at the model's EOS, so
 ``stop=[]`` does not disable EOS here); ``train_mlp``/``train_attn``/``train_unembed`` are
-ignored; checkpoints never expire (a TTL is recorded, not enforced); a run's live state does
+ignored; a run's live state does
 not survive a restart (its checkpoints do: :mod:`~tempering.plugins.tinker_server.registry`);
 top-k logprobs (prompt and sampled) are of the model's untempered distribution.
 
@@ -37,6 +41,7 @@ failure.
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import itertools
 import os
@@ -61,6 +66,7 @@ from tempering.plugins.backends.local.checkpoint import kept_rng
 from tempering.plugins.backends.local.model_source import registered_builder
 from tempering.plugins.tinker_server.batching import SampleBatcher
 from tempering.plugins.tinker_server.builtin_losses import builtin_loss, check_builtin
+from tempering.plugins.tinker_server.memory import give_back
 from tempering.plugins.tinker_server.registry import CheckpointRecord, Registry, RunRecord
 from tempering.plugins.tinker_server.stability import StabilityRecords, session_of
 from tempering.types import AdamParams, Batch, Datum, SamplingParams
@@ -112,6 +118,10 @@ def _then(future: Future[Any], fn: Callable[[Any], Any]) -> Future[Any]:
     return out
 
 
+def _utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
 def _check_ttl(ttl: int | None) -> None:
     if ttl is not None and not MIN_TTL_SECONDS <= int(ttl) <= MAX_TTL_SECONDS:
         raise Rejected(400, f"ttl_seconds must be between {MIN_TTL_SECONDS} and {MAX_TTL_SECONDS} (or null), got {ttl}")
@@ -136,6 +146,7 @@ class Sampler:
         self.owner, self.base_model, self.client, self.snapshot, self.path = owner, base_model, client, snapshot, path
         self._batcher: SampleBatcher | None = None
         self._batcher_lock = threading.Lock()
+        self.retired = False  # its owner was released (the run's session ended): reload from ``path``
 
     def sample(self, prompt: list[int], n: int, params: SamplingParams) -> Future[list[Any]]:
         target = self.client if self.client is not None else self.owner
@@ -187,6 +198,7 @@ class TrainingRun:
         self._lock = threading.Lock()
         self.names: set[str] = set()
         self._snapshots = itertools.count()
+        self.published: list[Sampler] = []  # its sampling clients' weights in memory, oldest first
 
     def run(self, seq_id: int, fn: Callable[[], Future[Any]]) -> Future[Any]:
         """Run ``fn`` (which submits to the backend) once every earlier ``seq_id`` has run."""
@@ -297,12 +309,13 @@ def _to_batch(
     data: list[Any],
     loss_fn: str,
     config: Mapping[str, Any] | None,
-    recorded: Callable[[Any, list[int]], list[float | None]] | None = None,
+    recorded: Callable[[Any, list[int], list[bool]], list[float | None]] | None = None,
 ) -> tuple[Batch, BuiltinLoss]:
     """Tinker datums -> our rows (and the loss that reads them), after the checks of a strict
     server: the loss's input and config keys, and one value per ``model_input`` position.
-    ``stable_reinforce`` takes its sampler logprobs from ``recorded(datum, targets)`` (the
-    server's records; the client's ``logprobs`` fill the prompt positions no sampler scored)."""
+    ``stable_reinforce`` takes its sampler logprobs from ``recorded(datum, targets, needed)``
+    (the server's records, matched where the advantage is non-zero; the client's ``logprobs``
+    fill the prompt positions no sampler scored)."""
     rows, keys = [], None
     for i, datum in enumerate(data):
         tokens = datum.model_input.to_ints()
@@ -342,7 +355,7 @@ def _to_batch(
             if recorded is None:
                 raise UserError("stable_reinforce needs the server's sampling records")
             try:
-                found = recorded(datum, target.tolist())
+                found = recorded(datum, target.tolist(), (inputs["advantages"] != 0).tolist())
             except ValueError as err:
                 raise UserError(f"datum {i}: {err}") from err
             given = sampler or [0.0] * len(tokens)
@@ -412,6 +425,12 @@ class LocalService:
         gap_timeout_seconds: how long a run's request waits for a missing earlier ``seq_id``.
         batch_sampling: batch concurrent sampling requests while the model is busy (much faster
             under a cookbook RL step; off, each request is one generate call, timing-independent).
+        keep_checkpoints: keep only the newest N saved states and the newest N sampler weights of
+            each training run (older ones are deleted as a new one is saved; published ones are
+            kept); None keeps all. A checkpoint's TTL (``ttl_seconds``) is enforced either way.
+        keep_sampling_clients: how many of a run's newest sampling clients
+            (``save_weights_and_get_sampling_client``, named sampler weights) stay in memory;
+            see :meth:`_keep_newest`.
     """
 
     def __init__(
@@ -421,6 +440,8 @@ class LocalService:
         session_timeout_seconds: float = 60.0,
         gap_timeout_seconds: float = 30.0,
         batch_sampling: bool = False,
+        keep_checkpoints: int | None = None,
+        keep_sampling_clients: int = 16,
     ) -> None:
         self.models = {
             name: spec if isinstance(spec, ServedModel) else ServedModel(**spec) for name, spec in models.items()
@@ -446,6 +467,13 @@ class LocalService:
         self._ids = itertools.count(1)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-sample")
         self.batch_sampling = bool(batch_sampling)
+        if keep_checkpoints is not None and keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be at least 1 (or None: keep all), got {keep_checkpoints}")
+        self.keep_checkpoints = keep_checkpoints
+        if keep_sampling_clients < 1:
+            raise ValueError(f"keep_sampling_clients must be at least 1, got {keep_sampling_clients}")
+        self.keep_sampling_clients = int(keep_sampling_clients)
+        self.released: dict[str, str] = {}  # sampling session -> why it was released (a 404's message)
         #: padded tokens per forward/backward call (a request's datums are split to fit; see _micro_batches)
         self.micro_batch_tokens = 2048
 
@@ -550,6 +578,7 @@ class LocalService:
                 state.status = "expired"
                 why = f"its session {session_id} sent no heartbeat or request for {self.session_timeout_seconds:g} s"
                 done += [f"closed {run}: {why}" for run in self._close_runs(session_id, why)]
+        done += self.expire_checkpoints()
         for run in list(self.runs.values()):
             missing = run.give_up_gaps(self.gap_timeout_seconds)
             if missing:
@@ -557,17 +586,46 @@ class LocalService:
         return done
 
     def _close_runs(self, session_id: str, why: str) -> list[str]:
-        closed = []
+        """End a session's runs and sampling sessions and free what they held: queued requests
+        fail, each run's model (training copy, sampling copy, snapshots, optimizer) is released,
+        and so are the session's sampling sessions, its ``stable_reinforce`` records and any
+        sampler weights loaded from disk that no live sampling session uses any more. The runs
+        stay in the registry (their checkpoints outlive them); a later request to one answers
+        404 naming its saved states. Returns the runs closed."""
+        closed, released = [], []
         for model_id, run in list(self.runs.items()):
             if session_of(model_id) == session_id and run.closed is None:
                 run.close(why)
                 run.backend.close()  # finishes what is running, then frees the worker
-                for path, sampler in list(self.sampler_paths.items()):
-                    if sampler.owner is run.backend:  # loaded again from disk when someone asks for it
-                        del self.sampler_paths[path]
+                released.append(run.backend)
                 self.registry.close_run(model_id, why)
+                del self.runs[model_id]
                 closed.append(model_id)
+        for path, sampler in list(self.sampler_paths.items()):
+            if sampler.owner in released:  # loaded again from disk when someone asks for it
+                del self.sampler_paths[path]
+        for name, used in list(self.samplers.items()):
+            if session_of(name) == session_id:
+                del self.samplers[name]
+            elif isinstance(used, Sampler) and used.owner in released:
+                used.retired = True  # another session's; reloaded from its path at its next use
+        for name in [n for n in self.released if session_of(n) == session_id]:
+            del self.released[name]
+        self.records.drop_session(session_id)
+        self._drop_unused_loaded()
+        give_back()
         return closed
+
+    def _drop_unused_loaded(self) -> None:
+        """Release sampler weights loaded from disk (:meth:`_sampler_at`) that no sampling
+        session uses: each is a model copy of its own."""
+        with self._lock:
+            live = {id(s) for s in self.samplers.values()}
+            owners = {id(run.backend) for run in self.runs.values()} | {id(b) for b in self._bases.values()}
+            for path, sampler in list(self.sampler_paths.items()):
+                if id(sampler) not in live and id(sampler.owner) not in owners:
+                    del self.sampler_paths[path]
+                    sampler.owner.close()
 
     def run(self, model_id: str) -> TrainingRun:
         self.seen(model_id)
@@ -638,14 +696,16 @@ class LocalService:
                 call.data,
                 call.loss_fn,
                 call.loss_fn_config,
-                lambda datum, targets: self.records.sampler_logprobs(datum, targets, session),
+                lambda datum, targets, needed: self.records.sampler_logprobs(datum, targets, session, needed),
             )
-            if call.forward_only and loss.two_d:
-                raise UserError("forward with (N, K) target_tokens is not supported by this server")
             parts = []  # micro-batches: the losses are sums over datums, so gradients accumulate exactly
             for rows in _micro_batches(batch.data, self.micro_batch_tokens):
                 part, part_loss = Batch(rows), BuiltinLoss(loss.loss_fn, loss.config, loss.keys, loss.two_d)
-                if call.forward_only:
+                if call.forward_only and loss.two_d:  # (N, K) targets: each candidate's logprob
+                    parts.append(
+                        _then(run.backend.distributions(part), partial(self._score_forward_2d, part, part_loss))
+                    )
+                elif call.forward_only:
                     parts.append(_then(run.backend.logprobs(part), partial(self._score_forward, part, part_loss)))
                 else:
                     parts.append(
@@ -665,6 +725,20 @@ class LocalService:
     ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
         """:meth:`_outputs` of a finished ``forward_backward`` (its metrics hold the loss)."""
         return cls._outputs(loss, metrics["loss"])
+
+    def _score_forward_2d(self, batch: Batch, loss: BuiltinLoss, dists: list[torch.Tensor]) -> Any:
+        """A forward of ``(N, K)`` ``target_tokens`` (``cross_entropy`` only): the ``(N, K)``
+        logprobs of the candidates, gathered from each position's full distribution, and the
+        loss ``-sum(weights * logprobs)`` -- what the SDK's ``forward_backward_custom`` reads
+        (the cookbook's SDFT with ``reverse=true`` sends the teacher's top-K this way)."""
+        total, loss.rows = 0.0, []
+        for datum, dist in zip(batch.data, dists):
+            ids = torch.tensor(datum.extra["soft_ids"], dtype=torch.long)
+            row = dist.float().gather(-1, ids)
+            weights = torch.tensor(datum.extra["soft_weights"], dtype=torch.float32)
+            total += float(builtin_loss(loss.loss_fn, loss.config, row, {"target_tokens": ids, "weights": weights}))
+            loss.rows.append(row)
+        return self._outputs(loss, total)
 
     def _score_forward(self, batch: Batch, loss: BuiltinLoss, rows: list[list[float]]) -> Any:
         width = max(len(r) for r in rows)
@@ -714,13 +788,40 @@ class LocalService:
         folder = self._folder("states", path)
 
         def go() -> Future[Any]:
-            run.backend.save(folder)  # returns once written, after every earlier call
-            self.registry.add_checkpoint(
-                CheckpointRecord(path, "training", folder, run.base_model, run.rank, user_metadata=req.user_metadata)
+            # returns once written, after every earlier call; without the server's own sampler
+            # snapshots (one adapter copy per sampling client made, a state would grow with each)
+            run.backend.save(folder, snapshots=False)
+            self._saved(
+                CheckpointRecord(path, "training", folder, run.base_model, run.rank, user_metadata=req.user_metadata),
+                req.ttl_seconds,
             )
             return resolved({"path": path, "type": "save_weights"})
 
         return run.run(req.seq_id, go)
+
+    def _saved(self, record: CheckpointRecord, ttl_seconds: int | None) -> None:
+        """Register a checkpoint just written (with its expiry), then apply the retention rule."""
+        if ttl_seconds is not None:
+            record.expires_at = (_utcnow() + datetime.timedelta(seconds=int(ttl_seconds))).isoformat()
+        self.registry.add_checkpoint(record)
+        if self.keep_checkpoints is None:
+            return
+        same = [
+            c
+            for c in self.registry.checkpoints_of(record.run_id)
+            if c.checkpoint_type == record.checkpoint_type and not c.public
+        ]
+        for old in same[: -self.keep_checkpoints]:
+            self.delete_checkpoint(old.tinker_path)
+
+    def expire_checkpoints(self) -> list[str]:
+        """Delete the checkpoints whose TTL ran out (the housekeeping thread calls it)."""
+        stamp, done = _utcnow(), []
+        for record in list(self.registry.checkpoints.values()):
+            if record.expires_at and datetime.datetime.fromisoformat(record.expires_at) <= stamp:
+                self.delete_checkpoint(record.tinker_path)
+                done.append(f"deleted {record.tinker_path}: its TTL ran out ({record.expires_at})")
+        return done
 
     def _checkpoint(self, path: str, kinds: tuple[str, ...] = ("training",)) -> CheckpointRecord:
         record = self.registry.checkpoints.get(path)
@@ -792,19 +893,22 @@ class LocalService:
 
         def go() -> Future[Any]:
             name = run.snapshot_name()
-            run.backend.snapshot(name)
             if path is not None:
                 folder = self._folder("sampler_weights", path)
-                run.backend.save(folder)
-                self.registry.add_checkpoint(
-                    CheckpointRecord(path, "sampler", folder, run.base_model, run.rank, user_metadata=req.user_metadata)
+                run.backend.save(folder, optimizer=False, snapshots=False)  # weights to sample, nothing else
+                self._saved(
+                    CheckpointRecord(
+                        path, "sampler", folder, run.base_model, run.rank, user_metadata=req.user_metadata
+                    ),
+                    req.ttl_seconds,
                 )
             return _then(
-                run.backend.sampling_client(),
+                run.backend.sampling_client(snapshot=name),  # one copy: the client's, also scored with
                 lambda client: publish(self._sampler(run.backend, run.base_model, client, name, path)),
             )
 
         def publish(sampler: Sampler) -> dict[str, Any]:
+            self._keep_newest(run, sampler)
             if path is not None:
                 self.sampler_paths[path] = sampler
                 return {"path": path, "type": "save_weights_for_sampler"}
@@ -817,6 +921,30 @@ class LocalService:
             return {"sampling_session_id": session, "type": "save_weights_for_sampler"}
 
         return run.run(req.seq_id, go)
+
+    def _keep_newest(self, run: TrainingRun, sampler: Sampler) -> None:
+        """Hold the newest ``keep_sampling_clients`` sampling clients of a run in memory (each
+        is a copy of the trainable weights; the SDK never says one is dropped, so a long run
+        would grow by one per step). An older one is released: named sampler weights are
+        loaded again from disk at their next use, an unnamed client's session answers 404."""
+        run.published.append(sampler)
+        while len(run.published) > self.keep_sampling_clients:
+            old = run.published.pop(0)
+            if old is run.inflight:  # an inflight session samples the newest published weights
+                continue
+            run.backend.drop_snapshot(old.snapshot or "")
+            old.retired = True
+            for path, kept in list(self.sampler_paths.items()):
+                if kept is old:
+                    del self.sampler_paths[path]
+            for session, used in list(self.samplers.items()):
+                if used is old and old.path is None:
+                    del self.samplers[session]
+                    self.released[session] = (
+                        f"sampling session {session!r} was released: this server keeps each training run's "
+                        f"newest {self.keep_sampling_clients} sampling clients in memory "
+                        "(--keep-sampling-clients); save named weights (save_weights_for_sampler) to keep one"
+                    )
 
     def save_external(self, req: Any) -> Future[Any]:
         """``save_weights_external``: the run's weights as a Hugging Face folder at a
@@ -902,7 +1030,8 @@ class LocalService:
         session = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
         self.seen(req.session_id)
         if req.model_path:
-            self.samplers[session] = self._sampler_at(req.model_path)
+            with self._lock:  # not released between loading and use (_drop_unused_loaded)
+                self.samplers[session] = self._sampler_at(req.model_path)
         elif req.base_model:
             try:
                 self.samplers[session] = self._sampler(self.base(req.base_model), req.base_model)
@@ -913,10 +1042,18 @@ class LocalService:
         return session
 
     def sampler(self, session: str) -> Sampler | InflightSampler:
+        if session in self.released:
+            raise Rejected(404, self.released[session])
         if session not in self.samplers:
-            raise Rejected(404, f"no sampling session {session!r}")
+            state = self.sessions.get(session_of(session))
+            ended = f" (its session {state.status})" if state is not None and state.status else ""
+            raise Rejected(404, f"no sampling session {session!r}{ended}")
         self.seen(session)
-        return self.samplers[session]
+        found = self.samplers[session]
+        if isinstance(found, Sampler) and found.retired and found.path is not None:
+            with self._lock:  # the weights of a run whose session ended: from disk, as after a restart
+                found = self.samplers[session] = self._sampler_at(found.path)
+        return found
 
     def sample(self, req: Any, sequence_ids: list[str] | None = None) -> Future[SampleResult]:
         """Completions, and what the request asks for besides: prompt logprobs (all, or the last

@@ -61,6 +61,15 @@ class StabilityRecords:
             while len(self._records) > self.capacity:
                 self._records.popitem(last=False)
 
+    def drop_session(self, session: str) -> int:
+        """Forget a finished session's records (only that session may train on them); returns
+        how many."""
+        with self._lock:
+            gone = [sid for sid, rec in self._records.items() if rec.session == session]
+            for sid in gone:
+                del self._records[sid]
+        return len(gone)
+
     def get(self, sequence_id: str, session: str) -> Recorded:
         """The record, its day restarted; a :class:`ValueError` says why there is none."""
         with self._lock:
@@ -81,10 +90,15 @@ class StabilityRecords:
             rec.used = time.monotonic()
             return rec
 
-    def sampler_logprobs(self, datum: Any, targets: Sequence[int], session: str) -> list[float | None]:
+    def sampler_logprobs(
+        self, datum: Any, targets: Sequence[int], session: str, needed: Sequence[bool] | None = None
+    ) -> list[float | None]:
         """The recorded logprob of each target position (None where the position is a prompt
         token, which no sampler scored), after checking the datum's provenance: present, tiling
-        its targets, each run's tokens equal to what was recorded."""
+        its targets, each sampled run's tokens equal to what was recorded, and each prompt run's
+        tokens where ``needed`` (positions the loss uses: advantage non-zero; all when None).
+        The cookbook's own ``rl_loop`` puts 0s at the prompt positions it gives advantage 0,
+        so those are not compared: they cannot change the loss."""
         spans = datum.loss_fn_input_spans
         if not spans:
             raise ValueError(
@@ -101,11 +115,15 @@ class StabilityRecords:
             sampled = type(span).__name__ == "SampledProvenanceSpan"
             source = rec.tokens if sampled else rec.prompt
             pos = len(out)
-            if list(targets[pos : pos + span.length]) != source[span.offset : span.offset + span.length]:
+            expected = source[span.offset : span.offset + span.length]
+            given = list(targets[pos : pos + span.length])
+            compared = [i for i in range(span.length) if sampled or needed is None or needed[pos + i]]
+            if len(expected) != span.length or any(given[i] != expected[i] for i in compared):
                 kind = "sampled tokens" if sampled else "prompt"
                 raise ValueError(
                     f"target_tokens[{pos}:{pos + span.length}] differ from the {kind} of sequence "
                     f"{span.sequence_id!r} at offset {span.offset}"
+                    + ("" if sampled else " (at positions with a non-zero advantage)")
                 )
             out.extend(rec.logprobs[span.offset : span.offset + span.length] if sampled else [None] * span.length)
         return out

@@ -128,3 +128,72 @@ def rest(tinker_path: str) -> None:
             }
         ),
     )
+
+
+CHATML = "qwen3_instruct"  # SmolLM2's chat template is ChatML: this renderer gives its very tokens
+
+
+def rl_loop(log_path: str, loss_fn: str, max_steps: int = 2) -> None:
+    """The cookbook's own minimal loop, ``recipes.rl_loop``, as shipped -- its default loss
+    ``stable_reinforce`` puts 0s at the prompt positions (advantage 0), ``gspo`` sends no
+    ``loss_fn_config``. What a user's script changes to run it here: four arithmetic questions
+    in GSM8K's shape instead of the download, the renderer for SmolLM2 (the cookbook's model
+    table has no HuggingFaceTB entry), and a reward that alternates 1/0, so that every group
+    has an advantage and every step trains (SmolLM2 writes no ``\\boxed{}`` in 8 tokens)."""
+    import itertools
+
+    import datasets
+    from tinker_cookbook.recipes import rl_loop as loop
+
+    pairs = [(1, 2), (3, 4), (5, 6), (7, 1)]
+    rows = {"question": [f"What is {a} + {b}?" for a, b in pairs], "answer": [f"#### {a + b}" for a, b in pairs]}
+    loop.datasets.load_dataset = lambda *a, **k: datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)})
+    loop.model_info.get_recommended_renderer_name = lambda name: CHATML
+    rewards = itertools.cycle([1.0, 0.0])
+    loop.get_reward = lambda response, answer: next(rewards)
+    loop.main(
+        loop.Config(
+            base_url=os.environ["TINKER_BASE_URL"],
+            log_path=log_path,
+            model_name=MODEL,
+            batch_size=2,
+            group_size=2,
+            lora_rank=8,
+            max_tokens=8,
+            save_every=0,
+            loss_fn=loss_fn,
+            max_steps=max_steps,
+            ttl_seconds=None,
+        )
+    )
+
+
+def sdft_reverse(log_path: str) -> None:
+    """``recipes.sdft.train`` with ``reverse=true``: the analytical reverse KL over the teacher's
+    top-K, a client-side custom loss whose forward sends ``(N, K)`` ``target_tokens``. Its data
+    (SciKnowEval, a download) replaced by four multiple-choice questions."""
+    from tinker_cookbook.recipes.sdft import datasets as sdft_data
+    from tinker_cookbook.recipes.sdft import train
+
+    questions = [
+        f"What is {a} + {b}?\n\nA) {a + b}\nB) {a + b + 1}\nPlease give your answer as <answer>X</answer>."
+        for a, b in [(1, 2), (3, 4), (5, 6), (7, 1)]
+    ]
+    sdft_data.load_sciknoweval = lambda **kwargs: (questions, ["A"] * 4, [], [])
+    config = train.CLIConfig(
+        model_name=MODEL,
+        lora_rank=8,
+        renderer_name=CHATML,
+        groups_per_batch=2,
+        group_size=1,
+        max_tokens=12,
+        topk=5,
+        reverse=True,
+        eval_every=0,
+        save_every=0,
+        max_steps=1,
+        log_path=log_path,
+        base_url=os.environ["TINKER_BASE_URL"],
+        behavior_if_log_dir_exists="delete",
+    )
+    asyncio.run(train.cli_main(config))

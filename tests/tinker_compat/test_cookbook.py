@@ -95,3 +95,26 @@ def test_sft_then_rl_from_its_checkpoint_then_download_and_rest(served, tmp_path
     facts = result(run_driver(served, f"rest({state!r})", tmp_path))
     assert facts["renderer"] == "role_colon" and facts["base_model"] == MODEL and facts["lora_rank"] == 8
     assert ["training", state] in facts["checkpoints"] and ["sampler", sampler] in facts["checkpoints"]
+
+
+# ---------------------------------------------------------------------- issue 34: what the server refused
+def test_rl_loop_with_its_default_stable_reinforce(served, tmp_path):
+    """``recipes.rl_loop``'s 0s at prompt positions (advantage 0) were refused ("target_tokens[0:n]
+    differ from the prompt ... at offset 1"); provenance is now compared where the loss uses it."""
+    out = run_driver(served, f"rl_loop({str(tmp_path / 'rl')!r}, 'stable_reinforce')", tmp_path)
+    assert "skipping training step" not in out and "Training completed" in out, out[-3000:]
+    assert len(steps(tmp_path / "rl")) == 2
+
+
+def test_rl_loop_with_gspo_and_no_config(served, tmp_path):
+    """``rl_loop loss_fn=gspo`` sends no thresholds (was refused: "no documented default")."""
+    out = run_driver(served, f"rl_loop({str(tmp_path / 'rl')!r}, 'gspo', max_steps=1)", tmp_path)
+    assert "skipping training step" not in out and "Training completed" in out, out[-3000:]
+
+
+def test_sdft_with_reverse_kl(served, tmp_path):
+    """``recipes.sdft.train reverse=true``: its custom loss's forward sends ``(N, K)``
+    ``target_tokens`` (was refused); the step logs the reverse KL it trained on."""
+    run_driver(served, f"sdft_reverse({str(tmp_path / 'sdft')!r})", tmp_path)
+    logged = steps(tmp_path / "sdft")
+    assert any("sdft/reverse_kl_loss" in s for s in logged), logged

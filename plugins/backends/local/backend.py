@@ -298,7 +298,7 @@ class LocalBackend:
         """Same as ``logprobs(batch, reference=True)``."""
         return self.logprobs(batch, reference=True)
 
-    def sampling_client(self) -> Future[LocalSamplingClient]:
+    def sampling_client(self, snapshot: str | None = None) -> Future[LocalSamplingClient]:
         """A sampler of a frozen snapshot of the current weights (Tinker's
         ``save_weights_and_get_sampling_client``), for sampling *while* training.
 
@@ -309,6 +309,9 @@ class LocalBackend:
         between snapshots), so it never waits for, or touches, the training weights. A backend
         that never calls this behaves exactly as before. Sampling without ``params.seed`` draws
         from the process-global torch RNG, which training does not use.
+
+        ``snapshot=NAME`` also keeps the client's weights as the snapshot ``NAME`` (score with
+        ``weights=NAME``), sharing the client's tensors rather than copying them again.
         """
         if self._sharded:
             raise ConfigError(
@@ -316,7 +319,7 @@ class LocalBackend:
                 "forwards in lockstep; use parallel: ddp or a synchronous stage",
                 "backend.parallel",
             )
-        return self._submit(self._sampling_snapshot)
+        return self._submit(self._sampling_snapshot, snapshot)
 
     def forward_backward(self, batch: Batch, loss: Loss) -> Future[dict[str, float]]:
         """Add the gradients of ``loss`` on ``batch`` to the accumulated ones (until
@@ -327,14 +330,18 @@ class LocalBackend:
         """One AdamW step on the accumulated (rank-averaged) gradients, then clear them."""
         return self._submit(self._optim_step, params)
 
-    def save(self, path: str, extra: Mapping[str, Any] | None = None) -> str:
+    def save(
+        self, path: str, extra: Mapping[str, Any] | None = None, *, optimizer: bool = True, snapshots: bool = True
+    ) -> str:
         """Write a checkpoint directory at ``path`` (after all queued calls); returns ``path``.
 
         Under torchrun every rank must call this (it gathers each rank's RNG state); rank 0
         alone writes. ``extra`` must be JSON-serialisable (e.g. the loop position).
+        ``optimizer=False`` / ``snapshots=False`` leave the optimizer state / the snapshots out
+        (weights to sample from; loading such a checkpoint starts a fresh optimizer).
         """
         payload = checked_extra(extra, "LocalBackend.save")
-        return self._submit(self._save, str(path), payload).result()
+        return self._submit(self._save, str(path), payload, optimizer, snapshots).result()
 
     def load(self, path: str) -> dict[str, Any]:
         """Restore a checkpoint written by :meth:`save`; returns its ``extra``."""
@@ -389,7 +396,7 @@ class LocalBackend:
         self.step += 1
         return metrics
 
-    def _save(self, path: str, extra: dict[str, Any]) -> str:
+    def _save(self, path: str, extra: dict[str, Any], optimizer: bool = True, snapshots: bool = True) -> str:
         return checkpoint.save(
             path,
             self._weights,
@@ -399,6 +406,8 @@ class LocalBackend:
             model=self.model_name,
             lora=self.lora,
             world_size=self.world_size,
+            optimizer_state=optimizer,
+            snapshots_state=snapshots,
         )
 
     def _load(self, path: str) -> dict[str, Any]:
@@ -439,11 +448,15 @@ class LocalBackend:
             return self._vllm.sample(prompts, num_samples, params, weights or dict(self._trainable_named), version)
         return self._generator.sample(model, prompts, num_samples, params, version)
 
-    def _sampling_snapshot(self) -> LocalSamplingClient:
-        """On the worker thread: copy the trainable weights and make sure the sampling engine
+    def _sampling_snapshot(self, snapshot: str | None = None) -> LocalSamplingClient:
+        """On the worker thread: copy the trainable weights (kept as snapshot ``snapshot`` too,
+        the same tensors: neither is ever written in place) and make sure the sampling engine
         (a model copy and its thread) exists."""
         self._sampling.prepare(self.model, copy_model=self._vllm is None)  # a vLLM engine holds its own copy
-        return LocalSamplingClient(self, self._weights.copy(), self.step)
+        weights = self._weights.copy()
+        if snapshot is not None:
+            self._weights.snapshots[snapshot] = weights
+        return LocalSamplingClient(self, weights, self.step)
 
     def _submit_sampler(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Run ``fn`` on the sampling thread (FIFO), or inline when the backend is unthreaded."""

@@ -50,13 +50,18 @@ def save(
     model: str,
     lora: Mapping[str, Any] | None,
     world_size: int,
+    optimizer_state: bool = True,
+    snapshots_state: bool = True,
 ) -> str:
     """Write a checkpoint folder at ``path``; every rank calls this (each rank's RNG state is
-    gathered), rank 0 alone writes, and no rank returns before the folder is complete."""
+    gathered), rank 0 alone writes, and no rank returns before the folder is complete.
+    ``optimizer_state`` / ``snapshots_state`` false leave Adam's moments / the snapshots out
+    (weights for sampling: a third of the size with Adam's two moments gone)."""
     rng = distributed.gather_to_main(rng_state())
     if weights.sharded or distributed.is_main():  # under FSDP every rank takes part in gathering
         tensors, optimizer = training_state(weights, trainer)
-        snapshots = weights.snapshots_state()
+        optimizer = optimizer if optimizer_state else None
+        snapshots = weights.snapshots_state() if snapshots_state else {}
     if distributed.is_main():
         state = {"weights": tensors, "optimizer": optimizer, "rng": rng, "snapshots": snapshots}
         meta = {
