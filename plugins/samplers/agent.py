@@ -152,8 +152,13 @@ class EndpointSampler:
     config keys ``harness_timeout`` (seconds per episode, default 600, null = no limit),
     ``max_concurrent`` (episodes in flight, default 64), ``max_total_tokens`` (a call's prompt
     plus completion, 0 = no budget; past it the endpoint answers ``context_length_exceeded``),
-    ``max_n`` (the largest ``n`` a call may ask for) and ``batch_wait`` (seconds a model call
-    waits for other episodes' before its batch goes; null = until every live episode waits).
+    ``max_n`` (the largest ``n`` a call may ask for), ``batch_wait`` (seconds a model call
+    waits for other episodes' before its batch goes; null = lockstep, until every live episode
+    waits) and ``lockstep_wait`` (in lockstep, seconds a batch waits for an episode that has not
+    called before it goes without it, at most half of ``harness_timeout``; null = no limit). A
+    harness can always hang before its next call, and lockstep cannot tell a hang from slow
+    harness code: without the bound one hung harness would hold every other episode's calls
+    until all of them timed out.
     The stage's ``max_tokens`` caps each call, its ``temperature`` / ``top_p`` are the ones a
     call may ask for. A subclass plays the episodes (:meth:`play`)."""
 
@@ -162,13 +167,15 @@ class EndpointSampler:
     max_total_tokens: int = 0
     max_n: int = 8
     batch_wait: float | None = None
+    lockstep_wait: float | None = 5.0
     context: SamplerContext | None = field(default=None, repr=False)
 
     @staticmethod
     def limit_problems(config: Mapping[str, Any]) -> Any:
-        timeout = config.get("harness_timeout")
-        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-            yield Problem("harness_timeout", f"must be > 0 (seconds) or null for no limit, got {timeout}")
+        for key in ("harness_timeout", "lockstep_wait"):
+            timeout = config.get(key)
+            if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+                yield Problem(key, f"must be > 0 (seconds) or null for no limit, got {timeout}")
         for key, low in (("max_concurrent", 1), ("max_n", 1), ("max_total_tokens", 0)):
             value = config.get(key)
             if value is not None and value < low:
@@ -182,6 +189,13 @@ class EndpointSampler:
     def reward_runner(self) -> Any:
         return self.context.reward if self.context is not None else None
 
+    def straggler_wait(self) -> float | None:
+        """How long a lockstep batch waits for an episode that has not called: ``lockstep_wait``,
+        at most half of ``harness_timeout`` (so the others' calls go well before their own
+        timeout)."""
+        waits = [w for w in (self.lockstep_wait, None if self.harness_timeout is None else self.harness_timeout / 2) if w]
+        return min(waits) if waits else None
+
     # ------------------------------------------------------------------ sampling
     async def sample(
         self, client: Any, examples: list[dict[str, Any]], group_size: int, params: SamplingParams, first_id: int = 0
@@ -189,7 +203,7 @@ class EndpointSampler:
         assert self.context is not None, "AgentSampler needs its stage's context"
         renderer = self.context.renderer()
         params = with_stops(params, renderer.stop())
-        queue = ModelQueue(client, params, self.batch_wait, seed=params.seed)
+        queue = ModelQueue(client, params, self.batch_wait, seed=params.seed, lockstep_wait=self.straggler_wait())
         loop = asyncio.get_running_loop()
 
         def model(key: int, prompt: list[int], max_tokens: int) -> Future[Completion]:
@@ -342,7 +356,7 @@ class AgentSampler(EndpointSampler):
 
         async def one(key: int, example: dict[str, Any]) -> tuple[EpisodeCalls, Outcome]:
             async with gate:
-                queue.join(1)
+                queue.join(key)
                 episode = endpoint.open_episode(key)
                 runner = HarnessThread()
                 try:
@@ -352,7 +366,7 @@ class AgentSampler(EndpointSampler):
                     outcome = await guarded(runner.run(coro, self.harness_timeout, "the harness"), self.path)
                 finally:
                     endpoint.end_episode(episode)
-                    queue.leave()
+                    queue.leave(key)
                     runner.close()
                 return episode, outcome
 

@@ -108,7 +108,7 @@ class EnvironmentSampler:
         params = with_stops(params, renderer.stop())
         queue = ModelQueue(client, params, self.batch_wait, seed=params.seed)
         envs = [[self._factory() for _ in range(group_size)] for _ in examples]
-        queue.join(len(examples) * group_size)  # all join before any samples: no half batches
+        queue.join(*range(len(examples) * group_size))  # all join before any samples: no half batches
         jobs = [
             run_episode(env, example, renderer, queue, i * group_size + j, self.limits, params.max_tokens)
             for i, (example, row) in enumerate(zip(examples, envs))

@@ -152,7 +152,7 @@ class VerifiersSampler(EndpointSampler):
 
         async def one(gate: asyncio.Semaphore, episode: EpisodeCalls, example: dict[str, Any]) -> Outcome:
             async with gate:
-                main.call_soon_threadsafe(queue.join, 1)
+                main.call_soon_threadsafe(queue.join, episode.key)
                 try:
                     task = self._task(example)
                     client = vf.EvalClientConfig(base_url=episode.base_url, api_key_var=var)
@@ -162,7 +162,7 @@ class VerifiersSampler(EndpointSampler):
                     return outcome if outcome.error is not None else episode_outcome(outcome.value)
                 finally:
                     endpoint.end_episode(episode)
-                    main.call_soon_threadsafe(queue.leave)
+                    main.call_soon_threadsafe(queue.leave, episode.key)
 
         async def batch() -> list[Outcome]:
             gate = asyncio.Semaphore(gate_size)
