@@ -193,7 +193,8 @@ class EndpointSampler:
         """How long a lockstep batch waits for an episode that has not called: ``lockstep_wait``,
         at most half of ``harness_timeout`` (so the others' calls go well before their own
         timeout)."""
-        waits = [w for w in (self.lockstep_wait, None if self.harness_timeout is None else self.harness_timeout / 2) if w]
+        half = None if self.harness_timeout is None else self.harness_timeout / 2
+        waits = [w for w in (self.lockstep_wait, half) if w]
         return min(waits) if waits else None
 
     # ------------------------------------------------------------------ sampling

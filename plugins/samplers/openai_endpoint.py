@@ -42,6 +42,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+from tempering.plugins.samplers.splice import spliced_prompt, turn_end
 from tempering.rollouts.chat import ROLES, ParsedResponse, ToolCall, assign_call_ids, text_of
 from tempering.types import Completion
 
@@ -79,13 +80,28 @@ class RequestError(Exception):
 class Call:
     """One answered model call of an episode: the prompt's token ids, the sampled completion
     (ids, sampler logprobs, policy version), how it parsed, and -- for a chat call -- the
-    request's messages and tools."""
+    request's messages and tools, the renderer's ``canonical`` tokens of them (``prompt`` is
+    those with earlier sampled turns spliced in: :mod:`~tempering.plugins.samplers.splice`) and
+    the assistant message ``returned`` to the harness."""
 
     prompt: list[int]
     completion: Completion
     response: ParsedResponse
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
+    canonical: list[int] | None = None
+    returned: dict[str, Any] | None = None
+    _turn_end: list[int] | None = field(default=None, init=False, repr=False)
+    _turn_end_known: bool = field(default=False, init=False, repr=False)
+
+    def turn_end(self, renderer: Any) -> list[int] | None:
+        """The canonical tokens of this call's prompt and returned turn (computed once)."""
+        if self.canonical is None or self.returned is None or self.messages is None:
+            return None  # not a chat call, or not answered yet
+        if not self._turn_end_known:
+            self._turn_end = turn_end(renderer, self.messages, self.tools, self.returned, self.canonical)
+            self._turn_end_known = True
+        return self._turn_end
 
 
 class EpisodeCalls:
@@ -106,6 +122,11 @@ class EpisodeCalls:
                 )
             self.calls.append(call)
             return len(self.calls) - 1
+
+    def snapshot(self) -> list[Call]:
+        """The calls so far (a copy: other requests of the episode may add to them)."""
+        with self._lock:
+            return list(self.calls)
 
     def close(self) -> None:
         with self._lock:
@@ -248,20 +269,23 @@ class PolicyEndpoint:
         try:
             with self._text_lock:
                 prompt = self.renderer.render_prompt(messages, tools or None)
+                # the turns this episode sampled, as sampled: never a re-tokenization of their text
+                tokens = spliced_prompt(list(prompt.tokens), episode.snapshot(), self.renderer)
         except Exception as exc:  # noqa: BLE001 - a renderer's refusal is the request's problem
             raise RequestError(
                 400,
                 f"the messages cannot be rendered in the model's chat format: {type(exc).__name__}: {exc}",
                 "messages",
             ) from None
-        sampled = self._sample(episode, prompt.tokens, common)  # without the lock: batched with other episodes
+        sampled = self._sample(episode, tokens, common)  # without the lock: batched with other episodes
         with self._text_lock:
-            return self._chat_answer(episode, prompt, sampled, messages, tools, common)
+            return self._chat_answer(episode, prompt, tokens, sampled, messages, tools, common)
 
     def _chat_answer(
         self,
         episode: EpisodeCalls,
         prompt: Any,
+        tokens: list[int],
         sampled: list[Completion],
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]],
@@ -271,13 +295,15 @@ class PolicyEndpoint:
         for i, completion in enumerate(sampled):
             completion, cut_text = cut_at_stop(completion, common["stop"], self.renderer.decode)
             response = parse_turn(prompt, completion)
-            index = episode.add(Call(list(prompt.tokens), completion, response, messages, tools))
+            call = Call(tokens, completion, response, messages, tools, canonical=list(prompt.tokens))
+            index = episode.add(call)
             assign_call_ids(response.tool_calls, index)
             message: dict[str, Any] = {"role": "assistant", "content": response.text if cut_text is None else cut_text}
             if response.tool_calls:
                 message["tool_calls"] = [c.to_openai() for c in response.tool_calls]
             if response.reasoning:
                 message["reasoning_content"] = response.reasoning
+            call.returned = message
             choice: dict[str, Any] = {
                 "index": i,
                 "message": message,
@@ -294,7 +320,7 @@ class PolicyEndpoint:
                 choice["token_ids"] = list(completion.tokens)
             choices.append(choice)
             completions.append(completion)
-        return self._answer("chat.completion", prompt.tokens, choices, completions, common)
+        return self._answer("chat.completion", tokens, choices, completions, common)
 
     def completions(self, episode: EpisodeCalls, request: dict[str, Any]) -> dict[str, Any]:
         """``/v1/completions``: a text prompt (tokenized with the tokenizer's special tokens, as
