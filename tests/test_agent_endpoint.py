@@ -205,6 +205,23 @@ def test_n_stop_strings_and_text_completions(served: Any, renderer: Any) -> None
             "messages",
             "leaves no room within the context budget",
         ),
+        *(
+            ({"messages": [{"role": "user", "content": "x"}], key: value}, key, reason)
+            for key, value, reason in [
+                (
+                    "response_format",
+                    {"type": "json_object"},
+                    'response_format={"type": "json_object"} is not supported',
+                ),
+                ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}, "constrained decoding"),
+                ("logit_bias", {"5": 100}, 'logit_bias={"5": 100} is not supported'),
+                ("presence_penalty", 0.5, "presence_penalty=0.5 is not supported"),
+                ("frequency_penalty", -1, "frequency_penalty=-1 is not supported"),
+                ("seed", 3, "seed=3 is not supported"),
+                ("parallel_tool_calls", False, "parallel_tool_calls=false is not supported"),
+                ("reasoning_effort", "low", 'reasoning_effort="low" is not supported'),
+            ]
+        ),
     ],
 )
 def test_a_bad_request_is_an_openai_style_400_with_the_reason(served: Any, body: dict, param: str, reason: str) -> None:
@@ -230,6 +247,9 @@ def test_bad_bodies_routes_and_methods(served: Any) -> None:
         .startswith("prompt token id 999999")
     )
     assert client.post("/completions", json={"prompt": "x", "echo": True}).status_code == 400
+    outside = client.post("/completions", json={"prompt": "Zebra"})  # the tiny vocabulary has no capitals
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "prompt", outside.text
+    assert "cannot be encoded by the model's tokenizer" in outside.json()["error"]["message"]
     unknown = client.post("/embeddings", json={})
     assert unknown.status_code == 404 and "/v1/chat/completions" in unknown.json()["error"]["message"]
     assert client.get("/chat/completions").status_code == 405

@@ -389,6 +389,7 @@ class PolicyEndpoint:
                     f"set it to {value:g}",
                     name,
                 )
+        check_unsupported(request)
         top = request.get("top_logprobs")
         if top not in (None, 0):
             raise RequestError(
@@ -409,7 +410,14 @@ class PolicyEndpoint:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
-            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            try:
+                return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            except Exception as exc:  # noqa: BLE001 - text the vocabulary cannot spell is the request's problem
+                raise RequestError(
+                    400,
+                    f"the prompt cannot be encoded by the model's tokenizer: {type(exc).__name__}: {exc}",
+                    "prompt",
+                ) from None
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             vocab = len(self.tokenizer)
             bad = [t for t in prompt if not 0 <= t < vocab]
@@ -507,6 +515,35 @@ def check_int(request: Mapping[str, Any], key: str, default: int, low: int, high
         bound = f"between {low} and {high}" + (f" ({why})" if why else "") if high is not None else f">= {low}"
         raise RequestError(400, f"{key} must be an integer {bound}, got {value!r}", key)
     return int(value)
+
+
+#: Sampling controls the endpoint cannot honour, with the value that means "not used" (accepted)
+#: and why each is refused: the RL update assumes the stage's sampling distribution, so a request
+#: may not reshape it, and a control silently ignored would let a harness believe it was applied.
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "response_format": (
+        (None, {"type": "text"}),
+        "constrained decoding would sample from another distribution than the policy's, which the "
+        "RL update assumes; ask for JSON in the prompt and parse the text",
+    ),
+    "logit_bias": ((None, {}), "it changes the sampling distribution the RL update assumes"),
+    "presence_penalty": ((None, 0, 0.0), "it changes the sampling distribution the RL update assumes"),
+    "frequency_penalty": ((None, 0, 0.0), "it changes the sampling distribution the RL update assumes"),
+    "seed": ((None,), "the stage's seed decides sampling (calls are batched with other episodes')"),
+    "parallel_tool_calls": (
+        (None, True),
+        "the policy decides how many tools it calls in a turn; leave it out (or true)",
+    ),
+    "reasoning_effort": ((None,), "the policy's chat format decides whether and how long it reasons"),
+}
+
+
+def check_unsupported(request: Mapping[str, Any]) -> None:
+    """Refuse a sampling control the endpoint would otherwise ignore (:data:`UNSUPPORTED`)."""
+    for key, (neutral, why) in UNSUPPORTED.items():
+        value = request.get(key)
+        if value not in neutral:
+            raise RequestError(400, f"{key}={json.dumps(value)} is not supported by this endpoint: {why}", key)
 
 
 def check_stop(stop: Any) -> list[str]:
