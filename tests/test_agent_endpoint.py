@@ -327,6 +327,25 @@ def test_n_choices_of_one_prompt_each_get_a_row_and_the_continued_one_grows() ->
     assert [r.tokens for r in rows] == [[1, 2], [1, 3, 4, 5]] and splits == 1
 
 
+def test_only_the_choices_the_harness_continued_are_trained(served: Any, renderer: Any) -> None:
+    """``n: 3``, and the harness sends back only the second choice: by default (``n_choices:
+    used``) the two it threw away are left out of the rows; ``all`` trains every choice."""
+    from tempering.plugins.samplers.agent import trajectory_of
+
+    _endpoint, episode, client, _model = served([{"role": "assistant", "content": c} for c in ("12", "3", "45", "6")])
+    messages = [{"role": "user", "content": "hi"}]
+    out = client.post("/chat/completions", json={"messages": messages, "n": 3}).json()
+    messages += [out["choices"][1]["message"], {"role": "user", "content": "more"}]
+    assert client.post("/chat/completions", json={"messages": messages}).status_code == 200
+    used = trajectory_of(episode.calls)
+    assert len(used.segments) == 1 and used.metrics["unused_choices"] == 2.0
+    assert sum(used.segments[0].weights) == len(episode.calls[1].completion.tokens) + len(
+        episode.calls[3].completion.tokens
+    )
+    every = trajectory_of(episode.calls, n_choices="all")
+    assert len(every.segments) == 3 and "unused_choices" not in every.metrics
+
+
 def test_what_a_harness_may_return() -> None:
     from tempering.rollouts.feedback import Scored
 

@@ -155,7 +155,9 @@ class EndpointSampler:
     ``max_n`` (the largest ``n`` a call may ask for), ``batch_wait`` (seconds a model call
     waits for other episodes' before its batch goes; null = lockstep, until every live episode
     waits) and ``lockstep_wait`` (in lockstep, seconds a batch waits for an episode that has not
-    called before it goes without it, at most half of ``harness_timeout``; null = no limit). A
+    called before it goes without it, at most half of ``harness_timeout``; null = no limit),
+    ``n_choices`` (``used``: of a call with ``n > 1`` only the choices a later call continued
+    train; ``all``: every choice, with the episode's reward). A
     harness can always hang before its next call, and lockstep cannot tell a hang from slow
     harness code: without the bound one hung harness would hold every other episode's calls
     until all of them timed out.
@@ -168,6 +170,7 @@ class EndpointSampler:
     max_n: int = 8
     batch_wait: float | None = None
     lockstep_wait: float | None = 5.0
+    n_choices: str = "used"
     context: SamplerContext | None = field(default=None, repr=False)
 
     @staticmethod
@@ -176,6 +179,8 @@ class EndpointSampler:
             timeout = config.get(key)
             if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
                 yield Problem(key, f"must be > 0 (seconds) or null for no limit, got {timeout}")
+        if config.get("n_choices", "used") not in N_CHOICES:
+            yield Problem("n_choices", f"must be one of {', '.join(N_CHOICES)}, got {config.get('n_choices')!r}")
         for key, low in (("max_concurrent", 1), ("max_n", 1), ("max_total_tokens", 0)):
             value = config.get(key)
             if value is not None and value < low:
@@ -258,7 +263,7 @@ class EndpointSampler:
     def _sample(self, example: dict[str, Any], calls: list[Call], outcome: Outcome) -> tuple[Sample, bool]:
         """The episode as a sample, and whether the stage's reward scores it (the harness
         returned None)."""
-        traj = trajectory_of(calls)
+        traj = trajectory_of(calls, self.n_choices)
         last = traj.turns[-1].completion if traj.turns else Completion([], [], [], "error")
         if traj.turns:
             last.text = traj.turns[-1].response.text
@@ -273,6 +278,8 @@ class EndpointSampler:
             traj.stop = "error"
             mark_failed(sample, "no_model_calls", "the harness returned without calling the model: nothing to train")
             return sample, False
+        if not traj.segments:  # every call was an n > 1 call none of whose choices was continued
+            sample.masked = True
         try:
             reward, metrics, note = read_result(outcome.value)
         except (TypeError, ValueError) as exc:  # RewardValueError (NaN, inf) says its own cause
@@ -460,11 +467,33 @@ def episode_rows(calls: Sequence[Call]) -> tuple[list[Segment], int]:
     return rows, splits
 
 
-def trajectory_of(calls: Sequence[Call]) -> Trajectory:
+#: ``n_choices``: which choices of an ``n > 1`` call train.
+N_CHOICES = ("used", "all")
+
+
+def used_calls(calls: Sequence[Call]) -> list[Call]:
+    """The calls whose completion the harness used: every call of ``n: 1``, and each choice of
+    an ``n > 1`` call that a later call continued (its prompt holds the choice's prompt and
+    sampled tokens: the harness sent that choice back). A choice no later call continued --
+    one the harness threw away, or any choice of the episode's last call -- cannot be told
+    from a discarded one, so it is left out."""
+    kept = []
+    for i, call in enumerate(calls):
+        seen = [*call.prompt, *call.completion.tokens]
+        if call.choices <= 1 or any(later.prompt[: len(seen)] == seen for later in calls[i + 1 :]):
+            kept.append(call)
+    return kept
+
+
+def trajectory_of(calls: Sequence[Call], n_choices: str = "used") -> Trajectory:
     """The episode as a :class:`~tempering.rollouts.trajectory.Trajectory`: one turn per call,
-    the rows of :func:`episode_rows`, the last chat call's transcript and tools."""
+    the rows of :func:`episode_rows` (of :func:`used_calls` unless ``n_choices`` is ``all``;
+    ``unused_choices`` counts the rest), the last chat call's transcript and tools."""
     traj = Trajectory()
-    traj.segments, splits = episode_rows(calls)
+    trained = list(calls) if n_choices == "all" else used_calls(calls)
+    traj.segments, splits = episode_rows(trained)
+    if len(trained) < len(calls):
+        traj.count("unused_choices", float(len(calls) - len(trained)))
     traj.turns = [Turn(len(c.prompt), c.completion, c.response) for c in calls]
     chats = [c for c in calls if c.messages is not None]
     if chats:
@@ -481,4 +510,4 @@ def trajectory_of(calls: Sequence[Call]) -> Trajectory:
     return traj
 
 
-__all__ = ["AgentSampler", "EndpointSampler", "Outcome", "episode_rows", "read_result", "trajectory_of"]
+__all__ = ["AgentSampler", "EndpointSampler", "Outcome", "episode_rows", "read_result", "trajectory_of", "used_calls"]

@@ -82,7 +82,7 @@ class Call:
     (ids, sampler logprobs, policy version), how it parsed, and -- for a chat call -- the
     request's messages and tools, the renderer's ``canonical`` tokens of them (``prompt`` is
     those with earlier sampled turns spliced in: :mod:`~tempering.plugins.samplers.splice`) and
-    the assistant message ``returned`` to the harness."""
+    the assistant message ``returned`` to the harness; ``choices`` is the request's ``n``."""
 
     prompt: list[int]
     completion: Completion
@@ -91,6 +91,7 @@ class Call:
     tools: list[dict[str, Any]] | None = None
     canonical: list[int] | None = None
     returned: dict[str, Any] | None = None
+    choices: int = 1
     _turn_end: list[int] | None = field(default=None, init=False, repr=False)
     _turn_end_known: bool = field(default=False, init=False, repr=False)
 
@@ -295,7 +296,9 @@ class PolicyEndpoint:
         for i, completion in enumerate(sampled):
             completion, cut_text = cut_at_stop(completion, common["stop"], self.renderer.decode)
             response = parse_turn(prompt, completion)
-            call = Call(tokens, completion, response, messages, tools, canonical=list(prompt.tokens))
+            call = Call(
+                tokens, completion, response, messages, tools, canonical=list(prompt.tokens), choices=len(sampled)
+            )
             index = episode.add(call)
             assign_call_ids(response.tool_calls, index)
             message: dict[str, Any] = {"role": "assistant", "content": response.text if cut_text is None else cut_text}
@@ -343,7 +346,7 @@ class PolicyEndpoint:
             completion, cut_text = cut_at_stop(completion, common["stop"], self.renderer.decode)
             text = self.tokenizer.decode(completion.tokens, skip_special_tokens=True) if cut_text is None else cut_text
             response = ParsedResponse(text=text, raw=text)
-            episode.add(Call(list(prompt_ids), completion, response))
+            episode.add(Call(list(prompt_ids), completion, response, choices=len(sampled)))
             choice: dict[str, Any] = {
                 "index": i,
                 "text": text,
