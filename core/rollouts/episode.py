@@ -38,6 +38,9 @@ from tempering.runs.failures import debug, format_traceback
 from tempering.types import Completion, SamplingParams
 
 LIMIT_ACTIONS = ("zero", "mask")
+#: The parse error of a turn the token limit cut before its stop token (environments may treat
+#: it apart from a malformed turn: the ``openenv`` environment's ``cut_turn``).
+CUT_TURN = "the turn hit the token limit before its stop token"
 
 
 @dataclass
@@ -343,5 +346,5 @@ def _parse(prompt: Any, completion: Completion) -> ParsedResponse:
     except Exception as exc:  # noqa: BLE001 - a parser bug is a malformed turn, not a crash
         response = ParsedResponse(parse_error=f"{type(exc).__name__}: {exc}")
     if completion.stop_reason != "stop" and response.parse_error is None:
-        response.parse_error = "the turn hit the token limit before its stop token"
+        response.parse_error = CUT_TURN
     return response
