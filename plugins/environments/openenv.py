@@ -179,7 +179,6 @@ class OpenEnv(Environment):
 
     # ------------------------------------------------------------------ episode
     async def reset(self, example: dict[str, Any]) -> list[Message]:
-        from openenv import GenericEnvClient
 
         missing = [k for k in self.reset_keys if k not in example]
         if missing:
