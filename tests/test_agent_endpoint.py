@@ -346,6 +346,37 @@ def test_only_the_choices_the_harness_continued_are_trained(served: Any, rendere
     assert len(every.segments) == 3 and "unused_choices" not in every.metrics
 
 
+def test_the_rollout_log_keeps_every_call_with_its_token_ids(served: Any, renderer: Any) -> None:
+    """``rollouts.jsonl``'s ``calls``: each call of the episode (not only the last transcript),
+    with its exact ids and logprobs unless ``log_token_ids`` is off."""
+    from tempering.plugins.samplers.agent import trajectory_of
+    from tempering.runs.rollout_log import sample_record
+    from tempering.types import Group, Sample
+
+    _endpoint, episode, client, _model = served([call_add(2, 3), {"role": "assistant", "content": "5"}])
+    first = [{"role": "user", "content": "2+3?"}]
+    one = client.post("/chat/completions", json={"messages": first, "tools": TOOLS}).json()["choices"][0]["message"]
+    edited = [{"role": "user", "content": "add 2 and 3"}]  # a context edit: not one transcript
+    client.post("/chat/completions", json={"messages": edited}).raise_for_status()
+
+    def record(**keys: Any) -> dict[str, Any]:
+        traj = trajectory_of(episode.calls, **keys)
+        sample = Sample(example={}, completion=episode.calls[-1].completion, trajectory=traj)
+        return sample_record(sample, Group({}, [sample]), 0)
+
+    calls = record()["calls"]
+    assert [c["messages"] for c in calls] == [first, edited] and calls[0]["tools"] == TOOLS
+    assert calls[0]["tool_calls"] == one["tool_calls"] and calls[0]["finish_reason"] == "tool_calls"
+    assert calls[1]["completion"] == "5" and all(c["trained"] and c["policy_version"] == 7 for c in calls)
+    for c, call in zip(calls, episode.calls):
+        assert (c["prompt_ids"], c["completion_ids"], c["logprobs"]) == (
+            call.prompt,
+            call.completion.tokens,
+            call.completion.logprobs,
+        )
+    assert "prompt_ids" not in record(token_ids=False)["calls"][0]
+
+
 def test_what_a_harness_may_return() -> None:
     from tempering.rollouts.feedback import Scored
 

@@ -47,7 +47,13 @@ from typing import Any
 
 from tempering.errors import ConfigError, UnknownComponentError
 from tempering.plugins.samplers.common import with_stops
-from tempering.plugins.samplers.openai_endpoint import Call, EndpointLimits, EpisodeCalls, PolicyEndpoint
+from tempering.plugins.samplers.openai_endpoint import (
+    Call,
+    EndpointLimits,
+    EpisodeCalls,
+    PolicyEndpoint,
+    finish_reason,
+)
 from tempering.registry import get_registry
 from tempering.rollouts.episode import ModelQueue
 from tempering.rollouts.feedback import feedback_of
@@ -157,7 +163,9 @@ class EndpointSampler:
     waits) and ``lockstep_wait`` (in lockstep, seconds a batch waits for an episode that has not
     called before it goes without it, at most half of ``harness_timeout``; null = no limit),
     ``n_choices`` (``used``: of a call with ``n > 1`` only the choices a later call continued
-    train; ``all``: every choice, with the episode's reward). A
+    train; ``all``: every choice, with the episode's reward) and ``log_token_ids`` (each call's
+    token ids and logprobs in ``rollouts.jsonl``'s ``calls``; off for long episodes, whose
+    prompts repeat the history). A
     harness can always hang before its next call, and lockstep cannot tell a hang from slow
     harness code: without the bound one hung harness would hold every other episode's calls
     until all of them timed out.
@@ -171,6 +179,7 @@ class EndpointSampler:
     batch_wait: float | None = None
     lockstep_wait: float | None = 5.0
     n_choices: str = "used"
+    log_token_ids: bool = True
     context: SamplerContext | None = field(default=None, repr=False)
 
     @staticmethod
@@ -263,7 +272,7 @@ class EndpointSampler:
     def _sample(self, example: dict[str, Any], calls: list[Call], outcome: Outcome) -> tuple[Sample, bool]:
         """The episode as a sample, and whether the stage's reward scores it (the harness
         returned None)."""
-        traj = trajectory_of(calls, self.n_choices)
+        traj = trajectory_of(calls, self.n_choices, self.log_token_ids)
         last = traj.turns[-1].completion if traj.turns else Completion([], [], [], "error")
         if traj.turns:
             last.text = traj.turns[-1].response.text
@@ -467,6 +476,29 @@ def episode_rows(calls: Sequence[Call]) -> tuple[list[Segment], int]:
     return rows, splits
 
 
+def call_record(call: Call, trained: bool, token_ids: bool = True) -> dict[str, Any]:
+    """One model call as ``rollouts.jsonl`` keeps it (its ``calls`` field): the request's
+    messages and tools (chat calls; None for text completions), what came back, whether it
+    trained, and -- with ``token_ids`` -- the exact ids and the sampler's logprobs."""
+    record: dict[str, Any] = {
+        "messages": call.messages,
+        "tools": call.tools,
+        "completion": call.response.text if call.messages is not None else call.response.raw,
+        "finish_reason": finish_reason(call.completion, call.response),
+        "tool_calls": [c.to_openai() for c in call.response.tool_calls] or None,
+        "n": call.choices,
+        "trained": trained,
+        "policy_version": call.completion.policy_version,
+    }
+    if token_ids:
+        record.update(
+            prompt_ids=list(call.prompt),
+            completion_ids=list(call.completion.tokens),
+            logprobs=list(call.completion.logprobs),
+        )
+    return record
+
+
 #: ``n_choices``: which choices of an ``n > 1`` call train.
 N_CHOICES = ("used", "all")
 
@@ -485,13 +517,16 @@ def used_calls(calls: Sequence[Call]) -> list[Call]:
     return kept
 
 
-def trajectory_of(calls: Sequence[Call], n_choices: str = "used") -> Trajectory:
+def trajectory_of(calls: Sequence[Call], n_choices: str = "used", token_ids: bool = True) -> Trajectory:
     """The episode as a :class:`~tempering.rollouts.trajectory.Trajectory`: one turn per call,
     the rows of :func:`episode_rows` (of :func:`used_calls` unless ``n_choices`` is ``all``;
-    ``unused_choices`` counts the rest), the last chat call's transcript and tools."""
+    ``unused_choices`` counts the rest), the last chat call's transcript and tools, and every
+    call as a record for the rollout log (:func:`call_record`)."""
     traj = Trajectory()
     trained = list(calls) if n_choices == "all" else used_calls(calls)
     traj.segments, splits = episode_rows(trained)
+    kept = {id(c) for c in trained}
+    traj.calls = [call_record(c, id(c) in kept, token_ids) for c in calls]
     if len(trained) < len(calls):
         traj.count("unused_choices", float(len(calls) - len(trained)))
     traj.turns = [Turn(len(c.prompt), c.completion, c.response) for c in calls]
@@ -510,4 +545,13 @@ def trajectory_of(calls: Sequence[Call], n_choices: str = "used") -> Trajectory:
     return traj
 
 
-__all__ = ["AgentSampler", "EndpointSampler", "Outcome", "episode_rows", "read_result", "trajectory_of", "used_calls"]
+__all__ = [
+    "AgentSampler",
+    "EndpointSampler",
+    "Outcome",
+    "call_record",
+    "episode_rows",
+    "read_result",
+    "trajectory_of",
+    "used_calls",
+]
