@@ -22,7 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_renderers import templated_tokenizer
+from test_renderers import ADD, USER, templated_tokenizer
 
 from tempering.plugins.renderers.plugin import TML_FAMILIES
 from tempering.plugins.samplers.agent import episode_rows
@@ -30,19 +30,6 @@ from tempering.plugins.samplers.openai_endpoint import EndpointLimits, PolicyEnd
 from tempering.registry import get_registry
 from tempering.types import Completion
 
-ADD = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two integers.",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-        },
-    },
-}
-USER = [{"role": "user", "content": "what is 2+3?"}]
 TURN = {
     "role": "assistant",
     "content": "let me add.",
