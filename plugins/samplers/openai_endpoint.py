@@ -15,7 +15,11 @@ mix): ``POST chat/completions`` (``messages``, ``tools``, ``tool_choice`` auto/n
 equal to the stage's), ``POST completions`` (a text or token-id ``prompt``), ``GET models``.
 What it cannot honour is refused, never ignored: an OpenAI-style JSON error (400 with the reason
 and the parameter) -- streaming, a sampling temperature other than the stage's (the RL update
-assumes the stage's), a prompt past the context budget (``context_length_exceeded``).
+assumes the stage's), the controls of :data:`UNSUPPORTED` (``response_format``, ``logit_bias``,
+penalties, ``seed``, ``parallel_tool_calls: false``, ``reasoning_effort``), a prompt past the
+context budget (``context_length_exceeded``), a text the tokenizer cannot encode. An assistant
+turn the endpoint returned comes back in a later prompt as the tokens sampled for it, not as a
+re-rendering of its text (:mod:`~tempering.plugins.samplers.splice`).
 
 Security: it binds 127.0.0.1 only, every request must carry the server's random bearer token
 (made per server with :mod:`secrets`, given only to the episodes' clients), an episode's address

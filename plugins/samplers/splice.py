@@ -5,9 +5,9 @@ A harness sends its history back as messages, and a renderer renders messages ca
 turn the endpoint returned becomes the canonical tokens of its parsed text and tool calls. Those
 differ from the sampled tokens whenever the model wrote the turn in a form the parse does not
 keep -- a word split into other BPE pieces than the tokenizer's own, whitespace between text and
-a tool call, spacing inside the call's JSON, text after a call. SmolLM2 (``chatml``) wrote 5 of 10
-text + tool-call turns so: the follow-up prompt then showed the model a turn it never wrote, and
-the episode's training row split there.
+a tool call, spacing inside the call's JSON, text after a call (issue 35 reported 5 of 10 text +
+tool-call turns of SmolLM2 under ``chatml``): the follow-up prompt then showed the model a turn it
+never wrote, and the episode's training row split there.
 
 :func:`spliced_prompt` undoes that without any renderer's help. Each chat call keeps its
 canonical prompt and the message it returned; when a new request's canonical rendering starts
