@@ -205,6 +205,23 @@ def test_n_stop_strings_and_text_completions(served: Any, renderer: Any) -> None
             "messages",
             "leaves no room within the context budget",
         ),
+        *(
+            ({"messages": [{"role": "user", "content": "x"}], key: value}, key, reason)
+            for key, value, reason in [
+                (
+                    "response_format",
+                    {"type": "json_object"},
+                    'response_format={"type": "json_object"} is not supported',
+                ),
+                ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}, "constrained decoding"),
+                ("logit_bias", {"5": 100}, 'logit_bias={"5": 100} is not supported'),
+                ("presence_penalty", 0.5, "presence_penalty=0.5 is not supported"),
+                ("frequency_penalty", -1, "frequency_penalty=-1 is not supported"),
+                ("seed", 3, "seed=3 is not supported"),
+                ("parallel_tool_calls", False, "parallel_tool_calls=false is not supported"),
+                ("reasoning_effort", "low", 'reasoning_effort="low" is not supported'),
+            ]
+        ),
     ],
 )
 def test_a_bad_request_is_an_openai_style_400_with_the_reason(served: Any, body: dict, param: str, reason: str) -> None:
@@ -230,6 +247,9 @@ def test_bad_bodies_routes_and_methods(served: Any) -> None:
         .startswith("prompt token id 999999")
     )
     assert client.post("/completions", json={"prompt": "x", "echo": True}).status_code == 400
+    outside = client.post("/completions", json={"prompt": "Zebra"})  # the tiny vocabulary has no capitals
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "prompt", outside.text
+    assert "cannot be encoded by the model's tokenizer" in outside.json()["error"]["message"]
     unknown = client.post("/embeddings", json={})
     assert unknown.status_code == 404 and "/v1/chat/completions" in unknown.json()["error"]["message"]
     assert client.get("/chat/completions").status_code == 405
@@ -305,6 +325,56 @@ def test_n_choices_of_one_prompt_each_get_a_row_and_the_continued_one_grows() ->
     calls = [recorded([1], [2]), recorded([1], [3]), recorded([1, 3, 4], [5])]
     rows, splits = episode_rows(calls)
     assert [r.tokens for r in rows] == [[1, 2], [1, 3, 4, 5]] and splits == 1
+
+
+def test_only_the_choices_the_harness_continued_are_trained(served: Any, renderer: Any) -> None:
+    """``n: 3``, and the harness sends back only the second choice: by default (``n_choices:
+    used``) the two it threw away are left out of the rows; ``all`` trains every choice."""
+    from tempering.plugins.samplers.agent import trajectory_of
+
+    _endpoint, episode, client, _model = served([{"role": "assistant", "content": c} for c in ("12", "3", "45", "6")])
+    messages = [{"role": "user", "content": "hi"}]
+    out = client.post("/chat/completions", json={"messages": messages, "n": 3}).json()
+    messages += [out["choices"][1]["message"], {"role": "user", "content": "more"}]
+    assert client.post("/chat/completions", json={"messages": messages}).status_code == 200
+    used = trajectory_of(episode.calls)
+    assert len(used.segments) == 1 and used.metrics["unused_choices"] == 2.0
+    assert sum(used.segments[0].weights) == len(episode.calls[1].completion.tokens) + len(
+        episode.calls[3].completion.tokens
+    )
+    every = trajectory_of(episode.calls, n_choices="all")
+    assert len(every.segments) == 3 and "unused_choices" not in every.metrics
+
+
+def test_the_rollout_log_keeps_every_call_with_its_token_ids(served: Any, renderer: Any) -> None:
+    """``rollouts.jsonl``'s ``calls``: each call of the episode (not only the last transcript),
+    with its exact ids and logprobs unless ``log_token_ids`` is off."""
+    from tempering.plugins.samplers.agent import trajectory_of
+    from tempering.runs.rollout_log import sample_record
+    from tempering.types import Group, Sample
+
+    _endpoint, episode, client, _model = served([call_add(2, 3), {"role": "assistant", "content": "5"}])
+    first = [{"role": "user", "content": "2+3?"}]
+    one = client.post("/chat/completions", json={"messages": first, "tools": TOOLS}).json()["choices"][0]["message"]
+    edited = [{"role": "user", "content": "add 2 and 3"}]  # a context edit: not one transcript
+    client.post("/chat/completions", json={"messages": edited}).raise_for_status()
+
+    def record(**keys: Any) -> dict[str, Any]:
+        traj = trajectory_of(episode.calls, **keys)
+        sample = Sample(example={}, completion=episode.calls[-1].completion, trajectory=traj)
+        return sample_record(sample, Group({}, [sample]), 0)
+
+    calls = record()["calls"]
+    assert [c["messages"] for c in calls] == [first, edited] and calls[0]["tools"] == TOOLS
+    assert calls[0]["tool_calls"] == one["tool_calls"] and calls[0]["finish_reason"] == "tool_calls"
+    assert calls[1]["completion"] == "5" and all(c["trained"] and c["policy_version"] == 7 for c in calls)
+    for c, call in zip(calls, episode.calls):
+        assert (c["prompt_ids"], c["completion_ids"], c["logprobs"]) == (
+            call.prompt,
+            call.completion.tokens,
+            call.completion.logprobs,
+        )
+    assert "prompt_ids" not in record(token_ids=False)["calls"][0]
 
 
 def test_what_a_harness_may_return() -> None:

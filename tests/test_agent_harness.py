@@ -20,6 +20,7 @@ Each harness here is what a user already has: an async function that drives
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import sys
@@ -40,6 +41,7 @@ from tempering.registry import get_registry
 from tempering.rollouts.chat import ParsedResponse
 from tempering.rollouts.rollout import SamplerContext, collect, rollout_metrics
 from tempering.rollouts.scoring import RewardRunner
+from tempering.runs.failures import failure_cause
 from tempering.types import Completion, SamplingParams
 
 pytestmark = pytest.mark.extras
@@ -254,6 +256,37 @@ def test_a_failing_harness_is_counted_with_its_cause_never_raised(
     assert error in metrics["first_error"], metrics["first_error"]
     if harness == "raises":  # the harness's own frame is in the traceback rollouts.jsonl keeps
         assert "in raises\n    raise KeyError" in metrics[f"first_traceback/{cause}"]
+
+
+async def hangs_before_calling(client: Any, example: dict[str, Any]) -> float:
+    """Episode "hang?" never calls the model (it waits forever); the others call twice."""
+    if example["q"] == "hang?":
+        await asyncio.Event().wait()
+    for _ in range(2):
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": example["q"]}])
+    return 1.0
+
+
+def test_a_hung_harness_holds_only_its_own_episode_in_lockstep(renderer: Any) -> None:
+    """With the default ``batch_wait: null`` one harness that never calls the model fails
+    alone (``harness_timeout``); the other seven finish, their calls still batched together
+    (the hang holds the first batch for ``lockstep_wait`` only, never again)."""
+    model = Scripted(renderer)
+    examples = [{"q": "hang?"}] + [{"q": f"{i}?"} for i in range(7)]
+    t0 = time.perf_counter()
+    rollout = collect(
+        agent(renderer, harness="test_agent_harness:hangs_before_calling", harness_timeout=4),
+        model,
+        examples,
+        1,
+        SamplingParams(max_tokens=8),
+    )
+    wall = time.perf_counter() - t0
+    samples = [s for g in rollout.groups for s in g.samples]
+    assert [s.failed for s in samples] == [True] + [False] * 7
+    assert failure_cause(samples[0]) == "harness_timeout" and [s.reward for s in samples[1:]] == [1.0] * 7
+    assert model.requests == 2  # the seven's two rounds of calls, each one batch
+    assert wall < 10, wall
 
 
 def test_a_harness_that_returns_none_is_scored_by_the_stage_reward(renderer: Any) -> None:

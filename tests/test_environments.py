@@ -760,7 +760,7 @@ def test_batch_wait_lets_a_request_go_without_waiting_for_a_slow_tool(renderer, 
 
     async def play():
         queue = ModelQueue(model, SamplingParams(max_tokens=40, stop=renderer.stop()), batch_wait=batch_wait)
-        queue.join(2)
+        queue.join(0, 1)
         return await asyncio.gather(
             *(
                 run_episode(SlowOrFast(), {"q": q}, renderer, queue, i, EpisodeLimits(), 40)

@@ -45,7 +45,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def guess_app() -> Any:
+def guess_app(max_envs: int = 16) -> Any:
     from openenv.core.env_server.http_server import create_app
     from openenv.core.env_server.interfaces import Environment
     from openenv.core.env_server.types import Action, Observation, State
@@ -85,7 +85,7 @@ def guess_app() -> Any:
         def state(self) -> State:
             return self._state
 
-    return create_app(Guess, GuessAction, GuessObservation, env_name="guess", max_concurrent_envs=16)
+    return create_app(Guess, GuessAction, GuessObservation, env_name="guess", max_concurrent_envs=max_envs)
 
 
 def say_app() -> Any:
@@ -123,7 +123,7 @@ def servers() -> Iterator[dict[str, str]]:
 
     running = []
     urls = {}
-    for name, app in (("guess", guess_app()), ("say", say_app())):
+    for name, app in (("guess", guess_app()), ("say", say_app()), ("single", guess_app(max_envs=1))):
         port = free_port()
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
@@ -161,15 +161,21 @@ class Scripted:
             text = self.renderer.decode(prompt)
             key = next(k for k in self.turns if f"<|user|>{k}" in text)
             turn = prompt.count(self.renderer.role_ids["assistant"]) - 1
-            tokens = self.renderer.render_response(self.turns[key][turn])
-            out.append([Completion(list(prompt), tokens, [-0.1] * len(tokens), "stop")])
+            message = dict(self.turns[key][turn])
+            cut = message.pop("cut", False)  # a turn the token limit cut: no stop token
+            tokens = self.renderer.render_response(message)[: -1 if cut else None]
+            out.append([Completion(list(prompt), tokens, [-0.1] * len(tokens), "length" if cut else "stop")])
         done: Future[Any] = Future()
         done.set_result(out)
         return done
 
 
 def play(
-    renderer: Any, env: dict[str, Any], examples: list[dict[str, Any]], turns: dict[str, list[dict[str, Any]]]
+    renderer: Any,
+    env: dict[str, Any],
+    examples: list[dict[str, Any]],
+    turns: dict[str, list[dict[str, Any]]],
+    group_size: int = 1,
 ) -> list[Any]:
     reg = get_registry()
     context = SamplerContext(
@@ -182,8 +188,10 @@ def play(
     sampler = reg.build(
         "sampler", {"name": "environment", "environment": env, "max_turns": 4}, "sampler", context=context
     )
-    rollout = collect(sampler, Scripted(renderer, turns), examples, 1, SamplingParams(max_tokens=30, temperature=0.0))
-    return [g.samples[0] for g in rollout.groups]
+    rollout = collect(
+        sampler, Scripted(renderer, turns), examples, group_size, SamplingParams(max_tokens=30, temperature=0.0)
+    )
+    return [s for g in rollout.groups for s in g.samples]
 
 
 def act(guess: int) -> dict[str, Any]:
@@ -240,6 +248,50 @@ def test_the_turns_text_as_the_action(servers: dict[str, str], renderer: Any) ->
     assert (sample.reward, sample.trajectory.stop, len(sample.trajectory.turns)) == (1.0, "done", 2)
     users = [m["content"] for m in sample.trajectory.messages if m["role"] == "user"]
     assert users == ['p\n\n{"heard":"say hello"}', '{"heard":"you said hi"}']
+
+
+@needs_openenv
+def test_a_one_session_server_plays_every_episode_of_a_step(servers: dict[str, str], renderer: Any) -> None:
+    """openenv-core's default server holds one session (``max_concurrent_envs=1``) and states no
+    limit: the sampler plays the step's 8 episodes one at a time, none refused."""
+    from tempering.plugins.environments.openenv import OpenEnv
+
+    assert OpenEnv(servers["single"]).max_concurrent == 1  # the documented default
+    env = {"name": "openenv", "url": servers["single"], "reset_keys": ["target"], "observation_field": "hint"}
+    examples = [{"prompt": p, "target": 5} for p in "abcd"]
+    samples = play(renderer, env, examples, {p: [act(5)] for p in "abcd"}, group_size=2)
+    assert [s.reward for s in samples] == [1.0] * 8, [s.error for s in samples]
+
+
+@needs_openenv
+def test_the_session_limit_the_server_states_is_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tempering.plugins.environments import openenv
+
+    said = {"http://a/health": {"status": "healthy", "max_concurrent_envs": 3}, "http://b/metadata": {"name": "b"}}
+
+    def get_json(url: str, timeout: float) -> Any:
+        if url not in said:
+            raise OSError("no route")
+        return said[url]
+
+    monkeypatch.setattr(openenv, "_get_json", get_json)
+    monkeypatch.setattr(openenv, "_sessions", {})
+    assert openenv.server_sessions("http://a", 1.0) == 3
+    assert openenv.server_sessions("http://b", 1.0) == openenv.DEFAULT_SESSIONS == 1
+    assert openenv.OpenEnv("http://b", max_sessions=4).max_concurrent == 4
+
+
+@needs_openenv
+@pytest.mark.parametrize(("policy", "reward", "cut_turns"), [({}, -1.0, 1.0), ({"cut_turn": "send"}, 1.0, None)])
+def test_a_turn_cut_at_max_tokens_follows_the_cut_turn_policy(
+    servers: dict[str, str], renderer: Any, policy: dict[str, Any], reward: float, cut_turns: float | None
+) -> None:
+    """The cut turn "hello" (no stop token): by default the episode ends with cut_turn_reward
+    (-1, never the silent 0 that beat a real answer); ``cut_turn: send`` sends it and the
+    server scores it."""
+    env = {"name": "openenv", "url": servers["say"], "action_field": "message", **policy}
+    [sample] = play(renderer, env, [{"prompt": "p"}], {"p": [{"role": "assistant", "content": "hello", "cut": True}]})
+    assert sample.reward == reward and sample.trajectory.metrics.get("cut_turns") == cut_turns
 
 
 @needs_openenv

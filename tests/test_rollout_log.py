@@ -60,7 +60,7 @@ def test_each_rl_step_writes_its_share_with_failures_and_the_advantages_it_train
     metrics = lines(tmp_path / "metrics.jsonl")
     assert all(tuple(r) == rollout_log.FIELDS for r in records)  # every field, in the documented order
     for r in records:  # each record points at the metrics row of its step
-        assert r["v"] == 2 and metrics[r["row"]]["step"] == r["step"] and metrics[r["row"]]["stage"] == "rl"
+        assert r["v"] == 3 and metrics[r["row"]]["step"] == r["step"] and metrics[r["row"]]["stage"] == "rl"
 
     group_norm = get_registry().build("advantage", "group_norm", "advantage")
     expected = group_norm(torch.tensor([0.0, 1 / 3, 2 / 3, 1.0]), torch.zeros(4, dtype=torch.long)).tolist()

@@ -96,13 +96,22 @@ def test_the_environment_plays_tool_calls_and_the_final_answer() -> None:
     # a pooled instance starts over at reset: a wrong answer, a failing call, a rollout cut after a tool result
     assert env.reset(question="12*10", answer="120") == "12*10"
     assert env._metrics == {} and env._reward is None
-    assert env.mul(a=12).startswith("Error: bad arguments for mul")
+    with pytest.raises(tt.ToolFailed, match="bad arguments for mul"):  # TRL counts it (tools/failure_frequency)
+        env.mul(a=12)
     assert env._errors and "bad arguments for mul" in env._errors[0]
+    assert env._metrics["tool_errors"] == 1.0 and env._transcript[-1]["content"].startswith("Error: bad arguments")
     assert tt.environment_reward([[{"role": "assistant", "content": "121"}]], [env]) == [0.0]
     other = calculator()
     other.reset(question="12*10", answer="120")
     other.mul(a=12, b=10)
     assert tt.environment_reward([[{"role": "tool", "content": "120"}]], [other]) == [0.0]
+    # no 'calls' column (dropped, or never there): right_calls is not measured, so not logged as 0
+    logged.clear()
+    bare = calculator()
+    bare.reset(question="12*10", answer="120")
+    bare.mul(a=12, b=10)
+    tt.environment_reward([[{"role": "assistant", "content": "120"}]], [bare], log_metric=logged.__setitem__)
+    assert "env/right_calls" not in logged and logged["env/tool_calls"] == 1.0
 
 
 def test_a_tool_schema_without_a_typed_function_reaches_trl_intact() -> None:
@@ -150,6 +159,21 @@ def test_reset_refuses_a_prompt_it_cannot_hold() -> None:
         {"q": "hi", "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}
     ]
     assert env.reset(**rows[0]) is None  # the row's prompt already is the environment's
+
+
+def test_prompts_keeps_the_prompt_column_the_environment_reads() -> None:
+    """An environment whose reset reads the example's own ``prompt``: ``tt.prompts`` (what the
+    adapter's error recommends) fills TRL's ``prompt`` and the environment still gets its own."""
+
+    class ReadsPrompt(Environment):
+        async def reset(self, example: dict[str, Any]) -> list[dict[str, Any]]:
+            return [{"role": "system", "content": "be brief"}, {"role": "user", "content": example["prompt"]}]
+
+    factory = tt.environment_factory(ReadsPrompt)
+    [row] = tt.prompts([{"prompt": "what is 2+3?"}], factory)
+    assert row["prompt"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 2+3?"}]
+    env = factory()
+    assert env.reset(**row) is None and env._transcript[1]["content"] == "what is 2+3?"
 
 
 def test_a_hanging_environment_is_cut_off_by_the_timeout() -> None:

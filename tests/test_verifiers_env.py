@@ -22,6 +22,7 @@ import math
 import shutil
 import subprocess
 import sys
+import threading
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from tempering.errors import ConfigError
 from tempering.registry import get_registry
 from tempering.rollouts.rollout import SamplerContext, collect, rollout_metrics
 from tempering.types import Completion, SamplingParams
@@ -57,7 +59,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Any:
     here already) into a folder put first on ``sys.path`` for this module's tests."""
     root = tmp_path_factory.mktemp("vf_pkgs")
     target = root / "site"
-    sources = [shutil.copytree(PKGS / name, root / name) for name in ("vf_sums", "vf_calc")]
+    sources = [shutil.copytree(PKGS / name, root / name) for name in ("vf_sums", "vf_calc", "vf_count")]
     subprocess.run(
         [
             sys.executable,
@@ -147,6 +149,47 @@ def test_the_tasks_are_the_dataset() -> None:
         {"task": 2, "prompt": "2+1=", "verifiers_id": "vf_sums"},
     ]
     assert len(tasks("vf-calc")) == 6  # a hub-style id (dashes) names the same module
+
+
+def within(seconds: float, fn: Any) -> Any:
+    """``fn()``, failing (not hanging) when it does not return within ``seconds``."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(("value", fn()))
+        except BaseException as exc:  # noqa: BLE001 - raised again on the test's thread
+            out.append(("error", exc))
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert out, f"did not return within {seconds:g} s"
+    kind, value = out[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+def test_an_endless_taskset_with_a_named_seat_plays_what_a_step_needs(renderer: Any) -> None:
+    """vf-count's taskset never ends (as verifiers' textarena) and its config's one seat is
+    ``player``: the sampler reads only the tasks a step plays, runs the seat in the subprocess
+    runtime, and the dataset needs a ``size`` for it (one line)."""
+    examples = within(30, lambda: tasks("vf_count", size=3))
+    assert [e["prompt"] for e in examples] == ["0+1=", "1+1=", "2+1="]
+    sampler = within(30, lambda: verifiers_sampler(renderer, id="vf_count"))
+    rollout = collect(sampler, Scripted(renderer), [*examples, {"task": 7}], 1, SamplingParams(max_tokens=8))
+    samples = [s for g in rollout.groups for s in g.samples]
+    assert [s.reward for s in samples] == [1.0] * 4, [s.error for s in samples]
+    with pytest.raises(ConfigError, match=r"^dataset: verifiers environment 'vf_count' has an endless taskset"):
+        within(30, lambda: tasks("vf_count"))
+
+
+def test_a_config_error_shows_verifiers_real_cause() -> None:
+    with pytest.raises(ConfigError) as err:
+        tasks("vf_sums", args={"taskset": {"sise": 3}})
+    text = str(err.value)
+    assert "taskset.sise: Extra inputs are not permitted" in text and "\n" not in text, text
 
 
 def test_single_turn_rubric_rewards_and_token_exact_rows(renderer: Any) -> None:

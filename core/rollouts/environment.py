@@ -74,6 +74,9 @@ class Environment:
       the token limit) does: ``"end"`` (default: the episode ends with reward 0) or
       ``"feedback"`` (the model is told what was wrong, as a user message, and goes on).
     * ``tool_timeout``: seconds per tool call (the sampler's ``tool_timeout`` when None).
+    * ``max_concurrent``: how many episodes of this environment may run at once (a server's
+      session limit; None = no limit). The ``environment`` sampler starts no more than that:
+      the others wait for a free slot before they join the batch.
 
     Optional: ``async group_reward(self, trajectories) -> list[float]``, called on the first
     episode of each group once all of the group's episodes ended (e.g. a judge ranking the
@@ -82,6 +85,7 @@ class Environment:
 
     parse_errors: str = "end"
     tool_timeout: float | None = None
+    max_concurrent: int | None = None
 
     async def reset(self, example: dict[str, Any]) -> list[Message]:
         """The episode's first messages. Default: the example's ``messages``, else its

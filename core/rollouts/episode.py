@@ -38,6 +38,9 @@ from tempering.runs.failures import debug, format_traceback
 from tempering.types import Completion, SamplingParams
 
 LIMIT_ACTIONS = ("zero", "mask")
+#: The parse error of a turn the token limit cut before its stop token (environments may treat
+#: it apart from a malformed turn: the ``openenv`` environment's ``cut_turn``).
+CUT_TURN = "the turn hit the token limit before its stop token"
 
 
 @dataclass
@@ -116,33 +119,57 @@ class ModelQueue:
     each completion to its own (the first ``m`` tokens of a longer sample are a sample of
     ``m`` tokens). ``seed`` derives a per-call seed from the call's index, so that lockstep
     batching samples reproducibly.
+
+    Episodes are known by key (:meth:`join`, :meth:`leave`; a request names its episode's key).
+    Lockstep (``batch_wait`` None) sends a batch once every live episode waits for the model.
+    ``lockstep_wait`` (seconds, None = no limit) bounds how long a batch waits for live
+    episodes that have not asked: past it the batch goes without them, and they are left out
+    of the lockstep until their next request -- so an episode whose own code hangs (an agent
+    harness that never calls the model) holds the others once, for ``lockstep_wait``, never
+    until its timeout.
     """
 
     def __init__(
-        self, client: Any, params: SamplingParams, batch_wait: float | None = None, seed: int | None = None
+        self,
+        client: Any,
+        params: SamplingParams,
+        batch_wait: float | None = None,
+        seed: int | None = None,
+        lockstep_wait: float | None = None,
     ) -> None:
         self.client = client
         self.params = params
         self.batch_wait = batch_wait
+        self.lockstep_wait = lockstep_wait
         self.seed = seed
-        self.live = 0
         self.calls = 0
+        self._live: set[int] = set()
+        self._excused: set[int] = set()  # live episodes the lockstep no longer waits for
+        self._waiting: dict[int, int] = {}  # episode key -> its requests pending or in flight
         self._pending: list[tuple[int, list[int], int, asyncio.Future[Completion]]] = []
-        self._in_flight = 0
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()  # the loop keeps only weak references to tasks
 
-    def join(self, n: int = 1) -> None:
-        """Count ``n`` more live episodes (before they start)."""
-        self.live += n
+    @property
+    def live(self) -> int:
+        """How many episodes are live (joined, not left)."""
+        return len(self._live)
 
-    def leave(self) -> None:
-        self.live -= 1
+    def join(self, *keys: int) -> None:
+        """Count the episodes ``keys`` as live (before they start: no half batches)."""
+        self._live.update(keys)
+
+    def leave(self, key: int) -> None:
+        """Episode ``key`` ended: batches stop waiting for it."""
+        self._live.discard(key)
+        self._excused.discard(key)
         self._maybe_flush()
 
     async def sample(self, key: int, prompt: list[int], max_tokens: int) -> Completion:
-        """One completion of ``prompt`` (``key`` orders requests within a batch)."""
+        """One completion of ``prompt`` for episode ``key`` (which also orders a batch's requests)."""
         future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
+        self._excused.discard(key)  # asking again: back in the lockstep
+        self._waiting[key] = self._waiting.get(key, 0) + 1
         self._pending.append((key, list(prompt), int(max_tokens), future))
         self._maybe_flush()
         return await future
@@ -150,10 +177,18 @@ class ModelQueue:
     def _maybe_flush(self) -> None:
         if not self._pending:
             return
-        if len(self._pending) + self._in_flight >= self.live:
+        if self._live - self._excused <= self._waiting.keys():  # every episode in the lockstep waits
             self._flush()
-        elif self.batch_wait is not None and self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.batch_wait, self._flush)
+        elif self._timer is None:
+            if self.batch_wait is not None:
+                self._timer = asyncio.get_running_loop().call_later(self.batch_wait, self._flush)
+            elif self.lockstep_wait is not None:
+                self._timer = asyncio.get_running_loop().call_later(self.lockstep_wait, self._go_without_stragglers)
+
+    def _go_without_stragglers(self) -> None:
+        self._timer = None
+        self._excused |= self._live - self._waiting.keys()
+        self._flush()
 
     def _flush(self) -> None:
         if self._timer is not None:
@@ -163,10 +198,14 @@ class ModelQueue:
             return
         batch = sorted(self._pending, key=lambda r: r[0])
         self._pending = []
-        self._in_flight += len(batch)
         task = asyncio.ensure_future(self._run(batch))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _done(self, key: int) -> None:
+        left = self._waiting.pop(key) - 1
+        if left:
+            self._waiting[key] = left
 
     async def _run(self, batch: list[tuple[int, list[int], int, asyncio.Future[Completion]]]) -> None:
         params = replace(self.params, max_tokens=max(r[2] for r in batch))
@@ -181,7 +220,8 @@ class ModelQueue:
                     fut.set_exception(exc)
             return
         finally:
-            self._in_flight -= len(batch)
+            for key, *_ in batch:
+                self._done(key)
         for (_, _, limit, fut), (completion, *_) in zip(batch, out):
             if not fut.done():
                 fut.set_result(_cut(completion, limit))
@@ -276,7 +316,7 @@ async def run_episode(
         traj.traceback = None if isinstance(exc, EnvironmentTimeout) else format_traceback(exc)
         traj.errors.insert(0, f"{type(exc).__name__}: {exc}")
     finally:
-        queue.leave()
+        queue.leave(key)
         try:
             await calls.call("cleanup", env.cleanup)
         except Exception as exc:  # noqa: BLE001 - counted and shown, never raised
@@ -306,5 +346,5 @@ def _parse(prompt: Any, completion: Completion) -> ParsedResponse:
     except Exception as exc:  # noqa: BLE001 - a parser bug is a malformed turn, not a crash
         response = ParsedResponse(parse_error=f"{type(exc).__name__}: {exc}")
     if completion.stop_reason != "stop" and response.parse_error is None:
-        response.parse_error = "the turn hit the token limit before its stop token"
+        response.parse_error = CUT_TURN
     return response

@@ -81,7 +81,9 @@ class Trajectory:
     ``traceback`` the exception's formatted traceback (the environment's frames), kept for the
     rollout log. ``feedback``: what the episode said about the attempt in words, in order --
     each turn's failed tool calls and ``StepResult.feedback``, then running out of turns or
-    context -- which the sampler joins into ``Sample.feedback``.
+    context -- which the sampler joins into ``Sample.feedback``. ``calls``: every model call of
+    the episode as a JSON-able record, where the sampler keeps them (the agent samplers: a
+    harness's calls need not form one transcript), for the rollout log.
     """
 
     messages: list[Message] = field(default_factory=list)
@@ -94,6 +96,7 @@ class Trajectory:
     failure: str | None = None
     traceback: str | None = None
     feedback: list[str] = field(default_factory=list)
+    calls: list[dict[str, Any]] | None = None
 
     @property
     def num_generated(self) -> int:

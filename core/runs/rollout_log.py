@@ -11,7 +11,7 @@ The format is stable (``v`` says which version; docs/observability.md documents 
 line is one sample:
 
 ==================  ==============================================================================
-``v``               format version (2: ``feedback`` added; 1 lacks it)
+``v``               format version (3: ``calls`` added; 2: ``feedback``)
 ``row``             index (0-based) of the ``metrics.jsonl`` row of the same step: the join key,
                     and what a resumed run cuts the file back by (:func:`rewind`)
 ``stage``, ``step`` the stage id and global optimizer step, as in ``metrics.jsonl``
@@ -41,6 +41,13 @@ line is one sample:
                     (``done``, ``max_turns``, ``context``, ``error``, ``parse_error``)
 ``tokens``,         tokens generated, model turns
 ``turns``
+``calls``           every model call of an agent episode (the ``agent`` and ``verifiers``
+                    samplers), in the order answered: the request's ``messages`` and ``tools``
+                    (chat calls), the ``completion`` text, ``finish_reason``, ``tool_calls``,
+                    ``n`` (the request's choices), ``trained`` (an ``n > 1`` choice no later
+                    call continued is not), ``policy_version`` and -- unless the sampler's
+                    ``log_token_ids`` is off -- ``prompt_ids``, ``completion_ids``,
+                    ``logprobs``; null for other samples
 ==================  ==============================================================================
 
 Loggers that can show rollouts (a tracker's table) implement the optional
@@ -89,8 +96,9 @@ FIELDS = (
     "stop",
     "tokens",
     "turns",
+    "calls",
 )
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 #: Groups written per step when a stage does not say (``log_rollouts``).
 DEFAULT_GROUPS = 4
 
@@ -139,6 +147,7 @@ def sample_record(
         "stop": traj.stop if traj is not None else sample.completion.stop_reason,
         "tokens": int(sample.num_generated),
         "turns": len(traj.turns) if traj is not None else 1,
+        "calls": jsonable(traj.calls) if traj is not None and traj.calls is not None else None,
     }
 
 

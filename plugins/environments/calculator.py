@@ -28,7 +28,8 @@ from tempering.rollouts.tools import tool
 
 class Calculator(Environment):
     """Example keys: ``question``, ``answer`` and, optionally, ``calls``: the reference
-    solution as ``[[name, {arguments}], ...]``, for the ``right_calls`` metric."""
+    solution as ``[[name, {arguments}], ...]``, for the ``right_calls`` metric (not reported
+    for an example without it: a missing column is not a wrong call)."""
 
     def __init__(self) -> None:
         self.answer = ""
@@ -58,7 +59,7 @@ class Calculator(Environment):
             i = len(self.made)
             self.made.append((call.name, dict(call.arguments)))
             right += i < len(self.reference) and self.reference[i] == self.made[-1]
-        if response.tool_calls:
+        if response.tool_calls and self.reference:  # without a reference solution there is nothing to compare
             result.metrics["right_calls"] = float(right)
         results = [m["content"] for m in result.messages if m.get("role") == "tool"]
         if results:

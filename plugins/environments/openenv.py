@@ -24,23 +24,50 @@ without its ``reward``/``done``/``metadata``.
 
 Every network call is bounded by ``timeout`` seconds. The config check asks the server's
 ``/health`` before anything trains, so a wrong ``url`` is one line naming it.
+
+**Sessions.** An OpenEnv server holds at most ``max_concurrent_envs`` WebSocket sessions
+(openenv-core's default, and the published apps': 1) and refuses the next with
+``CAPACITY_REACHED``. ``max_sessions`` caps the episodes in flight (the ``environment``
+sampler starts no more, :attr:`~tempering.rollouts.environment.Environment.max_concurrent`):
+null takes the number the server states in its ``/health`` or ``/metadata``
+(``max_concurrent_envs`` or ``max_sessions``; openenv-core 0.3 states none), else
+:data:`DEFAULT_SESSIONS`. A session refused for capacity (another client holds one, or a
+closed one is not yet freed) is retried with backoff for up to ``timeout`` seconds.
+
+**A turn cut at max_tokens** (no stop token: its action is incomplete) is never a silent 0,
+which could beat a real answer: ``cut_turn: penalty`` (default) ends the episode with
+``cut_turn_reward`` (default -1, below any answer of a server whose rewards are in [0, 1]: set
+it below your server's lowest), counted as ``env/cut_turns``; ``cut_turn: send`` sends it as it
+is -- the text as the action (``action_field``), or the turn's complete tool calls (a turn with
+none gets the penalty) -- and the server scores it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 from tempering.rollouts.chat import Message, ParsedResponse
 from tempering.rollouts.environment import Environment, StepResult
+from tempering.rollouts.episode import CUT_TURN
 from tempering.rollouts.tools import Tool
 from tempering.schema import Problem
 
+#: Sessions in flight when neither ``max_sessions`` nor the server says (openenv-core's default
+#: ``max_concurrent_envs``).
+DEFAULT_SESSIONS = 1
+#: What a turn cut at the token limit does (see the module docs).
+CUT_TURN_POLICIES = ("penalty", "send")
+#: The error code an OpenEnv server answers a session over its limit with.
+CAPACITY_REACHED = "CAPACITY_REACHED"
 OPENENV_HINT = "pip install 'tempering[openenv]' (openenv-core 0.3; it pins its own mcp: keep it apart from verifiers)"
 #: Observation fields that are the step's bookkeeping rather than what the agent sees.
 BOOKKEEPING = ("reward", "done", "metadata")
@@ -66,6 +93,29 @@ def action_schema(url: str, timeout: float) -> dict[str, Any]:
         return _schemas[url]
 
 
+_sessions: dict[str, int] = {}
+
+
+def server_sessions(url: str, timeout: float) -> int:
+    """How many sessions the server at ``url`` holds at once: the ``max_concurrent_envs`` (or
+    ``max_sessions``) its ``/health`` or ``/metadata`` states, else :data:`DEFAULT_SESSIONS`;
+    asked once per URL."""
+    with _schemas_lock:
+        if url not in _sessions:
+            found = None
+            for route in ("health", "metadata"):
+                try:
+                    reply = _get_json(f"{url.rstrip('/')}/{route}", timeout)
+                except (OSError, ValueError):
+                    continue
+                for key in ("max_concurrent_envs", "max_sessions"):
+                    value = reply.get(key) if isinstance(reply, dict) else None
+                    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                        found = found or value
+            _sessions[url] = found or DEFAULT_SESSIONS
+        return _sessions[url]
+
+
 def observation_text(observation: Mapping[str, Any], field: str | None) -> str:
     """What the model sees of an observation: one field, or the rest as compact JSON."""
     if field is not None:
@@ -77,8 +127,8 @@ def observation_text(observation: Mapping[str, Any], field: str | None) -> str:
 
 class OpenEnv(Environment):
     """Config keys: ``url`` (required), ``action_field`` (None: the action is a tool),
-    ``tool_name``, ``observation_field``, ``reset_keys``, ``prompt_key``, ``timeout`` (see the
-    module docs)."""
+    ``tool_name``, ``observation_field``, ``reset_keys``, ``prompt_key``, ``timeout``,
+    ``max_sessions``, ``cut_turn``, ``cut_turn_reward`` (see the module docs)."""
 
     def __init__(
         self,
@@ -89,8 +139,13 @@ class OpenEnv(Environment):
         reset_keys: list[str] | None = None,
         prompt_key: str = "prompt",
         timeout: float = 30.0,
+        max_sessions: int | None = None,
+        cut_turn: str = "penalty",
+        cut_turn_reward: float = -1.0,
     ) -> None:
         self.url = url.rstrip("/")
+        self.max_concurrent = max_sessions or server_sessions(self.url, min(float(timeout), 10.0))
+        self.cut_turn, self.cut_turn_reward = cut_turn, float(cut_turn_reward)
         self.action_field, self.tool_name = action_field, tool_name
         self.observation_field, self.prompt_key = observation_field, prompt_key
         self.reset_keys = list(reset_keys or [])
@@ -111,6 +166,11 @@ class OpenEnv(Environment):
         if not float(config.get("timeout") or 0) > 0:
             yield Problem("timeout", f"must be > 0 seconds, got {config.get('timeout')}")
             return
+        if config.get("cut_turn", "penalty") not in CUT_TURN_POLICIES:
+            yield Problem("cut_turn", f"must be one of {', '.join(CUT_TURN_POLICIES)}, got {config.get('cut_turn')!r}")
+        sessions = config.get("max_sessions")
+        if sessions is not None and not (isinstance(sessions, int) and sessions >= 1):
+            yield Problem("max_sessions", f"must be an integer >= 1 or null (the server's), got {sessions!r}")
         try:
             _get_json(f"{url.rstrip('/')}/health", min(float(config["timeout"]), 10.0))
         except (OSError, ValueError) as exc:  # URLError, a timeout, a reply that is not JSON
@@ -119,19 +179,42 @@ class OpenEnv(Environment):
 
     # ------------------------------------------------------------------ episode
     async def reset(self, example: dict[str, Any]) -> list[Message]:
-        from openenv import GenericEnvClient
 
         missing = [k for k in self.reset_keys if k not in example]
         if missing:
             raise KeyError(f"openenv: reset_keys {missing} are not columns of the example (columns: {sorted(example)})")
-        self.client = GenericEnvClient(
-            base_url=self.url, connect_timeout_s=self.timeout, message_timeout_s=self.timeout
-        )
-        result = await self.client.reset(**{k: example[k] for k in self.reset_keys})
+        result = await self._open_session({k: example[k] for k in self.reset_keys})
         self.pending_reward = float(result.reward or 0.0)
         shown = observation_text(result.observation, self.observation_field)
         prompt = example.get(self.prompt_key)
         return [{"role": "user", "content": f"{prompt}\n\n{shown}" if prompt else shown}]
+
+    async def _open_session(self, keys: dict[str, Any]) -> Any:
+        """A new session's ``reset``, retried with backoff while the server is at capacity
+        (for up to ``timeout`` seconds; then one line saying so)."""
+        from openenv import GenericEnvClient
+
+        deadline = time.monotonic() + self.timeout
+        wait = 0.1
+        while True:
+            self.client = GenericEnvClient(
+                base_url=self.url, connect_timeout_s=self.timeout, message_timeout_s=self.timeout
+            )
+            try:
+                return await self.client.reset(**keys)
+            except RuntimeError as exc:
+                if CAPACITY_REACHED not in str(exc):
+                    raise
+                client, self.client = self.client, None
+                await client.close()
+                if time.monotonic() + wait > deadline:
+                    raise RuntimeError(
+                        f"openenv: the server at {self.url} stayed at its session limit for {self.timeout:g} s "
+                        f"({exc}); lower max_sessions (now {self.max_concurrent}) or raise the server's "
+                        "max_concurrent_envs"
+                    ) from None
+                await asyncio.sleep(wait)
+                wait = min(wait * 2, 2.0)
 
     def tools(self) -> list[Tool]:
         if self.action_field is not None:
@@ -151,6 +234,11 @@ class OpenEnv(Environment):
         return observation_text(result.observation, self.observation_field)
 
     async def step(self, response: ParsedResponse) -> StepResult:
+        if response.parse_error == CUT_TURN:
+            cut = self._cut_turn(response)
+            if cut is not None:
+                return cut
+            response = replace(response, parse_error=None)  # cut_turn: send -- as it is
         if response.parse_error is not None:
             return await super().step(response)
         if self.action_field is not None:
@@ -168,6 +256,19 @@ class OpenEnv(Environment):
         result.reward = self.take_reward()
         result.done = self.server_done
         return result
+
+    def _cut_turn(self, response: ParsedResponse) -> StepResult | None:
+        """The penalty for a turn cut at the token limit, or None to send it (``cut_turn``)."""
+        sendable = self.action_field is not None or bool(response.tool_calls)
+        if self.cut_turn == "send" and sendable:
+            return None
+        self.take_reward()
+        return StepResult(
+            reward=self.cut_turn_reward,
+            done=True,
+            metrics={"cut_turns": 1.0},
+            feedback=f"the turn was cut at the token limit: reward {self.cut_turn_reward:g} (cut_turn_reward)",
+        )
 
     def take_reward(self) -> float:
         reward, self.pending_reward = self.pending_reward, 0.0

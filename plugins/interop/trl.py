@@ -53,7 +53,9 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "ROW_PROMPT",
     "TRLEnvironment",
+    "ToolFailed",
     "environment_factory",
     "environment_reward",
     "prompts",
@@ -94,6 +96,18 @@ async def _value(x: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------- environments
+#: The column :func:`prompts` keeps a row's own ``prompt`` in (TRL's ``prompt`` column becomes
+#: the environment's first messages); ``reset`` gives it back to the environment as ``prompt``.
+ROW_PROMPT = "tempering_prompt"
+
+
+class ToolFailed(RuntimeError):
+    """A tool call the environment reports as failed (bad arguments, the tool raised or timed
+    out), raised from the tool method so that TRL counts it in ``tools/failure_frequency`` and
+    shows the model its text (TRL's ``{"error": ...}``). The environment has counted it too
+    (``env/tool_errors``)."""
+
+
 class TRLEnvironment:
     """One TRL rollout's environment (see the module docs). Subclassed per environment by
     :func:`environment_factory`, which adds one public method per tool; everything else here is
@@ -125,6 +139,8 @@ class TRLEnvironment:
         self._clear()  # a pooled instance starts each episode clean
         self._env = type(self)._make()
         example = {k: v for k, v in row.items() if k != "prompt"}
+        if ROW_PROMPT in example:  # the row's own prompt, which prompts() kept for the environment
+            example["prompt"] = example.pop(ROW_PROMPT)
         messages = self._run(self._env.reset(example), "environment.reset()")
         self._transcript = [dict(m) for m in messages]
         prompt = row.get("prompt")
@@ -144,6 +160,8 @@ class TRLEnvironment:
         response = ParsedResponse(tool_calls=[ToolCall(name, dict(arguments))])
         result = self._step(response)
         contents = [str(m.get("content", "")) for m in result.messages if m.get("role") == "tool"]
+        if result.errors:
+            raise ToolFailed("\n".join(contents) or "; ".join(result.errors))
         return "\n".join(contents)
 
     def _finish(self, message: Mapping[str, Any] | None) -> float | None:
@@ -436,7 +454,9 @@ def tiny_chat_template(tokenizer: Any) -> Any:
 
 def prompts(rows: Iterable[Mapping[str, Any]], environment: type[TRLEnvironment]) -> list[dict[str, Any]]:
     """``rows`` with a ``prompt`` column holding each environment's first messages (for
-    environments whose ``reset`` gives more than one user message)."""
+    environments whose ``reset`` gives more than one user message). A row's own ``prompt`` is
+    kept as ``tempering_prompt`` (:data:`ROW_PROMPT`) and given back to the environment's
+    ``reset`` as ``prompt``, so an environment that reads it still does under TRL."""
     out = []
     for row in rows:
         env = environment._make()
@@ -444,5 +464,6 @@ def prompts(rows: Iterable[Mapping[str, Any]], environment: type[TRLEnvironment]
             messages = _Loop.run(env.reset(dict(row)), environment._timeout, "environment.reset()")
         finally:
             _Loop.run(_value(env.cleanup()), environment._timeout, "environment.cleanup()")
-        out.append({**row, "prompt": [dict(m) for m in messages]})
+        kept = {ROW_PROMPT: row["prompt"]} if "prompt" in row else {}
+        out.append({**row, **kept, "prompt": [dict(m) for m in messages]})
     return out

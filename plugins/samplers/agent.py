@@ -47,7 +47,13 @@ from typing import Any
 
 from tempering.errors import ConfigError, UnknownComponentError
 from tempering.plugins.samplers.common import with_stops
-from tempering.plugins.samplers.openai_endpoint import Call, EndpointLimits, EpisodeCalls, PolicyEndpoint
+from tempering.plugins.samplers.openai_endpoint import (
+    Call,
+    EndpointLimits,
+    EpisodeCalls,
+    PolicyEndpoint,
+    finish_reason,
+)
 from tempering.registry import get_registry
 from tempering.rollouts.episode import ModelQueue
 from tempering.rollouts.feedback import feedback_of
@@ -152,8 +158,17 @@ class EndpointSampler:
     config keys ``harness_timeout`` (seconds per episode, default 600, null = no limit),
     ``max_concurrent`` (episodes in flight, default 64), ``max_total_tokens`` (a call's prompt
     plus completion, 0 = no budget; past it the endpoint answers ``context_length_exceeded``),
-    ``max_n`` (the largest ``n`` a call may ask for) and ``batch_wait`` (seconds a model call
-    waits for other episodes' before its batch goes; null = until every live episode waits).
+    ``max_n`` (the largest ``n`` a call may ask for), ``batch_wait`` (seconds a model call
+    waits for other episodes' before its batch goes; null = lockstep, until every live episode
+    waits) and ``lockstep_wait`` (in lockstep, seconds a batch waits for an episode that has not
+    called before it goes without it, at most half of ``harness_timeout``; null = no limit),
+    ``n_choices`` (``used``: of a call with ``n > 1`` only the choices a later call continued
+    train; ``all``: every choice, with the episode's reward) and ``log_token_ids`` (each call's
+    token ids and logprobs in ``rollouts.jsonl``'s ``calls``; off for long episodes, whose
+    prompts repeat the history). A
+    harness can always hang before its next call, and lockstep cannot tell a hang from slow
+    harness code: without the bound one hung harness would hold every other episode's calls
+    until all of them timed out.
     The stage's ``max_tokens`` caps each call, its ``temperature`` / ``top_p`` are the ones a
     call may ask for. A subclass plays the episodes (:meth:`play`)."""
 
@@ -162,13 +177,19 @@ class EndpointSampler:
     max_total_tokens: int = 0
     max_n: int = 8
     batch_wait: float | None = None
+    lockstep_wait: float | None = 5.0
+    n_choices: str = "used"
+    log_token_ids: bool = True
     context: SamplerContext | None = field(default=None, repr=False)
 
     @staticmethod
     def limit_problems(config: Mapping[str, Any]) -> Any:
-        timeout = config.get("harness_timeout")
-        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-            yield Problem("harness_timeout", f"must be > 0 (seconds) or null for no limit, got {timeout}")
+        for key in ("harness_timeout", "lockstep_wait"):
+            timeout = config.get(key)
+            if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+                yield Problem(key, f"must be > 0 (seconds) or null for no limit, got {timeout}")
+        if config.get("n_choices", "used") not in N_CHOICES:
+            yield Problem("n_choices", f"must be one of {', '.join(N_CHOICES)}, got {config.get('n_choices')!r}")
         for key, low in (("max_concurrent", 1), ("max_n", 1), ("max_total_tokens", 0)):
             value = config.get(key)
             if value is not None and value < low:
@@ -182,6 +203,14 @@ class EndpointSampler:
     def reward_runner(self) -> Any:
         return self.context.reward if self.context is not None else None
 
+    def straggler_wait(self) -> float | None:
+        """How long a lockstep batch waits for an episode that has not called: ``lockstep_wait``,
+        at most half of ``harness_timeout`` (so the others' calls go well before their own
+        timeout)."""
+        half = None if self.harness_timeout is None else self.harness_timeout / 2
+        waits = [w for w in (self.lockstep_wait, half) if w]
+        return min(waits) if waits else None
+
     # ------------------------------------------------------------------ sampling
     async def sample(
         self, client: Any, examples: list[dict[str, Any]], group_size: int, params: SamplingParams, first_id: int = 0
@@ -189,7 +218,7 @@ class EndpointSampler:
         assert self.context is not None, "AgentSampler needs its stage's context"
         renderer = self.context.renderer()
         params = with_stops(params, renderer.stop())
-        queue = ModelQueue(client, params, self.batch_wait, seed=params.seed)
+        queue = ModelQueue(client, params, self.batch_wait, seed=params.seed, lockstep_wait=self.straggler_wait())
         loop = asyncio.get_running_loop()
 
         def model(key: int, prompt: list[int], max_tokens: int) -> Future[Completion]:
@@ -243,7 +272,7 @@ class EndpointSampler:
     def _sample(self, example: dict[str, Any], calls: list[Call], outcome: Outcome) -> tuple[Sample, bool]:
         """The episode as a sample, and whether the stage's reward scores it (the harness
         returned None)."""
-        traj = trajectory_of(calls)
+        traj = trajectory_of(calls, self.n_choices, self.log_token_ids)
         last = traj.turns[-1].completion if traj.turns else Completion([], [], [], "error")
         if traj.turns:
             last.text = traj.turns[-1].response.text
@@ -258,6 +287,8 @@ class EndpointSampler:
             traj.stop = "error"
             mark_failed(sample, "no_model_calls", "the harness returned without calling the model: nothing to train")
             return sample, False
+        if not traj.segments:  # every call was an n > 1 call none of whose choices was continued
+            sample.masked = True
         try:
             reward, metrics, note = read_result(outcome.value)
         except (TypeError, ValueError) as exc:  # RewardValueError (NaN, inf) says its own cause
@@ -342,7 +373,7 @@ class AgentSampler(EndpointSampler):
 
         async def one(key: int, example: dict[str, Any]) -> tuple[EpisodeCalls, Outcome]:
             async with gate:
-                queue.join(1)
+                queue.join(key)
                 episode = endpoint.open_episode(key)
                 runner = HarnessThread()
                 try:
@@ -352,7 +383,7 @@ class AgentSampler(EndpointSampler):
                     outcome = await guarded(runner.run(coro, self.harness_timeout, "the harness"), self.path)
                 finally:
                     endpoint.end_episode(episode)
-                    queue.leave()
+                    queue.leave(key)
                     runner.close()
                 return episode, outcome
 
@@ -445,11 +476,59 @@ def episode_rows(calls: Sequence[Call]) -> tuple[list[Segment], int]:
     return rows, splits
 
 
-def trajectory_of(calls: Sequence[Call]) -> Trajectory:
+def call_record(call: Call, trained: bool, token_ids: bool = True) -> dict[str, Any]:
+    """One model call as ``rollouts.jsonl`` keeps it (its ``calls`` field): the request's
+    messages and tools (chat calls; None for text completions), what came back, whether it
+    trained, and -- with ``token_ids`` -- the exact ids and the sampler's logprobs."""
+    record: dict[str, Any] = {
+        "messages": call.messages,
+        "tools": call.tools,
+        "completion": call.response.text if call.messages is not None else call.response.raw,
+        "finish_reason": finish_reason(call.completion, call.response),
+        "tool_calls": [c.to_openai() for c in call.response.tool_calls] or None,
+        "n": call.choices,
+        "trained": trained,
+        "policy_version": call.completion.policy_version,
+    }
+    if token_ids:
+        record.update(
+            prompt_ids=list(call.prompt),
+            completion_ids=list(call.completion.tokens),
+            logprobs=list(call.completion.logprobs),
+        )
+    return record
+
+
+#: ``n_choices``: which choices of an ``n > 1`` call train.
+N_CHOICES = ("used", "all")
+
+
+def used_calls(calls: Sequence[Call]) -> list[Call]:
+    """The calls whose completion the harness used: every call of ``n: 1``, and each choice of
+    an ``n > 1`` call that a later call continued (its prompt holds the choice's prompt and
+    sampled tokens: the harness sent that choice back). A choice no later call continued --
+    one the harness threw away, or any choice of the episode's last call -- cannot be told
+    from a discarded one, so it is left out."""
+    kept = []
+    for i, call in enumerate(calls):
+        seen = [*call.prompt, *call.completion.tokens]
+        if call.choices <= 1 or any(later.prompt[: len(seen)] == seen for later in calls[i + 1 :]):
+            kept.append(call)
+    return kept
+
+
+def trajectory_of(calls: Sequence[Call], n_choices: str = "used", token_ids: bool = True) -> Trajectory:
     """The episode as a :class:`~tempering.rollouts.trajectory.Trajectory`: one turn per call,
-    the rows of :func:`episode_rows`, the last chat call's transcript and tools."""
+    the rows of :func:`episode_rows` (of :func:`used_calls` unless ``n_choices`` is ``all``;
+    ``unused_choices`` counts the rest), the last chat call's transcript and tools, and every
+    call as a record for the rollout log (:func:`call_record`)."""
     traj = Trajectory()
-    traj.segments, splits = episode_rows(calls)
+    trained = list(calls) if n_choices == "all" else used_calls(calls)
+    traj.segments, splits = episode_rows(trained)
+    kept = {id(c) for c in trained}
+    traj.calls = [call_record(c, id(c) in kept, token_ids) for c in calls]
+    if len(trained) < len(calls):
+        traj.count("unused_choices", float(len(calls) - len(trained)))
     traj.turns = [Turn(len(c.prompt), c.completion, c.response) for c in calls]
     chats = [c for c in calls if c.messages is not None]
     if chats:
@@ -466,4 +545,13 @@ def trajectory_of(calls: Sequence[Call]) -> Trajectory:
     return traj
 
 
-__all__ = ["AgentSampler", "EndpointSampler", "Outcome", "episode_rows", "read_result", "trajectory_of"]
+__all__ = [
+    "AgentSampler",
+    "EndpointSampler",
+    "Outcome",
+    "call_record",
+    "episode_rows",
+    "read_result",
+    "trajectory_of",
+    "used_calls",
+]

@@ -108,9 +108,20 @@ class EnvironmentSampler:
         params = with_stops(params, renderer.stop())
         queue = ModelQueue(client, params, self.batch_wait, seed=params.seed)
         envs = [[self._factory() for _ in range(group_size)] for _ in examples]
-        queue.join(len(examples) * group_size)  # all join before any samples: no half batches
+        cap = min((e.max_concurrent for row in envs for e in row if getattr(e, "max_concurrent", None)), default=None)
+        gate = asyncio.Semaphore(cap) if cap else None
+        if gate is None:
+            queue.join(*range(len(examples) * group_size))  # all join before any samples: no half batches
+
+        async def episode(env: Any, example: dict[str, Any], key: int) -> Any:
+            if gate is None:
+                return await run_episode(env, example, renderer, queue, key, self.limits, params.max_tokens)
+            async with gate:  # the environment's session limit: join the batch once a slot is free
+                queue.join(key)
+                return await run_episode(env, example, renderer, queue, key, self.limits, params.max_tokens)
+
         jobs = [
-            run_episode(env, example, renderer, queue, i * group_size + j, self.limits, params.max_tokens)
+            episode(env, example, i * group_size + j)
             for i, (example, row) in enumerate(zip(examples, envs))
             for j, env in enumerate(row)
         ]

@@ -15,7 +15,11 @@ mix): ``POST chat/completions`` (``messages``, ``tools``, ``tool_choice`` auto/n
 equal to the stage's), ``POST completions`` (a text or token-id ``prompt``), ``GET models``.
 What it cannot honour is refused, never ignored: an OpenAI-style JSON error (400 with the reason
 and the parameter) -- streaming, a sampling temperature other than the stage's (the RL update
-assumes the stage's), a prompt past the context budget (``context_length_exceeded``).
+assumes the stage's), the controls of :data:`UNSUPPORTED` (``response_format``, ``logit_bias``,
+penalties, ``seed``, ``parallel_tool_calls: false``, ``reasoning_effort``), a prompt past the
+context budget (``context_length_exceeded``), a text the tokenizer cannot encode. An assistant
+turn the endpoint returned comes back in a later prompt as the tokens sampled for it, not as a
+re-rendering of its text (:mod:`~tempering.plugins.samplers.splice`).
 
 Security: it binds 127.0.0.1 only, every request must carry the server's random bearer token
 (made per server with :mod:`secrets`, given only to the episodes' clients), an episode's address
@@ -44,6 +48,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
+from tempering.plugins.samplers.splice import spliced_prompt, turn_end
 from tempering.rollouts.chat import ROLES, ParsedResponse, ToolCall, assign_call_ids, text_of
 from tempering.runs.serving import BackgroundServer, Limits, Policy, Reply, guarded_app
 from tempering.runs.serving import Call as HttpCall
@@ -83,13 +88,29 @@ class RequestError(Exception):
 class Call:
     """One answered model call of an episode: the prompt's token ids, the sampled completion
     (ids, sampler logprobs, policy version), how it parsed, and -- for a chat call -- the
-    request's messages and tools."""
+    request's messages and tools, the renderer's ``canonical`` tokens of them (``prompt`` is
+    those with earlier sampled turns spliced in: :mod:`~tempering.plugins.samplers.splice`) and
+    the assistant message ``returned`` to the harness; ``choices`` is the request's ``n``."""
 
     prompt: list[int]
     completion: Completion
     response: ParsedResponse
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
+    canonical: list[int] | None = None
+    returned: dict[str, Any] | None = None
+    choices: int = 1
+    _turn_end: list[int] | None = field(default=None, init=False, repr=False)
+    _turn_end_known: bool = field(default=False, init=False, repr=False)
+
+    def turn_end(self, renderer: Any) -> list[int] | None:
+        """The canonical tokens of this call's prompt and returned turn (computed once)."""
+        if self.canonical is None or self.returned is None or self.messages is None:
+            return None  # not a chat call, or not answered yet
+        if not self._turn_end_known:
+            self._turn_end = turn_end(renderer, self.messages, self.tools, self.returned, self.canonical)
+            self._turn_end_known = True
+        return self._turn_end
 
 
 class EpisodeCalls:
@@ -110,6 +131,11 @@ class EpisodeCalls:
                 )
             self.calls.append(call)
             return len(self.calls) - 1
+
+    def snapshot(self) -> list[Call]:
+        """The calls so far (a copy: other requests of the episode may add to them)."""
+        with self._lock:
+            return list(self.calls)
 
     def close(self) -> None:
         with self._lock:
@@ -245,20 +271,23 @@ class PolicyEndpoint:
         try:
             with self._text_lock:
                 prompt = self.renderer.render_prompt(messages, tools or None)
+                # the turns this episode sampled, as sampled: never a re-tokenization of their text
+                tokens = spliced_prompt(list(prompt.tokens), episode.snapshot(), self.renderer)
         except Exception as exc:  # noqa: BLE001 - a renderer's refusal is the request's problem
             raise RequestError(
                 400,
                 f"the messages cannot be rendered in the model's chat format: {type(exc).__name__}: {exc}",
                 "messages",
             ) from None
-        sampled = self._sample(episode, prompt.tokens, common)  # without the lock: batched with other episodes
+        sampled = self._sample(episode, tokens, common)  # without the lock: batched with other episodes
         with self._text_lock:
-            return self._chat_answer(episode, prompt, sampled, messages, tools, common)
+            return self._chat_answer(episode, prompt, tokens, sampled, messages, tools, common)
 
     def _chat_answer(
         self,
         episode: EpisodeCalls,
         prompt: Any,
+        tokens: list[int],
         sampled: list[Completion],
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]],
@@ -268,13 +297,17 @@ class PolicyEndpoint:
         for i, completion in enumerate(sampled):
             completion, cut_text = cut_at_stop(completion, common["stop"], self.renderer.decode)
             response = parse_turn(prompt, completion)
-            index = episode.add(Call(list(prompt.tokens), completion, response, messages, tools))
+            call = Call(
+                tokens, completion, response, messages, tools, canonical=list(prompt.tokens), choices=len(sampled)
+            )
+            index = episode.add(call)
             assign_call_ids(response.tool_calls, index)
             message: dict[str, Any] = {"role": "assistant", "content": response.text if cut_text is None else cut_text}
             if response.tool_calls:
                 message["tool_calls"] = [c.to_openai() for c in response.tool_calls]
             if response.reasoning:
                 message["reasoning_content"] = response.reasoning
+            call.returned = message
             choice: dict[str, Any] = {
                 "index": i,
                 "message": message,
@@ -291,7 +324,7 @@ class PolicyEndpoint:
                 choice["token_ids"] = list(completion.tokens)
             choices.append(choice)
             completions.append(completion)
-        return self._answer("chat.completion", prompt.tokens, choices, completions, common)
+        return self._answer("chat.completion", tokens, choices, completions, common)
 
     def completions(self, episode: EpisodeCalls, request: dict[str, Any]) -> dict[str, Any]:
         """``/v1/completions``: a text prompt (tokenized with the tokenizer's special tokens, as
@@ -314,7 +347,7 @@ class PolicyEndpoint:
             completion, cut_text = cut_at_stop(completion, common["stop"], self.renderer.decode)
             text = self.tokenizer.decode(completion.tokens, skip_special_tokens=True) if cut_text is None else cut_text
             response = ParsedResponse(text=text, raw=text)
-            episode.add(Call(list(prompt_ids), completion, response))
+            episode.add(Call(list(prompt_ids), completion, response, choices=len(sampled)))
             choice: dict[str, Any] = {
                 "index": i,
                 "text": text,
@@ -360,6 +393,7 @@ class PolicyEndpoint:
                     f"set it to {value:g}",
                     name,
                 )
+        check_unsupported(request)
         top = request.get("top_logprobs")
         if top not in (None, 0):
             raise RequestError(
@@ -380,7 +414,14 @@ class PolicyEndpoint:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
-            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            try:
+                return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            except Exception as exc:  # noqa: BLE001 - text the vocabulary cannot spell is the request's problem
+                raise RequestError(
+                    400,
+                    f"the prompt cannot be encoded by the model's tokenizer: {type(exc).__name__}: {exc}",
+                    "prompt",
+                ) from None
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             vocab = len(self.tokenizer)
             bad = [t for t in prompt if not 0 <= t < vocab]
@@ -478,6 +519,35 @@ def check_int(request: Mapping[str, Any], key: str, default: int, low: int, high
         bound = f"between {low} and {high}" + (f" ({why})" if why else "") if high is not None else f">= {low}"
         raise RequestError(400, f"{key} must be an integer {bound}, got {value!r}", key)
     return int(value)
+
+
+#: Sampling controls the endpoint cannot honour, with the value that means "not used" (accepted)
+#: and why each is refused: the RL update assumes the stage's sampling distribution, so a request
+#: may not reshape it, and a control silently ignored would let a harness believe it was applied.
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "response_format": (
+        (None, {"type": "text"}),
+        "constrained decoding would sample from another distribution than the policy's, which the "
+        "RL update assumes; ask for JSON in the prompt and parse the text",
+    ),
+    "logit_bias": ((None, {}), "it changes the sampling distribution the RL update assumes"),
+    "presence_penalty": ((None, 0, 0.0), "it changes the sampling distribution the RL update assumes"),
+    "frequency_penalty": ((None, 0, 0.0), "it changes the sampling distribution the RL update assumes"),
+    "seed": ((None,), "the stage's seed decides sampling (calls are batched with other episodes')"),
+    "parallel_tool_calls": (
+        (None, True),
+        "the policy decides how many tools it calls in a turn; leave it out (or true)",
+    ),
+    "reasoning_effort": ((None,), "the policy's chat format decides whether and how long it reasons"),
+}
+
+
+def check_unsupported(request: Mapping[str, Any]) -> None:
+    """Refuse a sampling control the endpoint would otherwise ignore (:data:`UNSUPPORTED`)."""
+    for key, (neutral, why) in UNSUPPORTED.items():
+        value = request.get(key)
+        if value not in neutral:
+            raise RequestError(400, f"{key}={json.dumps(value)} is not supported by this endpoint: {why}", key)
 
 
 def check_stop(stop: Any) -> list[str]:

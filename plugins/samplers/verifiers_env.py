@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
 import math
 import os
 import secrets
@@ -40,15 +41,45 @@ from tempering.schema import Problem
 VERIFIERS_HINT = "pip install 'tempering[verifiers]'"
 
 
-def env_config(id: str, args: Mapping[str, Any] | None) -> dict[str, Any]:
+def env_config(id: str, args: Mapping[str, Any] | None, seats: Sequence[str] = ("agent",)) -> dict[str, Any]:
     """The verifiers env config of ``id`` with ``args`` over it (one level deep: ``args:
-    {taskset: {...}}`` adds taskset keys); agents run locally (``subprocess``) by default."""
-    config: dict[str, Any] = {"taskset": {"id": id}, "agent": {"runtime": {"type": "subprocess"}}}
+    {taskset: {...}}`` adds taskset keys); each of the env config's agent ``seats`` (``agent``
+    for a plain taskset, the roles an environment declares: textarena's ``player``) runs
+    locally (``subprocess``) unless ``args`` says otherwise."""
+    config: dict[str, Any] = {"taskset": {"id": id}, **{seat: {"runtime": {"type": "subprocess"}} for seat in seats}}
     for key, value in dict(args or {}).items():
         config[key] = (
             {**config[key], **value} if isinstance(config.get(key), dict) and isinstance(value, Mapping) else value
         )
     return config
+
+
+def agent_seats(id: str) -> list[str]:
+    """The agent fields of ``id``'s env config class (its ``AgentConfig`` seats)."""
+    import verifiers.v1 as vf
+    from verifiers.v1.utils.loaders import env_config_type
+
+    fields = env_config_type(id).model_fields
+    return [
+        name
+        for name, f in fields.items()
+        if isinstance(f.annotation, type) and issubclass(f.annotation, vf.AgentConfig)
+    ]
+
+
+def error_line(exc: BaseException) -> str:
+    """verifiers' error in one line with its cause: a pydantic validation error's every
+    ``field.path: message`` (its first line only counts the errors), else the text's lines."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            found = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors()]
+        except Exception:  # noqa: BLE001 - not pydantic's: fall back to the text
+            found = []
+        if found:
+            return f"{type(exc).__name__}: " + "; ".join(found)
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return f"{type(exc).__name__}: {text or 'no message'}"
 
 
 def id_problem(id: Any) -> str | None:
@@ -76,7 +107,7 @@ def _load(id: str, args_key: str) -> Any:
 
     import verifiers.v1 as vf
 
-    config = vf.resolve_env_config(env_config(id, json.loads(args_key)))
+    config = vf.resolve_env_config(env_config(id, json.loads(args_key), agent_seats(id)))
     return vf.load_environment(config)
 
 
@@ -90,20 +121,21 @@ def load_env(id: str, args: Mapping[str, Any] | None, path: str) -> Any:
     try:
         return _load(id, json.dumps(dict(args or {}), sort_keys=True, default=str))
     except Exception as exc:  # noqa: BLE001 - verifiers' own validation, as one line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"verifiers could not load '{id}': {type(exc).__name__}: {first}", path) from None
+        raise ConfigError(f"verifiers could not load '{id}': {error_line(exc)}", path) from None
 
 
 def verifiers_tasks(id: str, args: Mapping[str, Any] | None = None, size: int | None = None) -> list[dict[str, Any]]:
     """The environment's tasks as rows: ``task`` (its index, which the sampler plays) and
     ``prompt`` (its text, for logs and the completion sampler)."""
     env = load_env(id, args, "dataset")
-    rows = []
-    for i, task in enumerate(env.taskset):
-        if size is not None and i >= size:
-            break
-        rows.append({"task": i, "prompt": task.data.prompt_text, "verifiers_id": id})
-    return rows
+    if size is None and not env.taskset.bounded:
+        raise ConfigError(
+            f"verifiers environment '{id}' has an endless taskset: set the dataset's size (size: 1000)", "dataset"
+        )
+    return [
+        {"task": i, "prompt": task.data.prompt_text, "verifiers_id": id}
+        for i, task in enumerate(itertools.islice(env.taskset, size))
+    ]
 
 
 @dataclass
@@ -126,13 +158,22 @@ class VerifiersSampler(EndpointSampler):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._env = load_env(self.id, self.args, self.path)
-        self._tasks = list(self._env.taskset)
+        # read lazily, as far as the highest task index a step plays: a taskset may never end
+        self._tasks: list[Any] = []
+        self._reader = iter(self._env.taskset)
+        self._read_all = False
 
     def _task(self, example: Mapping[str, Any]) -> Any:
         index = example.get("task")
-        if not isinstance(index, int) or not 0 <= index < len(self._tasks):
+        while isinstance(index, int) and index >= len(self._tasks) and not self._read_all:
+            try:
+                self._tasks.append(next(self._reader))
+            except StopIteration:
+                self._read_all = True
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(self._tasks):
+            known = f"0..{len(self._tasks) - 1}" if self._read_all else "an index >= 0"
             raise ValueError(
-                f"the example's 'task' must be a task index of '{self.id}' (0..{len(self._tasks) - 1}), "
+                f"the example's 'task' must be a task index of '{self.id}' ({known}), "
                 f"got {index!r}; use dataset: {{name: verifiers, id: {self.id}}}"
             )
         return self._tasks[index]
@@ -152,7 +193,7 @@ class VerifiersSampler(EndpointSampler):
 
         async def one(gate: asyncio.Semaphore, episode: EpisodeCalls, example: dict[str, Any]) -> Outcome:
             async with gate:
-                main.call_soon_threadsafe(queue.join, 1)
+                main.call_soon_threadsafe(queue.join, episode.key)
                 try:
                     task = self._task(example)
                     client = vf.EvalClientConfig(base_url=episode.base_url, api_key_var=var)
@@ -162,7 +203,7 @@ class VerifiersSampler(EndpointSampler):
                     return outcome if outcome.error is not None else episode_outcome(outcome.value)
                 finally:
                     endpoint.end_episode(episode)
-                    main.call_soon_threadsafe(queue.leave)
+                    main.call_soon_threadsafe(queue.leave, episode.key)
 
         async def batch() -> list[Outcome]:
             gate = asyncio.Semaphore(gate_size)
