@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             ours.backend.close()
         med = {
             k: (
-                statistics.median(r.step for r in v[args.warmup :]),
+                statistics.median(r.seconds for r in v[args.warmup :]),
                 statistics.median(r.generate for r in v[args.warmup :]),
             )
             for k, v in arms.items()

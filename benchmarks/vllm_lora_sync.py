@@ -47,7 +47,7 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, float]:
         tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
         for q in QUESTIONS[: args.prompts]
     ]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
+    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]  # a BatchEncoding or ids
     row = prompts[0] + tok.encode("15") + [tok.eos_token_id]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0)
     backend.sample(prompts, args.samples, params).result()  # the engine's start and first push
