@@ -9,7 +9,7 @@ mode: median seconds of the weight sync and of the sampling (generation alone), 
 sampler-vs-trainer logprob gap after the last step (both must be ~1e-5 on SmolLM2).
 
 Run (in the vLLM venv): ``python benchmarks/vllm_lora_sync.py [--model smollm2] [--rank 16]
-[--rounds 4] [--prompts 4] [--samples 4] [--max-tokens 16] [--threads 2]``.
+[--rounds 4] [--prompts 4] [--samples 4] [--max-tokens 16] [--threads 2] [--compiled]``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def run(mode: str, args: argparse.Namespace) -> dict[str, float]:
         lora={"rank": args.rank, "alpha": 2 * args.rank},
         num_threads=args.threads,
         engine="vllm",
-        vllm={"enforce_eager": True, "max_model_len": 512, "kv_cache_space_gib": 1, "lora_sync": mode},
+        vllm={"enforce_eager": not args.compiled, "max_model_len": 512, "kv_cache_space_gib": 1, "lora_sync": mode},
     )
     tok = backend.tokenizer
     prompts = [
@@ -80,13 +80,15 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compiled", action="store_true", help="let vLLM compile the model (enforce_eager off)")
     args = p.parse_args()
     os.environ.setdefault("TEMPERING_PROGRESS", "0")
     print(f"load average at start: {os.getloadavg()[0]:.2f}")
     results = {mode: run(mode, args) for mode in ("merged", "adapter")}
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
     shape = f"{args.prompts} prompts x {args.samples} x {args.max_tokens} tokens"
-    print(f"\n{args.model}, LoRA r{args.rank}, {shape}, {args.threads} threads; medians over {args.rounds} rounds")
+    mode = "compiled" if args.compiled else "eager"
+    print(f"\n{args.model}, LoRA r{args.rank}, {shape}, {args.threads} threads, {mode}; {args.rounds} rounds")
     print(f"{'lora_sync':>10} {'sync s':>8} {'generate s':>11} {'sync+gen s':>11} {'logprob gap':>12}")
     for mode, r in results.items():
         both = r["sync"] + r["generate"]

@@ -1,7 +1,7 @@
 """The colocated vLLM engine under ``torchrun`` (issue 33): two ranks on the CPU, each with its
 own in-process engine through vLLM's ``external_launcher``, for DDP and FSDP2, full fine-tuning
-and LoRA (merged into the pushed weights). One ``torchrun`` launch runs the four modes one after
-the other (``tests/vllm_torchrun_worker.py``); each rank's engine must sample what the trainer's
+and LoRA (merged into the pushed weights, or as an adapter in RAM). One ``torchrun`` launch runs
+the six modes one after the other (``tests/vllm_torchrun_worker.py``); each rank's engine must sample what the trainer's
 forward scores (<= 2e-6, measured <= 1e-6) before and after each of 3 optimizer steps, greedy
 tokens must equal ``generate``'s, the ranks must sample their own prompts, and the syncs must
 write no file (the weights go to the engine in memory).
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).parent
-MODES = ("ddp-full", "ddp-lora", "fsdp-full", "fsdp-lora")
+MODES = ("ddp-full", "ddp-lora-merged", "ddp-lora-adapter", "fsdp-full", "fsdp-lora-merged", "fsdp-lora-adapter")
 
 pytestmark = [
     pytest.mark.vllm,
@@ -72,7 +72,15 @@ def test_each_rank_samples_its_own_prompts(records, mode: str) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_syncs_write_no_file(records, mode: str) -> None:
+    """Nothing in the temp dir; an adapter sync keeps its one live adapter in RAM (/dev/shm),
+    the previous ones removed."""
     assert [rank["new_files"] for rank in records[mode]] == [[], []]
+    for rank in records[mode]:
+        if mode.endswith("adapter"):
+            assert len(rank["ram_files"]) == 2  # adapter_model.safetensors and adapter_config.json
+            assert all(f.endswith(("adapter_model.safetensors", "adapter_config.json")) for f in rank["ram_files"])
+        else:
+            assert rank["ram_files"] == []
 
 
 # ---------------------------------------------------------------------- a whole run under torchrun

@@ -8,8 +8,8 @@ engine's sampled-token logprobs and the trainer's forward before and after each 
 steps (each step trains on this rank's own rows, so the weights move and must be re-synced),
 whether greedy tokens equal transformers ``generate`` on the same weights, what the rank sampled
 (ranks must sample differently), how many syncs ran, and every file created under the temp dir
-(the test's own, through TMPDIR) or
-/dev/shm while syncing. Rank 0 writes ``<out>/<mode>.json`` with both ranks' records.
+(the test's own, through TMPDIR), and in RAM
+(/dev/shm) while syncing. Rank 0 writes ``<out>/<mode>.json`` with both ranks' records.
 Run: ``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/vllm_torchrun_worker.py <out> MODE...``.
 """
 
@@ -54,12 +54,13 @@ def files_under(*roots: str) -> set[str]:
     for root in roots:
         if os.path.isdir(root):
             for folder, _, names in os.walk(root):
-                found.update(os.path.join(folder, n) for n in names if root != "/dev/shm" or "tempering" in n)
+                paths = (os.path.join(folder, n) for n in names)
+                found.update(p for p in paths if root != "/dev/shm" or "tempering" in p)
     return found
 
 
 def run(mode: str) -> dict:
-    parallel, weights = mode.split("-")
+    parallel, weights, *sync = mode.split("-")
     rank = distributed.rank()
     lora = {"rank": 4, "alpha": 8.0} if weights == "lora" else None
     backend = LocalBackend(
@@ -70,22 +71,23 @@ def run(mode: str) -> dict:
         num_threads=1,
         parallel=parallel,
         engine="vllm",
-        vllm=ENGINE,
+        vllm={**ENGINE, **({"lora_sync": sync[0]} if sync else {})},
     )
     tok = backend.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS[rank]]
     params = SamplingParams(max_tokens=8, temperature=1.0)
     sampled = [c for g in backend.sample(prompts, 3, params).result() for c in g]
     gaps = [forward_gap(backend, sampled)]
-    watched = (tempfile.gettempdir(), "/dev/shm")
-    before = files_under(*watched)
+    before = files_under(tempfile.gettempdir())
+    in_ram = files_under("/dev/shm")
     row = tok.encode("12+3=15") + [tok.eos_token_id]
     for _ in range(STEPS):
         backend.forward_backward(Batch([Datum(row[:-1], row[1:], [1.0] * (len(row) - 1))]), CrossEntropy())
         backend.optim_step(AdamParams(learning_rate=5e-2)).result()
         after = [c for g in backend.sample(prompts, 3, params).result() for c in g]
         gaps.append(forward_gap(backend, after))
-    new_files = sorted(files_under(*watched) - before)
+    new_files = sorted(files_under(tempfile.gettempdir()) - before)
+    ram_files = sorted(files_under("/dev/shm") - in_ram)
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     engine_greedy = [g[0].tokens for g in backend.sample(prompts, 1, greedy).result()]
     generate_greedy = [g[0].tokens for g in backend._generator.sample(backend.model, prompts, 1, greedy, 0)]
@@ -99,6 +101,7 @@ def run(mode: str) -> dict:
         "sampled": [c.tokens for c in sampled],
         "syncs": len(engine.sync_seconds),
         "new_files": new_files,
+        "ram_files": ram_files,
         "sharded": backend._sharded,
     }
     backend.close()
