@@ -32,7 +32,7 @@ from tempering.errors import (
 )  # StopRun, RunStopped: the recipe's API, kept importable here
 from tempering.interfaces import Backend, Closeable
 from tempering.registry import ComponentSpec, PluginOverrideWarning, Registry, get_registry, params_schema
-from tempering.runs import rollout_log, runfolder
+from tempering.runs import rollout_log, run_record, runfolder
 from tempering.runs.redact import redact
 from tempering.runs.runfolder import PROGRESS_FILE, read_progress
 from tempering.training.config import load_yaml, resolve_recipe, stage_id
@@ -249,16 +249,9 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Backen
     owns_backend = backend is None
     loggers: list[Any] = []
     try:
-        if primary and not cfg["resume"]:
-            runfolder.start_fresh(out_dir)
         progress = read_progress(out_dir) if cfg["resume"] else None
         if backend is None:
             backend = registry.build("backend", backend_spec(registry, cfg), "backend")
-        for i, spec in enumerate(_as_list(cfg["loggers"])):
-            loggers.append(registry.build("logger", spec, f"loggers[{i}]", output_dir=out_dir))
-        metadata = _metadata(registry, cfg)
-        runfolder.write_json(os.path.join(out_dir, "run.json"), metadata)
-
         ctx = RunContext(
             registry,
             backend,
@@ -271,8 +264,20 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Backen
             checkpoint_minutes=cfg["checkpoint_minutes"],
             keep_checkpoints=cfg["keep_checkpoints"],
         )
+        finished = list(progress.get("completed", [])) if progress else []
+        for i, (sid, algorithm) in enumerate(stages):  # every stage to run, data included, up front
+            if sid not in finished and hasattr(algorithm, "validate"):
+                ctx.stage_index, ctx.stage_id = i, sid
+                algorithm.validate(ctx)
+        if primary and not cfg["resume"]:  # only once the model is built and the data checked
+            runfolder.start_fresh(out_dir)
+        for i, spec in enumerate(_as_list(cfg["loggers"])):
+            loggers.append(registry.build("logger", spec, f"loggers[{i}]", output_dir=out_dir))
         completed = _resume(ctx, progress, primary)
         already_complete = bool(stages) and all(sid in completed for sid, _ in stages)
+        metadata = _metadata(registry, cfg)
+        if primary:
+            metadata = run_record.update(out_dir, metadata, progress, already_complete)
         if already_complete and primary:  # said, not a bare "Done": a rerun of a finished recipe does nothing
             warnings.warn(
                 f"tempering: run '{cfg.get('name')}' in {out_dir} is already complete "
@@ -282,11 +287,6 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Backen
                 runfolder.RunAlreadyComplete,
                 stacklevel=3,
             )
-
-        for i, (sid, algorithm) in enumerate(stages):  # check every stage's nested config up front
-            if sid not in completed and hasattr(algorithm, "validate"):
-                ctx.stage_index, ctx.stage_id = i, sid
-                algorithm.validate(ctx)
 
         results: dict[str, dict[str, Any]] = {}
         for i, (sid, algorithm) in enumerate(stages):
@@ -358,6 +358,8 @@ def _resume(ctx: RunContext, progress: Mapping[str, Any] | None, primary: bool) 
                 logger.rewind(ctx.rows_logged)
         if primary:
             rollout_log.rewind(ctx.output_dir, ctx.rows_logged)  # records are keyed by metrics row
+    if primary:
+        runfolder.remove_partial_writes(ctx.output_dir)
     if primary and (progress is None or "checkpoints" in progress):
         runfolder.remove_unlisted_checkpoints(ctx.output_dir, ctx.progress["checkpoints"])
     return list(ctx.progress["completed"])
@@ -455,7 +457,17 @@ def _metadata(registry: Registry, cfg: Mapping[str, Any]) -> dict[str, Any]:
     for spec in cfg["stages"]:
         visit(spec, "algorithm")
     # redacted: run.json is read by the trackers and `tempering view`; the components got the real values
-    return {"tempering": tempering.__version__, "recipe": redact(_jsonable(cfg)), "components": used}
+    recorded = {**cfg, "stages": [_stage_record(spec) for spec in cfg["stages"]]}
+    return {"tempering": tempering.__version__, "recipe": redact(_jsonable(recorded)), "components": used}
+
+
+def _stage_record(spec: Any) -> Any:
+    """A stage built in Python (a dataclass) recorded by its keys, not as an opaque object: the
+    record says what it trained with, and a rerun can compare keys (:mod:`tempering.runs.run_record`)."""
+    if not dataclasses.is_dataclass(spec) or isinstance(spec, type):
+        return spec
+    keys = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init}
+    return {"name": f"<python object {type(spec).__qualname__}>", **keys}
 
 
 def _jsonable(x: Any) -> Any:
