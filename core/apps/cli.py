@@ -270,6 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-raise the first failing reward, environment or group score with its traceback instead "
         "of counting it (same as TEMPERING_DEBUG=1)",
     )
+    p.add_argument(
+        "--stop-on-collapse",
+        action="store_true",
+        help="stop (checkpointed, resumable) once an RL stage's groups stop varying: "
+        "groups/zero_variance_frac >= 0.9 for collapse_steps steps in a row (same as TEMPERING_STOP_ON_COLLAPSE=1)",
+    )
     p.set_defaults(func=cmd_run, parser=p)
 
     p = sub.add_parser(
@@ -469,6 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.showwarning = show
     if getattr(args, "debug", False):  # read where failures are caught (tempering.runs.failures.debug)
         os.environ["TEMPERING_DEBUG"] = "1"
+    if getattr(args, "stop_on_collapse", False):  # read by every stage's collapse watch (tempering.runs.collapse)
+        os.environ["TEMPERING_STOP_ON_COLLAPSE"] = "1"
     try:
         return int(args.func(args) or 0)
     except TemperingError as exc:  # one line, no traceback: the message says what to fix
