@@ -36,6 +36,7 @@ from tempering.runs import rollout_log, run_record, runfolder
 from tempering.runs.redact import redact
 from tempering.runs.runfolder import PROGRESS_FILE, read_progress
 from tempering.training.config import load_yaml, resolve_recipe, stage_id
+from tempering.training.progress import phase
 from tempering.training.stage import config_only
 
 
@@ -251,6 +252,7 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Backen
     try:
         progress = read_progress(out_dir) if cfg["resume"] else None
         if backend is None:
+            phase(f"loading the model: {_loading(cfg['backend'])} ...")  # minutes for a real model: say so
             backend = registry.build("backend", backend_spec(registry, cfg), "backend")
         ctx = RunContext(
             registry,
@@ -424,6 +426,13 @@ def backend_spec(registry: Registry, cfg: Mapping[str, Any]) -> Any:
 def _accepts(registry: Registry, spec: Mapping[str, Any], key: str) -> bool:
     schema = params_schema(registry.get("backend", spec["name"]).load())
     return schema is None or key in {f.name for f in dataclasses.fields(schema)}
+
+
+def _loading(spec: Any) -> str:
+    """What the phase line names while the backend is built: its model and backend name."""
+    if isinstance(spec, Mapping):
+        return f"{spec.get('model', 'default model')} on the {spec.get('name')} backend"
+    return str(spec)
 
 
 def _as_list(x: Any) -> list[Any]:

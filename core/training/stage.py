@@ -374,8 +374,6 @@ class Stage:
         # the summary: the last step's values and the latest evaluation's, never an older step's
         last_step: dict[str, Any] = {}
         evaluated: dict[str, Any] = {}
-        finished = False
-        fresh_eval = False
         watch = FailureWatch(
             ctx.stage_id or self.label,
             ctx.path,
@@ -390,6 +388,31 @@ class Stage:
             stop_requested(getattr(self, "stop_on_collapse", False)),
         )
         bar = progress(self.steps, f"{ctx.stage_id} ({self.label})", initial=start)
+        evaluator.bar = bar  # evaluations show their phase on it, and are left out of its estimate
+        try:
+            self._loop(ctx, ev, evaluator, bar, watch, collapse, start, last_step, evaluated)
+        finally:
+            bar.close()
+        summary = {k: v for k, v in {**last_step, **evaluated}.items() if k in self.summary_keys or k.startswith(self.summary_prefixes)}
+        summary.update(watch.summary())  # failures by cause over the whole stage: "Done." must not hide them
+        summary.update(collapse.summary())
+        return summary
+
+    def _loop(
+        self,
+        ctx: RunContext,
+        ev: EvalConfig,
+        evaluator: StageEvaluator,
+        bar: Any,
+        watch: FailureWatch,
+        collapse: CollapseWatch,
+        start: int,
+        last_step: dict[str, Any],
+        evaluated: dict[str, Any],
+    ) -> None:
+        """The steps and evaluations of :meth:`run`; fills ``last_step`` (the last step's
+        metrics) and ``evaluated`` (the latest evaluation's) for the summary."""
+        finished = fresh_eval = False
         try:
             if start == 0 and (first := evaluator.run(at_start=True)):
                 watch.observe(first, " (evaluation at the start)")
@@ -412,7 +435,8 @@ class Stage:
                     metrics["eval/stop_check_accuracy"] = evaluator.accuracy(ev.stop_size)
                 watch.observe(metrics, f" step {step + 1}")
                 ctx.log(metrics)
-                last_step = metrics
+                last_step.clear()
+                last_step.update(metrics)
                 bar.update(1)
                 bar.set_postfix(
                     {k: f"{metrics[m]:.3f}" for k, m in self.postfix.items() if isinstance(metrics.get(m), float)}
@@ -427,17 +451,11 @@ class Stage:
             else:
                 finished = True
         finally:
-            bar.close()
             self.teardown(ctx, finished)
         if not (finished and fresh_eval) and (final := evaluator.run()):
             watch.observe(final, " (final evaluation)")
             ctx.log(final)
             evaluated.update(final)
-        shown = {**last_step, **evaluated}
-        summary = {k: v for k, v in shown.items() if k in self.summary_keys or k.startswith(self.summary_prefixes)}
-        summary.update(watch.summary())  # failures by cause over the whole stage: "Done." must not hide them
-        summary.update(collapse.summary())
-        return summary
 
 
 @dataclass
