@@ -1106,6 +1106,15 @@ BAD_INPUT = [
         "stages.rl.feedback_template='{feedback}'",
         "stages[0].feedback_template: unknown placeholder {feedback}; use {feedback_raw}",
     ),
+    (  # the default templates' letters on the tiny model's digits-only tokenizer (was 50 lines)
+        "stages.rl.steps=1",
+        "stages[0].reprompt_template: this model's tokenizer cannot encode the template's text "
+        "(WordLevel error: Missing [UNK] token from the vocabulary); write the template in characters",
+    ),
+    (
+        "stages.rl.reprompt_template='{prompt}{solution}{feedback}='",
+        "stages[0].solution_template: this model's tokenizer cannot encode",
+    ),
 ]
 
 

@@ -467,7 +467,12 @@ def _metadata(registry: Registry, cfg: Mapping[str, Any]) -> dict[str, Any]:
         visit(spec, "algorithm")
     # redacted: run.json is read by the trackers and `tempering view`; the components got the real values
     recorded = {**cfg, "stages": [_stage_record(spec) for spec in cfg["stages"]]}
-    return {"tempering": tempering.__version__, "recipe": redact(_jsonable(recorded)), "components": used}
+    return {
+        "tempering": tempering.__version__,
+        "recipe": redact(_jsonable(recorded)),
+        "components": used,
+        "cwd": os.getcwd(),  # what the recipe's relative paths (a dataset file) were resolved from
+    }
 
 
 def _stage_record(spec: Any) -> Any:

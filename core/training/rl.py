@@ -73,6 +73,11 @@ class SyncRollouts:
         pass
 
 
+#: The most samples (``prompts_per_step`` x ``group_size``) one RL step may take: far above any
+#: real step (GRPO papers use ~1-16k), far below what would hang building the step's examples.
+MAX_SAMPLES_PER_STEP = 1 << 20
+
+
 @dataclass
 class RLStage(SamplingKeys, Stage):
     """Keys shared by every RL stage (``grpo``, ``offpolicy``):
@@ -136,6 +141,14 @@ class RLStage(SamplingKeys, Stage):
         path = ctx.path
         for key in ("prompts_per_step", "group_size", "reward_concurrency", "failure_window"):
             require(getattr(self, key) >= 1, f"{path}.{key}", f"must be >= 1, got {getattr(self, key)}")
+        samples = self.prompts_per_step * self.group_size
+        require(
+            samples <= MAX_SAMPLES_PER_STEP,
+            f"{path}.prompts_per_step",
+            f"{self.prompts_per_step} prompts x group_size {self.group_size} = {samples} samples a step; "
+            f"at most {MAX_SAMPLES_PER_STEP} are allowed (a step samples them all before it trains): "
+            "lower prompts_per_step",
+        )
         require(
             self.collapse_steps >= 0,
             f"{path}.collapse_steps",
