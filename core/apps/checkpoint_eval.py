@@ -25,7 +25,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, cast
 
 from tempering.apps.calibration import calibration, reliability_diagram
@@ -34,7 +34,7 @@ from tempering.apps.rundata import RunDir, run_backend
 from tempering.errors import ConfigError, TemperingError
 from tempering.registry import get_registry
 from tempering.rollouts.data import load_examples
-from tempering.rollouts.renderer import check_renderer
+from tempering.rollouts.renderer import check_renderer, resolved_name
 from tempering.rollouts.rollout import collect, rollout_metrics
 from tempering.rollouts.scoring import RewardRunner
 from tempering.runs import rollout_log
@@ -333,7 +333,8 @@ def run_eval(
             source = {"run": os.path.abspath(target), "checkpoint": ckpt["path"], "global_step": ckpt["global_step"]}
             out = out or os.path.join(target, "evals", f"step{int(ckpt['global_step']):06d}")
         report = evaluate_policy(backend, resolved, registry)
-    return write_report(report, resolved, source, out)
+        recorded = replace(resolved, renderer=resolved_name(resolved.renderer, backend.tokenizer))  # not "auto"
+    return write_report(report, recorded, source, out)
 
 
 def write_report(report: EvalReport, spec: EvalSpec, source: Mapping[str, Any], out: str) -> EvalReport:

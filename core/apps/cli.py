@@ -123,12 +123,14 @@ def cmd_show(args: argparse.Namespace) -> int:
             print(text, end="" if text.endswith("\n") else "\n")
             return 0
     from tempering.training.recipe import check_recipe
-    from tempering.training.resolved import with_defaults
+    from tempering.training.resolved import model_tokenizer, with_defaults, with_renderers
 
     recipe = find_recipe(args.recipe, args.overrides).to_dict()
     check_recipe(recipe)  # what `tempering run` checks before it starts: show no recipe run would reject
     if args.resolved:
         recipe = with_defaults(recipe)
+        if (tokenizer := model_tokenizer(recipe["backend"])) is not None:  # renderer: auto -> the model's
+            recipe = with_renderers(recipe, tokenizer)
     print(yaml.safe_dump(redact(recipe), sort_keys=False, default_flow_style=None, width=110), end="")
     return 0
 
