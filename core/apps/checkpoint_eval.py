@@ -330,7 +330,11 @@ def run_eval(
             out = out or os.path.join("evals", os.path.basename(os.path.abspath(target)))
         else:
             backend, ckpt = stack.enter_context(run_backend(run, step, registry))
-            source = {"run": os.path.abspath(target), "checkpoint": ckpt["path"], "global_step": ckpt["global_step"]}
+            source = {
+                "run": os.path.abspath(target),
+                "checkpoint": os.path.abspath(ckpt["path"]),  # absolute, like "run"
+                "global_step": ckpt["global_step"],
+            }
             out = out or os.path.join(target, "evals", f"step{int(ckpt['global_step']):06d}")
         report = evaluate_policy(backend, resolved, registry)
         recorded = replace(resolved, renderer=resolved_name(resolved.renderer, backend.tokenizer))  # not "auto"

@@ -100,10 +100,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"{os.path.basename(os.path.abspath(result.output_dir))}.prev-<time> beside it)."
         )
         return 0
-    print(f"\nDone. Metrics, plot and checkpoints are in {result.output_dir}")
-    for sid, metrics in result.stages.items():
-        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
-        print(f"  {sid}: {shown}")
+    print("\n" + result.report())
     return 0
 
 

@@ -224,6 +224,16 @@ class RunResult:
     #: Every stage had already finished in ``output_dir``: nothing ran (``stages`` is empty).
     already_complete: bool = False
 
+    def report(self) -> str:
+        """What a finished run says (``tempering run`` prints it, and so can a script): where
+        its files are and each stage's summary line (the last step's values, the latest
+        evaluation's, failures, collapse)."""
+        lines = [f"Done. Metrics, plot and checkpoints are in {self.output_dir}"]
+        for sid, metrics in self.stages.items():
+            shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+            lines.append(f"  {sid}: {shown}")
+        return "\n".join(lines)
+
 
 def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Backend | None = None) -> RunResult:
     """Run every stage of ``recipe`` in order, resuming if its output folder has progress.
