@@ -39,7 +39,9 @@ def grpo(out: Path, **stage: Any) -> Recipe:
         "collapse_steps": 3,
         **stage,
     }
-    return Recipe.from_dict({"name": "c", "output_dir": str(out), "backend": TINY, "loggers": ["jsonl"], "stages": [spec]})
+    return Recipe.from_dict(
+        {"name": "c", "output_dir": str(out), "backend": TINY, "loggers": ["jsonl"], "stages": [spec]}
+    )
 
 
 def rows(out: Path) -> list[dict[str, Any]]:

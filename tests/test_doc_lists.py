@@ -164,15 +164,20 @@ def test_architecture_kind_table_lists_every_builtin_and_hook(builtins: dict[str
 
     reg = Registry(entry_points=False)
     reg.load_entry_points(external=False)
-    every = {**builtins, **{k: {c.name for c in reg.components(k) if c.plugin.dist == BUILTIN_DIST} for k in ("recipe", "harness")}}
-    rows = table_rows(_architecture(), '`register(name, target, *, description="", override=False)` once per component:')
+    every = {
+        **builtins,
+        **{k: {c.name for c in reg.components(k) if c.plugin.dist == BUILTIN_DIST} for k in ("recipe", "harness")},
+    }
+    rows = table_rows(
+        _architecture(), '`register(name, target, *, description="", override=False)` once per component:'
+    )
     kinds = {
         names(kind).pop(): (names(hook), set() if listed.startswith("none built in") else names(listed))
         for kind, hook, listed in rows
     }
     specs = {n for n in dir(hookspecs) if n.startswith("register_")}
     assert {h for hook, _ in kinds.values() for h in hook} == specs
-    for kind, (hook, listed) in kinds.items():
+    for kind, (_, listed) in kinds.items():
         assert listed == every[kind], kind
 
 

@@ -8,7 +8,6 @@ resolved it from, recorded in ``run.json``). SDPO's templates: tests/test_sdpo.p
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -27,7 +26,10 @@ stages:
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("backend.model_kwargs.hidden_size=-32", "backend.model_kwargs.hidden_size: must be a whole number >= 1, got -32"),
+        (
+            "backend.model_kwargs.hidden_size=-32",
+            "backend.model_kwargs.hidden_size: must be a whole number >= 1, got -32",
+        ),
         ("backend.model_kwargs.num_heads=3", "backend.model_kwargs.hidden_size: must be a multiple of num_heads (3)"),
         (
             "stages.rl.prompts_per_step=1000000000000",
@@ -60,7 +62,8 @@ def test_eval_finds_a_runs_relative_dataset_from_another_folder(tmp_path, monkey
     (project / "data" / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (project / "r.yaml").write_text(
         "name: rel\nbackend: {name: local, model: tiny_llama, model_kwargs: {hidden_size: 32, num_layers: 1}}\n"
-        "loggers: [jsonl]\nstages:\n  - {name: sft, steps: 1, batch_size: 2, dataset: {name: jsonl, path: data/sums.jsonl},\n"
+        "loggers: [jsonl]\nstages:\n"
+        "  - {name: sft, steps: 1, batch_size: 2, dataset: {name: jsonl, path: data/sums.jsonl},\n"
         "     eval: {dataset: {name: jsonl, path: data/sums.jsonl}, max_tokens: 2}}\n"
     )
     monkeypatch.chdir(project)

@@ -110,7 +110,7 @@ def test_the_cli_says_a_noop_rerun_changed_keys(tmp_path, monkeypatch, capsys):
 def test_fresh_checks_the_data_before_it_moves_the_old_run_aside(tmp_path):
     out = tmp_path / "run"
     recipe(out).run(backend=FakeBackend())
-    with pytest.raises(ConfigError, match="missing.jsonl"):
+    with pytest.raises(ConfigError, match=r"missing\.jsonl"):
         Recipe(**{**recipe(out, data_ok=False).__dict__, "resume": False}).run(backend=FakeBackend())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no .prev-* folder
     assert (out / "progress.json").exists() and (out / "run.json").exists()  # the old run is where it was

@@ -98,7 +98,8 @@ def test_eval_json_records_the_renderer_auto_stood_for(tmp_path, monkeypatch, ca
     monkeypatch.setenv("TEMPERING_PROGRESS", "0")
     path, run = tmp_path / "r.yaml", tmp_path / "run"
     path.write_text(
-        "name: r\nbackend: {name: local, model: tiny_llama, model_kwargs: {chat: true, hidden_size: 32, num_layers: 1}}\n"
+        "name: r\nbackend: {name: local, model: tiny_llama,\n"
+        "  model_kwargs: {chat: true, hidden_size: 32, num_layers: 1}}\n"
         "loggers: [jsonl]\nstages:\n  - {name: sft, steps: 1, batch_size: 2, dataset: {name: arithmetic, size: 4},\n"
         "     eval: {dataset: {name: arithmetic, split: test, size: 2}, max_tokens: 2}}\n"
     )

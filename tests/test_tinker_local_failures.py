@@ -220,9 +220,8 @@ def test_the_sdks_telemetry_failures_are_one_line(server, caplog):
     (~75 lines when the service died); a backend keeps the record, in one line."""
     import logging
 
-    import tinker
-
     import httpx
+    import tinker
 
     make_backend(server)
     try:

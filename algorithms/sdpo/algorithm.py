@@ -67,8 +67,8 @@ from tempering.algorithms.sdpo.context import (
     has_feedback,
     reprompt_text,
     template_problem,
-    unencodable,
     truncate_prompt,
+    unencodable,
 )
 from tempering.algorithms.sdpo.loss import SDPOLoss, distillation_problem, teacher_input
 from tempering.errors import ConfigError

@@ -69,8 +69,8 @@ class CollapseWatch:
         if self.stop:
             raise StopRun(f"{what}; {advice}")
         announce(
-            f"tempering: stage '{self.stage}' has {what}. {advice}; to stop a run there, set {self.path}.stop_on_collapse: true "
-            "or run with --stop-on-collapse"
+            f"tempering: stage '{self.stage}' has {what}. {advice}; to stop a run there, set "
+            f"{self.path}.stop_on_collapse: true or run with --stop-on-collapse"
         )
 
     def summary(self) -> dict[str, Any]:

@@ -14,7 +14,8 @@ values (as ``docs/reference.md`` lists them):
 
 A value the registry cannot expand (a path, a Python object) is left as it is; ``renderer:
 auto`` is written as the renderer it stands for once the model's tokenizer is known
-(:func:`with_renderers`, :func:`model_tokenizer`); a default that is not plain data (a function) is left out, as the factory supplies it.
+(:func:`with_renderers`, :func:`model_tokenizer`); a default that is not plain data (a
+function) is left out, as the factory supplies it.
 Keys a component receives at run time (a logger's ``output_dir``) are not config and are not
 shown.
 """
@@ -65,7 +66,9 @@ def with_renderers(cfg: Mapping[str, Any], tokenizer: Any, registry: Registry | 
     if name == AUTO:
         return dict(cfg)
     stages = [
-        {**s, "renderer": component(registry, "renderer", name)} if isinstance(s, Mapping) and s.get("renderer") == AUTO else s
+        {**s, "renderer": component(registry, "renderer", name)}
+        if isinstance(s, Mapping) and s.get("renderer") == AUTO
+        else s
         for s in cfg.get("stages") or []
     ]
     return {**cfg, "stages": stages}

@@ -393,7 +393,11 @@ class Stage:
             self._loop(ctx, ev, evaluator, bar, watch, collapse, start, last_step, evaluated)
         finally:
             bar.close()
-        summary = {k: v for k, v in {**last_step, **evaluated}.items() if k in self.summary_keys or k.startswith(self.summary_prefixes)}
+        summary = {
+            k: v
+            for k, v in {**last_step, **evaluated}.items()
+            if k in self.summary_keys or k.startswith(self.summary_prefixes)
+        }
         summary.update(watch.summary())  # failures by cause over the whole stage: "Done." must not hide them
         summary.update(collapse.summary())
         return summary

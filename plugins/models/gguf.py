@@ -91,7 +91,9 @@ def converted_folder(
     work = tempfile.mkdtemp(prefix=f"{os.path.basename(target)}.tmp-{os.getpid()}-", dir=root)
     try:
         if announce is not None:
-            announce(f"Converting the GGUF weights into a Hugging Face folder (once, ~40 s for 135M parameters): {target}")
+            announce(
+                f"Converting the GGUF weights into a Hugging Face folder (once, ~40 s for 135M parameters): {target}"
+            )
         try:
             convert(path, work)
         except Exception as exc:  # a truncated or unsupported file fails deep in gguf/transformers

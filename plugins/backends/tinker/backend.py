@@ -96,8 +96,8 @@ from tempering.plugins.backends.tinker.sampling import (
     sampling_params,
 )
 from tempering.plugins.backends.tinker.scoring import forward_data, forward_logprobs, score_batch, topk_batch
-from tempering.plugins.backends.tinker.session import Session, run_status
 from tempering.plugins.backends.tinker.sdk_logging import one_line_sdk_logs
+from tempering.plugins.backends.tinker.session import Session, run_status
 from tempering.plugins.backends.tinker.settings import (
     END_TOKENS,
     MIN_TTL_SECONDS,

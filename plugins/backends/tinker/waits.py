@@ -51,7 +51,7 @@ class Unreachable(Overdue):
 def unreachable(problem: str | None) -> bool:
     """Whether a :func:`diagnose` answer means no connection at all (a dead service), as
     opposed to one that answers badly or slowly (HTTP 5xx, frozen), which may pass."""
-    return bool(problem) and problem.startswith(("connection refused", "cannot connect", "no connection within"))
+    return problem is not None and problem.startswith(("connection refused", "cannot connect", "no connection within"))
 
 
 def _done(fut: Any) -> bool:
