@@ -197,11 +197,13 @@ class FakeBackend:
     def save(self, path: str, extra: Mapping[str, Any] | None = None) -> str:
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "fake_backend.json"), "w", encoding="utf-8") as fh:
-            json.dump({"step": self.step, "extra": dict(extra or {})}, fh)
+            # snapshots are part of a checkpoint (WeightSnapshots' contract): a resumed stage finds them
+            json.dump({"step": self.step, "snapshots": self.snapshot_names(), "extra": dict(extra or {})}, fh)
         return path
 
     def load(self, path: str) -> dict[str, Any]:
         with open(os.path.join(path, "fake_backend.json"), encoding="utf-8") as fh:
             data = json.load(fh)
         self.step = int(data["step"])
+        self.snapshots = list(data.get("snapshots", []))
         return dict(data["extra"])

@@ -69,7 +69,7 @@ def main() -> None:
         __file__.replace(".py", ".yaml"), ["stages.0.steps=2", "output_dir=runs/agent_harness_demo"]
     )
     recipe.stages[0]["sampler"]["harness"] = run  # from Python, the function itself
-    recipe.run()
+    print(recipe.run().report())  # where the run went, and what its stage ended with
 
 
 if __name__ == "__main__":

@@ -511,3 +511,18 @@ def test_the_docs_example_harness_solves_the_calculator_task(renderer: Any) -> N
     samples = [s for g in rollout.groups for s in g.samples]
     assert [s.reward for s in samples] == [1.0] * 4 and not any(s.failed for s in samples)
     assert all(len(s.trajectory.turns) == 2 and len(s.trajectory.segments) == 1 for s in samples)
+
+
+def test_the_example_script_says_where_the_run_went(tmp_path, monkeypatch, capsys):
+    """Issue 35 item 14: ``python examples/agent_harness.py`` trained and printed nothing."""
+    import runpy
+    from pathlib import Path
+
+    monkeypatch.setenv("TEMPERING_PROGRESS", "0")
+    monkeypatch.chdir(tmp_path)
+    script = Path(__file__).resolve().parent.parent / "examples" / "agent_harness.py"
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "Done. Metrics, plot and checkpoints are in runs/agent_harness_demo" in out
+    assert "reward/mean=" in out
+    assert (tmp_path / "runs" / "agent_harness_demo" / "metrics.jsonl").exists()

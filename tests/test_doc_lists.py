@@ -151,3 +151,74 @@ def test_flags_and_variables_are_documented() -> None:
         "two pytest-xdist workers",
     ):
         assert said in readme, said
+
+
+# --------------------------------------------------------------------------- issue 35 item 16
+def _architecture() -> str:
+    return (ROOT / "docs" / "architecture.md").read_text()
+
+
+def test_architecture_kind_table_lists_every_builtin_and_hook(builtins: dict[str, set[str]]) -> None:
+    """The kinds table had `local` alone as a backend, two losses of nine, two algorithms of six."""
+    from tempering import hookspecs
+
+    reg = Registry(entry_points=False)
+    reg.load_entry_points(external=False)
+    every = {
+        **builtins,
+        **{k: {c.name for c in reg.components(k) if c.plugin.dist == BUILTIN_DIST} for k in ("recipe", "harness")},
+    }
+    rows = table_rows(
+        _architecture(), '`register(name, target, *, description="", override=False)` once per component:'
+    )
+    kinds = {
+        names(kind).pop(): (names(hook), set() if listed.startswith("none built in") else names(listed))
+        for kind, hook, listed in rows
+    }
+    specs = {n for n in dir(hookspecs) if n.startswith("register_")}
+    assert {h for hook, _ in kinds.values() for h in hook} == specs
+    for kind, (_, listed) in kinds.items():
+        assert listed == every[kind], kind
+
+
+def test_architecture_lists_every_capability_and_command() -> None:
+    """The capability list lacked LossLogits; the cli list lacked install-model."""
+    from tempering import interfaces
+    from tempering.apps import cli
+
+    text = _architecture()
+    line = next(ln for ln in text.splitlines() if ln.startswith("| `interfaces.py` |"))
+    caps = set(re.findall(r"`([A-Z][A-Za-z]+)`", line.split("capabilities*", 1)[1]))
+    assert {cls.__name__ for cls in interfaces.CAPABILITIES.values()} <= caps
+    line = next(ln for ln in text.splitlines() if ln.startswith("| `cli.py` |"))
+    sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
+    built_in = {name for name in sub.choices if name not in {ep for ep in _plugin_commands()}}
+    assert built_in <= set(re.findall(r"`(?:tempering )?([a-z-]+)`", line)), line
+
+
+def _plugin_commands() -> set[str]:
+    from importlib import metadata
+
+    return {ep.name for ep in metadata.entry_points(group="tempering.commands")}
+
+
+def test_architecture_quotes_tinkers_capabilities() -> None:
+    from tempering.plugins.backends.tinker.backend import TinkerBackend
+
+    quoted = re.search(r"\(Tinker: `(\{[^`]*\})`\)", _architecture())
+    assert quoted is not None
+    assert yaml.safe_load(quoted.group(1).replace("False", "false")) == TinkerBackend.capabilities
+
+
+def test_writing_a_plugin_names_real_paths_and_every_hook() -> None:
+    """It named `tempering/hookspecs.py` (no such path) and said algorithms never import each other."""
+    from tempering import hookspecs
+
+    text = (ROOT / "docs" / "writing-a-plugin.md").read_text()
+    for path in re.findall(r"`((?:core|plugins|algorithms|tempering)/[\w/]+\.py)`", text):
+        assert (ROOT / path).is_file(), path
+    para = text[text.index("One hook per kind") : text.index("The argument must be called")]
+    assert set(re.findall(r"`(register_\w+)`", para)) == {n for n in dir(hookspecs) if n.startswith("register_")}
+    assert "never against another algorithm's code" not in text
+    sdpo = (ROOT / "algorithms" / "sdpo" / "algorithm.py").read_text()
+    assert "from tempering.algorithms.grpo" in sdpo  # what the page now says

@@ -93,6 +93,9 @@ def test_export_merges_lora_and_matches_the_training_backend(lora_run, tmp_path:
     assert diff <= 1e-5, diff
     note = json.loads((tmp_path / "hf" / "tempering.json").read_text())
     assert note["global_step"] == 6 and note["stage"] == "second" and note["adapter"] is False
+    # both paths absolute (issue 35 item 14: "run" was absolute, "checkpoint" relative to the cwd)
+    assert note["run"] == str(Path(out).resolve())
+    assert note["checkpoint"] == str(Path(out).resolve() / "checkpoints" / "step000006")
 
 
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft calls a deprecated alias

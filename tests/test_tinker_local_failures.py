@@ -177,3 +177,58 @@ def test_a_frozen_server_is_no_answer_within_n_seconds(process):
     text, took = closed_with_warning(backend)
     assert "no answer within" in text, text
     assert took < 20
+
+
+def test_a_server_that_dies_mid_run_is_named_at_once(process, monkeypatch):
+    """Issue 35 item 13: a service killed mid-run was waited on for request_timeout_seconds (and
+    then setup_timeout_seconds, for a new training client on the same dead service), warning
+    "paused for capacity or rate limits" 4x. Its health is now asked while the call waits (every
+    HEALTH_CHECK_SECONDS, 10 by default, shortened here): a refused connection ends the wait at
+    once, in one line, with no recovery attempt and no guess about capacity."""
+    from tempering.plugins.backends.tinker import waits
+    from tempering.types import AdamParams
+
+    monkeypatch.setattr(waits, "HEALTH_CHECK_SECONDS", 1.0)
+    backend = TinkerBackend(
+        base_model="tiny_llama",
+        base_url=process.url,
+        retry_backoff=0.0,
+        request_timeout_seconds=600,
+        setup_timeout_seconds=600,
+        wait_warning_seconds=60,  # the defaults: before, the first word came after 60 s
+    )
+    backend.optim_step(AdamParams()).result()
+    process.proc.kill()
+    process.proc.wait()
+    start = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(TinkerServiceError) as info:
+            backend.optim_step(AdamParams()).result()
+    took = time.monotonic() - start
+    message = str(info.value)
+    assert "stopped answering while waiting for optim_step (connection refused" in message, message
+    assert process.url in message and GUESS not in message and "\n" not in message
+    assert took < 15, took
+    texts = [str(w.message) for w in caught]
+    assert not [t for t in texts if "capacity" in t or "rebuilding the training client" in t], texts
+    backend.close()
+
+
+def test_the_sdks_telemetry_failures_are_one_line(server, caplog):
+    """The SDK's telemetry sender logged each failed flush with its whole chained traceback
+    (~75 lines when the service died); a backend keeps the record, in one line."""
+    import logging
+
+    import httpx
+    import tinker
+
+    make_backend(server)
+    try:
+        raise tinker.APIConnectionError(request=httpx.Request("POST", "http://127.0.0.1:1/telemetry"))
+    except tinker.APIConnectionError as err:  # as the SDK's sender logs it (tinker/lib/telemetry.py)
+        logging.getLogger("tinker.lib.telemetry").warning("Dropping telemetry batch that failed to send", exc_info=err)
+    [record] = [r for r in caplog.records if r.name == "tinker.lib.telemetry"]
+    assert record.exc_info is None
+    assert record.getMessage() == "Dropping telemetry batch that failed to send (APIConnectionError: Connection error.)"
+    assert "Traceback" not in caplog.text

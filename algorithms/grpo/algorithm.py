@@ -90,7 +90,9 @@ class GRPO(RLStage):
         return super().batch_inputs(loss) | {REF_LOGPROBS}
 
     def prepare(self, ctx: RunContext, batch: Batch, step: int) -> dict[str, Any]:
-        kl_now = reads_input(self.loss_fn, REF_LOGPROBS) or (self.log_kl and step % self.kl_every == 0)
+        # logged on the stage's last step too: the summary after "Done." shows the last step's values
+        logged = step % self.kl_every == 0 or step + 1 == self.steps
+        kl_now = reads_input(self.loss_fn, REF_LOGPROBS) or (self.log_kl and logged)
         # "old" from the loss's own training forward, unless the loss requires the sampler's input
         from_forward = (
             self.recompute_logprobs == "auto"

@@ -68,6 +68,7 @@ from tempering.algorithms.sdpo.context import (
     reprompt_text,
     template_problem,
     truncate_prompt,
+    unencodable,
 )
 from tempering.algorithms.sdpo.loss import SDPOLoss, distillation_problem, teacher_input
 from tempering.errors import ConfigError
@@ -197,7 +198,7 @@ class SDPO(StaleRollouts, GRPO):
             required.append("solution")
         if self.include_environment_feedback:
             required.append("feedback")
-        for key, need, allowed in (
+        templates = (
             ("reprompt_template", required, ("prompt", "solution", "feedback")),
             (
                 "solution_template",
@@ -205,10 +206,16 @@ class SDPO(StaleRollouts, GRPO):
                 ("successful_previous_attempt",),
             ),
             ("feedback_template", ["feedback_raw"] if self.include_environment_feedback else [], ("feedback_raw",)),
-        ):
+        )
+        for key, need, allowed in templates:
             why = template_problem(getattr(self, key), need, allowed)
             if why is not None:
                 raise ConfigError(why, f"{path}.{key}")
+        for key, need, _ in templates:  # the templates the teacher uses, once the model is known
+            if ctx.backend is not None and (need or key == "reprompt_template"):
+                why = unencodable(ctx.backend.tokenizer, getattr(self, key))
+                if why is not None:
+                    raise ConfigError(why, f"{path}.{key}")
         if self.stale:
             self.check_stale(path)
         super().validate(ctx)

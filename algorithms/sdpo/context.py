@@ -157,6 +157,23 @@ def template_problem(template: str, required: Sequence[str], allowed: Sequence[s
     return None
 
 
+def unencodable(tokenizer: Any, template: str) -> str | None:
+    """Why ``tokenizer`` cannot encode ``template``'s own text (its placeholders left empty), or
+    None. A character-level tokenizer without an unknown token (the tiny models) raises on a
+    character it lacks; found when the stage is checked, this is one line naming the template
+    instead of a tokenizer's traceback at the first teacher prompt."""
+    literal = "".join(text for text, *_ in string.Formatter().parse(template))
+    try:
+        tokenizer(literal, add_special_tokens=False)
+    except Exception as err:  # noqa: BLE001 - any tokenizer's refusal, shown in the one line
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return (
+            f"this model's tokenizer cannot encode the template's text ({first}); write the template "
+            "in characters the model knows (or give the model those characters)"
+        )
+    return None
+
+
 def truncate_prompt(tokens: list[int], max_len: int) -> tuple[list[int], bool]:
     """Keep the *last* ``max_len`` tokens of a teacher prompt (TRL's rule: the end of the
     prompt, next to the continuation it conditions, is what matters most); returns the tokens

@@ -241,7 +241,9 @@ class SDPOLoss:
             )
         metrics: dict[str, float] = {}
         if self.is_clip is not None and SAMPLER_LOGPROBS in batch:
-            old = batch[SAMPLER_LOGPROBS].to(logprobs.dtype)
+            # selected, not multiplied, at masked positions: they may hold anything (NaN padding),
+            # and 0 * NaN in a product is NaN in the gradient (rlmath's convention, masks.py)
+            old = torch.where(on, batch[SAMPLER_LOGPROBS].to(logprobs.dtype), logprobs.detach())
             per_token = per_token * clipped_is_weight(logprobs, old, self.is_clip_low, self.is_clip)
             with torch.no_grad():
                 ratio = (logprobs - old).clamp(-20.0, 20.0).exp()

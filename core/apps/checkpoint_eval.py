@@ -25,16 +25,16 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, cast
 
 from tempering.apps.calibration import calibration, reliability_diagram
 from tempering.apps.export import exported_renderer
 from tempering.apps.rundata import RunDir, run_backend
-from tempering.errors import ConfigError
+from tempering.errors import ConfigError, TemperingError
 from tempering.registry import get_registry
 from tempering.rollouts.data import load_examples
-from tempering.rollouts.renderer import check_renderer
+from tempering.rollouts.renderer import check_renderer, resolved_name
 from tempering.rollouts.rollout import collect, rollout_metrics
 from tempering.rollouts.scoring import RewardRunner
 from tempering.runs import rollout_log
@@ -112,6 +112,29 @@ def dataset_spec(text: str) -> Any:
     return parse_value(text)
 
 
+#: Dataset keys holding file paths, resolved by :func:`resolve_paths`.
+PATH_KEYS = ("path", "data_files")
+
+
+def resolve_paths(spec: Any, base: Any) -> Any:
+    """A recipe's dataset spec with each relative file path (``path``, ``data_files``) that is
+    not there from the current folder made absolute against ``base`` -- the folder the run
+    resolved it from (``cwd`` in ``run.json``) -- where it is there: ``tempering eval RUN_DIR``
+    then finds the recipe's data from any folder. Anything else is left as it is."""
+    if not isinstance(base, str) or not isinstance(spec, Mapping):
+        return spec
+
+    def fix(value: Any) -> Any:
+        if isinstance(value, list):
+            return [fix(v) for v in value]
+        if not isinstance(value, str) or os.path.isabs(value) or os.path.exists(value):
+            return value
+        there = os.path.join(base, value)
+        return there if os.path.exists(there) or any(c in value for c in "*?[") else value
+
+    return {k: fix(v) if k in PATH_KEYS else v for k, v in spec.items()}
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The unbiased pass@k of one example with ``c`` correct of ``n`` samples (k <= n):
     the chance that ``k`` samples drawn without replacement hold a correct one."""
@@ -167,7 +190,12 @@ def evaluate_policy(backend: Backend, spec: EvalSpec, registry: Any = None) -> E
     spec.check()
     registry = registry or get_registry()
     ctx = EvalContext(registry, backend)
-    examples = load_examples(ctx, spec.dataset, "dataset")
+    try:
+        examples = load_examples(ctx, spec.dataset, "dataset")
+    except TemperingError:
+        raise
+    except (OSError, ValueError, TypeError) as exc:  # a missing file, a bad row: one line, as a run says it
+        raise ConfigError(f"the dataset does not load: {type(exc).__name__}: {exc}", "--dataset") from None
     if spec.limit is not None:
         examples = examples[: spec.limit]
     if not examples:
@@ -288,6 +316,8 @@ def run_eval(
     if model_folder and step is not None:
         raise ConfigError(f"'{target}' is a model folder, not a run: it has no checkpoints to pick", "--step")
     defaults = spec_from_recipe(run.recipe) if run else {}
+    if run is not None and defaults.get("dataset") is not None:  # the recipe's relative paths: the run's folder
+        defaults["dataset"] = resolve_paths(defaults["dataset"], run.info().get("cwd"))
     if run is None and (renderer := exported_renderer(target)):
         defaults["renderer"] = renderer
     resolved = EvalSpec(**{**defaults, **given})
@@ -300,10 +330,15 @@ def run_eval(
             out = out or os.path.join("evals", os.path.basename(os.path.abspath(target)))
         else:
             backend, ckpt = stack.enter_context(run_backend(run, step, registry))
-            source = {"run": os.path.abspath(target), "checkpoint": ckpt["path"], "global_step": ckpt["global_step"]}
+            source = {
+                "run": os.path.abspath(target),
+                "checkpoint": os.path.abspath(ckpt["path"]),  # absolute, like "run"
+                "global_step": ckpt["global_step"],
+            }
             out = out or os.path.join(target, "evals", f"step{int(ckpt['global_step']):06d}")
         report = evaluate_policy(backend, resolved, registry)
-    return write_report(report, resolved, source, out)
+        recorded = replace(resolved, renderer=resolved_name(resolved.renderer, backend.tokenizer))  # not "auto"
+    return write_report(report, recorded, source, out)
 
 
 def write_report(report: EvalReport, spec: EvalSpec, source: Mapping[str, Any], out: str) -> EvalReport:

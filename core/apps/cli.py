@@ -100,10 +100,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"{os.path.basename(os.path.abspath(result.output_dir))}.prev-<time> beside it)."
         )
         return 0
-    print(f"\nDone. Metrics, plot and checkpoints are in {result.output_dir}")
-    for sid, metrics in result.stages.items():
-        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
-        print(f"  {sid}: {shown}")
+    print("\n" + result.report())
     return 0
 
 
@@ -123,12 +120,14 @@ def cmd_show(args: argparse.Namespace) -> int:
             print(text, end="" if text.endswith("\n") else "\n")
             return 0
     from tempering.training.recipe import check_recipe
-    from tempering.training.resolved import with_defaults
+    from tempering.training.resolved import model_tokenizer, with_defaults, with_renderers
 
     recipe = find_recipe(args.recipe, args.overrides).to_dict()
     check_recipe(recipe)  # what `tempering run` checks before it starts: show no recipe run would reject
     if args.resolved:
         recipe = with_defaults(recipe)
+        if (tokenizer := model_tokenizer(recipe["backend"])) is not None:  # renderer: auto -> the model's
+            recipe = with_renderers(recipe, tokenizer)
     print(yaml.safe_dump(redact(recipe), sort_keys=False, default_flow_style=None, width=110), end="")
     return 0
 
@@ -269,6 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="re-raise the first failing reward, environment or group score with its traceback instead "
         "of counting it (same as TEMPERING_DEBUG=1)",
+    )
+    p.add_argument(
+        "--stop-on-collapse",
+        action="store_true",
+        help="stop (checkpointed, resumable) once an RL stage's groups stop varying: "
+        "groups/zero_variance_frac >= 0.9 for collapse_steps steps in a row (same as TEMPERING_STOP_ON_COLLAPSE=1)",
     )
     p.set_defaults(func=cmd_run, parser=p)
 
@@ -469,6 +474,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.showwarning = show
     if getattr(args, "debug", False):  # read where failures are caught (tempering.runs.failures.debug)
         os.environ["TEMPERING_DEBUG"] = "1"
+    if getattr(args, "stop_on_collapse", False):  # read by every stage's collapse watch (tempering.runs.collapse)
+        os.environ["TEMPERING_STOP_ON_COLLAPSE"] = "1"
     try:
         return int(args.func(args) or 0)
     except TemperingError as exc:  # one line, no traceback: the message says what to fix

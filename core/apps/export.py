@@ -91,7 +91,7 @@ def export_run(
     done = Exported(to, checkpoint["path"], int(checkpoint["global_step"]), str(checkpoint.get("stage", "")), adapter)
     note = {
         "run": os.path.abspath(run.path),
-        "checkpoint": done.checkpoint,
+        "checkpoint": os.path.abspath(done.checkpoint),  # both paths absolute: the note is read from anywhere
         "global_step": done.global_step,
         "stage": done.stage,
         "adapter": adapter,

@@ -121,6 +121,16 @@ def renderer_spec(spec: Any, tokenizer: Any, path: str = "renderer") -> Any:
     return default_renderer_name(tokenizer) if spec is None or spec == AUTO else spec
 
 
+def resolved_name(spec: Any, tokenizer: Any) -> Any:
+    """``spec`` with ``auto`` replaced by the model's declared chat format
+    (:func:`declared_renderer`), for records (``eval.json``, ``tempering show --resolved``):
+    naming it then changes nothing. For a model without one ``auto`` stays ``auto`` -- its text
+    prompts go raw, which naming ``tiny_chat`` would change (:func:`chat_text_prompts`)."""
+    if spec is not None and spec != AUTO:
+        return spec
+    return declared_renderer(tokenizer) or AUTO
+
+
 def build_renderer(ctx: BuildContext, spec: Any, key: str = "renderer") -> Renderer:
     """Build a stage's renderer for the backend's tokenizer (``auto`` resolved first)."""
     tokenizer = ctx.backend.tokenizer

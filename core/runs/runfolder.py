@@ -36,6 +36,8 @@ _CKPT_NAME = re.compile(r"^step\d{6}(-\d+)?$")
 #: A backend's atomic save fills ``<checkpoint>.tmp-PID`` and, when it replaces a folder, moves
 #: the old one to ``<checkpoint>.old-PID`` for the swap: a kill mid-save leaves them behind.
 _CKPT_LEFTOVER = re.compile(r"^(step\d{6}(?:-\d+)?)\.(tmp|old)-\d+$")
+#: :func:`write_json` fills ``<file>.tmp-PID`` and renames it: a kill between leaves it behind.
+_JSON_LEFTOVER = re.compile(r"^(progress|run)\.json\.tmp-\d+$")
 
 
 class RunLockedError(TemperingError):
@@ -49,6 +51,11 @@ class RunFolderWarning(UserWarning):
 
 class RunAlreadyComplete(RunFolderWarning):
     """The recipe's run folder already holds every stage finished: nothing was run."""
+
+
+class RecipeChanged(RunFolderWarning):
+    """The recipe differs from the one the folder's run recorded in ``run.json`` (the keys are
+    named): a finished run keeps its record; a resumed one records the change."""
 
 
 def make_output_dir(output_dir: str) -> None:
@@ -285,6 +292,19 @@ def prune(ledger: Sequence[Mapping[str, Any]], keep: int | None) -> tuple[list[A
 def remove_checkpoints(entries: Sequence[Mapping[str, Any]]) -> None:
     for entry in entries:
         shutil.rmtree(str(entry["path"]), ignore_errors=True)  # ranks may race to remove it
+
+
+def remove_partial_writes(output_dir: str) -> list[str]:
+    """Delete ``progress.json.tmp-PID`` / ``run.json.tmp-PID`` in the run folder: what a kill in
+    the middle of :func:`write_json` leaves (the file it was replacing is whole). Called with the
+    run lock held, so no live run is writing them. Returns the names removed."""
+    gone = sorted(n for n in os.listdir(output_dir) if _JSON_LEFTOVER.match(n))
+    for name in gone:
+        try:
+            os.remove(os.path.join(output_dir, name))
+        except FileNotFoundError:  # pragma: no cover - removed meanwhile
+            pass
+    return gone
 
 
 def remove_unlisted_checkpoints(output_dir: str, ledger: Sequence[Mapping[str, Any]]) -> list[str]:

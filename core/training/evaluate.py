@@ -17,6 +17,7 @@ from tempering.rollouts.rollout import SamplerContext, collect, rollout_metrics
 from tempering.rollouts.scoring import RewardRunner
 from tempering.runs.failures import failure_metrics
 from tempering.runs.rollout_log import DEFAULT_GROUPS, log_groups
+from tempering.training.progress import paused
 from tempering.types import Group, Sample, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -34,6 +35,7 @@ def evaluate(
     sampler: Any = None,
     on_groups: Callable[[list[Group]], Any] | None = None,
     tracebacks: bool = False,
+    on_progress: Callable[[int, int], Any] | None = None,
 ) -> dict[str, Any]:
     """Mean reward and accuracy (share of rewards >= ``success_threshold``) on ``examples``.
 
@@ -43,7 +45,8 @@ def evaluate(
     :mod:`tempering.runs.failures`); masked episodes (a limit configured to mask) count as wrong too.
     ``on_groups`` sees each chunk's scored groups (the rollout log keeps some). ``tracebacks``:
     also the first traceback per cause (``eval/first_traceback/<cause>``), for a stage's
-    :class:`~tempering.runs.failures.FailureWatch` to print.
+    :class:`~tempering.runs.failures.FailureWatch` to print. ``on_progress(done, total)`` is
+    called before the first chunk and after each (a stage's bar shows ``[eval done/total]``).
     """
     if sampler is None:
         sampler = completion_sampler(backend.tokenizer, RewardRunner(reward) if reward is not None else None)
@@ -52,6 +55,8 @@ def evaluate(
     failures: list[Sample] = []
     extra: dict[str, Any] = {}
     for start in range(0, len(examples), batch_size):
+        if on_progress is not None:
+            on_progress(start, len(examples))
         chunk = [dict(e) for e in examples[start : start + batch_size]]
         rollout = collect(sampler, backend, chunk, 1, params, first_id=start)
         if on_groups is not None:
@@ -67,6 +72,8 @@ def evaluate(
                 and k != "env/turns_mean"
             ):
                 extra[f"eval/{k[4:]}"] = extra.get(f"eval/{k[4:]}", 0.0) + v
+    if on_progress is not None:
+        on_progress(len(examples), len(examples))
     n = max(len(rewards), 1)
     return {
         "eval/reward": sum(rewards) / n,
@@ -122,6 +129,9 @@ class StageEvaluator:
 
     def __init__(self, ctx: RunContext, cfg: Any, stage: Any = None) -> None:
         self.ctx, self.cfg, self.stage = ctx, cfg, stage
+        #: The stage's progress bar: an evaluation shows its phase there and is paused out of
+        #: its time estimate (:func:`tempering.training.progress.paused`); None: no bar.
+        self.bar: Any = None
         self.examples = load_examples(ctx, cfg.dataset, "eval.dataset") if cfg.dataset is not None else None
         self.sampler = None
         if self.examples:
@@ -134,16 +144,18 @@ class StageEvaluator:
         if not self.examples or (at_start and not self.cfg.at_start):
             return {}
         groups: list[Group] = []
-        metrics = evaluate(
-            self.ctx.backend,
-            self.examples,
-            None,
-            self.cfg.max_tokens,
-            self.cfg.temperature,
-            sampler=self.sampler,
-            on_groups=groups.extend,
-            tracebacks=True,
-        )
+        with paused(self.bar, "eval") as report:
+            metrics = evaluate(
+                self.ctx.backend,
+                self.examples,
+                None,
+                self.cfg.max_tokens,
+                self.cfg.temperature,
+                sampler=self.sampler,
+                on_groups=groups.extend,
+                tracebacks=True,
+                on_progress=report,
+            )
         count = getattr(self.stage, "log_rollouts", DEFAULT_GROUPS)
         log_groups(self.ctx, groups, "eval", getattr(self.ctx, "global_step", 0), count)
         return metrics
@@ -154,9 +166,16 @@ class StageEvaluator:
         examples = (self.examples or [])[:size]
         if not examples:
             return 0.0
-        metrics = evaluate(
-            self.ctx.backend, examples, None, self.cfg.max_tokens, self.cfg.temperature, sampler=self.sampler
-        )
+        with paused(self.bar, "stop check") as report:
+            metrics = evaluate(
+                self.ctx.backend,
+                examples,
+                None,
+                self.cfg.max_tokens,
+                self.cfg.temperature,
+                sampler=self.sampler,
+                on_progress=report,
+            )
         return float(metrics["eval/accuracy"])
 
 

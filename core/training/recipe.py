@@ -32,10 +32,11 @@ from tempering.errors import (
 )  # StopRun, RunStopped: the recipe's API, kept importable here
 from tempering.interfaces import Backend, Closeable
 from tempering.registry import ComponentSpec, PluginOverrideWarning, Registry, get_registry, params_schema
-from tempering.runs import rollout_log, runfolder
+from tempering.runs import rollout_log, run_record, runfolder
 from tempering.runs.redact import redact
 from tempering.runs.runfolder import PROGRESS_FILE, read_progress
 from tempering.training.config import load_yaml, resolve_recipe, stage_id
+from tempering.training.progress import phase
 from tempering.training.stage import config_only
 
 
@@ -224,6 +225,16 @@ class RunResult:
     #: Every stage had already finished in ``output_dir``: nothing ran (``stages`` is empty).
     already_complete: bool = False
 
+    def report(self) -> str:
+        """What a finished run says (``tempering run`` prints it, and so can a script): where
+        its files are and each stage's summary line (the last step's values, the latest
+        evaluation's, failures, collapse)."""
+        lines = [f"Done. Metrics, plot and checkpoints are in {self.output_dir}"]
+        for sid, metrics in self.stages.items():
+            shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+            lines.append(f"  {sid}: {shown}")
+        return "\n".join(lines)
+
 
 def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Backend | None = None) -> RunResult:
     """Run every stage of ``recipe`` in order, resuming if its output folder has progress.
@@ -250,16 +261,10 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Backen
     owns_backend = backend is None
     loggers: list[Any] = []
     try:
-        if primary and not cfg["resume"]:
-            runfolder.start_fresh(out_dir)
         progress = read_progress(out_dir) if cfg["resume"] else None
         if backend is None:
+            phase(f"loading the model: {_loading(cfg['backend'])} ...")  # minutes for a real model: say so
             backend = registry.build("backend", backend_spec(registry, cfg), "backend")
-        for i, spec in enumerate(_as_list(cfg["loggers"]) if primary else []):  # rank 0 alone writes the run's rows
-            loggers.append(registry.build("logger", spec, f"loggers[{i}]", output_dir=out_dir))
-        metadata = _metadata(registry, cfg)
-        runfolder.write_json(os.path.join(out_dir, "run.json"), metadata)
-
         ctx = RunContext(
             registry,
             backend,
@@ -272,8 +277,20 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Backen
             checkpoint_minutes=cfg["checkpoint_minutes"],
             keep_checkpoints=cfg["keep_checkpoints"],
         )
+        finished = list(progress.get("completed", [])) if progress else []
+        for i, (sid, algorithm) in enumerate(stages):  # every stage to run, data included, up front
+            if sid not in finished and hasattr(algorithm, "validate"):
+                ctx.stage_index, ctx.stage_id = i, sid
+                algorithm.validate(ctx)
+        if primary and not cfg["resume"]:  # only once the model is built and the data checked
+            runfolder.start_fresh(out_dir)
+        for i, spec in enumerate(_as_list(cfg["loggers"]) if primary else []):  # rank 0 alone writes the rows
+            loggers.append(registry.build("logger", spec, f"loggers[{i}]", output_dir=out_dir))
         completed = _resume(ctx, progress, primary)
         already_complete = bool(stages) and all(sid in completed for sid, _ in stages)
+        metadata = _metadata(registry, cfg)
+        if primary:
+            metadata = run_record.update(out_dir, metadata, progress, already_complete)
         if already_complete and primary:  # said, not a bare "Done": a rerun of a finished recipe does nothing
             warnings.warn(
                 f"tempering: run '{cfg.get('name')}' in {out_dir} is already complete "
@@ -283,11 +300,6 @@ def run_recipe(recipe: Recipe, registry: Registry | None = None, backend: Backen
                 runfolder.RunAlreadyComplete,
                 stacklevel=3,
             )
-
-        for i, (sid, algorithm) in enumerate(stages):  # check every stage's nested config up front
-            if sid not in completed and hasattr(algorithm, "validate"):
-                ctx.stage_index, ctx.stage_id = i, sid
-                algorithm.validate(ctx)
 
         results: dict[str, dict[str, Any]] = {}
         for i, (sid, algorithm) in enumerate(stages):
@@ -359,6 +371,8 @@ def _resume(ctx: RunContext, progress: Mapping[str, Any] | None, primary: bool) 
                 logger.rewind(ctx.rows_logged)
         if primary:
             rollout_log.rewind(ctx.output_dir, ctx.rows_logged)  # records are keyed by metrics row
+    if primary:
+        runfolder.remove_partial_writes(ctx.output_dir)
     if primary and (progress is None or "checkpoints" in progress):
         runfolder.remove_unlisted_checkpoints(ctx.output_dir, ctx.progress["checkpoints"])
     return list(ctx.progress["completed"])
@@ -425,6 +439,13 @@ def _accepts(registry: Registry, spec: Mapping[str, Any], key: str) -> bool:
     return schema is None or key in {f.name for f in dataclasses.fields(schema)}
 
 
+def _loading(spec: Any) -> str:
+    """What the phase line names while the backend is built: its model and backend name."""
+    if isinstance(spec, Mapping):
+        return f"{spec.get('model', 'default model')} on the {spec.get('name')} backend"
+    return str(spec)
+
+
 def _as_list(x: Any) -> list[Any]:
     if x is None:
         return []
@@ -456,7 +477,22 @@ def _metadata(registry: Registry, cfg: Mapping[str, Any]) -> dict[str, Any]:
     for spec in cfg["stages"]:
         visit(spec, "algorithm")
     # redacted: run.json is read by the trackers and `tempering view`; the components got the real values
-    return {"tempering": tempering.__version__, "recipe": redact(_jsonable(cfg)), "components": used}
+    recorded = {**cfg, "stages": [_stage_record(spec) for spec in cfg["stages"]]}
+    return {
+        "tempering": tempering.__version__,
+        "recipe": redact(_jsonable(recorded)),
+        "components": used,
+        "cwd": os.getcwd(),  # what the recipe's relative paths (a dataset file) were resolved from
+    }
+
+
+def _stage_record(spec: Any) -> Any:
+    """A stage built in Python (a dataclass) recorded by its keys, not as an opaque object: the
+    record says what it trained with, and a rerun can compare keys (:mod:`tempering.runs.run_record`)."""
+    if not dataclasses.is_dataclass(spec) or isinstance(spec, type):
+        return spec
+    keys = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init}
+    return {"name": f"<python object {type(spec).__qualname__}>", **keys}
 
 
 def _jsonable(x: Any) -> Any:

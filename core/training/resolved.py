@@ -12,8 +12,10 @@ values (as ``docs/reference.md`` lists them):
 - the backend (and the nested blocks its factory declares, such as the local backend's
   ``lora:``: :data:`tempering.registry.BLOCKS_HOOK`) and each logger.
 
-A value the registry cannot expand (a path, ``renderer: auto``, a Python object) is left as it
-is; a default that is not plain data (a function) is left out, as the factory supplies it.
+A value the registry cannot expand (a path, a Python object) is left as it is; ``renderer:
+auto`` is written as the renderer it stands for once the model's tokenizer is known
+(:func:`with_renderers`, :func:`model_tokenizer`); a default that is not plain data (a
+function) is left out, as the factory supplies it.
 Keys a component receives at run time (a logger's ``output_dir``) are not config and are not
 shown.
 """
@@ -59,6 +61,46 @@ def with_defaults(cfg: Mapping[str, Any], registry: Registry | None = None) -> d
         out["loggers"] = component(registry, "logger", loggers)
     out["stages"] = [_stage(registry, spec) for spec in cfg.get("stages") or []]
     return out
+
+
+def with_renderers(cfg: Mapping[str, Any], tokenizer: Any, registry: Registry | None = None) -> dict[str, Any]:
+    """``cfg`` (from :func:`with_defaults`) with each stage's ``renderer: auto`` written as the
+    renderer it stands for with ``tokenizer``'s model (:func:`~tempering.rollouts.renderer.resolved_name`:
+    the model's declared chat format; ``auto`` stays for a model without one), with its keys."""
+    from tempering.rollouts.renderer import AUTO, resolved_name
+
+    registry = registry or get_registry()
+    name = resolved_name(AUTO, tokenizer)
+    if name == AUTO:
+        return dict(cfg)
+    stages = [
+        {**s, "renderer": component(registry, "renderer", name)}
+        if isinstance(s, Mapping) and s.get("renderer") == AUTO
+        else s
+        for s in cfg.get("stages") or []
+    ]
+    return {**cfg, "stages": stages}
+
+
+def model_tokenizer(spec: Any, registry: Registry | None = None) -> Any:
+    """The tokenizer of a backend spec's ``model`` -- a registered builder's (the builder runs:
+    seconds for a real model) or a saved folder's -- or None when it cannot be had without the
+    backend itself (a hub id, a service's model): then ``renderer: auto`` is shown as it is."""
+    import os
+
+    from tempering.registry import registered_builder
+
+    model = spec.get("model") if isinstance(spec, Mapping) else None
+    if not isinstance(model, str) or not model:
+        return None
+    builder = registered_builder(model, registry)
+    if builder is not None:
+        return builder(**dict(spec.get("model_kwargs") or {}))[1]
+    if os.path.isdir(model):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model)
+    return None
 
 
 def component(registry: Registry, kind: str, spec: Any) -> Any:

@@ -27,6 +27,7 @@ from tempering.registry import split_spec
 from tempering.rollouts.data import ExampleStream, load_examples
 from tempering.rollouts.rollout import RolloutBatch, collect, rollout_metrics
 from tempering.rollouts.scoring import RewardRunner
+from tempering.runs.collapse import DEFAULT_STEPS as COLLAPSE_STEPS
 from tempering.runs.rollout_log import DEFAULT_GROUPS, log_groups
 from tempering.training.dataset_checks import Columns, check_rows, prompt_columns, reward_columns
 from tempering.training.evaluate import build_sampler
@@ -72,6 +73,11 @@ class SyncRollouts:
         pass
 
 
+#: The most samples (``prompts_per_step`` x ``group_size``) one RL step may take: far above any
+#: real step (GRPO papers use ~1-16k), far below what would hang building the step's examples.
+MAX_SAMPLES_PER_STEP = 1 << 20
+
+
 @dataclass
 class RLStage(SamplingKeys, Stage):
     """Keys shared by every RL stage (``grpo``, ``offpolicy``):
@@ -83,11 +89,17 @@ class RLStage(SamplingKeys, Stage):
     turn), ``temperature``, ``top_p``, ``top_k``, ``stop``, ``optimizer``,
     ``drop_zero_variance``, ``reward_timeout``, ``reward_concurrency``, ``success_threshold``,
     ``max_failed_fraction``, ``max_tool_error_fraction``, ``failure_window``, ``log_rollouts``,
-    ``eval``, ``seed``.
+    ``collapse_steps``, ``stop_on_collapse``, ``eval``, ``seed``.
 
     ``log_rollouts`` (default 4): groups per step (and per evaluation) written to
     ``rollouts.jsonl`` -- the first ones, plus every group with a failed sample; 0 = none,
     -1 = all (see :mod:`tempering.runs.rollout_log`).
+
+    ``collapse_steps`` (default 10; 0 = off): one line, once, when this many steps in a row
+    had ``groups/zero_variance_frac`` >= 0.9 (no reward spread within groups: nothing to learn
+    from), and ``collapsed_at_step`` in the stage's summary; ``stop_on_collapse: true`` (or
+    ``tempering run --stop-on-collapse``) stops the stage there, checkpointed (see
+    :mod:`tempering.runs.collapse`).
 
     ``max_failed_fraction`` (default 0.5): the stage stops (checkpointed, resumable, the run
     ends with one line naming the cause) once more than this share of the samples of the last
@@ -118,6 +130,8 @@ class RLStage(SamplingKeys, Stage):
     max_tool_error_fraction: float = 1.0
     failure_window: int = 3
     log_rollouts: int = DEFAULT_GROUPS
+    collapse_steps: int = COLLAPSE_STEPS
+    stop_on_collapse: bool = False
 
     summary_keys: ClassVar[tuple[str, ...]] = ("reward/mean", "accuracy", "loss")
     postfix = {"reward": "reward/mean", "acc": "accuracy"}
@@ -127,6 +141,19 @@ class RLStage(SamplingKeys, Stage):
         path = ctx.path
         for key in ("prompts_per_step", "group_size", "reward_concurrency", "failure_window"):
             require(getattr(self, key) >= 1, f"{path}.{key}", f"must be >= 1, got {getattr(self, key)}")
+        samples = self.prompts_per_step * self.group_size
+        require(
+            samples <= MAX_SAMPLES_PER_STEP,
+            f"{path}.prompts_per_step",
+            f"{self.prompts_per_step} prompts x group_size {self.group_size} = {samples} samples a step; "
+            f"at most {MAX_SAMPLES_PER_STEP} are allowed (a step samples them all before it trains): "
+            "lower prompts_per_step",
+        )
+        require(
+            self.collapse_steps >= 0,
+            f"{path}.collapse_steps",
+            f"must be a number of steps >= 0 (0 = never warn), got {self.collapse_steps}",
+        )
         require(
             self.reward_timeout is None or self.reward_timeout > 0,
             f"{path}.reward_timeout",

@@ -31,6 +31,7 @@ from tempering.interfaces import RunContext, capability_name, supports
 from tempering.loss_contract import check_reads
 from tempering.registry import validate_params
 from tempering.rollouts.renderer import check_renderer
+from tempering.runs.collapse import CollapseWatch, stop_requested
 from tempering.runs.failures import FailureWatch
 from tempering.schema import Problem, check_config_at, choice_message, field_values
 from tempering.training.dataset_checks import Columns, check_dataset, prompt_columns, reward_columns
@@ -370,9 +371,9 @@ class Stage:
         start = int(state.get("step", 0))
         self.setup(ctx, state)
         evaluator = StageEvaluator(ctx, ev, self)
-        last: dict[str, Any] = {}
-        finished = False
-        fresh_eval = False
+        # the summary: the last step's values and the latest evaluation's, never an older step's
+        last_step: dict[str, Any] = {}
+        evaluated: dict[str, Any] = {}
         watch = FailureWatch(
             ctx.stage_id or self.label,
             ctx.path,
@@ -380,12 +381,47 @@ class Stage:
             getattr(self, "failure_window", 1),
             getattr(self, "max_tool_error_fraction", None),
         )
+        collapse = CollapseWatch(
+            ctx.stage_id or self.label,
+            ctx.path,
+            getattr(self, "collapse_steps", 0),
+            stop_requested(getattr(self, "stop_on_collapse", False)),
+        )
         bar = progress(self.steps, f"{ctx.stage_id} ({self.label})", initial=start)
+        evaluator.bar = bar  # evaluations show their phase on it, and are left out of its estimate
+        try:
+            self._loop(ctx, ev, evaluator, bar, watch, collapse, start, last_step, evaluated)
+        finally:
+            bar.close()
+        summary = {
+            k: v
+            for k, v in {**last_step, **evaluated}.items()
+            if k in self.summary_keys or k.startswith(self.summary_prefixes)
+        }
+        summary.update(watch.summary())  # failures by cause over the whole stage: "Done." must not hide them
+        summary.update(collapse.summary())
+        return summary
+
+    def _loop(
+        self,
+        ctx: RunContext,
+        ev: EvalConfig,
+        evaluator: StageEvaluator,
+        bar: Any,
+        watch: FailureWatch,
+        collapse: CollapseWatch,
+        start: int,
+        last_step: dict[str, Any],
+        evaluated: dict[str, Any],
+    ) -> None:
+        """The steps and evaluations of :meth:`run`; fills ``last_step`` (the last step's
+        metrics) and ``evaluated`` (the latest evaluation's) for the summary."""
+        finished = fresh_eval = False
         try:
             if start == 0 and (first := evaluator.run(at_start=True)):
                 watch.observe(first, " (evaluation at the start)")
                 ctx.log(first)
-                last.update(first)
+                evaluated.update(first)
             finished = start >= self.steps
             for step in range(start, self.steps):
                 if not ctx.budget_left():
@@ -396,18 +432,21 @@ class Stage:
                 ctx.end_step({"step": step + 1, **self.loop_state()})
                 fresh_eval = bool(ev.every and (step + 1) % ev.every == 0 and step + 1 < self.steps)
                 if fresh_eval:
-                    metrics.update(evaluator.run())
+                    evaluated.update(done := evaluator.run())
+                    metrics.update(done)
                 how = stop_check(ev, step + 1, fresh_eval) if step + 1 < self.steps else None
                 if how == "check":
                     metrics["eval/stop_check_accuracy"] = evaluator.accuracy(ev.stop_size)
                 watch.observe(metrics, f" step {step + 1}")
                 ctx.log(metrics)
-                last.update(metrics)
+                last_step.clear()
+                last_step.update(metrics)
                 bar.update(1)
                 bar.set_postfix(
                     {k: f"{metrics[m]:.3f}" for k, m in self.postfix.items() if isinstance(metrics.get(m), float)}
                 )
                 watch.check(last=step + 1 == self.steps)  # StopRun: the run checkpoints this stage, unfinished
+                collapse.observe(metrics, step + 1)  # the same, with --stop-on-collapse
                 key = {"eval": "eval/accuracy", "check": "eval/stop_check_accuracy"}.get(how or "")
                 if key and metrics[key] >= float(ev.stop_at_accuracy):
                     ctx.log({"stopped_early": 1.0, "eval/stop_at_accuracy": float(ev.stop_at_accuracy)})
@@ -416,15 +455,11 @@ class Stage:
             else:
                 finished = True
         finally:
-            bar.close()
             self.teardown(ctx, finished)
         if not (finished and fresh_eval) and (final := evaluator.run()):
             watch.observe(final, " (final evaluation)")
             ctx.log(final)
-            last.update(final)
-        summary = {k: v for k, v in last.items() if k in self.summary_keys or k.startswith(self.summary_prefixes)}
-        summary.update(watch.summary())  # failures by cause over the whole stage: "Done." must not hide them
-        return summary
+            evaluated.update(final)
 
 
 @dataclass

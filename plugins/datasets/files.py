@@ -40,9 +40,15 @@ def _read_jsonl(path: str, limit: int | None = None) -> list[dict[str, Any]]:
                 break
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    row = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
+                if not isinstance(row, dict):  # a row is named columns: a list has none
+                    raise ValueError(
+                        f"{path}:{number}: expected a JSON object of columns per line, such as "
+                        f'{{"prompt": "...", "answer": "..."}}, got a {type(row).__name__}'
+                    )
+                rows.append(row)
     return rows
 
 

@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from tempering.errors import ConfigError
@@ -73,8 +74,11 @@ def file_digest(path: str) -> str:
     return h.hexdigest()[:16]
 
 
-def converted_folder(path: str, cache_dir: str | None = None, name: str | None = None) -> str:
-    """The cached Hugging Face folder of the GGUF file ``path``, converting it first if needed."""
+def converted_folder(
+    path: str, cache_dir: str | None = None, name: str | None = None, announce: Callable[[str], Any] | None = None
+) -> str:
+    """The cached Hugging Face folder of the GGUF file ``path``, converting it first if needed
+    (``announce`` is told, only then, that a conversion starts: a cache hit says nothing)."""
     path = os.path.abspath(path)
     check_gguf_file(path)
     stem = name or re.sub(r"[^A-Za-z0-9_.-]+", "-", os.path.splitext(os.path.basename(path))[0])
@@ -86,6 +90,10 @@ def converted_folder(path: str, cache_dir: str | None = None, name: str | None =
     _remove_stale_temporaries(root, os.path.basename(target))
     work = tempfile.mkdtemp(prefix=f"{os.path.basename(target)}.tmp-{os.getpid()}-", dir=root)
     try:
+        if announce is not None:
+            announce(
+                f"Converting the GGUF weights into a Hugging Face folder (once, ~40 s for 135M parameters): {target}"
+            )
         try:
             convert(path, work)
         except Exception as exc:  # a truncated or unsupported file fails deep in gguf/transformers

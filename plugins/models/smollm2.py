@@ -20,6 +20,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from tempering.errors import ConfigError
@@ -53,9 +54,10 @@ def gguf_path() -> str:
     return path
 
 
-def smollm2_folder(cache_dir: str | None = None) -> str:
-    """The cached Hugging Face folder of SmolLM2-135M-Instruct (converted on first use)."""
-    return converted_folder(gguf_path(), cache_dir=cache_dir, name="SmolLM2-135M-Instruct")
+def smollm2_folder(cache_dir: str | None = None, announce: Callable[[str], Any] | None = None) -> str:
+    """The cached Hugging Face folder of SmolLM2-135M-Instruct (converted on first use, which
+    ``announce`` is told of)."""
+    return converted_folder(gguf_path(), cache_dir=cache_dir, name="SmolLM2-135M-Instruct", announce=announce)
 
 
 def smollm2(cache_dir: str | None = None) -> tuple[Any, Any]:
@@ -100,8 +102,7 @@ def install(name: str, cache_dir: str | None = None, dry_run: bool = False) -> s
     if dry_run:
         return None
     importlib.invalidate_caches()
-    print("Converting the GGUF weights into a Hugging Face folder (once, ~40 s)...", flush=True)
-    return smollm2_folder(cache_dir)
+    return smollm2_folder(cache_dir, announce=lambda text: print(text, flush=True))  # said only when converting
 
 
 def _install_smollm2(cache_dir: str | None = None, dry_run: bool = False) -> str | None:

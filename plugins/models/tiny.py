@@ -92,6 +92,22 @@ def _build(model_cls: Any, config: Any, seed: int) -> Any:
         return model_cls(config)
 
 
+def check_shape(**sizes: int) -> None:
+    """Every size must be a positive whole number and ``hidden_size`` a multiple of
+    ``num_heads``: a one-line error at ``backend.model_kwargs.<key>`` (where the recipe sets
+    them) instead of torch's traceback from deep inside the model's constructor."""
+    from tempering.errors import ConfigError
+
+    for key, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"must be a whole number >= 1, got {value!r}", f"backend.model_kwargs.{key}")
+    if sizes["hidden_size"] % sizes["num_heads"]:
+        raise ConfigError(
+            f"must be a multiple of num_heads ({sizes['num_heads']}), got {sizes['hidden_size']}",
+            "backend.model_kwargs.hidden_size",
+        )
+
+
 def _tiny(
     config_cls: Any,
     model_cls: Any,
@@ -105,6 +121,13 @@ def _tiny(
     max_position_embeddings: int,
 ) -> tuple[Any, PreTrainedTokenizerFast]:
     """The one tiny shape both architectures share: full attention heads, untied embeddings."""
+    check_shape(
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+    )
     tokenizer = _tokenizer(chars, chat)
     config = config_cls(
         vocab_size=len(tokenizer),

@@ -96,6 +96,7 @@ from tempering.plugins.backends.tinker.sampling import (
     sampling_params,
 )
 from tempering.plugins.backends.tinker.scoring import forward_data, forward_logprobs, score_batch, topk_batch
+from tempering.plugins.backends.tinker.sdk_logging import one_line_sdk_logs
 from tempering.plugins.backends.tinker.session import Session, run_status
 from tempering.plugins.backends.tinker.settings import (
     END_TOKENS,
@@ -257,6 +258,7 @@ class TinkerBackend:
         self.checkpoint_index_dir = checkpoint_index_dir or os.path.join(
             os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tempering", "tinker"
         )
+        one_line_sdk_logs()  # the SDK's telemetry logged ~75 lines per failed flush when the service died
         self.session = self._connect(
             base_url,
             api_key,

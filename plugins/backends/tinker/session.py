@@ -26,7 +26,7 @@ from tempering.plugins.backends.tinker.errors import (
     retryable,
     translate,
 )
-from tempering.plugins.backends.tinker.waits import Overdue, diagnose, in_thread, probe, wait_for
+from tempering.plugins.backends.tinker.waits import Overdue, Unreachable, diagnose, in_thread, probe, wait_for
 
 T = TypeVar("T")
 
@@ -93,7 +93,10 @@ class Session:
                 self.setup_timeout,
                 self.wait_warning,
                 setting="backend.setup_timeout_seconds",
+                explain=self.diagnose,
             )
+        except Unreachable as err:
+            raise self.gone(err) from err
         except Overdue as err:
             raise TinkerServiceError(
                 f"no answer from the Tinker service at {self.base_url} after {err.seconds:.0f} s "
@@ -125,6 +128,8 @@ class Session:
         past its time is a :class:`TinkerTrainingError` (recoverable: its client is abandoned)."""
         try:
             return wait_for(fut, what, self.request_timeout, self.wait_warning, explain=self.diagnose)
+        except Unreachable as err:  # not a training failure: a new client on a dead service cannot help
+            raise self.gone(err) from err
         except Overdue as err:
             problem = self.diagnose()
             why = (
@@ -141,6 +146,14 @@ class Session:
             raise
         except Exception as err:
             raise self.translate(err, what, training=training) from err
+
+    def gone(self, err: Unreachable) -> TinkerServiceError:
+        """The one line for a service that cannot be reached while a call waits on it."""
+        return TinkerServiceError(
+            f"the Tinker service at {self.base_url} stopped answering while waiting for {err.what} "
+            f"({err.problem}, {err.seconds:.0f} s into the wait): {URL_HINT}; the run is resumable "
+            "from its last checkpoint once the service is back"
+        )
 
     def diagnose(self) -> str | None:
         """What is wrong with the service, asked when a wait runs out: a dead server (connection

@@ -22,7 +22,11 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["Overdue", "wait_for", "in_thread", "probe", "diagnose"]
+__all__ = ["Overdue", "Unreachable", "wait_for", "in_thread", "probe", "diagnose", "unreachable"]
+
+#: While waiting, the service's health is asked this often (when the caller gives ``explain``):
+#: a service that died mid-run is named within seconds, not after ``wait_warning_seconds``.
+HEALTH_CHECK_SECONDS = 10.0
 
 _TIMEOUTS = (TimeoutError, concurrent.futures.TimeoutError)
 
@@ -33,6 +37,21 @@ class Overdue(Exception):
     def __init__(self, what: str, seconds: float) -> None:
         super().__init__(f"no result for {what} after {seconds:.0f} s")
         self.what, self.seconds = what, seconds
+
+
+class Unreachable(Overdue):
+    """The service cannot be reached while a result is awaited (it died, or its host is gone):
+    waiting longer cannot help, so the wait ends at once, with the ``problem``."""
+
+    def __init__(self, what: str, seconds: float, problem: str) -> None:
+        super().__init__(what, seconds)
+        self.problem = problem
+
+
+def unreachable(problem: str | None) -> bool:
+    """Whether a :func:`diagnose` answer means no connection at all (a dead service), as
+    opposed to one that answers badly or slowly (HTTP 5xx, frozen), which may pass."""
+    return problem is not None and problem.startswith(("connection refused", "cannot connect", "no connection within"))
 
 
 def _done(fut: Any) -> bool:
@@ -50,22 +69,31 @@ def wait_for(
 ) -> Any:
     """``fut.result()`` within ``timeout`` seconds (an SDK future or a concurrent one), warning
     after ``warn_after`` seconds and then at doubling intervals; :class:`Overdue` past it.
-    ``explain`` (e.g. :func:`diagnose` of the service) says what is wrong when a warning is due:
-    its answer replaces the guess that the service is queueing the call."""
+    ``explain`` (e.g. :func:`diagnose` of the service) says what is wrong: asked every
+    :data:`HEALTH_CHECK_SECONDS`, an unreachable service ends the wait at once
+    (:class:`Unreachable`); when a warning is due its answer replaces the guess that the service
+    is queueing the call."""
     start = time.monotonic()
     warn_at = max(float(warn_after), 0.0) or float("inf")
+    check_at = HEALTH_CHECK_SECONDS if explain is not None else float("inf")
     while True:
         elapsed = time.monotonic() - start
         try:
-            return fut.result(timeout=max(0.0, min(warn_at, timeout) - elapsed))
+            return fut.result(timeout=max(0.0, min(warn_at, check_at, timeout) - elapsed))
         except _TIMEOUTS:
             if _done(fut):
                 raise  # the operation's own TimeoutError
         elapsed = time.monotonic() - start
         if elapsed >= timeout:
             raise Overdue(what, elapsed)
+        problem = None
+        if explain is not None and (elapsed >= check_at or elapsed >= warn_at):
+            problem = explain()
+            check_at = elapsed + HEALTH_CHECK_SECONDS
+            if unreachable(problem):
+                assert problem is not None
+                raise Unreachable(what, elapsed, problem)
         if elapsed >= warn_at:
-            problem = explain() if explain is not None else None
             why = (
                 f"the service: {problem}, which the SDK retries without a word"
                 if problem
