@@ -232,7 +232,11 @@ def test_auto_picks_vllm_only_with_vllm_and_a_gpu(monkeypatch: pytest.MonkeyPatc
     )
 
 
-def test_the_run_says_which_engine_auto_chose(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_run_says_which_engine_auto_chose(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A phase line (progress on; ``TEMPERING_PROGRESS=0`` turns it off, as CI does)."""
+    monkeypatch.setenv("TEMPERING_PROGRESS", "1")
     backend = LocalBackend(model="tiny_llama", model_kwargs=TINY, num_threads=1, threaded=False)
     assert backend._vllm is None and backend.engine_choice.engine == "generate"
     assert "tempering: sampling with generate (auto: " in capsys.readouterr().err

@@ -35,7 +35,6 @@ This module imports torch and transformers at the top: the registry refers to it
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
@@ -67,6 +66,7 @@ from tempering.plugins.backends.local.training import Trainer
 from tempering.plugins.backends.local.vllm_engine import VllmEngine, check_engine, resolve_engine
 from tempering.plugins.backends.local.weights import PolicyWeights
 from tempering.schema import Problem, check_config_at
+from tempering.training.progress import phase
 from tempering.types import AdamParams, Batch, Completion, SamplingParams
 
 __all__ = ["LocalBackend", "LocalSamplingClient", "LoraParams", "DEFAULT_MODEL"]
@@ -190,9 +190,8 @@ class LocalBackend:
         # The sampling engine of sampling_client(): a model copy and a thread, made on first use.
         self._sampling = SamplerCopy(threaded)
         self.engine_choice = resolve_engine(engine, device)
-        if engine == "auto" and self.rank == 0:  # the run's first line: which engine samples, and why
-            choice = self.engine_choice
-            print(f"tempering: sampling with {choice.engine} ({choice.reason})", file=sys.stderr)
+        if engine == "auto" and self.rank == 0:  # said at the run's start: which engine samples, and why
+            phase(f"sampling with {self.engine_choice.engine} ({self.engine_choice.reason})")
         vllm_params = check_engine(engine, vllm, "backend", device)
         self._vllm = VllmEngine(self, vllm_params) if vllm_params is not None else None
 
