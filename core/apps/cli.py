@@ -472,6 +472,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(text, file=sys.stderr)
 
     warnings.showwarning = show
+    # the flags below hold for this command only: main() also runs in-process (tests, tools),
+    # where a variable left set would switch them on for every later run in the process
+    flags = {name: os.environ.get(name) for name in ("TEMPERING_DEBUG", "TEMPERING_STOP_ON_COLLAPSE")}
     if getattr(args, "debug", False):  # read where failures are caught (tempering.runs.failures.debug)
         os.environ["TEMPERING_DEBUG"] = "1"
     if getattr(args, "stop_on_collapse", False):  # read by every stage's collapse watch (tempering.runs.collapse)
@@ -489,6 +492,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         warnings.showwarning = default_show
+        for name, value in flags.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 if __name__ == "__main__":  # pragma: no cover
