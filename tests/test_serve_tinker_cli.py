@@ -71,9 +71,13 @@ def serve(tmp_path: Path, port: int, *extra: str) -> subprocess.Popen:
 def stop(proc: subprocess.Popen) -> int:
     proc.send_signal(signal.SIGINT)
     try:
-        # measured 1.3 s on a quiet machine; once > 30 s in a loaded CI run (cause not found: the
-        # models' release under load, or a hang -- 90 s tells the two apart in the log)
+        # measured 1.3-3 s; once > 90 s in a loaded CI run, cause not found: the server dumps its
+        # threads' stacks after 20 s, shown here if it does not stop
         return proc.wait(timeout=3 * T)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output = proc.communicate(timeout=T)[0]
+        raise AssertionError("serve-tinker did not stop on SIGINT:\n" + output[-6000:]) from None
     finally:
         if proc.poll() is None:
             proc.kill()

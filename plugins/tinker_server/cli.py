@@ -151,6 +151,7 @@ def model_problem(model: str, model_kwargs: Any) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted (Ctrl-C)."""
+    import faulthandler
     import threading
 
     from tempering.plugins.tinker_server.registry import DamagedRegistry
@@ -207,7 +208,11 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        # stopping takes ~1-3 s; one stop in a loaded CI run took over 90 s, cause unknown: if it
+        # ever hangs again, every thread's stack goes to stderr after 20 s to show where
+        faulthandler.dump_traceback_later(20, exit=False)
         server.stop()
+        faulthandler.cancel_dump_traceback_later()
     return 0
 
 
