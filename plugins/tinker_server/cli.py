@@ -152,6 +152,7 @@ def model_problem(model: str, model_kwargs: Any) -> str | None:
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted (Ctrl-C)."""
     import faulthandler
+    import signal
     import threading
 
     from tempering.plugins.tinker_server.registry import DamagedRegistry
@@ -203,6 +204,11 @@ def run(args: argparse.Namespace) -> int:
     )
     if name.count("/") == 1 and not args.no_tokenizer_cache:
         print(_place_tokenizer(server, name), flush=True)
+    # A process started with SIGINT ignored (a pytest-xdist worker's child, nohup) inherits that,
+    # and Python then installs no handler: Ctrl-C / SIGINT would never stop the server (it hung
+    # in CI this way). Stop on SIGINT and SIGTERM whatever the parent did.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         threading.Event().wait()
     except KeyboardInterrupt:
