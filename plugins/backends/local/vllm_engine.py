@@ -63,6 +63,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import tempering.plugins.backends.local.distributed as distributed
+import tempering.plugins.backends.local.sharding as sharding
 from tempering.errors import ConfigError
 from tempering.plugins.backends.local.generation import completion
 from tempering.plugins.backends.local.stops import before_first, split_stop
@@ -217,10 +218,7 @@ def full_weights(weights: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor
     ``DTensor`` is gathered (``full_tensor()``, a collective every rank runs in the same order)
     only when the consumer reaches it, so no rank ever holds a second whole model."""
     for name, tensor in weights.items():
-        value = tensor.detach()
-        if hasattr(value, "full_tensor"):
-            value = value.full_tensor()
-        yield name, value
+        yield name, _gathered(tensor)
 
 
 def merged_weights(model: Any, adapter: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -253,8 +251,7 @@ def merged_weights(model: Any, adapter: Mapping[str, Any]) -> Iterator[tuple[str
 
 
 def _gathered(tensor: Any) -> torch.Tensor:
-    value = tensor.detach()
-    return value.full_tensor() if hasattr(value, "full_tensor") else value
+    return sharding.full_tensor(tensor.detach())
 
 
 def _parents(root: Any, module_name: str) -> Iterator[Any]:
