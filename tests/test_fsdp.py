@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import process_group
 import pytest
 import torch
 
@@ -59,8 +59,8 @@ def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         str(TESTS / "fsdp_worker.py"),
         str(out),
     ]
-    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=170)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    done = process_group.run(cmd, env, out / "torchrun.log", timeout=170)
+    assert done.returncode == 0, done.tail()
     return out
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import process_group
 import pytest
 import torch
 
@@ -391,8 +391,8 @@ def test_data_parallel_step_averages_gradients_across_ranks(tmp_path: Path) -> N
         str(TESTS / "ddp_worker.py"),
         str(tmp_path),
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    done = process_group.run(cmd, env, tmp_path.parent / f"{tmp_path.name}.log", timeout=110)
+    assert done.returncode == 0, done.tail()
     ranks = [torch.load(tmp_path / f"params_rank{r}.pt", weights_only=True) for r in (0, 1)]
     assert ranks[0]["loss"] != ranks[1]["loss"]  # the ranks really saw different data
     for name, value in ranks[0]["params"].items():

@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import kill_switch
+import process_group
 import pytest
 
 TESTS = Path(__file__).parent
@@ -43,8 +45,8 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     cmd += [str(TESTS / "vllm_torchrun_worker.py"), str(out), *MODES]
-    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    done = process_group.run(cmd, env, out / "torchrun.log", timeout=540)
+    assert done.returncode == 0, done.tail()
     return {mode: json.loads((out / f"{mode}.json").read_text()) for mode in MODES}
 
 
@@ -107,12 +109,22 @@ stages:
     steps: 4
     batch_size: 8
     optimizer: {{learning_rate: 3.0e-3}}
+  - id: plain
+    name: grpo
+    renderer: tiny_chat
+    dataset: {{name: arithmetic, split: train}}
+    reward: {{name: python, function: "kill_switch:score"}}
+    steps: 4
+    prompts_per_step: 2
+    group_size: 4
+    max_tokens: 12
+    optimizer: {{learning_rate: 1.0e-3}}
   - id: rl
     name: grpo
     renderer: tiny_chat
     dataset: {{name: tool_use, split: train}}
     sampler: {{name: environment, environment: calculator, max_turns: 3, max_total_tokens: 96}}
-    steps: 4
+    steps: 2
     prompts_per_step: 2
     group_size: 4
     max_tokens: 12
@@ -146,59 +158,56 @@ def torchrun_recipe(path: Path, env: dict[str, str], log: Path) -> subprocess.Po
     """``torchrun -m tempering run`` in a session of its own (so the whole group can be killed),
     its output to ``log`` (a pipe nobody reads would block it)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    cmd += ["-m", "tempering", "run", str(path)]
-    with log.open("w") as sink:
-        return subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    return process_group.start([*cmd, "-m", "tempering", "run", str(path)], env, log)
 
 
 def test_a_run_under_torchrun_survives_kill_9_and_resumes_on_fresh_engines(tmp_path: Path) -> None:
-    """SFT, then multi-turn environment episodes (GRPO, synchronous) and the off-policy producer
-    (sampling clients), both sampled by each rank's colocated engine; the run is killed (-9, the
-    whole torchrun group) once the GRPO stage has checkpointed step 2, then run again: it resumes
-    there, every engine starts afresh from the checkpoint's weights (on-policy ratios ~1: the
-    engine samples what the trainer scores) and the run completes."""
+    """SFT, single-turn GRPO, then multi-turn environment episodes (GRPO, synchronous) and the
+    off-policy producer (sampling clients), all sampled by each rank's colocated engine. The run
+    is killed (-9: torchrun and its ranks) during the single-turn stage's step 3, once its step 2
+    is checkpointed (by ``tests/kill_switch.py``'s reward: from outside, a 0.1 s step beat the
+    poll), then run again: it resumes at step 2, every engine starts afresh from the checkpoint's
+    weights (on-policy ratios ~1: the engine samples what the trainer scores) and the run completes."""
     import signal
     import time
 
     out = tmp_path / "run"
     recipe = tmp_path / "colocated.yaml"
     recipe.write_text(RECIPE.format(out=out))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "TEMPERING_PROGRESS": "0"}
-    first = torchrun_recipe(recipe, env, tmp_path / "first.log")
-    deadline = time.monotonic() + 300
-    progress = out / "progress.json"
-    while time.monotonic() < deadline and first.poll() is None:
-        saved = json.loads(progress.read_text())["checkpoints"] if progress.exists() else []
-        if any(c["stage"] == "rl" and c["global_step"] >= 4 + 2 for c in saved):  # 4 SFT steps, then RL step 2
-            break
-        time.sleep(0.5)
-    assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-    saved = json.loads(progress.read_text())["checkpoints"]
-    victims = processes_running(recipe)
-    assert len(victims) >= 3  # torchrun and its two workers
-    for pid in victims:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "TEMPERING_PROGRESS": "0",
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),  # kill_switch
+    }
+    killed_at = 4 + 2  # 4 SFT steps, then the single-turn stage's step 2
+    armed = {**env, kill_switch.ARM: f"{out / 'progress.json'}:{killed_at}"}
+    first = process_group.wait(torchrun_recipe(recipe, armed, tmp_path / "first.log"), tmp_path / "first.log", 300)
+    assert first.returncode == -9, first.tail()  # torchrun, killed by the reward
+    for pid in processes_running(recipe):  # the other rank, if it outlived its peer and torchrun
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    first.wait(timeout=60)
     gone_by = time.monotonic() + 30  # a killed process with GBs mapped takes a moment to go
     while processes_running(recipe) and time.monotonic() < gone_by:
         time.sleep(0.2)
     assert processes_running(recipe) == []
+    saved = json.loads((out / "progress.json").read_text())["checkpoints"]
+    assert max(c["global_step"] for c in saved) == killed_at
     logged = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert max(logged) < 4 + 4 + 2  # killed before the end
+    assert max(logged) == killed_at  # step 3 of the stage was under way: not logged, not saved
     restarted = time.time()
-    second = torchrun_recipe(recipe, env, tmp_path / "second.log")
-    assert second.wait(timeout=400) == 0, (tmp_path / "second.log").read_text()[-4000:]
+    second = process_group.wait(torchrun_recipe(recipe, env, tmp_path / "second.log"), tmp_path / "second.log", 400)
+    assert second.returncode == 0, second.tail()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rl = [r for r in rows if r["stage"] == "rl" and "loss" in r]
-    off = [r for r in rows if r["stage"] == "async" and "loss" in r]
-    assert [r["step"] for r in rl] == [5, 6, 7, 8]  # global steps: none lost or repeated by the resume
-    # resumed, not restarted: rows up to the last checkpoint are the first run's, the rest the second's
-    resumed_at = max(c["global_step"] for c in saved)
-    assert 6 <= resumed_at < 10
-    assert all((r["time"] < restarted) == (r["step"] <= resumed_at) for r in rows), (resumed_at, restarted)
-    assert len(off) == 2
-    assert all(r["env/turns_mean"] >= 1.0 for r in rl + off)
+    by_stage = {stage: [r for r in rows if r["stage"] == stage and "loss" in r] for stage in ("plain", "rl", "async")}
+    # global steps: none lost or repeated by the resume
+    assert [r["step"] for r in by_stage["plain"] + by_stage["rl"]] == [5, 6, 7, 8, 9, 10]
+    # resumed, not restarted: rows up to the checkpoint are the first run's, the rest the second's
+    assert all((r["time"] < restarted) == (r["step"] <= killed_at) for r in rows)
+    assert len(by_stage["async"]) == 2
+    assert all(r["env/turns_mean"] >= 1.0 for r in by_stage["rl"] + by_stage["async"])
     # on-policy steps: the engine's sampler logprobs are the trainer's (a stale engine after the
     # resume would put ratios far from 1)
-    assert all(abs(r["ratio/max"] - 1.0) < 1e-3 for r in rl), [r["ratio/max"] for r in rl]
+    on_policy = by_stage["plain"] + by_stage["rl"]
+    assert all(abs(r["ratio/max"] - 1.0) < 1e-3 for r in on_policy), [r["ratio/max"] for r in on_policy]

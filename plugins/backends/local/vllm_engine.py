@@ -62,6 +62,8 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 import tempering.plugins.backends.local.distributed as distributed
 import tempering.plugins.backends.local.sharding as sharding
 from tempering.errors import ConfigError
@@ -70,8 +72,6 @@ from tempering.plugins.backends.local.stops import before_first, split_stop
 from tempering.types import Completion, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
-    import torch
-
     from tempering.plugins.backends.local.backend import LocalBackend
 
 #: ``auto`` picks ``vllm`` where it is installed and the device is a GPU (see :func:`resolve_engine`).
@@ -197,8 +197,6 @@ def _repack_tied_layers(model: Any) -> None:
     (its weight is the embedding's), so its packed copy stayed the old one: after a step,
     SmolLM2's sampler logprobs were off by 0.07. Repacking from the (updated) shared weight is
     what the first load did. GPU layers keep no such copy and have no ``cpu_linear``."""
-    import torch
-
     owners: dict[int, list[Any]] = {}
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -303,6 +301,11 @@ class VllmEngine:
         stop_strings, stop_ids = split_stop(params.stop)
         if params.max_tokens <= 0:
             return [[completion(p, [], [], "length", "", params, version) for _ in range(num_samples)] for p in prompts]
+        # A thread's first torch op sets its OpenMP thread count to torch's (``num_threads``);
+        # vLLM's CPU attention builds its schedule under the count before that first op and checks
+        # it again inside the forward, so a sampling client's fresh thread failed ("thread_num 2
+        # vs. 1"). Asking torch for the count settles it before vLLM reads it.
+        torch.get_num_threads()
         with self._lock:
             llm = self._engine()
             self._sync(weights, version)
