@@ -364,7 +364,14 @@ def _jsonl(tmp_path: Path, name: str, lines: list[dict[str, Any]]) -> str:
         ),
         (
             {"dataset": "QUESTIONS"},
-            r"^stages\[1\]\.dataset: rows have no 'prompt' or 'messages' \(row 0 has keys: \['answer', 'question'\]\)",
+            r"^stages\[1\]\.dataset: rows have no 'prompt' or 'messages' \(row 0 has keys: \['answer', 'question'\]\); "
+            r"rename a column \(e\.g\. rename: \{your_column: prompt\}\)$",
+        ),
+        (  # a built-in dataset has no rename key: the fix must not offer one
+            {"dataset": {"name": "tool_use", "split": "train"}},
+            r"^stages\[1\]\.dataset: rows have no 'prompt' or 'messages' \(row 0 has keys: \['answer', 'calls', "
+            r"'question'\]\); this dataset is made for another kind of stage: choose one whose rows have it, or load "
+            r"yours with jsonl or hf, whose rename maps a column onto prompt$",
         ),
         ({"dataset": "EMPTY"}, r"^stages\[1\]\.dataset: the dataset is empty \(0 rows\)"),
         ({"dataset": {"name": "arithmetic", "size": 0}}, r"^stages\[1\]\.dataset: the dataset is empty"),
@@ -389,6 +396,7 @@ def _jsonl(tmp_path: Path, name: str, lines: list[dict[str, Any]]) -> str:
         "process_pool_target",
         "no_answer_column",
         "no_prompt_column",
+        "no_prompt_column_builtin",
         "empty_file",
         "empty_dataset",
         "missing_file",

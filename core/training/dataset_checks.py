@@ -93,18 +93,33 @@ def check_dataset(ctx: BuildContext, spec: Any, key: str, columns: Columns | Non
     does not surface after the earlier stages trained."""
     rows = preview_rows(ctx, spec, key)
     if rows is not None:
-        check_rows(rows, columns or {}, ctx.path, key)
+        check_rows(rows, columns or {}, ctx.path, key, renames=takes_rename(ctx, spec, key))
 
 
-def check_rows(rows: Sequence[Mapping[str, Any]], columns: Columns, path: str, key: str) -> None:
+def takes_rename(ctx: BuildContext, spec: Any, key: str) -> bool:
+    """The dataset at ``key`` has a ``rename`` key (``jsonl``, ``hf``: a user's own files), so a
+    missing column's fix is to rename one; a built-in dataset made for another task has none."""
+    if isinstance(spec, list):
+        return False
+    func = getattr(ctx.factory("dataset", spec, key), "func", None)
+    try:
+        return func is not None and "rename" in inspect.signature(func).parameters
+    except (TypeError, ValueError):  # a callable without a signature: offer the generic fix
+        return True
+
+
+def check_rows(rows: Sequence[Mapping[str, Any]], columns: Columns, path: str, key: str, renames: bool = True) -> None:
     """``rows`` (all of a dataset's, or the first few) are not empty and hold ``columns``:
-    before training from a preview, and again by a stage on the rows it loaded."""
+    before training from a preview, and again by a stage on the rows it loaded. ``renames``:
+    the dataset takes a ``rename`` key, the fix a missing column's message offers."""
     if not rows:
         raise ConfigError("the dataset is empty (0 rows): check its path, split, size or filter", f"{path}.{key}")
-    check_columns(rows, columns, path, key)
+    check_columns(rows, columns, path, key, renames)
 
 
-def check_columns(rows: Iterable[Mapping[str, Any]], columns: Columns, path: str, key: str) -> None:
+def check_columns(
+    rows: Iterable[Mapping[str, Any]], columns: Columns, path: str, key: str, renames: bool = True
+) -> None:
     """Every row has one of the format columns and the columns listed under it."""
     formats = list(columns)
     if not formats:
@@ -113,15 +128,17 @@ def check_columns(rows: Iterable[Mapping[str, Any]], columns: Columns, path: str
         fmt = next((f for f in formats if f == "" or f in row), None)
         if fmt is None:
             either = " or ".join(f"'{f}'" for f in formats)
-            raise ConfigError(
-                f"rows have no {either} (row {i} has keys: {sorted(row)}); rename a column "
-                f"(e.g. rename: {{your_column: {formats[0]}}})",
-                f"{path}.{key}",
+            fix = (
+                f"rename a column (e.g. rename: {{your_column: {formats[0]}}})"
+                if renames
+                else "this dataset is made for another kind of stage: choose one whose rows have it, "
+                f"or load yours with jsonl or hf, whose rename maps a column onto {formats[0]}"
             )
+            raise ConfigError(f"rows have no {either} (row {i} has keys: {sorted(row)}); {fix}", f"{path}.{key}")
         for column, column_key in columns[fmt].items():
             if column not in row:
                 raise ConfigError(
                     f"rows have no '{column}' (row {i} has keys: {sorted(row)}); set {column_key} "
-                    "to the column that holds it, or rename that column",
+                    "to the column that holds it" + (", or rename that column" if renames else ""),
                     f"{path}.{column_key}",
                 )
