@@ -100,6 +100,20 @@ def warm_checkpoint(backend_spec: dict, warmup: dict, folder: str, args: argpars
     return path
 
 
+def reset_peak_rss() -> None:
+    """Start the process's peak resident memory (VmHWM) afresh (Linux: ``clear_refs`` 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_gb() -> float:
+    """The process's peak resident memory since :func:`reset_peak_rss`, in GB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--arms", nargs="+", default=["today", "prefill", "vllm"])
@@ -123,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at start: {os.getloadavg()[0]:.2f}; arms {arms_wanted}; {RECIPE.name}")
     with tempfile.TemporaryDirectory(prefix="multi_turn_") as folder:
         warm = warm_checkpoint(backend_spec, warmup, folder, args)
+        reset_peak_rss()  # the peak of the arm, not of the SFT warmup before it
         arms = [Arm(a, backend_spec, rl, warm, os.path.join(folder, a), args) for a in arms_wanted]
         for i in range(args.warmup + args.steps):
             for arm in arms:
@@ -139,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             arm.backend.close()
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
     if args.rss:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        print(f"peak RSS of the process, arm {args.rss} alone: {peak:.2f} GB")
+        print(f"peak RSS of the process, arm {args.rss} alone (after the warmup): {peak_rss_gb():.2f} GB")
         return 0
 
     def med(arm: Arm, key: str) -> float:
