@@ -10,10 +10,11 @@ step in one process so every arm sees the same machine load:
   prompt and completion plus the tool's answer, so its KV cache is mostly there already), when
   vLLM is installed (the CPU build in ``.ci/run``'s vLLM venv).
 
-Each arm's backend starts from the same SFT warmup (the recipe's 3 steps, run once and loaded
-into every arm), so the episodes call the calculator tool and run several turns as in the
-recipe. Printed per arm: median step seconds, of which sampling (``time/episodes``) and training
-(``time/train``), episode turns and tokens, and the ratio to ``today``. ``--rss`` runs one arm
+Each arm's backend starts from the same SFT warmup (run once and loaded into every arm; 12 steps
+where the recipe has 3, so that the episodes call the calculator tool and run their turns, as a
+learning run's do after its first steps). Printed per arm: median step seconds, of which
+sampling (``time/episodes``) and training (``time/train``), episode turns and tokens, and the
+ratio to ``today``. ``--rss`` runs one arm
 alone and prints the process's peak resident memory (the figure the issue started from).
 
 Run: ``python benchmarks/multi_turn_step.py [--arms today prefill vllm] [--steps 2] [--warmup 0]
@@ -38,11 +39,12 @@ import yaml
 RECIPE = Path(__file__).resolve().parents[1] / "examples" / "real_models" / "smollm2_tool_use.yaml"
 
 
-def stage_specs() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """The recipe's backend, SFT warmup and GRPO stage, without their evaluations."""
+def stage_specs(sft_steps: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The recipe's backend, SFT warmup (``sft_steps`` long) and GRPO stage, without their
+    evaluations."""
     recipe = yaml.safe_load(RECIPE.read_text())
     warmup, rl = ({k: v for k, v in s.items() if k not in ("id", "eval")} for s in recipe["stages"])
-    return recipe["backend"], warmup, rl
+    return recipe["backend"], {**warmup, "steps": sft_steps}, rl
 
 
 def make_backend(spec: dict[str, Any], engine: str, args: argparse.Namespace) -> Any:
@@ -121,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--warmup", type=int, default=1, help="discarded steps per arm (the vLLM engine starts in its first)"
     )
+    p.add_argument(
+        "--sft-steps",
+        type=int,
+        default=12,
+        help="SFT warmup steps: the recipe's 3 leave episodes of one turn at temperature 0.7 (the tool "
+        "is not called yet); 12 make them call it and answer, as the episodes of a learning run do",
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--vllm", type=json.loads, default={"kv_cache_space_gib": 2})
     p.add_argument("--rss", default=None, help="run this one arm alone and print the peak RSS")
@@ -133,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         if importlib.util.find_spec("vllm") is None:
             print("vLLM is not installed here: the vllm arm is skipped (run in the vLLM venv for it)")
             arms_wanted = [a for a in arms_wanted if a != "vllm"]
-    backend_spec, warmup, rl = stage_specs()
+    backend_spec, warmup, rl = stage_specs(args.sft_steps)
     print(f"load average at start: {os.getloadavg()[0]:.2f}; arms {arms_wanted}; {RECIPE.name}")
     with tempfile.TemporaryDirectory(prefix="multi_turn_") as folder:
         warm = warm_checkpoint(backend_spec, warmup, folder, args)

@@ -23,7 +23,7 @@ from tinker import types
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fake_tinker import KEY, set_env
 
-from tempering.plugins.tinker_server.memory import give_back, rss_bytes
+from tempering.plugins.backends.local.memory import give_back, rss_bytes
 from tempering.plugins.tinker_server.server import LocalTinkerServer
 from tempering.plugins.tinker_server.service import ServedModel
 

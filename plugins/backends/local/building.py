@@ -18,6 +18,7 @@ from typing import Any, cast
 import torch
 from transformers import GenerationConfig
 
+from tempering.errors import ConfigError
 from tempering.plugins.backends.local.model_source import quiet_loading, registered_builder, source_folder
 
 
@@ -103,6 +104,18 @@ def apply_lora(model: Any, cfg: Mapping[str, Any], seed: int) -> Any:
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         torch.manual_seed(seed)
         return get_peft_model(model, config)
+
+
+def enable_gradient_checkpointing(model: Any, key: str) -> None:
+    """Turn on transformers' gradient checkpointing for ``model`` (a peft wrapper passes it on),
+    non-reentrant: it needs no input that requires grad, so frozen embeddings under LoRA work.
+    A model that cannot is a :class:`ConfigError` at ``key``."""
+    if not getattr(model, "supports_gradient_checkpointing", False):  # peft forwards the attribute
+        raise ConfigError(f"{type(model).__name__} does not support gradient checkpointing; set it to false", key)
+    try:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    except (ValueError, AttributeError) as exc:
+        raise ConfigError(f"gradient checkpointing cannot be turned on: {exc}; set it to false", key) from None
 
 
 def fingerprint(model: Any) -> list[float]:

@@ -59,9 +59,14 @@ def model_logits(
 
     transformers' causal LMs take ``logits_to_keep`` (an index tensor) and run the head on
     ``hidden_states[:, positions]`` only. A model whose forward lacks it computes every
-    position and is sliced here: the same values, without the memory saving."""
-    keep = positions is not None and "logits_to_keep" in inspect.signature(transformers_model(model).forward).parameters
-    extra = {"logits_to_keep": positions} if keep else {}
+    position and is sliced here: the same values, without the memory saving. ``use_cache`` is
+    off: no KV cache is built (with gradient checkpointing transformers would turn it off
+    itself, with a warning per call)."""
+    accepted = inspect.signature(transformers_model(model).forward).parameters
+    keep = positions is not None and "logits_to_keep" in accepted
+    extra: dict[str, Any] = {"logits_to_keep": positions} if keep else {}
+    if "use_cache" in accepted:  # a scoring or training forward never reuses its KV cache
+        extra["use_cache"] = False
     logits = model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits
     return logits[:, positions] if positions is not None and not keep else logits
 

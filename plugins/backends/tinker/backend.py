@@ -171,7 +171,8 @@ class TinkerBackend:
             ``~/.cache/tempering/tinker``).
         concurrency: worker threads that wait on the service (sampling many prompts at once).
         lora: the local backend's LoRA block; only ``rank`` is used.
-        model_kwargs, device, dtype, sample_batch_size, num_threads, threaded: local-backend keys,
+        model_kwargs, device, dtype, sample_batch_size, num_threads, threaded,
+            gradient_checkpointing: local-backend keys,
             accepted and ignored (with a warning) so one recipe runs on both backends.
         service_client: a runtime ``tinker.ServiceClient``; not a config key.
     """
@@ -216,6 +217,7 @@ class TinkerBackend:
         sample_batch_size: int | None = None,
         num_threads: int | None = None,
         threaded: bool | None = None,
+        gradient_checkpointing: bool | None = None,
         service_client: Any = None,
     ) -> None:
         self._tinker = sdk()
@@ -231,6 +233,7 @@ class TinkerBackend:
                 "sample_batch_size": sample_batch_size,
                 "num_threads": num_threads,
                 "threaded": threaded,
+                "gradient_checkpointing": gradient_checkpointing,
             },
         )
         check_settings(

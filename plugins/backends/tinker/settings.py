@@ -25,7 +25,15 @@ MIN_TTL_SECONDS, MAX_TTL_SECONDS = 3600, 10 * 365 * 24 * 3600
 END_TOKENS = {"meta-llama/Llama-3": ("<|end_of_text|>", "<|eot_id|>")}
 #: Keys of the local backend that mean nothing on Tinker. Accepted (with one warning) so that a
 #: recipe switches backends by ``backend.name`` alone; ``model`` and ``lora.rank`` do carry over.
-LOCAL_ONLY_KEYS = ("model_kwargs", "device", "dtype", "sample_batch_size", "num_threads", "threaded")
+LOCAL_ONLY_KEYS = (
+    "model_kwargs",
+    "device",
+    "dtype",
+    "sample_batch_size",
+    "num_threads",
+    "threaded",
+    "gradient_checkpointing",
+)
 
 
 def sdk() -> Any:
