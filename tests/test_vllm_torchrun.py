@@ -199,6 +199,7 @@ def test_a_run_under_torchrun_survives_kill_9_and_resumes_on_fresh_engines(tmp_p
     restarted = time.time()
     second = process_group.wait(torchrun_recipe(recipe, env, tmp_path / "second.log"), tmp_path / "second.log", 400)
     assert second.returncode == 0, second.tail()
+    assert second.output.count("Done. Metrics") == 1  # rank 0 says it, not every rank
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     by_stage = {stage: [r for r in rows if r["stage"] == stage and "loss" in r] for stage in ("plain", "rl", "async")}
     # global steps: none lost or repeated by the resume

@@ -88,11 +88,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     recipe = find_recipe(args.recipe, overrides)
     import os
 
-    from tempering.runs.runfolder import RunAlreadyComplete
+    from tempering.runs.runfolder import RunAlreadyComplete, is_primary_process
 
     with warnings.catch_warnings():  # said below, on stdout, in place of "Done."
         warnings.simplefilter("ignore", RunAlreadyComplete)
         result = recipe.run()
+    if not is_primary_process():  # under torchrun rank 0 says it, once
+        return 0
     if getattr(result, "already_complete", False):
         print(
             f"\nNothing to run: this recipe is already complete in {result.output_dir} (every stage finished). "
