@@ -13,7 +13,7 @@ import pytest
 from tempering.algorithms.specialists import routing
 from tempering.apps import cli
 from tempering.errors import ConfigError
-from tempering.plugins.datasets.domain_questions import capital_questions, read_countries, unit_questions
+from tempering.plugins.datasets.domain_questions import capital_questions, read_countries, unit_conversions
 from tempering.training.recipe import Recipe, find_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,8 +21,8 @@ EXAMPLE_DATA = REPO / "examples" / "domain_specialists" / "data"
 
 
 # --------------------------------------------------------------------------- datasets
-def test_unit_questions_are_right_and_test_is_held_out() -> None:
-    train, test = unit_questions("train"), unit_questions("test")
+def test_unit_conversions_are_right_and_test_is_held_out() -> None:
+    train, test = unit_conversions("train"), unit_conversions("test")
     assert len(train) + len(test) == 6 * 40 * 2 and 0.1 < len(test) / (len(train) + len(test)) < 0.3
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
     factors = {"millimeters/centimeters": 10, "centimeters/meters": 100}
@@ -31,7 +31,7 @@ def test_unit_questions_are_right_and_test_is_held_out() -> None:
     row = next(r for r in train + test if r["prompt"].startswith("How many kilograms are 7000 grams?"))
     assert row["answer"] == "7"
     assert (
-        unit_questions("test", size=5, seed=1) == unit_questions("test", size=5, seed=1) != unit_questions("test")[:5]
+        unit_conversions("test", size=5, seed=1) == unit_conversions("test", size=5, seed=1) != unit_conversions("test")[:5]
     )
 
 
@@ -81,6 +81,7 @@ def _tiny_recipe(out: Path, **stage: Any) -> dict[str, Any]:
         "zero_shot_router": "{domains}? {question}",
         "reward": "exact_match",
         "max_tokens": 4,
+        "time_serial": True,
     }
     spec.update(stage)
     return {
@@ -141,6 +142,7 @@ def test_the_system_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
         )
     t = res["timing"]
     assert t["specialists_parallel_wall_s"] > 0 and t["generalist_wall_s"] > 0 and "router_wall_s" in t
+    assert t["specialists_serial_wall_s"] > 0 and (out / "units_serial" / "progress.json").exists()
     assert set(t["specialists_cpu_s"]) == {"arithmetic", "units", "capitals"}
     # the oracle row is the diagonal of the cross-domain table
     for d in ("arithmetic", "units", "capitals"):

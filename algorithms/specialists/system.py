@@ -63,7 +63,9 @@ class Specialists:
     ``question``) and ``answer``. ``train``: the stages every run trains (any stage spec; its
     dataset is filled in). ``router``: ``{steps, batch_size, optimizer, prefix}`` of the trained
     router, or ``null`` for none. ``zero_shot_router``: the base model's prompt for routing
-    untrained (``{question}`` and ``{domains}`` are filled in), or ``null``."""
+    untrained (``{question}`` and ``{domains}`` are filled in), or ``null``. ``time_serial``:
+    also train the specialists again one after another, to time the serial alternative (their
+    answers are not kept; without it the serial time is estimated from CPU-seconds)."""
 
     domains: Mapping[str, Any] = field(default_factory=dict)
     train: Sequence[Any] = ()
@@ -74,6 +76,7 @@ class Specialists:
     reward: Any = field(default_factory=lambda: {"name": "exact_match", "case_sensitive": False})
     max_tokens: int = 12
     workers: int | None = None
+    time_serial: bool = False
 
     label = "specialists"
 
@@ -189,7 +192,7 @@ class Specialists:
     def run(self, ctx: RunContext) -> dict[str, Any]:
         out = Path(ctx.output_dir)
         t0 = time.perf_counter()
-        for role in self.roles():  # a fresh system: timings of resumed runs would mean nothing
+        for role in [*self.roles(), *(f"{d}_serial" for d in self.domains)]:  # resumed runs would mean nothing
             shutil.rmtree(out / role, ignore_errors=True)
         train_paths, test = self.write_data(ctx, out)
         recipes = self.recipes(ctx, out, train_paths)
@@ -217,6 +220,11 @@ class Specialists:
         _say(f"  trained in {spec_t['train_wall_s']:.1f} s")
         runs = {GENERALIST: gen[GENERALIST], **spec}
         phases = {GENERALIST: gen_t, "specialists": spec_t}
+        if self.time_serial:
+            serial = {d: {"recipe": _moved(recipes[d], out / f"{d}_serial")} for d in domains}
+            _say("specialists again, one after another (timing only)")
+            _, phases["specialists_serial"] = parallel.run_concurrently(serial, workers=1, preload=PRELOAD)
+            _say(f"  trained in {phases['specialists_serial']['train_wall_s']:.1f} s")
         if self.router is not None:
             prompts = [self.router_prefix + r["prompt"] for r in test]
             _say(f"router: {_steps(recipes[ROUTER])} steps from the base model")
@@ -256,6 +264,12 @@ def _write_jsonl(path: Path, rows: Sequence[Mapping[str, Any]]) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return str(path)
+
+
+def _moved(recipe: Any, output_dir: Path) -> Any:
+    from tempering.training.recipe import Recipe
+
+    return Recipe.from_dict({**recipe.to_dict(), "output_dir": str(output_dir)})
 
 
 def _check(recipe: Any) -> None:

@@ -5,7 +5,7 @@ Rows are ``{"prompt": question, "answer": reference}`` and every answer can be c
 The question ends with a reply instruction ("Reply with only the number.") so that a base
 instruct model has a fair chance at an exact answer before any training.
 
-* ``unit_questions``: "How many grams are in 7 kilograms?" -> ``7000`` and back ("How many
+* ``unit_conversions``: "How many grams are in 7 kilograms?" -> ``7000`` and back ("How many
   kilograms are 7000 grams?" -> ``7``), powers-of-ten conversions of length, mass and volume.
   A question's split is a stable hash of (pair, value, direction), as in ``math_questions``.
 * ``capital_questions``: "What is the capital of France?" -> ``Paris`` from ``countries.csv``
@@ -51,14 +51,14 @@ def _in_test(key: str, share: float) -> bool:
     return int.from_bytes(digest[:4], "big") < share * 2**32
 
 
-def unit_questions(
+def unit_conversions(
     split: str = "train", size: int | None = None, high: int = 40, test_share: float = 0.2, seed: int = 0
 ) -> list[dict[str, Any]]:
     """Every conversion of a value in ``1..high`` big units (each pair, both ways) that falls in
     ``split`` (``test_share`` of them in test), shuffled with ``seed``; the first ``size``."""
-    _check_split("unit_questions", split)
+    _check_split("unit_conversions", split)
     if high < 1:
-        raise ValueError(f"unit_questions: high must be >= 1, got {high}")
+        raise ValueError(f"unit_conversions: high must be >= 1, got {high}")
     rows = []
     for small, big, factor in UNIT_PAIRS:
         for v in range(1, high + 1):

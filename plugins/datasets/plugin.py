@@ -28,8 +28,8 @@ def register_datasets(register):
         description="arithmetic questions in natural language (chat messages) for instruct models",
     )
     register(
-        "unit_questions",
-        "tempering.plugins.datasets.domain_questions:unit_questions",
+        "unit_conversions",
+        "tempering.plugins.datasets.domain_questions:unit_conversions",
         description="unit conversions in words (grams in 7 kilograms) for instruct models; integer answers",
     )
     register(
