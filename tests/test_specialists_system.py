@@ -31,7 +31,9 @@ def test_unit_conversions_are_right_and_test_is_held_out() -> None:
     row = next(r for r in train + test if r["prompt"].startswith("How many kilograms are 7000 grams?"))
     assert row["answer"] == "7"
     assert (
-        unit_conversions("test", size=5, seed=1) == unit_conversions("test", size=5, seed=1) != unit_conversions("test")[:5]
+        unit_conversions("test", size=5, seed=1)
+        == unit_conversions("test", size=5, seed=1)
+        != unit_conversions("test")[:5]
     )
 
 
@@ -167,6 +169,7 @@ def test_smollm2_specialists_learn(tmp_path: Path) -> None:
         "stages.0.domains.units.test.size=15",
         "stages.0.domains.capitals.test.size=15",
         "stages.0.zero_shot_router=null",
+        "stages.0.time_serial=false",
     ]
     assert cli.main(["run", "smollm2_specialists", *short, "--output-dir", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
