@@ -113,6 +113,8 @@ def _tiny_recipe(out: Path, **stage: Any) -> dict[str, Any]:
         ({"train": []}, "stages[0].train: a list of stage specs"),
         ({"router": {"stepz": 3}}, "stages[0].router: unknown keys ['stepz']"),
         ({"train": [{"name": "sft", "batch_size": 0}]}, "stages[0].train: the generalist run"),
+        ({"router": {"steps": 0}}, "stages[0].router: the router run"),
+        ({"router": "yes"}, "stages[0].router: a mapping"),
     ],
 )
 def test_bad_config_fails_before_anything_runs(tmp_path: Path, change: dict[str, Any], message: str) -> None:

@@ -102,6 +102,10 @@ class Specialists:
         ):
             raise ConfigError("a list of stage specs every run trains, e.g. [{name: sft, steps: 20}]", f"{path}.train")
         if self.router is not None:
+            if not isinstance(self.router, Mapping):
+                raise ConfigError(
+                    f"a mapping {{steps, batch_size, optimizer, prefix}} or null, got {self.router!r}", f"{path}.router"
+                )
             unknown = set(self.router) - {"steps", "batch_size", "optimizer", "prefix"}
             if unknown:
                 raise ConfigError(
@@ -117,7 +121,8 @@ class Specialists:
                 try:
                     _check(recipe)
                 except ConfigError as err:
-                    raise ConfigError(f"the {role} run: {err}", f"{path}.train") from err
+                    key = f"{path}.router" if role == ROUTER else f"{path}.train"
+                    raise ConfigError(f"the {role} run: {err}", key) from err
 
     def roles(self) -> list[str]:
         return [GENERALIST, *self.domains, *([ROUTER] if self.router is not None else [])]
