@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "domain_specialists"
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "domain_specialists"
 sys.path.insert(0, str(EXAMPLE))
 
 import evaluate_systems  # noqa: E402
@@ -19,6 +20,9 @@ import experiment  # noqa: E402
 import make_data  # noqa: E402
 import router  # noqa: E402
 from make_data import DOMAINS, SPLITS  # noqa: E402
+
+from tempering.algorithms.specialists.routing import balanced_union  # noqa: E402
+from tempering.training.parallel import samples_seen, train_one  # noqa: E402
 
 
 def _all_rows(split: str) -> list[dict]:
@@ -103,7 +107,7 @@ def test_capitals_test_asks_known_facts_in_new_phrasings() -> None:
 
 
 def test_countries_table() -> None:
-    with open(EXAMPLE / "countries.csv", encoding="utf-8", newline="") as fh:
+    with open(REPO / "plugins" / "datasets" / "countries.csv", encoding="utf-8", newline="") as fh:
         rows = list(csv.DictReader(fh))
     assert len(rows) == 100
     assert len({r["country"] for r in rows}) == 100
@@ -169,7 +173,7 @@ def test_parse_domain() -> None:
 # --------------------------------------------------------------------------- recipes and scoring
 def test_balanced_union_gives_each_domain_the_same_share() -> None:
     train = {d: make_data.load_split(d, "train") for d in DOMAINS}
-    union = experiment.balanced_union(train)
+    union = balanced_union(train)
     counts = {d: sum(r["domain"] == d for r in union) for d in DOMAINS}
     assert len(set(counts.values())) == 1, counts
     # every row of the small domain appears, none more than once beyond its fair share
@@ -198,8 +202,8 @@ def test_recipes_share_hyperparameters_and_samples(tmp_path: Path, scale_name: s
         assert r.stages[0]["dataset"]["path"] == paths[domain]["train"]
     for i in range(len(gen.stages)):
         assert gen.stages[i]["steps"] == sum(r.stages[i]["steps"] for r in recipes.values())
-    seen = {d: experiment.samples_seen(r) for d, r in recipes.items()}
-    assert experiment.samples_seen(gen) == {k: sum(s[k] for s in seen.values()) for k in seen["units"]}
+    seen = {d: samples_seen(r) for d, r in recipes.items()}
+    assert samples_seen(gen) == {k: sum(s[k] for s in seen.values()) for k in seen["units"]}
     assert gen.backend["model_kwargs"]["chars"] == make_data.load_meta()["chars"]
 
     # every stage's keys are valid (the registry builds the stages without training)
@@ -262,7 +266,7 @@ def test_a_specialist_trains_and_answers_on_the_tinker_backend_offline(
     questions = _prompts(Path(paths["test"]))
     threads = torch.get_num_threads()
     try:
-        out = experiment.train_one({"recipe": recipe, "prompts": questions})
+        out = train_one({"recipe": recipe, "prompts": questions})
         again = evaluate_systems.answer_job({"backend": spec, "checkpoint": out["checkpoint"], "prompts": questions})
     finally:
         torch.set_num_threads(threads)
@@ -274,7 +278,7 @@ def test_a_specialist_trains_and_answers_on_the_tinker_backend_offline(
     created = server.bodies("CreateModel")[0]
     assert (created.base_model, created.lora_config.rank, created.lora_config.seed) == ("fake/tiny", 8, 0)
     assert len(server.bodies("ForwardBackward")) == scale.sft_steps + scale.grpo_steps
-    assert out["samples_seen"] == experiment.samples_seen(recipe)
+    assert out["samples_seen"] == samples_seen(recipe)
 
 
 @pytest.mark.parametrize(

@@ -47,3 +47,9 @@ def sdpo_feedback() -> dict[str, Any]:
     """SDPO where most rollouts fail but feedback is informative: a tiny Llama warmed up to
     15% on addition (and to read "expected X, got Y" feedback), then SDPO on exact_match."""
     return _load("sdpo_feedback")
+
+
+def smollm2_specialists() -> dict[str, Any]:
+    """Ramp's system on a real model: three SmolLM2-135M-Instruct specialists trained in
+    parallel processes vs one generalist with 3x the steps, with a trained router."""
+    return _load("smollm2_specialists")

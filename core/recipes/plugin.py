@@ -29,6 +29,11 @@ def register_recipes(register):
         description="real-model CPU demo: GRPO with LoRA teaches SmolLM2-135M-Instruct arithmetic in words",
     )
     register(
+        "smollm2_specialists",
+        "tempering.recipes:smollm2_specialists",
+        description="real-model CPU demo: SmolLM2 domain specialists in parallel vs one generalist, with a router",
+    )
+    register(
         "sdpo_feedback",
         "tempering.recipes:sdpo_feedback",
         description="CPU demo: SDPO from exact_match's feedback where most rollouts fail (tiny Llama, addition)",

@@ -25,6 +25,10 @@ from typing import Any
 import router as routing
 from make_data import DOMAINS
 
+from tempering.algorithms.specialists import routing as routes_lib
+from tempering.algorithms.specialists.routing import routed
+from tempering.training.parallel import answer_with, free_core_ratios
+
 MAX_TOKENS = 16
 COLUMNS = ("system", *DOMAINS, "overall", "train_wall_s", "samples_seen")
 SYSTEMS = ("generalist", "keyword router + specialists", "model router + specialists", "oracle routing + specialists")
@@ -33,20 +37,6 @@ SYSTEMS = ("generalist", "keyword router + specialists", "model router + special
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as fh:
         return [json.loads(line) for line in fh if line.strip()]
-
-
-def answer_with(backend: Any, prompts: Sequence[str], max_tokens: int = MAX_TOKENS, batch_size: int = 256) -> list[str]:
-    """Greedy answers of ``backend``'s current model to ``prompts`` (text in, text out)."""
-    from tempering.rollouts.data import encode_prompt
-    from tempering.types import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    encoded = [encode_prompt(backend.tokenizer, {"prompt": p}) for p in prompts]
-    texts: list[str] = []
-    for start in range(0, len(encoded), batch_size):
-        out = backend.sample(encoded[start : start + batch_size], 1, params).result()
-        texts += [c[0].text for c in out]
-    return texts
 
 
 def answer_job(job: Mapping[str, Any]) -> list[str]:
@@ -87,20 +77,9 @@ def score(answers: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> list[flo
 
 
 def per_domain(correct: Sequence[float], rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    out = {}
-    for d in DOMAINS:
-        idx = [i for i, r in enumerate(rows) if r["domain"] == d]
-        out[d] = sum(correct[i] for i in idx) / len(idx) if idx else float("nan")
     # overall = the mean over questions; macro = the mean over domains (equal when, as at both
     # scales, every domain has as many test questions).
-    out["overall"] = sum(correct) / max(len(correct), 1)
-    out["macro"] = sum(out[d] for d in DOMAINS) / len(DOMAINS)
-    return out
-
-
-def routed(choice: Sequence[str | None], correct_by_model: Mapping[str, Sequence[float]]) -> list[float]:
-    """For each question, the correctness of the specialist chosen for it (0 if none)."""
-    return [correct_by_model[c][i] if c in correct_by_model else 0.0 for i, c in enumerate(choice)]
+    return routes_lib.per_domain(correct, rows, DOMAINS)
 
 
 def evaluate_all(
@@ -189,15 +168,9 @@ def evaluate_all(
 
 
 def free_core_estimates(timing: Mapping[str, Any]) -> dict[str, float]:
-    """What the ratio would be without contention, from the CPU-seconds each run used: a run
-    alone on a free core takes about its CPU time, so three specialists on >= 3 free cores take
-    the longest one's, and on 2 free cores at least half their sum."""
-    gen, spec = timing["generalist_cpu_s"], list(timing["specialists_cpu_s"].values())
-    return {
-        "ratio_cpu_estimate_3_free_cores": gen / max(spec),
-        "ratio_cpu_estimate_2_free_cores": gen / max(max(spec), sum(spec) / 2),
-        "work_ratio_generalist_over_specialists": gen / sum(spec),
-    }
+    """What the ratio would be without contention, from the CPU-seconds each run used
+    (:func:`tempering.training.parallel.free_core_ratios`)."""
+    return free_core_ratios(timing["generalist_cpu_s"], list(timing["specialists_cpu_s"].values()))
 
 
 # --------------------------------------------------------------------------- outputs

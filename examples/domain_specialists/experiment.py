@@ -18,19 +18,17 @@ from __future__ import annotations
 import copy
 import json
 import os
-import random
 import shutil
-import threading
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
 import make_data
 from make_data import DATA, DOMAINS, ROUTER_PREFIX
+
+from tempering.algorithms.specialists.routing import balanced_union
+from tempering.training import parallel
 
 HERE = Path(__file__).resolve().parent
 TEMPLATE = HERE / "recipe.yaml"
@@ -89,20 +87,6 @@ def _write_jsonl(path: Path, rows: Iterable[Mapping[str, Any]]) -> str:
         for r in rows:
             fh.write(json.dumps(r, separators=(",", ":")) + "\n")
     return str(path)
-
-
-def balanced_union(per_domain: Mapping[str, Sequence[Mapping[str, Any]]], seed: int = 0) -> list[dict[str, Any]]:
-    """Every domain repeated up to the largest one's size, so that an epoch over the union (and
-    hence, in expectation, every batch) is one third of each domain: the generalist then sees
-    as many samples of a domain as that domain's specialist."""
-    target = max(len(rows) for rows in per_domain.values())
-    out: list[dict[str, Any]] = []
-    rng = random.Random(seed)
-    for rows in per_domain.values():
-        rows = [dict(r) for r in rows]
-        reps, rest = divmod(target, len(rows))
-        out += rows * reps + rng.sample(rows, rest)
-    return out
 
 
 def router_rows(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, str]]:
@@ -276,29 +260,9 @@ def _walk(node: Any, path: str = "") -> Iterable[tuple[str, Any]]:
         yield path, node
 
 
-def samples_seen(recipe: Any) -> dict[str, int]:
-    """What a run trains on: SFT rows plus GRPO completions (prompts x group size)."""
-    out = {"sft_rows": 0, "grpo_prompts": 0, "grpo_completions": 0}
-    for s in recipe.stages:
-        if s["name"] == "sft":
-            out["sft_rows"] += int(s["steps"]) * int(s.get("batch_size", 64))
-        elif s["name"] == "grpo":
-            prompts = int(s["steps"]) * int(s.get("prompts_per_step", 16))
-            out["grpo_prompts"] += prompts
-            out["grpo_completions"] += prompts * int(s.get("group_size", 8))
-    out["total"] = out["sft_rows"] + out["grpo_completions"]
-    return out
-
-
 # --------------------------------------------------------------------------- training processes
-#: Imported once by the fork server, so that a training process starts in a fraction of a
-#: second instead of importing torch + transformers itself (10+ CPU-seconds on a busy machine).
+#: Imported once by the fork server besides :data:`tempering.training.parallel.PRELOAD`.
 PRELOAD = [
-    "torch",
-    "transformers",
-    "transformers.models.llama.modeling_llama",
-    "transformers.generation.utils",
-    "tempering.training.recipe",
     "tempering.plugins.backends.local.backend",
     "tempering.plugins.models.tiny",
     "tempering.algorithms.sft.algorithm",
@@ -314,159 +278,13 @@ PRELOAD = [
 ]
 
 
-def _cpu_seconds() -> float:
-    import resource
-
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def _build_backend(recipe: Any) -> Any:
-    """The recipe's backend, seeded like ``run_recipe`` would (one seed for the whole recipe)."""
-    from tempering.registry import get_registry
-    from tempering.training.recipe import _accepts
-
-    registry = get_registry()
-    spec = dict(recipe.backend) if isinstance(recipe.backend, Mapping) else {"name": recipe.backend}
-    if "seed" not in spec and _accepts(registry, spec, "seed"):
-        spec["seed"] = recipe.seed
-    return registry.build("backend", spec, "backend")
-
-
-def train_one(job: Mapping[str, Any]) -> dict[str, Any]:
-    """In a worker process: run ``job["recipe"]``, then answer ``job["prompts"]`` (greedy) with
-    the trained model; then, if given, ``job["then"]`` (another recipe continuing from these
-    weights, and its prompts: the model router). Times are ``time.time()`` stamps, so that the
-    parent can tell training from evaluation."""
-    os.environ.setdefault("TEMPERING_PROGRESS", "0")
-    t_start, cpu_start = time.time(), _cpu_seconds()
-    import torch
-
-    torch.set_num_threads(1)  # also what the local backend's num_threads: 1 does
-    from evaluate_systems import answer_with
-
-    from tempering.training.recipe import read_progress
-
-    def one(recipe: Any, backend: Any, prompts: Sequence[str]) -> dict[str, Any]:
-        t0, c0 = time.time(), _cpu_seconds()
-        result = recipe.run(backend=backend)
-        t1, c1 = time.time(), _cpu_seconds()
-        answers = answer_with(backend, prompts) if prompts else []
-        progress = read_progress(result.output_dir) or {}
-        return {
-            "output_dir": result.output_dir,
-            "checkpoint": progress.get("checkpoint"),
-            "completed": progress.get("completed", []),
-            "stages": result.stages,
-            "samples_seen": samples_seen(recipe),
-            "train_started": t0,
-            "train_ended": t1,
-            "train_wall_s": t1 - t0,
-            "train_cpu_s": c1 - c0,
-            "answers": answers,
-            "eval_wall_s": time.time() - t1,
-        }
-
-    recipe = job["recipe"]
-    backend = _build_backend(recipe)
-    out = one(recipe, backend, job.get("prompts", ()))
-    out["setup_wall_s"] = out["train_started"] - t_start
-    if job.get("then"):
-        out["then"] = one(job["then"]["recipe"], backend, job["then"].get("prompts", ()))
-    if hasattr(backend, "close"):
-        backend.close()
-    out.update(process_started=t_start, cpu_s=_cpu_seconds() - cpu_start, pid=os.getpid())
-    return out
-
-
-def _noop(_: Any = None) -> int:
-    return os.getpid()
-
-
-class LoadSampler:
-    """Samples ``os.getloadavg()`` (1-minute) every ``every`` seconds in a background thread."""
-
-    def __init__(self, every: float = 1.0) -> None:
-        self.every, self.samples = every, []  # type: ignore[var-annotated]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append(os.getloadavg()[0])
-            self._stop.wait(self.every)
-
-    def __enter__(self) -> LoadSampler:
-        self.before = os.getloadavg()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.after = os.getloadavg()
-
-    def summary(self) -> dict[str, float]:
-        s = self.samples or [self.before[0]]
-        return {
-            "before_1min": round(self.before[0], 2),
-            "before_5min": round(self.before[1], 2),
-            "mean_1min": round(sum(s) / len(s), 2),
-            "max_1min": round(max(s), 2),
-            "after_1min": round(self.after[0], 2),
-        }
-
-
-def mp_context() -> Any:
-    """``forkserver`` (POSIX): every worker is forked from one server that imported torch and
-    transformers once (:data:`PRELOAD`) and never ran a torch op, so workers start fast and
-    with no inherited threads or locks. ``spawn`` where there is no fork."""
-    import multiprocessing as mp
-
-    if "forkserver" not in mp.get_all_start_methods():
-        return get_context("spawn")
-    ctx = get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
-
-def warm_up() -> float:
-    """Start the fork server (it imports :data:`PRELOAD`) before anything is timed; seconds taken."""
-    t0 = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=1, mp_context=mp_context()) as pool:
-        pool.submit(_noop).result()
-    return time.perf_counter() - t0
-
-
 def run_concurrently(
     jobs: Mapping[str, Mapping[str, Any]],
-    fn: Callable[[Mapping[str, Any]], Any] = train_one,
+    fn: Callable[[Mapping[str, Any]], Any] = parallel.train_one,
     workers: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Run ``fn(job)`` for every job, each in its own worker process, all at once.
-
-    Returns the results by name and the timing: ``wall_s`` from the launch to the last
-    result; with :func:`train_one`, ``train_wall_s`` from the launch to the end of the last
-    job's training (its evaluation excluded) and the load average meanwhile."""
-    with LoadSampler() as load:
-        launched = time.time()
-        with ProcessPoolExecutor(max_workers=workers or len(jobs), mp_context=mp_context()) as pool:
-            futures = {name: pool.submit(fn, job) for name, job in jobs.items()}
-            results = {name: f.result() for name, f in futures.items()}
-        ended = time.time()
-    timing: dict[str, Any] = {"wall_s": ended - launched, "load": load.summary()}
-    ends = [r["train_ended"] for r in results.values() if isinstance(r, Mapping) and "train_ended" in r]
-    if ends:
-        timing["train_wall_s"] = max(ends) - launched
-        timing["load"] = _load_until(load, launched, max(ends))
-    return results, timing
-
-
-def _load_until(load: LoadSampler, start: float, end: float) -> dict[str, float]:
-    """The load summary over the training part only (samples are 1 s apart from ``start``)."""
-    n = max(1, int((end - start) / load.every) + 1)
-    s = load.samples[:n] or [load.before[0]]
-    return {**load.summary(), "mean_1min": round(sum(s) / len(s), 2), "max_1min": round(max(s), 2)}
+    """:func:`tempering.training.parallel.run_concurrently` with this example's modules preloaded."""
+    return parallel.run_concurrently(jobs, fn, workers, PRELOAD)
 
 
 def train_all(
@@ -500,7 +318,7 @@ def train_all(
         "recipes": {k: r.to_dict() for k, r in recipes.items()},
     }
     log(f"[0/2] starting the worker fork server (imports torch once; not timed; load {os.getloadavg()[0]:.2f})")
-    info["warm_up_s"] = warm_up()
+    info["warm_up_s"] = parallel.warm_up(PRELOAD)
 
     gen_job: dict[str, Any] = {"recipe": recipes["generalist"], "prompts": questions}
     if model_router:

@@ -9,7 +9,8 @@ Every row is ``{"prompt": ..., "answer": ...}`` (the keys tempering's SFT/GRPO s
 * ``arithmetic``: ``"23+45="`` -> ``"68"``, ``a, b`` in 0..49. Splits are disjoint sets of pairs.
 * ``units``: ``"5 km in m="`` -> ``"5000"`` and back (``"5000 m in km="`` -> ``"5"``), powers-of-ten
   conversions of length, mass and volume, so every answer is an integer. Disjoint prompts.
-* ``capitals``: ``"capital of France="`` -> ``"Paris"`` from ``countries.csv`` (100 countries),
+* ``capitals``: ``"capital of France="`` -> ``"Paris"`` from ``countries.csv`` (100 countries,
+  shipped with the ``capital_questions`` dataset: ``tempering.plugins.datasets``),
   each asked in four phrasings. A capital is a fact, not something a model can work out: a
   country never seen in training cannot be answered. So the split holds out *phrasings*: every
   country has two phrasings in train, one in val and one in test (which phrasing goes where is
@@ -23,12 +24,13 @@ router prompt's prefix: the tiny models' character tokenizer is built from it.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import random
 import sys
 from pathlib import Path
 from typing import Any
+
+from tempering.plugins.datasets.domain_questions import read_countries
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "data"
@@ -56,14 +58,6 @@ UNIT_MAX = 999
 UNIT_SIZES = {"train": 1200, "val": 150, "test": 200}
 
 CAPITAL_TEMPLATES = ("capital of {c}=", "{c} capital=", "capital city of {c}=", "{c} has capital=")
-
-
-def read_countries(path: Path = HERE / "countries.csv") -> list[tuple[str, str]]:
-    with open(path, encoding="utf-8", newline="") as fh:
-        rows = [(r["country"].strip(), r["capital"].strip()) for r in csv.DictReader(fh)]
-    if len({c for c, _ in rows}) != len(rows):
-        raise ValueError(f"{path}: a country appears twice")
-    return rows
 
 
 def arithmetic(rng: random.Random) -> dict[str, list[dict[str, str]]]:

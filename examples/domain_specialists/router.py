@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from make_data import DOMAINS, ROUTER_PREFIX
 
+from tempering.algorithms.specialists import routing
+
 UNIT = r"(?:mm|cm|m|km|mg|g|kg|ml|l)"
 
 #: Domain -> patterns; each pattern that matches the question is one vote.
@@ -57,28 +59,17 @@ def router_prompt(question: str) -> str:
 
 def parse_domain(answer: str) -> str | None:
     """The model router's answer -> a domain, or None if it named none (counted as a misroute)."""
-    text = answer.strip().lower()
-    return text if text in DOMAINS else None
+    return routing.parse_domain(answer, DOMAINS)
 
 
 def accuracy(routes: Sequence[str | None], rows: Sequence[Mapping[str, str]]) -> dict[str, float]:
     """Share of rows routed to their own domain, overall and per domain."""
-    if len(routes) != len(rows):
-        raise ValueError(f"{len(routes)} routes for {len(rows)} rows")
-    out: dict[str, float] = {}
-    for d in DOMAINS:
-        idx = [i for i, r in enumerate(rows) if r["domain"] == d]
-        out[d] = sum(routes[i] == d for i in idx) / len(idx) if idx else float("nan")
-    out["overall"] = sum(p == r["domain"] for p, r in zip(routes, rows)) / max(len(rows), 1)
-    return out
+    return routing.accuracy(routes, rows, DOMAINS)
 
 
 def confusion(routes: Iterable[str | None], rows: Iterable[Mapping[str, str]]) -> dict[str, dict[str, int]]:
     """true domain -> predicted domain (or ``none``) -> count."""
-    out = {d: {p: 0 for p in (*DOMAINS, "none")} for d in DOMAINS}
-    for p, r in zip(routes, rows):
-        out[r["domain"]][p or "none"] += 1
-    return out
+    return routing.confusion(routes, rows, DOMAINS)
 
 
 def route_all(questions: Iterable[str], route: Callable[[str], str | None] = keyword_route) -> list[str | None]:

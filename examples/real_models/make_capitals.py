@@ -2,26 +2,25 @@
 
 The new skill is a fixed answer format: "What is the capital of France?" answered as the JSON
 ``{"capital": "Paris"}`` (the question does not ask for JSON; the demonstrations show it). The
-countries are ``examples/domain_specialists/countries.csv`` (100), split 70 / 30 by a seeded
+countries are the ``capital_questions`` dataset's ``countries.csv`` (100), split 70 / 30 by a seeded
 shuffle, so the held-out countries are never demonstrated. Rows: ``prompt``, ``demonstration``
 and ``answer`` (= the demonstration, for ``exact_match``), ``capital``.
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import random
 
+from tempering.plugins.datasets.domain_questions import read_countries
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-COUNTRIES = os.path.join(HERE, "..", "domain_specialists", "countries.csv")
 TEST_SIZE = 30
 
 
 def rows() -> list[dict[str, str]]:
-    with open(COUNTRIES, encoding="utf-8") as fh:
-        pairs = [(r["country"], r["capital"]) for r in csv.DictReader(fh)]
+    pairs = read_countries()
     random.Random(0).shuffle(pairs)
     return [
         {

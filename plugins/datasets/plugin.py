@@ -28,6 +28,16 @@ def register_datasets(register):
         description="arithmetic questions in natural language (chat messages) for instruct models",
     )
     register(
+        "unit_conversions",
+        "tempering.plugins.datasets.domain_questions:unit_conversions",
+        description="unit conversions in words (grams in 7 kilograms) for instruct models; integer answers",
+    )
+    register(
+        "capital_questions",
+        "tempering.plugins.datasets.domain_questions:capital_questions",
+        description="capital cities asked in words for instruct models; test holds out countries",
+    )
+    register(
         "synthetic_preferences",
         "tempering.plugins.datasets.synthetic_preferences:synthetic_preferences",
         description="addition prompts, chosen = right sum, rejected = near miss or malformed",
