@@ -47,3 +47,15 @@ def sdpo_feedback() -> dict[str, Any]:
     """SDPO where most rollouts fail but feedback is informative: a tiny Llama warmed up to
     15% on addition (and to read "expected X, got Y" feedback), then SDPO on exact_match."""
     return _load("sdpo_feedback")
+
+
+def smollm2_sdft() -> dict[str, Any]:
+    """SDFT vs SFT on SmolLM2-135M-Instruct, the SDFT arm: a new skill (a request answered by
+    one tool call) learnt on-policy from demonstrations, the teacher shown the demonstration as
+    its own earlier answer."""
+    return _load("smollm2_sdft")
+
+
+def smollm2_sft_skill() -> dict[str, Any]:
+    """SDFT vs SFT on SmolLM2-135M-Instruct, the SFT arm: the same new skill by plain SFT."""
+    return _load("smollm2_sft_skill")

@@ -37,3 +37,13 @@ def register_datasets(register):
         "tempering.plugins.datasets.math_preferences:math_preferences",
         description="DPO pairs on math_questions: the bare right number over a wrong or verbose answer",
     )
+    register(
+        "tool_calls",
+        "tempering.plugins.datasets.tool_calls:tool_calls",
+        description="requests answered by one tool call, weather(city=\"Oslo\"): a new skill for SDFT vs SFT",
+    )
+    register(
+        "compare_questions",
+        "tempering.plugins.datasets.tool_calls:compare_questions",
+        description="which of two numbers is larger, for math_answer: a prior skill to measure forgetting on",
+    )

@@ -1,0 +1,48 @@
+"""The ``tool_calls`` and ``compare_questions`` datasets (the ``smollm2_sdft`` recipes' new and prior skills)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tempering.plugins.datasets.tool_calls import compare_questions, tool_calls
+
+CALL = re.compile(r'^(weather\(city="[A-Z][a-z]+"\)|timer\(minutes=\d+\)|call\(name="[A-Z][a-z]+"\))$')
+
+
+def argument(call: str) -> str:
+    return call.split("=", 1)[1].rstrip(")")
+
+
+def test_tool_calls_are_one_canonical_call_and_held_out_arguments_are_never_demonstrated() -> None:
+    train, test = tool_calls("train"), tool_calls("test")
+    assert (len(train), len(test)) == (261, 144)
+    for row in train + test:
+        assert CALL.match(row["demonstration"]) and row["answer"] == row["demonstration"]
+        assert row["prompt"].startswith("Tools: weather(city), timer(minutes), call(name).\nRequest: ")
+        assert row["demonstration"].startswith(row["tool"] + "(")
+        assert argument(row["demonstration"]).strip('"') in row["prompt"]  # the argument is in the request
+        assert "messages" not in row  # an SFT stage would read it as a whole transcript
+    seen = {(r["tool"], argument(r["demonstration"])) for r in train}
+    assert not seen & {(r["tool"], argument(r["demonstration"])) for r in test}
+    assert {r["tool"] for r in test} == {"weather", "timer", "call"}
+    assert tool_calls("test", size=5, seed=3) == tool_calls("test", size=5, seed=3) != tool_calls("test", size=5)
+
+
+def test_compare_questions_answer_the_larger_number_and_splits_are_disjoint() -> None:
+    test, train = compare_questions("test", size=None), compare_questions("train", size=None)
+    assert len(test) == 200
+    for row in test:
+        a, b = map(int, re.findall(r"\d+", row["question"]))
+        assert row["answer"] == str(max(a, b)) and a != b
+        assert row["messages"] == [{"role": "user", "content": row["question"]}]
+    pairs = lambda rows: {frozenset(map(int, re.findall(r"\d+", r["question"]))) for r in rows}  # noqa: E731
+    assert not pairs(test) & pairs(train)
+
+
+def test_bad_split_is_named() -> None:
+    with pytest.raises(ValueError, match="tool_calls: split must be 'train' or 'test'"):
+        tool_calls("dev")
+    with pytest.raises(ValueError, match="compare_questions: split must be"):
+        compare_questions("dev")
