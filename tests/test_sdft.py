@@ -478,9 +478,7 @@ def test_demonstration_metrics_measure_what_the_teacher_knows_that_the_student_d
     template ``{prompt}``) scores it exactly as the student does; shown the demonstration
     (``{demonstration} {prompt}``) it is another number. Both are sums over the demonstration's
     tokens, so negative, and the first token's probability is in (0, 1)."""
-    same = _sdft_recipe(
-        tmp_path, "same", teacher="live", teacher_template="{prompt}", demonstration_metrics=True
-    ).run()
+    same = _sdft_recipe(tmp_path, "same", teacher="live", teacher_template="{prompt}", demonstration_metrics=True).run()
     shown = _sdft_recipe(tmp_path, "shown", teacher="base", demonstration_metrics=True).run()
     for result in (same, shown):
         rows = [r for r in result.history if "loss" in r]

@@ -37,7 +37,7 @@ def test_compare_questions_answer_the_larger_number_and_splits_are_disjoint() ->
         a, b = map(int, re.findall(r"\d+", row["question"]))
         assert row["answer"] == str(max(a, b)) and a != b
         assert row["messages"] == [{"role": "user", "content": row["question"]}]
-    pairs = lambda rows: {frozenset(map(int, re.findall(r"\d+", r["question"]))) for r in rows}  # noqa: E731
+    pairs = lambda rows: {frozenset(map(int, re.findall(r"\d+", r["question"]))) for r in rows}
     assert not pairs(test) & pairs(train)
 
 
