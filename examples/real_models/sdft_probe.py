@@ -10,7 +10,7 @@ token), how often the greedy answer is exactly the call, and -- on the student's
 answer, the tokens SDFT actually scores -- how much of the teacher's mass at the first answer
 token lies on the correct first token, and whether that token is inside the student's top-100
 (the support of ``topk_logits`` with ``topk_support: student``: a token outside it carries no
-teacher signal at all). ``--run`` loads a run's LoRA adapter (its latest checkpoint) as the
+teacher signal at all), and how often it is the teacher's most likely first token. ``--run`` loads a run's LoRA adapter (its latest checkpoint) as the
 student instead of the base model, to follow the same numbers through training.
 """
 
@@ -33,17 +33,19 @@ TEMPLATES = {
     "like_this": "{prompt} Reply with the call only, like this: {demonstration}",
     "example_first": "Example answer: {demonstration}\n{prompt}",
     "copy": "{prompt}\nThe correct answer is: {demonstration}\nReply with exactly that answer.",
-    # the demonstration as the model's own earlier answer to the same request (two turns)
-    "earlier_turn": "",
+    # the demonstration as the model's own earlier answer to the same request (two turns), the
+    # request asked again through the template
+    "earlier_turn": "{prompt}",
+    "earlier_turn_same": "{prompt} Answer the same way as before.",
 }
 
 
 def teacher_messages(name: str, prompt: str, demonstration: str) -> str | list[dict[str, str]]:
-    if name == "earlier_turn":
+    if name.startswith("earlier_turn"):
         return [
             {"role": "user", "content": prompt},
             {"role": "assistant", "content": demonstration},
-            {"role": "user", "content": prompt},
+            {"role": "user", "content": teacher_prompt(TEMPLATES[name], prompt, demonstration)},
         ]
     return teacher_prompt(TEMPLATES[name], prompt, demonstration)
 
@@ -76,6 +78,7 @@ def main() -> None:
     parser.add_argument("--run", help="a run folder: its latest LoRA adapter is the student")
     parser.add_argument("--templates", nargs="+", default=list(TEMPLATES))
     parser.add_argument("--show", action="store_true", help="print each teacher's greedy answer")
+    parser.add_argument("--no-greedy", action="store_true", help="log-probabilities only (faster)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, tokenizer = smollm2()
@@ -85,7 +88,7 @@ def main() -> None:
     rows = tool_calls("test", size=args.n, seed=1)
     student = {"lp": [], "lp0": [], "exact": 0}
     teachers: dict[str, dict[str, Any]] = {
-        t: {"lp": [], "lp0": [], "exact": 0, "mass0": [], "in_top100": 0} for t in args.templates
+        t: {"lp": [], "lp0": [], "exact": 0, "mass0": [], "in_top100": 0, "top1": 0} for t in args.templates
     }
     for row in rows:
         call = tokenizer.encode(row["demonstration"], add_special_tokens=False)
@@ -93,7 +96,7 @@ def main() -> None:
         s_lp = next_logprobs(model, s_prefix, call)
         student["lp"].append(s_lp.gather(-1, torch.tensor(call)[:, None]).sum().item())
         student["lp0"].append(s_lp[0, call[0]].item())
-        s_answer = greedy(model, tokenizer, s_prefix)
+        s_answer = [] if args.no_greedy else greedy(model, tokenizer, s_prefix)
         student["exact"] += tokenizer.decode(s_answer).strip() == row["answer"]
         # the student's own first-token distribution: is the correct first token in its top-100?
         s_first = next_logprobs(model, s_prefix, s_answer[:1] or call[:1])[0]
@@ -104,20 +107,23 @@ def main() -> None:
             rec = teachers[name]
             rec["lp"].append(t_lp.gather(-1, torch.tensor(call)[:, None]).sum().item())
             rec["lp0"].append(t_lp[0, call[0]].item())
-            t_answer = tokenizer.decode(greedy(model, tokenizer, t_prefix)).strip()
+            t_answer = "" if args.no_greedy else tokenizer.decode(greedy(model, tokenizer, t_prefix)).strip()
             rec["exact"] += t_answer == row["answer"]
             if args.show:
                 print(f"  teacher {name}: {t_answer!r}")
             rec["in_top100"] += in_top
+            rec["top1"] += int(t_lp[0].argmax()) == call[0]
             rec["mass0"].append(math.exp(t_lp[0, call[0]].item()))
         print(f"student: {tokenizer.decode(s_answer)!r}  want {row['answer']!r}", flush=True)
     n = len(rows)
-    print(f"\n{'who':14} {'logP(call)':>10} {'P(1st tok)':>10} {'greedy exact':>12} {'1st in student top100':>22}")
+    print(
+        f"\n{'who':14} {'logP(call)':>10} {'P(1st tok)':>10} {'greedy exact':>12} {'1st in student top100':>22} {'teacher top-1 = 1st':>20}"
+    )
     print(f"{'student':14} {mean(student['lp']):10.2f} {mean([math.exp(x) for x in student['lp0']]):10.3f} "
           f"{student['exact'] / n:12.2f}")  # fmt: skip
     for name, rec in teachers.items():
         print(f"{'teacher ' + name:14} {mean(rec['lp']):10.2f} {mean(rec['mass0']):10.3f} {rec['exact'] / n:12.2f} "
-              f"{rec['in_top100'] / n:22.2f}")  # fmt: skip
+              f"{rec['in_top100'] / n:22.2f} {rec['top1'] / n:20.2f}")  # fmt: skip
 
 
 def load_adapter(model: Any, run_dir: str) -> Any:
