@@ -5,13 +5,15 @@
 For held-out ``tool_calls`` requests (the ``smollm2_sdft`` recipe's new skill), the model alone
 (the student: the request as its user turn) and the model shown the demonstration (the teacher:
 ``teacher_template`` around the request) score the correct call, and each answers greedily.
-Printed per template: the mean log-probability of the correct call (whole call, and its first
-token), how often the greedy answer is exactly the call, and -- on the student's own greedy
-answer, the tokens SDFT actually scores -- how much of the teacher's mass at the first answer
-token lies on the correct first token, and whether that token is inside the student's top-100
-(the support of ``topk_logits`` with ``topk_support: student``: a token outside it carries no
-teacher signal at all), and how often it is the teacher's most likely first token. ``--run`` loads a run's LoRA adapter (its latest checkpoint) as the
-student instead of the base model, to follow the same numbers through training.
+Printed per template: the mean log-probability of the correct call (whole call) and the mean
+probability of its first token, how often the greedy answer is exactly the call, whether that
+first token is inside the student's top-100 (the support of ``topk_logits`` with
+``topk_support: student``: a token outside it carries no teacher signal at all) and how often it
+is the teacher's most likely first token. Then, for one teacher (``--push``), how hard each SDFT
+loss pushes the student's logit of that first token (``-dL/dz`` at the first answer position,
+where the answer's format is decided). ``--run`` loads a run's LoRA adapter (its latest
+checkpoint) as the student instead of the base model, to follow the same numbers through
+training.
 """
 
 from __future__ import annotations
@@ -26,6 +28,34 @@ import torch
 from tempering.algorithms.sdft.algorithm import DEFAULT_TEACHER_TEMPLATE, teacher_prompt
 from tempering.plugins.datasets.tool_calls import tool_calls
 from tempering.plugins.models.smollm2 import smollm2
+from tempering.rlmath.divergence import full_logits_loss, topk_logits_loss
+
+#: SDFT losses compared on the push they give the call's first token (``--push``): name -> loss
+#: of (student logits, teacher log-probabilities) at one position.
+LOSSES = {
+    "top-100 student support, JSD (the default)": lambda s, t: topk_logits_loss(s, 0.5, 100, teacher_logits=t),
+    "top-20 teacher support + tail, JSD": lambda s, t: topk_logits_loss(
+        s, 0.5, 20, True, teacher_topk_logprobs=t.topk(20).values, teacher_topk_ids=t.topk(20).indices
+    ),
+    "top-20 teacher support + tail, forward KL": lambda s, t: topk_logits_loss(
+        s, 0.0, 20, True, teacher_topk_logprobs=t.topk(20).values, teacher_topk_ids=t.topk(20).indices
+    ),
+    "full vocabulary, JSD": lambda s, t: full_logits_loss(s, t, 0.5),
+    "full vocabulary, forward KL": lambda s, t: full_logits_loss(s, t, 0.0),
+    "full vocabulary, reverse KL": lambda s, t: full_logits_loss(s, t, 1.0),
+}
+
+
+def first_token_push(student_logits: torch.Tensor, teacher_logp: torch.Tensor, token: int) -> dict[str, float]:
+    """``-d loss / d z[token]`` for each of :data:`LOSSES` at one position: how hard one loss
+    step raises the student's logit of ``token`` (0: the loss does not see it)."""
+    out = {}
+    for name, loss in LOSSES.items():
+        z = student_logits.detach().clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(loss(z, teacher_logp), z)
+        out[name] = -float(grad[token])
+    return out
+
 
 TEMPLATES = {
     "paper": DEFAULT_TEACHER_TEMPLATE,
@@ -65,6 +95,12 @@ def next_logprobs(model: Any, prefix: list[int], continuation: list[int]) -> tor
 
 
 @torch.no_grad()
+def next_logits(model: Any, prefix: list[int]) -> torch.Tensor:
+    """The logits of the first answer token, ``(V,)``."""
+    return model(torch.tensor([prefix])).logits[0, -1].float()
+
+
+@torch.no_grad()
 def greedy(model: Any, tokenizer: Any, prefix: list[int], max_new: int = 16) -> list[int]:
     out = model.generate(torch.tensor([prefix]), max_new_tokens=max_new, do_sample=False)
     new = out[0, len(prefix) :].tolist()
@@ -79,6 +115,7 @@ def main() -> None:
     parser.add_argument("--templates", nargs="+", default=list(TEMPLATES))
     parser.add_argument("--show", action="store_true", help="print each teacher's greedy answer")
     parser.add_argument("--no-greedy", action="store_true", help="log-probabilities only (faster)")
+    parser.add_argument("--push", default="earlier_turn", help="the template whose teacher the losses are compared on")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, tokenizer = smollm2()
@@ -87,6 +124,7 @@ def main() -> None:
     model.eval()
     rows = tool_calls("test", size=args.n, seed=1)
     student = {"lp": [], "lp0": [], "exact": 0}
+    push: dict[str, list[float]] = {}
     teachers: dict[str, dict[str, Any]] = {
         t: {"lp": [], "lp0": [], "exact": 0, "mass0": [], "in_top100": 0, "top1": 0} for t in args.templates
     }
@@ -98,9 +136,8 @@ def main() -> None:
         student["lp0"].append(s_lp[0, call[0]].item())
         s_answer = [] if args.no_greedy else greedy(model, tokenizer, s_prefix)
         student["exact"] += tokenizer.decode(s_answer).strip() == row["answer"]
-        # the student's own first-token distribution: is the correct first token in its top-100?
-        s_first = next_logprobs(model, s_prefix, s_answer[:1] or call[:1])[0]
-        in_top = bool((s_first.topk(100).indices == call[0]).any())
+        s_logits0 = next_logits(model, s_prefix)
+        in_top = bool((s_logits0.topk(100).indices == call[0]).any())
         for name in args.templates:
             t_prefix = encode(tokenizer, teacher_messages(name, row["prompt"], row["demonstration"]))
             t_lp = next_logprobs(model, t_prefix, call)
@@ -113,17 +150,23 @@ def main() -> None:
                 print(f"  teacher {name}: {t_answer!r}")
             rec["in_top100"] += in_top
             rec["top1"] += int(t_lp[0].argmax()) == call[0]
+            if name == args.push:
+                for key, value in first_token_push(s_logits0, t_lp[0], call[0]).items():
+                    push.setdefault(key, []).append(value)
             rec["mass0"].append(math.exp(t_lp[0, call[0]].item()))
         print(f"student: {tokenizer.decode(s_answer)!r}  want {row['answer']!r}", flush=True)
     n = len(rows)
-    print(
-        f"\n{'who':14} {'logP(call)':>10} {'P(1st tok)':>10} {'greedy exact':>12} {'1st in student top100':>22} {'teacher top-1 = 1st':>20}"
-    )
+    header = f"{'who':14} {'logP(call)':>10} {'P(1st tok)':>10} {'greedy exact':>12}"
+    print(f"\n{header} {'1st in student top100':>22} {'teacher top-1 = 1st':>20}")
     print(f"{'student':14} {mean(student['lp']):10.2f} {mean([math.exp(x) for x in student['lp0']]):10.3f} "
           f"{student['exact'] / n:12.2f}")  # fmt: skip
     for name, rec in teachers.items():
         print(f"{'teacher ' + name:14} {mean(rec['lp']):10.2f} {mean(rec['mass0']):10.3f} {rec['exact'] / n:12.2f} "
               f"{rec['in_top100'] / n:22.2f} {rec['top1'] / n:20.2f}")  # fmt: skip
+    if push:
+        print(f"\npush on the call's first token (-dL/dz, teacher {args.push}; mean over requests):")
+        for key, values in push.items():
+            print(f"  {key:44} {mean(values):.2e}")
 
 
 def load_adapter(model: Any, run_dir: str) -> Any:
