@@ -1,6 +1,6 @@
 """What SDFT's teacher offers the student on SmolLM2: measured, per teacher prompt.
 
-    OMP_NUM_THREADS=1 python examples/real_models/sdft_probe.py [--run runs/smollm2_sdft] [--n 24]
+    OMP_NUM_THREADS=1 python examples/real_models/sdft_probe.py [--n 24] [--no-greedy] [--templates ...]
 
 For held-out ``tool_calls`` requests (the ``smollm2_sdft`` recipe's new skill), the model alone
 (the student: the request as its user turn) and the model shown the demonstration (the teacher:
@@ -11,9 +11,8 @@ first token is inside the student's top-100 (the support of ``topk_logits`` with
 ``topk_support: student``: a token outside it carries no teacher signal at all) and how often it
 is the teacher's most likely first token. Then, for one teacher (``--push``), how hard each SDFT
 loss pushes the student's logit of that first token (``-dL/dz`` at the first answer position,
-where the answer's format is decided). ``--run`` loads a run's LoRA adapter (its latest
-checkpoint) as the student instead of the base model, to follow the same numbers through
-training.
+where the answer's format is decided). The base model is both; through training the same
+numbers are the stage's ``demonstration_metrics`` (``sdft/demo_*`` in metrics.jsonl).
 """
 
 from __future__ import annotations
@@ -111,7 +110,6 @@ def greedy(model: Any, tokenizer: Any, prefix: list[int], max_new: int = 16) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=24, help="held-out requests")
-    parser.add_argument("--run", help="a run folder: its latest LoRA adapter is the student")
     parser.add_argument("--templates", nargs="+", default=list(TEMPLATES))
     parser.add_argument("--show", action="store_true", help="print each teacher's greedy answer")
     parser.add_argument("--no-greedy", action="store_true", help="log-probabilities only (faster)")
@@ -119,8 +117,6 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, tokenizer = smollm2()
-    if args.run:
-        model = load_adapter(model, args.run)
     model.eval()
     rows = tool_calls("test", size=args.n, seed=1)
     student = {"lp": [], "lp0": [], "exact": 0}
@@ -167,19 +163,6 @@ def main() -> None:
         print(f"\npush on the call's first token (-dL/dz, teacher {args.push}; mean over requests):")
         for key, values in push.items():
             print(f"  {key:44} {mean(values):.2e}")
-
-
-def load_adapter(model: Any, run_dir: str) -> Any:
-    """The run's latest checkpoint's LoRA adapter on top of ``model``."""
-    import glob
-    import os
-
-    from peft import PeftModel
-
-    found = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "*", "**", "adapter_config.json"), recursive=True))
-    if not found:
-        raise SystemExit(f"{run_dir}: no LoRA adapter under checkpoints/ (adapter_config.json)")
-    return PeftModel.from_pretrained(model, os.path.dirname(found[-1]))
 
 
 if __name__ == "__main__":
