@@ -1,4 +1,4 @@
-"""The ``tool_calls`` and ``compare_questions`` datasets (the ``smollm2_sdft`` recipes' new and prior skills)."""
+"""The ``tool_calls`` and ``next_number`` datasets (the ``smollm2_sdft`` recipes' new and prior skills)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tempering.plugins.datasets.tool_calls import compare_questions, tool_calls
+from tempering.plugins.datasets.tool_calls import next_number, tool_calls
 
 CALL = re.compile(r'^(weather\(city="[A-Z][a-z]+"\)|timer\(minutes=\d+\)|call\(name="[A-Z][a-z]+"\))$')
 
@@ -30,19 +30,19 @@ def test_tool_calls_are_one_canonical_call_and_held_out_arguments_are_never_demo
     assert tool_calls("test", size=5, seed=3) == tool_calls("test", size=5, seed=3) != tool_calls("test", size=5)
 
 
-def test_compare_questions_answer_the_larger_number_and_splits_are_disjoint() -> None:
-    test, train = compare_questions("test", size=None), compare_questions("train", size=None)
+def test_next_number_asks_for_the_successor_and_splits_are_disjoint() -> None:
+    test, train = next_number("test", size=None), next_number("train", size=None)
     assert len(test) == 200
     for row in test:
-        a, b = map(int, re.findall(r"\d+", row["question"]))
-        assert row["answer"] == str(max(a, b)) and a != b
+        (n,) = map(int, re.findall(r"\d+", row["question"]))
+        assert row["answer"] == str(n + 1) and 10 <= n <= 999
         assert row["messages"] == [{"role": "user", "content": row["question"]}]
-    pairs = lambda rows: {frozenset(map(int, re.findall(r"\d+", r["question"]))) for r in rows}
-    assert not pairs(test) & pairs(train)
+    numbers = lambda rows: {int(re.findall(r"\d+", r["question"])[0]) for r in rows}
+    assert not numbers(test) & numbers(train)
 
 
 def test_bad_split_is_named() -> None:
     with pytest.raises(ValueError, match="tool_calls: split must be 'train' or 'test'"):
         tool_calls("dev")
-    with pytest.raises(ValueError, match="compare_questions: split must be"):
-        compare_questions("dev")
+    with pytest.raises(ValueError, match="next_number: split must be"):
+        next_number("dev")

@@ -43,7 +43,7 @@ def register_datasets(register):
         description="requests answered by one tool call, weather(city=\"Oslo\"): a new skill for SDFT vs SFT",
     )
     register(
-        "compare_questions",
-        "tempering.plugins.datasets.tool_calls:compare_questions",
-        description="which of two numbers is larger, for math_answer: a prior skill to measure forgetting on",
+        "next_number",
+        "tempering.plugins.datasets.tool_calls:next_number",
+        description="the number right after n, for math_answer: a prior skill to measure forgetting on",
     )

@@ -13,8 +13,8 @@ Rows are generated from word lists; the arguments are split by a stable hash, so
 city, name or number of minutes is ever demonstrated in training (the test measures the
 format on new arguments, not recall of seen pairs).
 
-``compare_questions`` is a skill the base model already has (which of two numbers is larger),
-measured alongside ``math_questions`` to see what training on the new skill makes it forget.
+``next_number`` is a skill the base model already has (the number after 404), measured alongside
+``math_questions`` to see what training on the new skill makes it forget.
 """
 
 from __future__ import annotations
@@ -85,21 +85,19 @@ def tool_calls(
     return rows[:size] if size is not None else rows
 
 
-def compare_questions(split: str = "test", size: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
-    """ "Which is larger, 23 or 57? Reply with only the number." rows (``messages``, ``answer``)
-    for ``math_answer``: a prior skill (the base model answers most of them right) to measure
-    forgetting on. Pairs of distinct numbers in 10-99, split by a stable hash (30% test)."""
+def next_number(split: str = "test", size: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
+    """ "What number comes right after 404? Reply with only the number." rows (``messages``,
+    ``answer``) for ``math_answer``: a prior skill to measure forgetting on (the base model
+    answers 0.52 of the first 100 test rows right, greedy, often "The number that comes after 404 is 405."). Numbers
+    10-999, split by a stable hash (30% test); ``size`` default 200."""
     if split not in ("train", "test"):
-        raise ValueError(f"compare_questions: split must be 'train' or 'test', got {split!r}")
-    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if a != b]
-    pairs = [p for p in pairs if _in_test(f"{min(p)}:{max(p)}", 0.3) == (split == "test")]
-    random.Random(seed).shuffle(pairs)
+        raise ValueError(f"next_number: split must be 'train' or 'test', got {split!r}")
+    numbers = [n for n in range(10, 1000) if _in_test(f"next:{n}", 0.3) == (split == "test")]
+    random.Random(seed).shuffle(numbers)
     rows = []
-    for a, b in pairs[: size if size is not None else 200]:
-        question = f"Which is larger, {a} or {b}? Reply with only the number."
-        rows.append(
-            {"messages": [{"role": "user", "content": question}], "question": question, "answer": str(max(a, b))}
-        )
+    for n in numbers[: size if size is not None else 200]:
+        question = f"What number comes right after {n}? Reply with only the number."
+        rows.append({"messages": [{"role": "user", "content": question}], "question": question, "answer": str(n + 1)})
     return rows
 
 
