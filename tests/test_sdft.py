@@ -501,6 +501,7 @@ def test_stage_config_errors(tmp_path):
         ({"teacher_template": "{prompt} {answer}"}, "teacher_template"),
         ({"demonstration_key": "demo"}, "demo"),
         ({"demonstration_placement": "system"}, r"stages\[0\].demonstration_placement"),
+        ({"demonstration_placement": "earlier_turn", "renderer": "raw"}, "earlier_turn needs chat turns"),
     ):
         with pytest.raises((ValueError, KeyError), match=match):
             _sdft_recipe(tmp_path, "bad", **bad).run()

@@ -127,6 +127,12 @@ class SDFT(SamplingKeys, Stage):
                 f"use one of {', '.join(PLACEMENTS)} (got '{self.demonstration_placement}')",
                 f"{path}.demonstration_placement",
             )
+        if self.demonstration_placement == "earlier_turn" and self.renderer == "raw":
+            raise ConfigError(
+                "earlier_turn needs chat turns, and renderer: raw has none; use renderer: auto "
+                "(a chat model) or demonstration_placement: prompt",
+                f"{path}.demonstration_placement",
+            )
         if self.skip_first_tokens < 0:
             raise ConfigError(f"must be >= 0, got {self.skip_first_tokens}", f"{path}.skip_first_tokens")
         if self.dataset is None:
