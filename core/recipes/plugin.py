@@ -36,7 +36,7 @@ def register_recipes(register):
     register(
         "smollm2_sdft",
         "tempering.recipes:smollm2_sdft",
-        description="real-model CPU demo: SDFT teaches SmolLM2-135M-Instruct a tool-call format (vs SFT: smollm2_sft_skill)",
+        description="real-model CPU demo: SDFT teaches SmolLM2-135M-Instruct a tool-call format (vs smollm2_sft_skill)",
     )
     register(
         "smollm2_sft_skill",

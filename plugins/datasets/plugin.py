@@ -40,7 +40,7 @@ def register_datasets(register):
     register(
         "tool_calls",
         "tempering.plugins.datasets.tool_calls:tool_calls",
-        description="requests answered by one tool call, weather(city=\"Oslo\"): a new skill for SDFT vs SFT",
+        description='requests answered by one tool call, weather(city="Oslo"): a new skill for SDFT vs SFT',
     )
     register(
         "next_number",
