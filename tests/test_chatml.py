@@ -490,6 +490,36 @@ def test_sdft_teachers_see_the_demonstration_in_the_same_format_as_the_student(s
     )
 
 
+def test_sdft_earlier_turn_shows_the_demonstration_as_the_models_own_answer(smol):
+    """``demonstration_placement: earlier_turn``: the teacher's context is the request, the
+    demonstration as the assistant's answer to it, then the request again (``teacher_template``
+    around it), in the model's own chat format -- the tokens apply_chat_template gives."""
+    from types import SimpleNamespace
+
+    from tempering.algorithms.sdft.algorithm import SDFT
+    from tempering.types import Completion, Sample
+
+    sdft = SDFT(teacher_template="{prompt}", demonstration_placement="earlier_turn")
+    row = {"prompt": "What is 2+3?", "demonstration": "5"}
+    sample = Sample({"prompt": row["prompt"]}, Completion([], [37, IM_END], [0.0, 0.0], "stop"))
+    sdft.student_sampler = completion_sampler(smol, None, "auto")
+    messages = [
+        {"role": "user", "content": "What is 2+3?"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "What is 2+3?"},
+    ]
+    want = smol.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    got = sdft.teacher_prefix(None, row, sample)
+    assert got == want and got[: len(SMOL_SYSTEM)] == SMOL_SYSTEM
+    assert got.count(1) == 5  # <|im_start|>: system, user, assistant (the demonstration), user, assistant
+    assert "<|im_start|>assistant\n5<|im_end|>\n<|im_start|>user\nWhat is 2+3?" in smol.decode(got)
+    # a raw-text student has no turns to put the demonstration in
+    sdft.student_sampler = completion_sampler(smol, None, "raw")
+    with pytest.raises(ValueError, match="earlier turns need a chat prompt"):
+        sdft.teacher_prefix(SimpleNamespace(tokenizer=smol), row, sample)
+
+
 def test_renderer_raw_in_a_stage_with_chat_messages_is_a_config_error(smol, tmp_path):
     from tempering.testing import FakeBackend
     from tempering.training.recipe import Recipe

@@ -53,3 +53,15 @@ def smollm2_specialists() -> dict[str, Any]:
     """Ramp's system on a real model: three SmolLM2-135M-Instruct specialists trained in
     parallel processes vs one generalist with 3x the steps, with a trained router."""
     return _load("smollm2_specialists")
+
+
+def smollm2_sdft() -> dict[str, Any]:
+    """SDFT vs SFT on SmolLM2-135M-Instruct, the SDFT arm: a new skill (a request answered by
+    one tool call) learnt on-policy from demonstrations, the teacher shown the demonstration as
+    its own earlier answer."""
+    return _load("smollm2_sdft")
+
+
+def smollm2_sft_skill() -> dict[str, Any]:
+    """SDFT vs SFT on SmolLM2-135M-Instruct, the SFT arm: the same new skill by plain SFT."""
+    return _load("smollm2_sft_skill")

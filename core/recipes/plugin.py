@@ -38,3 +38,13 @@ def register_recipes(register):
         "tempering.recipes:sdpo_feedback",
         description="CPU demo: SDPO from exact_match's feedback where most rollouts fail (tiny Llama, addition)",
     )
+    register(
+        "smollm2_sdft",
+        "tempering.recipes:smollm2_sdft",
+        description="real-model CPU demo: SDFT teaches SmolLM2-135M-Instruct a tool-call format (vs smollm2_sft_skill)",
+    )
+    register(
+        "smollm2_sft_skill",
+        "tempering.recipes:smollm2_sft_skill",
+        description="real-model CPU demo: the SFT arm of smollm2_sdft (same tool-call skill, same data and steps)",
+    )

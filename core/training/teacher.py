@@ -212,15 +212,25 @@ def prompt_messages(sample: Sample) -> tuple[list[dict[str, Any]], Any] | None:
 
 
 def reprompted_prefix(
-    context: SamplerContext, tokenizer: Any, sample: Sample, rewrite: Callable[[str], str]
+    context: SamplerContext,
+    tokenizer: Any,
+    sample: Sample,
+    rewrite: Callable[[str], str],
+    earlier: Callable[[str], list[dict[str, Any]]] | None = None,
 ) -> list[int]:
     """The teacher's prompt tokens: the student's first prompt with the text of its last user
     message replaced by ``rewrite(text)``, encoded the way the student's was -- raw text with
     the tokenizer (a stage without a chat renderer), or messages through the stage's renderer
-    (a text prompt as a user turn, an example's ``messages``, an episode's first messages)."""
+    (a text prompt as a user turn, an example's ``messages``, an episode's first messages).
+
+    ``earlier(text)``: chat turns put before that user message (e.g. the same request already
+    answered by a demonstration, SDFT's ``demonstration_placement: earlier_turn``); only a chat
+    prompt has turns, so a raw-text student cannot have them (``ValueError``)."""
     found = prompt_messages(sample)
     if found is None:
         if not context.chat_prompts:  # the student saw the raw text, so does the teacher
+            if earlier is not None:
+                raise ValueError("earlier turns need a chat prompt; this stage renders raw text (renderer: raw)")
             return encode_prompt(tokenizer, {"prompt": rewrite(str(sample.example["prompt"]))})
         found = user_turn(sample.example), sample.example.get("tools")
     messages, tools = found
@@ -228,7 +238,10 @@ def reprompted_prefix(
     if not users:
         raise ValueError("the teacher's prompt needs a user message to rewrite; the student's prompt has none")
     last = users[-1]
-    messages[last]["content"] = rewrite(message_text(messages[last]))
+    text = message_text(messages[last])
+    messages[last]["content"] = rewrite(text)
+    if earlier is not None:
+        messages[last:last] = earlier(text)
     return list(context.renderer().render_prompt(messages, tools or None).tokens)
 
 

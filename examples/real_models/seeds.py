@@ -9,7 +9,8 @@ Each seed runs as ``tempering run RECIPE seed=S output_dir=runs/<name>_s<S>`` (p
 held-out evaluation the recipe logged (``eval/accuracy`` by stage and step) and the mean training
 reward over the first and last quarter of RL steps. ``--after`` scores each finished run on a
 second dataset with ``tempering eval`` (e.g. what a model could already do, to measure
-forgetting). The numbers in docs/real-models.md were measured with this script.
+forgetting); repeat ``--after`` (each with its ``--after-reward``) for several. The numbers in
+docs/real-models.md and docs/systems.md were measured with this script.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def after_eval(run_dir: str, dataset: str, reward: str | None, max_tokens: int) -> float:
-    out = os.path.join(run_dir, "evals", "after")
+def after_eval(run_dir: str, dataset: str, reward: str | None, max_tokens: int, index: int = 0) -> float:
+    out = os.path.join(run_dir, "evals", "after" if index == 0 else f"after{index + 1}")
     cmd = [
         sys.executable,
         "-m",
@@ -74,8 +75,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override")
     parser.add_argument("--name", help="run folder prefix (default: the recipe's file name)")
-    parser.add_argument("--after", help="dataset scored with `tempering eval` after each run")
-    parser.add_argument("--after-reward", help="reward for --after (default: the recipe's)")
+    parser.add_argument(
+        "--after", action="append", default=[], help="dataset scored with `tempering eval` after each run (repeatable)"
+    )
+    parser.add_argument(
+        "--after-reward",
+        action="append",
+        default=[],
+        help="reward for the --after of the same position (default: the recipe's)",
+    )
     parser.add_argument("--after-max-tokens", type=int, default=16)
     parser.add_argument("--skip-existing", action="store_true", help="summarise finished runs again without rerunning")
     args = parser.parse_args(argv)
@@ -100,8 +108,10 @@ def main(argv: list[str] | None = None) -> None:
             subprocess.run(cmd, check=True)
         summary = summarise(read_rows(run_dir))
         summary["minutes"] = (time.perf_counter() - t0) / 60
-        if args.after:
-            summary["after"] = after_eval(run_dir, args.after, args.after_reward, args.after_max_tokens)
+        for i, dataset in enumerate(args.after):
+            reward = args.after_reward[i] if i < len(args.after_reward) else None
+            key = "after" if len(args.after) == 1 else f"after {i + 1}"
+            summary[key] = after_eval(run_dir, dataset, reward, args.after_max_tokens, i)
         table[seed] = summary
         print(f"seed {seed}: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()), flush=True)
 

@@ -47,3 +47,13 @@ def register_datasets(register):
         "tempering.plugins.datasets.math_preferences:math_preferences",
         description="DPO pairs on math_questions: the bare right number over a wrong or verbose answer",
     )
+    register(
+        "tool_calls",
+        "tempering.plugins.datasets.tool_calls:tool_calls",
+        description='requests answered by one tool call, weather(city="Oslo"): a new skill for SDFT vs SFT',
+    )
+    register(
+        "next_number",
+        "tempering.plugins.datasets.tool_calls:next_number",
+        description="the number right after n, for math_answer: a prior skill to measure forgetting on",
+    )
