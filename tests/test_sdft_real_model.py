@@ -27,6 +27,7 @@ def short_run(out: Path, *overrides: str) -> tuple[list[float], list[dict[str, A
     return [r["eval/accuracy"] for r in rows if "eval/accuracy" in r], [r for r in rows if "loss" in r]
 
 
+@pytest.mark.systems
 @pytest.mark.slow
 def test_sdft_teaches_smollm2_a_tool_call_format(tmp_path: Path) -> None:
     """The first 6 of the recipe's 20 steps (seed 0; held-out accuracy is still ~0 there: 0.03

@@ -160,6 +160,7 @@ def test_the_system_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- learning on SmolLM2
+@pytest.mark.systems
 @pytest.mark.slow
 def test_smollm2_specialists_learn(tmp_path: Path) -> None:
     """The bundled recipe, short: 6 SFT steps per specialist (the generalist 18), 15 test
