@@ -29,6 +29,11 @@ def register_recipes(register):
         description="real-model CPU demo: GRPO with LoRA teaches SmolLM2-135M-Instruct arithmetic in words",
     )
     register(
+        "smollm2_forecast",
+        "tempering.recipes:smollm2_forecast",
+        description="real-model CPU demo: GRPO on the brier reward teaches SmolLM2-135M-Instruct calibrated forecasts",
+    )
+    register(
         "sdpo_feedback",
         "tempering.recipes:sdpo_feedback",
         description="CPU demo: SDPO from exact_match's feedback where most rollouts fail (tiny Llama, addition)",
