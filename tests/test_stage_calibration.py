@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tempering.apps.rundata import RunDir
-from tempering.apps.view.server import RunViewer, make_handler
+from tempering.apps.view.server import RunViewer, ViewServer, make_handler
 from tempering.plugins.datasets.forecast_questions import forecast_questions
 from tempering.runs.calibration import calibration, reliability_path
 from tempering.runs.serving import Call
@@ -87,6 +87,31 @@ def test_the_stage_logs_calibration_and_draws_a_reliability_diagram(tmp_path: Pa
     assert reply.content == Path(pngs[1]).read_bytes() and reply.content[:8] == b"\x89PNG\r\n\x1a\n"
     for outside in ("/plots/run.json", "/plots/reliability/../run.json", "/plots/../metrics.jsonl", "/plots/x.png"):
         assert get(outside).status == 404, outside
+
+
+def test_the_plots_tab_shows_the_reliability_diagrams_in_a_real_browser(tmp_path: Path) -> None:
+    from test_view import CHROMIUM, CHROMIUM_ARGS, browser_or_skip
+
+    sync_playwright = browser_or_skip()
+    run(tmp_path, "brier", text_rows("train", 16), text_rows("test", 20))
+    errors: list[str] = []
+    with ViewServer(str(tmp_path), port=0) as server, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 860})
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(server.url + "#plots")
+            page.wait_for_selector("body[data-ready='1']", timeout=20_000)
+            page.wait_for_selector("#tab-plots.active figure.plot img")
+            page.wait_for_function(
+                "[...document.querySelectorAll('#plots img')].every(i => i.complete && i.naturalWidth > 300)"
+            )
+            captions = page.locator("#plots figcaption").all_inner_texts()
+            assert captions == ["reliability/rl-step000000.png", "reliability/rl-step000001.png"]
+        finally:
+            browser.close()
+    assert errors == []
 
 
 def test_other_rewards_log_no_calibration(tmp_path: Path) -> None:
