@@ -23,6 +23,10 @@ def test_rows_are_deterministic_and_hold_the_process() -> None:
         assert r["messages"] == [{"role": "user", "content": r["question"]}]
         assert r["question"].endswith("Answer with only a probability between 0 and 1.")
     assert {r["total"] for r in forecast_questions(size=200, totals=(10, 20))} == {10, 20}
+    hinted = forecast_questions("train", size=50, seed=3, instruction=" Say 0.3 for 3 of 10.")
+    assert [h["question"] for h in hinted] == [
+        r["question"].replace(" Answer with only a probability between 0 and 1.", " Say 0.3 for 3 of 10.") for r in rows
+    ]
 
 
 def test_train_and_test_never_share_a_question() -> None:

@@ -46,6 +46,7 @@ def forecast_questions(
     totals: tuple[int, ...] | list[int] = (10,),
     test_share: float = 0.2,
     seed: int = 0,
+    instruction: str = SUFFIX,
 ) -> list[dict[str, Any]]:
     """``{"messages": [user question], "question", "outcome", "rate", "count", "total", "kind"}``
     rows for ``split`` in {train, test}: ``size`` rows (default 2000 train, 200 test) in a fixed
@@ -55,7 +56,8 @@ def forecast_questions(
     ``totals``) and a count uniform in 0..total; ``outcome`` is 1 with probability
     ``rate = count / total``, drawn from the same seeded generator. The test split's rows
     reuse no training question's wording (see the module docs), though one question may recur
-    within a split with different outcomes, as a real forecast would."""
+    within a split with different outcomes, as a real forecast would. ``instruction`` follows
+    each question (the answer format asked for)."""
     if split not in ("train", "test"):
         raise ValueError(f"forecast_questions: split must be 'train' or 'test', got {split!r}")
     unknown = [k for k in kinds if k not in TEMPLATES]
@@ -79,7 +81,7 @@ def forecast_questions(
         if _in_test(kind, subject, count, total, test_share) != (split == "test"):
             continue
         history, ask = TEMPLATES[kind]
-        question = f"{history} {ask}".format(s=subject, k=count, n=total) + SUFFIX
+        question = f"{history} {ask}".format(s=subject, k=count, n=total) + instruction
         rows.append(
             {
                 "messages": [{"role": "user", "content": question}],
