@@ -3,7 +3,11 @@
 (the negated Brier score, an answer without a probability scoring -1) on EVAL_SIZE questions,
 greedy, before vs after.
 
-MEASURED_DOC
+Measured (seed 0, 2 cores shared with other runs, one thread, 3.8 min): held-out reward
+-0.713 -> -0.243 (gain 0.47), readable answers 17 -> 40 of 40. With the learning rate at
+1e-12 (3.3 min): -0.713 -> -0.713 (gain 0.000, readable 17 -> 17); the bound, a gain of 0.1,
+fails that. It checks the answer format being learned; calibration itself is not learned at
+this size (docs/systems.md).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from tempering.recipes import smollm2_forecast
 from tempering.training.recipe import Recipe
 
 STEPS, EVAL_SIZE = 5, 40
-BOUND = 0.1  # the held-out reward's gain; measured below
+BOUND = 0.1  # the held-out reward's gain; measured 0.47, and 0.000 with lr 1e-12
 
 
 def before_and_after(tmp_path: Any, learning_rate: float, seed: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
