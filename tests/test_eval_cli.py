@@ -15,8 +15,8 @@ import pytest
 from observability_run import RL_STEPS, SFT_STEPS, small_run
 
 from tempering.apps import cli
-from tempering.apps.calibration import calibration
 from tempering.apps.checkpoint_eval import EvalSpec, evaluate_policy, ks_for, pass_at_k, write_report
+from tempering.runs.calibration import calibration
 from tempering.testing import FakeBackend
 
 

@@ -203,6 +203,20 @@ def test_unparseable_forecast_is_a_failure_not_a_zero():
     assert not ss[1].failed and ss[1].reward == pytest.approx(-0.04)
 
 
+def test_unparsed_reward_scores_an_unreadable_forecast_instead():
+    """Opt-in (issue 36 item 3): RL on a model that often answers in words needs a score for
+    "no probability" that is worse than any forecast, not a masked failure; the sample then
+    reports no forecast, so calibration leaves it out."""
+    for reward in (Brier(unparsed_reward=-1.0), BrierSkill(unparsed_reward=-3.0)):
+        ss = samples("no idea", "0.8", outcome=1)
+        assert RewardRunner(reward).score(ss).failed == 0
+        assert ss[0].reward == reward.unparsed_reward and "p" not in ss[0].reward_info
+        assert ss[0].reward_info["unparsed"] == 1.0 and "no probability" in ss[0].feedback
+        assert ss[1].reward_info["p"] == pytest.approx(0.8)
+    with pytest.raises(ValueError, match="outcome"):  # a bad outcome still fails, parsed or not
+        Brier(unparsed_reward=-1.0)("no idea", {"outcome": 7})
+
+
 # --------------------------------------------------------------------------- retrieval
 def test_cited_ids_and_recall_minus_cost():
     text = "See [doc3] and [doc1]; also [doc3] again and [DOC7]."

@@ -10,7 +10,7 @@ same backend code -- so the number is the number a stage's evaluation would repo
 * for probability answers (forecasting: a ``brier``/``brier_skill`` reward, whose parts hold the
   forecast ``p`` and outcome ``y``; or ``outcome_key`` naming the example's outcome column, the
   probability then read from the completion) the Brier score, Brier skill and ECE
-  (:mod:`tempering.apps.calibration`) and a reliability diagram PNG.
+  (:mod:`tempering.runs.calibration`) and a reliability diagram PNG.
 
 A run folder needs no flags: the dataset, reward, sampler and renderer default to the recipe's
 last held-out evaluation (its last stage with ``eval.dataset``). Results go to ``out``:
@@ -28,7 +28,6 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, cast
 
-from tempering.apps.calibration import calibration, reliability_diagram
 from tempering.apps.export import exported_renderer
 from tempering.apps.rundata import RunDir, run_backend
 from tempering.errors import ConfigError, TemperingError
@@ -38,6 +37,7 @@ from tempering.rollouts.renderer import check_renderer, resolved_name
 from tempering.rollouts.rollout import collect, rollout_metrics
 from tempering.rollouts.scoring import RewardRunner
 from tempering.runs import rollout_log
+from tempering.runs.calibration import calibration, forecasts_of, reliability_diagram
 from tempering.runs.failures import failure_metrics
 from tempering.training.config import parse_value
 from tempering.training.evaluate import build_sampler
@@ -251,40 +251,6 @@ def score_groups(groups: Sequence[Group], success_threshold: float = 1.0) -> dic
     out.update({k: v for k, v in extra.items() if k.startswith("env/") and isinstance(v, float)})
     out.update(failure_metrics(samples))
     return out
-
-
-def forecasts_of(
-    groups: Sequence[Group], outcome_key: str | None = None, registry: Any = None
-) -> list[tuple[float, float]]:
-    """(forecast, outcome) pairs: from the reward's parts (``p``, ``y``: the ``brier`` rewards),
-    else -- with ``outcome_key`` -- the probability read from the completion and the example's
-    outcome column, as the built-in ``brier`` reward reads them (built through ``registry``, the
-    process-wide one by default). Samples with neither (failed, unreadable) are left out."""
-    reader = None
-    if outcome_key is not None:
-        reader = (registry or get_registry()).build(
-            "reward", {"name": "tempering:brier", "outcome_key": outcome_key}, "outcome_key"
-        )
-    pairs = []
-    for g in groups:
-        for s in g.samples:
-            given = _forecast(s.reward_info or {})
-            if not s.failed and given is not None:
-                pairs.append(given)
-            elif reader is not None and outcome_key in s.example:
-                try:  # an unreadable probability or outcome is a ValueError (ForecastParseError is one)
-                    read = _forecast(reader(s.completion.text, s.example).info)
-                except ValueError:
-                    continue
-                if read is not None:
-                    pairs.append(read)
-    return pairs
-
-
-def _forecast(info: Mapping[str, Any]) -> tuple[float, float] | None:
-    """The ``(p, y)`` a forecast reward reports in its info, if it reports both."""
-    p, y = info.get("p"), info.get("y")
-    return (float(p), float(y)) if isinstance(p, (int, float)) and isinstance(y, (int, float)) else None
 
 
 def check_spec(registry: Any, spec: EvalSpec) -> None:

@@ -43,6 +43,12 @@ def smollm2_math() -> dict[str, Any]:
     return _load("smollm2_math")
 
 
+def smollm2_forecast() -> dict[str, Any]:
+    """Calibrated forecasts on a real model: GRPO on the ``brier`` reward teaches
+    SmolLM2-135M-Instruct to state the probability a history implies (``forecast_questions``)."""
+    return _load("smollm2_forecast")
+
+
 def sdpo_feedback() -> dict[str, Any]:
     """SDPO where most rollouts fail but feedback is informative: a tiny Llama warmed up to
     15% on addition (and to read "expected X, got Y" feedback), then SDPO on exact_match."""

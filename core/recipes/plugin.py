@@ -34,6 +34,11 @@ def register_recipes(register):
         description="real-model CPU demo: SmolLM2 domain specialists in parallel vs one generalist, with a router",
     )
     register(
+        "smollm2_forecast",
+        "tempering.recipes:smollm2_forecast",
+        description="real-model CPU demo: GRPO on brier; SmolLM2-135M learns the answer format, not calibration",
+    )
+    register(
         "sdpo_feedback",
         "tempering.recipes:sdpo_feedback",
         description="CPU demo: SDPO from exact_match's feedback where most rollouts fail (tiny Llama, addition)",

@@ -15,6 +15,7 @@ from tempering.rollouts.data import load_examples
 from tempering.rollouts.renderer import build_renderer, chat_text_prompts, renderer_spec
 from tempering.rollouts.rollout import SamplerContext, collect, rollout_metrics
 from tempering.rollouts.scoring import RewardRunner
+from tempering.runs.calibration import calibration, forecasts_of, reliability_diagram, reliability_path
 from tempering.runs.failures import failure_metrics
 from tempering.runs.rollout_log import DEFAULT_GROUPS, log_groups
 from tempering.training.progress import paused
@@ -156,9 +157,28 @@ class StageEvaluator:
                 tracebacks=True,
                 on_progress=report,
             )
+        step = getattr(self.ctx, "global_step", 0)
         count = getattr(self.stage, "log_rollouts", DEFAULT_GROUPS)
-        log_groups(self.ctx, groups, "eval", getattr(self.ctx, "global_step", 0), count)
+        log_groups(self.ctx, groups, "eval", step, count)
+        metrics.update(self.calibrate(groups, step))
         return metrics
+
+    def calibrate(self, groups: Sequence[Group], step: int) -> dict[str, float]:
+        """For probability answers (a reward reporting the forecast ``p`` and outcome ``y``, as
+        ``brier``/``brier_skill`` do): ``eval/brier``, ``eval/brier_skill``, ``eval/ece``,
+        ``eval/base_rate`` and ``eval/forecasts`` (how many parsed: ``eval/n`` minus those that
+        failed) over the parsed forecasts, and a reliability diagram PNG in the run folder
+        (:func:`tempering.runs.calibration.reliability_path`). Nothing for other rewards."""
+        pairs = forecasts_of(groups)
+        if not pairs:
+            return {}
+        cal = calibration([p for p, _ in pairs], [y for _, y in pairs])
+        output_dir = getattr(self.ctx, "output_dir", None)
+        if output_dir:
+            stage_id = getattr(self.ctx, "stage_id", "") or "eval"
+            title = f"{stage_id}, step {step}"
+            reliability_diagram(cal, reliability_path(output_dir, stage_id, step), title)
+        return cal.metrics("eval/")
 
     def accuracy(self, size: int | None = None) -> float:
         """Held-out accuracy on the first ``size`` examples (all when None), nothing logged: the

@@ -38,6 +38,11 @@ def register_datasets(register):
         description="capital cities asked in words for instruct models; test holds out countries",
     )
     register(
+        "forecast_questions",
+        "tempering.plugins.datasets.forecast_questions:forecast_questions",
+        description="forecasts from a stated history (it rained on 7 of 10 days), outcomes drawn at that rate",
+    )
+    register(
         "synthetic_preferences",
         "tempering.plugins.datasets.synthetic_preferences:synthetic_preferences",
         description="addition prompts, chosen = right sum, rejected = near miss or malformed",

@@ -6,6 +6,12 @@ the ``brier`` reward is its negation, ``-(p - y)^2`` in [-1, 0]: **higher is bet
 perfect forecast. ``brier_skill`` = 1 - Brier / Brier_ref against a reference forecast p_ref
 (the base rate; 0.5 by default, or read per example): 1 is perfect, 0 is no better than the
 reference, negative is worse.
+
+A completion without a readable probability is a failure (masked out of the loss, counted),
+since 0 would be a perfect Brier reward. For RL on a model that often answers in words,
+``unparsed_reward`` scores it instead (say -1, the worst Brier): the model then learns to
+answer in the format. Such a sample reports ``unparsed: 1`` and no forecast, so calibration
+(:mod:`tempering.runs.calibration`) leaves it out and counts only the forecasts it read.
 """
 
 from __future__ import annotations
@@ -73,19 +79,33 @@ def _outcome(example: Mapping[str, Any], key: str, who: str) -> float:
     return parse_outcome(example[key], key)
 
 
+def _forecast(completion: str, pattern: str | None, unparsed_reward: float | None) -> float | RewardResult:
+    """The completion's probability, or -- with ``unparsed_reward`` set and none readable -- the
+    result that scores it (``unparsed: 1``, the parse error as feedback)."""
+    try:
+        return parse_probability(completion, pattern)
+    except ForecastParseError as exc:
+        if unparsed_reward is None:
+            raise
+        return RewardResult(float(unparsed_reward), {"unparsed": 1.0}, feedback=str(exc))
+
+
 @dataclass
 class Brier:
     """``-(p - y)^2``: the negated Brier score, so that **higher is better** (0 = perfect,
     -1 = confidently wrong). A completion without a readable probability raises (a failure,
-    not a score)."""
+    not a score), unless ``unparsed_reward`` scores it (see the module docs)."""
 
     column_keys: ClassVar[tuple[str, ...]] = ("outcome_key",)  # config keys naming dataset columns it reads
     outcome_key: str = "outcome"
     pattern: str | None = None
+    unparsed_reward: float | None = None
 
     def __call__(self, completion: str, example: Mapping[str, Any]) -> RewardResult:
-        p = parse_probability(completion, self.pattern)
         y = _outcome(example, self.outcome_key, "brier")
+        p = _forecast(completion, self.pattern, self.unparsed_reward)
+        if isinstance(p, RewardResult):
+            return p
         brier = (p - y) ** 2
         return RewardResult(-brier, {"p": p, "y": y, "brier": brier})
 
@@ -96,7 +116,8 @@ class BrierSkill:
 
     ``p_ref`` is the reference forecast (a base rate, 0.5 by default); ``p_ref_key`` reads it
     from each example instead (falling back to ``p_ref`` when the key is absent). Brier_ref = 0
-    (the reference was exactly right) leaves the skill undefined: that raises.
+    (the reference was exactly right) leaves the skill undefined: that raises. ``unparsed_reward``
+    as for :class:`Brier`.
     """
 
     column_keys: ClassVar[tuple[str, ...]] = ("outcome_key",)
@@ -104,14 +125,17 @@ class BrierSkill:
     p_ref: float = 0.5
     p_ref_key: str | None = None
     pattern: str | None = None
+    unparsed_reward: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.p_ref <= 1:
             raise ValueError(f"brier_skill.p_ref must be in [0, 1], got {self.p_ref}")
 
     def __call__(self, completion: str, example: Mapping[str, Any]) -> RewardResult:
-        p = parse_probability(completion, self.pattern)
         y = _outcome(example, self.outcome_key, "brier_skill")
+        p = _forecast(completion, self.pattern, self.unparsed_reward)
+        if isinstance(p, RewardResult):
+            return p
         p_ref = float(example[self.p_ref_key]) if self.p_ref_key and self.p_ref_key in example else self.p_ref
         if not 0 <= p_ref <= 1:
             raise ValueError(f"brier_skill: the reference probability must be in [0, 1], got {p_ref!r}")

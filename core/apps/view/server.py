@@ -17,6 +17,10 @@ shared stack of every tempering server (:mod:`tempering.runs.serving`). Endpoint
 ``/api/metrics``        the rows of ``metrics.jsonl``
 ``/api/rollouts?...``   one page of ``rollouts.jsonl`` records matching a filter
                         (:class:`~tempering.apps.view.query.RolloutQuery`'s fields as parameters)
+``/api/plots``          the PNGs the run drew, as paths in its folder: the ``plot`` logger's
+                        curves at the top, a forecasting stage's reliability diagrams (one per
+                        evaluation, :mod:`tempering.runs.calibration`) in ``reliability/``
+``/plots/PATH``         one of those PNGs (only a listed one: no other file of the disk is served)
 ======================  =======================================================================
 """
 
@@ -33,6 +37,7 @@ from tempering.apps.rundata import METRICS_FILE, RUN_FILE, RunDir, read_jsonl
 from tempering.apps.view.query import RolloutQuery, run_query
 from tempering.errors import ConfigError
 from tempering.runs import rollout_log
+from tempering.runs.calibration import RELIABILITY_DIR
 from tempering.runs.runfolder import PROGRESS_FILE
 from tempering.runs.serving import BackgroundServer, Call, Policy, Reply, guarded_app, host_allowed
 
@@ -45,6 +50,8 @@ STATIC = {
     "/view.css": ("view.css", "text/css"),
 }
 NO_STORE = {"cache-control": "no-store"}  # a live run: always the latest
+#: The run folder's subfolders (besides its top) whose PNGs the Plots tab shows.
+PLOT_DIRS = ("", RELIABILITY_DIR)
 
 
 class CachedJsonl:
@@ -93,10 +100,34 @@ class RunViewer:
             },
         }
 
+    def plots(self) -> list[str]:
+        """The PNGs in the run folder's top and :data:`PLOT_DIRS`, as paths relative to it
+        (``/`` separated), sorted: step numbers are zero-padded, so in step order."""
+        found = []
+        for sub in PLOT_DIRS:
+            try:
+                names = os.listdir(os.path.join(self.run.path, sub))
+            except OSError:  # not written (yet)
+                continue
+            found += [f"{sub}/{n}" if sub else n for n in names if n.endswith(".png")]
+        return sorted(found)
+
+    def plot(self, rel: str) -> bytes | None:
+        """A listed PNG's bytes; None for anything not listed (or gone since)."""
+        if rel not in self.plots():
+            return None
+        try:
+            with open(os.path.join(self.run.path, *rel.split("/")), "rb") as fh:
+                return fh.read()
+        except OSError:
+            return None
+
     def route(self, path: str, query: str) -> tuple[int, Any]:
         """(status, JSON body) of an API path."""
         if path == "/api/run":
             return 200, self.run_info()
+        if path == "/api/plots":
+            return 200, self.plots()
         if path == "/api/metrics":
             return 200, self.metrics.rows()
         if path == "/api/rollouts":
@@ -122,6 +153,11 @@ def make_handler(viewer: RunViewer) -> Callable[[Call], Reply]:
             name, ctype = STATIC[call.path]
             body = resources.files("tempering.apps.view").joinpath("static").joinpath(name).read_bytes()
             return Reply(200, body, f"{ctype}; charset=utf-8", NO_STORE)
+        if call.path.startswith("/plots/"):
+            png = viewer.plot(call.path[len("/plots/") :])  # Starlette decodes the path
+            if png is None:
+                return Reply(404, {"error": f"no such plot {call.path}"}, headers=NO_STORE)
+            return Reply(200, png, "image/png", NO_STORE)
         status, data = viewer.route(call.path, call.query)
         return Reply(status, data, headers=NO_STORE)
 

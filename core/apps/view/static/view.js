@@ -52,7 +52,8 @@ function showTab(name) {
 
 function route() {
   const [name, query] = (location.hash.slice(1) || "metrics").split("?");
-  showTab(["metrics", "rollouts", "recipe"].includes(name) ? name : "metrics");
+  showTab(["metrics", "rollouts", "plots", "recipe"].includes(name) ? name : "metrics");
+  if (name === "plots") loadPlots();
   if (name === "rollouts") {
     setFilters(new URLSearchParams(query || ""));
     loadRollouts();
@@ -288,6 +289,17 @@ function renderRecipe(run) {
   }));
   $("#recipe").textContent = yaml(run.recipe).trimStart() || "(run.json not written yet)";
   $("#progress").textContent = JSON.stringify(run.progress, null, 2);
+}
+
+// ------------------------------------------------------------------ plots
+async function loadPlots() {
+  const paths = await getJSON("/api/plots");
+  const host = $("#plots");
+  if (!paths.length) { host.replaceChildren(el("p", { class: "muted", text: "The run has drawn no plots yet." })); return; }
+  const stamp = Date.now();  // a live run redraws its files under the same names
+  host.replaceChildren(...paths.map((path) => el("figure", { class: "plot" },
+    el("img", { src: `/plots/${path.split("/").map(encodeURIComponent).join("/")}?t=${stamp}`, alt: path }),
+    el("figcaption", { text: path }))));
 }
 
 // ------------------------------------------------------------------ start

@@ -11,12 +11,28 @@ that; these can. Given forecasts ``p`` in [0, 1] and outcomes ``y`` in {0, 1} (o
 * **ECE** (expected calibration error) = sum over ``bins`` equal-width bins of
   (share of forecasts in the bin) * |mean forecast - observed frequency| -- how far the
   reliability diagram is from its diagonal, weighted by where forecasts fall.
+
+The forecasts come from scored samples (:func:`forecasts_of`: a ``brier``/``brier_skill``
+reward reports ``p`` and ``y`` in its parts). Both ``tempering eval`` and a stage's held-out
+evaluation report them; the stage also draws a reliability diagram per evaluation into the
+run folder (:func:`reliability_path`), which ``tempering view`` shows. Here, below rollouts and
+training, so that both can.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tempering.registry import get_registry
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tempering.types import Group
+
+#: The run folder's subfolder of a stage's reliability diagrams, one PNG per evaluation.
+RELIABILITY_DIR = "reliability"
 
 
 @dataclass
@@ -84,9 +100,15 @@ def calibration(forecasts: Sequence[float], outcomes: Sequence[float], bins: int
     return Calibration(n, brier, ref, skill, ece, base, table)
 
 
+def reliability_path(output_dir: str, stage_id: str, step: int) -> str:
+    """Where a stage's evaluation at global ``step`` draws its reliability diagram."""
+    return os.path.join(output_dir, RELIABILITY_DIR, f"{stage_id}-step{int(step):06d}.png")
+
+
 def reliability_diagram(cal: Calibration, path: str, title: str = "") -> str:
     """Observed frequency against mean forecast per bin (the diagonal is perfect calibration),
-    with the forecasts' histogram underneath; written as a PNG at ``path``."""
+    with the forecasts' histogram underneath; written as a PNG at ``path`` (its folder made).
+    The title gives Brier, skill, ECE and n, under ``title`` when one is given."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,7 +124,8 @@ def reliability_diagram(cal: Calibration, path: str, title: str = "") -> str:
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
     skill = "n/a" if cal.brier_skill is None else f"{cal.brier_skill:.3f}"
-    ax.set_title(title or f"Brier {cal.brier:.3f}, skill {skill}, ECE {cal.ece:.3f} (n={cal.n})", fontsize=10)
+    numbers = f"Brier {cal.brier:.3f}, skill {skill}, ECE {cal.ece:.3f} (n={cal.n})"
+    ax.set_title(f"{title}\n{numbers}" if title else numbers, fontsize=10)
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(alpha=0.3)
     width = cal.bins[0].high - cal.bins[0].low
@@ -110,6 +133,41 @@ def reliability_diagram(cal: Calibration, path: str, title: str = "") -> str:
     hist.set_xlabel("forecast probability")
     hist.set_ylabel("forecasts")
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def forecasts_of(
+    groups: Sequence[Group], outcome_key: str | None = None, registry: Any = None
+) -> list[tuple[float, float]]:
+    """(forecast, outcome) pairs: from the reward's parts (``p``, ``y``: the ``brier`` rewards),
+    else -- with ``outcome_key`` -- the probability read from the completion and the example's
+    outcome column, as the built-in ``brier`` reward reads them (built through ``registry``, the
+    process-wide one by default). Samples with neither (failed, unreadable) are left out."""
+    reader = None
+    if outcome_key is not None:
+        reader = (registry or get_registry()).build(
+            "reward", {"name": "tempering:brier", "outcome_key": outcome_key}, "outcome_key"
+        )
+    pairs = []
+    for g in groups:
+        for s in g.samples:
+            given = _forecast(s.reward_info or {})
+            if not s.failed and given is not None:
+                pairs.append(given)
+            elif reader is not None and outcome_key in s.example:
+                try:  # an unreadable probability or outcome is a ValueError (ForecastParseError is one)
+                    read = _forecast(reader(s.completion.text, s.example).info)
+                except ValueError:
+                    continue
+                if read is not None:
+                    pairs.append(read)
+    return pairs
+
+
+def _forecast(info: Mapping[str, Any]) -> tuple[float, float] | None:
+    """The ``(p, y)`` a forecast reward reports in its info, if it reports both."""
+    p, y = info.get("p"), info.get("y")
+    return (float(p), float(y)) if isinstance(p, (int, float)) and isinstance(y, (int, float)) else None
