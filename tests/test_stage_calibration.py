@@ -90,27 +90,16 @@ def test_the_stage_logs_calibration_and_draws_a_reliability_diagram(tmp_path: Pa
 
 
 def test_the_plots_tab_shows_the_reliability_diagrams_in_a_real_browser(tmp_path: Path) -> None:
-    from test_view import CHROMIUM, CHROMIUM_ARGS, browser_or_skip
+    from test_view import page_at
 
-    sync_playwright = browser_or_skip()
     run(tmp_path, "brier", text_rows("train", 16), text_rows("test", 20))
-    errors: list[str] = []
-    with ViewServer(str(tmp_path), port=0) as server, sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 860})
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(server.url + "#plots")
-            page.wait_for_selector("body[data-ready='1']", timeout=20_000)
-            page.wait_for_selector("#tab-plots.active figure.plot img")
-            page.wait_for_function(
-                "[...document.querySelectorAll('#plots img')].every(i => i.complete && i.naturalWidth > 300)"
-            )
-            captions = page.locator("#plots figcaption").all_inner_texts()
-            assert captions == ["reliability/rl-step000000.png", "reliability/rl-step000001.png"]
-        finally:
-            browser.close()
+    with ViewServer(str(tmp_path), port=0) as server, page_at(server.url + "#plots") as (page, errors):
+        page.wait_for_selector("#tab-plots.active figure.plot img")
+        page.wait_for_function(
+            "[...document.querySelectorAll('#plots img')].every(i => i.complete && i.naturalWidth > 300)"
+        )
+        captions = page.locator("#plots figcaption").all_inner_texts()
+        assert captions == ["reliability/rl-step000000.png", "reliability/rl-step000001.png"]
     assert errors == []
 
 

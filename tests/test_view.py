@@ -7,11 +7,13 @@ them to ``DIR`` (docs/images holds the ones docs/observability.md shows)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -151,81 +153,86 @@ def browser_or_skip() -> Any:
     return sync_playwright
 
 
-def test_the_page_draws_curves_and_transcripts_in_a_real_browser(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def page_at(url: str) -> Iterator[tuple[Any, list[str]]]:
+    """Headless Chromium on ``url`` once the viewer says it is ready: the page, and the console
+    errors and page errors it has logged so far (a test asserts the list empty at its end)."""
     sync_playwright = browser_or_skip()
-    out = Path(small_run())
-    records = lines(out / "rollouts.jsonl")
-    shots = [tmp_path]
-    if os.environ.get("TEMPERING_DOCS_SCREENSHOTS"):
-        shots.append(Path(os.environ["TEMPERING_DOCS_SCREENSHOTS"]))
     errors: list[str] = []
-    with ViewServer(str(out), port=0) as server, sync_playwright() as p:
+    with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 860})
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(server.url)
+            page.goto(url)
             page.wait_for_selector("body[data-ready='1']", timeout=20_000)
-            assert page.inner_text("#run-name") == "small_tool_use"
-
-            # a curve per metric, with one point per logged value
-            loss = page.locator('.stage[data-stage="warmup"] figure.chart[data-metric="loss"] path.series')
-            assert loss.get_attribute("d").count("L") == SFT_STEPS - 1
-            reward = page.locator('.stage[data-stage="rl"] figure.chart[data-metric="reward/mean"]')
-            assert reward.locator("path.series").get_attribute("d").count("L") == RL_STEPS - 1
-            for folder in shots:
-                page.screenshot(path=str(folder / "view-metrics.png"))
-
-            # clicking a point opens that step's rollouts
-            box = reward.locator("svg").bounding_box()
-            page.mouse.click(box["x"] + box["width"] - 10, box["y"] + box["height"] / 2)
-            page.wait_for_function("location.hash.startsWith('#rollouts')")
-            last = SFT_STEPS + RL_STEPS
-            page.wait_for_selector(f"article.rollout[data-step='{last}']")
-            steps = {
-                int(s) for s in page.locator("article.rollout").evaluate_all("els => els.map(e => e.dataset.step)")
-            }
-            assert steps == {last}
-
-            # a multi-turn transcript: the question, the model's tool call, the tool's result
-            page.goto(server.url + "#rollouts?stage=rl&kind=train")
-            page.wait_for_selector("article.rollout .msg[data-role='tool']")
-            shown = [r for r in records if r["stage"] == "rl" and r["kind"] == "train"]
-            # the summary counts what the page has filtered so far: wait for the whole log (on a
-            # loaded machine the first paint showed "20 matching samples, steps 60-63" of 48)
-            page.wait_for_function(
-                f"document.querySelector('#rollout-summary').textContent.startsWith('{len(shown)} ')", timeout=20_000
-            )
-            assert page.inner_text("#rollout-summary").startswith(f"{len(shown)} matching samples")
-            card = page.locator("article.rollout", has=page.locator(".msg[data-role='tool']")).first
-            assert re.fullmatch(r"\d+\*\d+", card.locator(".msg[data-role='user'] pre").first.inner_text())
-            assert re.fullmatch(r"mul\(a=\d+, b=\d+\)", card.locator(".tool-call code").first.inner_text())
-            assert re.fullmatch(r"-?\d+", card.locator(".msg[data-role='tool'] pre").first.inner_text())
-            # each sample's feedback (the calculator's "expected '42', got '41'") under its transcript
-            listed = run_query(records, RolloutQuery(stage="rl", kind="train", limit=20))["records"]  # the first page
-            said = [r["feedback"] for r in listed if r["feedback"]]
-            assert said and page.locator("article.rollout .msg[data-role='feedback'] pre").all_inner_texts() == said
-            for folder in shots:
-                page.screenshot(path=str(folder / "view-rollouts.png"))
-
-            # the filter bar: evaluation episodes only
-            page.select_option("#filters [name=kind]", "eval")
-            page.click("#filters button[type=submit]")
-            evals = [r for r in records if r["stage"] == "rl" and r["kind"] == "eval"]
-            page.wait_for_function(
-                f"document.querySelector('#rollout-summary').textContent.startsWith('{len(evals)} ')"
-            )
-            kinds = set(page.locator("article.rollout").evaluate_all("els => els.map(e => e.dataset.kind)"))
-            assert kinds == {"eval"}
-
-            # the recipe and where each component came from
-            page.click("#tabs a[data-tab=recipe]")
-            page.wait_for_selector("#tab-recipe.active")
-            assert "name: small_tool_use" in page.inner_text("#recipe")
-            assert "calculator" in page.inner_text("#components")
+            yield page, errors
         finally:
             browser.close()
+
+
+def test_the_page_draws_curves_and_transcripts_in_a_real_browser(tmp_path: Path) -> None:
+    browser_or_skip()  # before the run is made
+    out = Path(small_run())
+    records = lines(out / "rollouts.jsonl")
+    shots = [tmp_path]
+    if os.environ.get("TEMPERING_DOCS_SCREENSHOTS"):
+        shots.append(Path(os.environ["TEMPERING_DOCS_SCREENSHOTS"]))
+    with ViewServer(str(out), port=0) as server, page_at(server.url) as (page, errors):
+        assert page.inner_text("#run-name") == "small_tool_use"
+
+        # a curve per metric, with one point per logged value
+        loss = page.locator('.stage[data-stage="warmup"] figure.chart[data-metric="loss"] path.series')
+        assert loss.get_attribute("d").count("L") == SFT_STEPS - 1
+        reward = page.locator('.stage[data-stage="rl"] figure.chart[data-metric="reward/mean"]')
+        assert reward.locator("path.series").get_attribute("d").count("L") == RL_STEPS - 1
+        for folder in shots:
+            page.screenshot(path=str(folder / "view-metrics.png"))
+
+        # clicking a point opens that step's rollouts
+        box = reward.locator("svg").bounding_box()
+        page.mouse.click(box["x"] + box["width"] - 10, box["y"] + box["height"] / 2)
+        page.wait_for_function("location.hash.startsWith('#rollouts')")
+        last = SFT_STEPS + RL_STEPS
+        page.wait_for_selector(f"article.rollout[data-step='{last}']")
+        steps = {int(s) for s in page.locator("article.rollout").evaluate_all("els => els.map(e => e.dataset.step)")}
+        assert steps == {last}
+
+        # a multi-turn transcript: the question, the model's tool call, the tool's result
+        page.goto(server.url + "#rollouts?stage=rl&kind=train")
+        page.wait_for_selector("article.rollout .msg[data-role='tool']")
+        shown = [r for r in records if r["stage"] == "rl" and r["kind"] == "train"]
+        # the summary counts what the page has filtered so far: wait for the whole log (on a
+        # loaded machine the first paint showed "20 matching samples, steps 60-63" of 48)
+        page.wait_for_function(
+            f"document.querySelector('#rollout-summary').textContent.startsWith('{len(shown)} ')", timeout=20_000
+        )
+        assert page.inner_text("#rollout-summary").startswith(f"{len(shown)} matching samples")
+        card = page.locator("article.rollout", has=page.locator(".msg[data-role='tool']")).first
+        assert re.fullmatch(r"\d+\*\d+", card.locator(".msg[data-role='user'] pre").first.inner_text())
+        assert re.fullmatch(r"mul\(a=\d+, b=\d+\)", card.locator(".tool-call code").first.inner_text())
+        assert re.fullmatch(r"-?\d+", card.locator(".msg[data-role='tool'] pre").first.inner_text())
+        # each sample's feedback (the calculator's "expected '42', got '41'") under its transcript
+        listed = run_query(records, RolloutQuery(stage="rl", kind="train", limit=20))["records"]  # the first page
+        said = [r["feedback"] for r in listed if r["feedback"]]
+        assert said and page.locator("article.rollout .msg[data-role='feedback'] pre").all_inner_texts() == said
+        for folder in shots:
+            page.screenshot(path=str(folder / "view-rollouts.png"))
+
+        # the filter bar: evaluation episodes only
+        page.select_option("#filters [name=kind]", "eval")
+        page.click("#filters button[type=submit]")
+        evals = [r for r in records if r["stage"] == "rl" and r["kind"] == "eval"]
+        page.wait_for_function(f"document.querySelector('#rollout-summary').textContent.startsWith('{len(evals)} ')")
+        kinds = set(page.locator("article.rollout").evaluate_all("els => els.map(e => e.dataset.kind)"))
+        assert kinds == {"eval"}
+
+        # the recipe and where each component came from
+        page.click("#tabs a[data-tab=recipe]")
+        page.wait_for_selector("#tab-recipe.active")
+        assert "name: small_tool_use" in page.inner_text("#recipe")
+        assert "calculator" in page.inner_text("#components")
     assert errors == []
     assert (tmp_path / "view-rollouts.png").stat().st_size > 20_000
 
