@@ -68,13 +68,14 @@ def kill(proc: subprocess.Popen) -> None:
 
 
 def wait(proc: subprocess.Popen, log: Path, timeout: float) -> Finished:
-    """Wait up to ``timeout`` seconds for ``proc``; past it, kill it and all it started. Either
-    way, no process of it is left behind (a rank that outlived a finished torchrun included)."""
+    """Wait up to ``timeout`` seconds for ``proc``; past it, kill it and all it started. Only
+    then: once ``proc`` has ended and been reaped its pid may already be another process's, and
+    torchrun itself waits for its ranks before it ends."""
     try:
         code: int | None = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         code = None
-    kill(proc)
+        kill(proc)
     return Finished(code, log.read_text(errors="replace"))
 
 
