@@ -130,8 +130,6 @@ def resolve_engine(engine: str, device: str) -> EngineChoice:
 def _is_gpu(device: str) -> bool:
     """``device`` (a backend's ``device`` key) is, or for ``auto`` resolves to, a GPU."""
     if device == "auto":
-        import torch
-
         return bool(torch.cuda.is_available())
     return device.startswith("cuda")
 
