@@ -239,26 +239,24 @@ class LossOutput:
 @runtime_checkable
 class Loss(Protocol):
     """A pure function of the model's per-token logprobs (``(B, T)``) and the padded batch
-    (:meth:`tempering.types.Batch.to_tensors`).
+    (:meth:`tempering.types.Batch.to_tensors`). That call is the whole requirement: a plain
+    class with ``__call__`` is a Loss.
 
     Positions: a backend may compute logprobs only at the target positions where some row has
     a non-zero ``batch["weights"]`` (the local one does: the LM head never runs on prompts);
     elsewhere ``logprobs`` holds 0 and has no gradient, so a loss reads only what its mask
-    keeps (every built-in masks with ``weights != 0``). A loss that needs every position sets
-    ``needs_all_positions = True`` (optional attribute; False when absent).
+    keeps (every built-in masks with ``weights != 0``).
 
-    Losses that need logits set ``needs_logits = True`` and read ``batch["logits"]``: the
-    logits at every target position, ``(B, T, V)``, or -- when ``batch["logit_positions"]`` is
-    present -- at those ``K`` positions only, ``(B, K, V)`` (sorted, the same for every row).
-    :func:`at_positions` selects those columns of any ``(B, T, ...)`` batch tensor and
-    :func:`from_positions` places ``(B, K)`` results back at their positions.
-
-    ``tinker_builtin`` names the Tinker loss that computes exactly this (or ``None``): the
-    Tinker backend then sends the batch to it instead of paying for a custom-loss forward.
+    What a loss may add is optional, a protocol each in :mod:`tempering.loss_contract`, read
+    through its functions (as :func:`supports` reads a backend's capabilities): ``reads`` (the
+    batch inputs it requires), ``needs_logits`` (:class:`~tempering.loss_contract.LogitsLoss`:
+    it reads ``batch["logits"]``, the logits at every target position, ``(B, T, V)``, or --
+    when ``batch["logit_positions"]`` is present -- at those ``K`` positions only,
+    ``(B, K, V)``; :func:`at_positions` and :func:`from_positions` convert), ``needs_all_positions``,
+    ``for_stage`` (what its stage knows), and ``tinker_builtin`` / ``builtin(batch)`` (the
+    Tinker built-in loss that computes exactly this, which the Tinker backend then runs
+    instead of a custom-loss forward).
     """
-
-    needs_logits: bool
-    tinker_builtin: str | None
 
     def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput: ...
 

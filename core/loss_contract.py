@@ -52,7 +52,6 @@ A third-party loss, complete::
     class ClippedPG:
         epsilon: float = 0.2
         reads: ClassVar[frozenset[str]] = frozenset({WEIGHTS, SAMPLER_LOGPROBS, ADVANTAGES})
-        needs_logits: ClassVar[bool] = False
         tinker_builtin: ClassVar[str | None] = "ppo"  # a sum over tokens, as Tinker's ppo
 
         @property
@@ -82,6 +81,7 @@ __all__ = [
     "ATTENTION_MASK",
     "BACKEND_INPUTS",
     "BUILTIN_LOSSES",
+    "AllPositionsLoss",
     "BuiltinLoss",
     "CLIPPED_BUILTINS",
     "DISTILL_WEIGHTS",
@@ -90,8 +90,10 @@ __all__ = [
     "INPUT_IDS",
     "LOGITS",
     "LOGIT_POSITIONS",
+    "LogitsLoss",
     "LossSetup",
     "NUM_ITEMS_IN_BATCH",
+    "NamedBuiltinLoss",
     "NoBuiltin",
     "POLICY_BUILTINS",
     "REF_LOGPROBS",
@@ -107,11 +109,15 @@ __all__ = [
     "TEACHER_TOPK_LOGPROBS",
     "WEIGHTS",
     "builtin_config",
+    "builtin_fn_config",
+    "builtin_name",
     "builtin_of",
     "check_reads",
     "for_stage",
     "loss_reads",
     "names_builtin",
+    "needs_all_positions",
+    "needs_logits",
     "reads_input",
 ]
 
@@ -215,6 +221,53 @@ def for_stage(loss: Any, setup: LossSetup) -> Any:
     return loss.for_stage(setup) if isinstance(loss, StageAwareLoss) else loss
 
 
+# --------------------------------------------------------------------------- optional capabilities
+# A loss is any callable ``(logprobs, batch) -> LossOutput`` (tempering.interfaces.Loss). What
+# it may add is optional, each a protocol of its own, read through the functions below (never
+# probed with getattr elsewhere): a minimal loss has none of them and is still a Loss.
+
+
+@runtime_checkable
+class LogitsLoss(Protocol):
+    """``needs_logits = True``: the backend adds :data:`LOGITS` (and maybe :data:`LOGIT_POSITIONS`)."""
+
+    needs_logits: bool
+
+
+@runtime_checkable
+class AllPositionsLoss(Protocol):
+    """``needs_all_positions = True``: logprobs at every position, not only the trained ones."""
+
+    needs_all_positions: bool
+
+
+@runtime_checkable
+class NamedBuiltinLoss(Protocol):
+    """``tinker_builtin``: the built-in loss (:data:`BUILTIN_LOSSES`) that computes this one, or None."""
+
+    tinker_builtin: str | None
+
+
+def needs_logits(loss: object) -> bool:
+    """Whether ``loss`` reads :data:`LOGITS` (:class:`LogitsLoss`); False when it does not say."""
+    return isinstance(loss, LogitsLoss) and bool(loss.needs_logits)
+
+
+def needs_all_positions(loss: object) -> bool:
+    """Whether ``loss`` needs logprobs at every position (:class:`AllPositionsLoss`)."""
+    return isinstance(loss, AllPositionsLoss) and bool(loss.needs_all_positions)
+
+
+def builtin_name(loss: object) -> str | None:
+    """The built-in ``loss`` names statically (:class:`NamedBuiltinLoss`), or None."""
+    return loss.tinker_builtin if isinstance(loss, NamedBuiltinLoss) else None
+
+
+def builtin_fn_config(loss: object) -> Any:
+    """A loss's explicit ``tinker_loss_fn_config`` (a mapping, or a method returning one), or None."""
+    return getattr(loss, "tinker_loss_fn_config", None)
+
+
 # --------------------------------------------------------------------------- built-in losses
 #: The standard built-in losses, sums over tokens (Tinker's names and formulas; see
 #: :mod:`tempering.rlmath.policy_loss`).
@@ -267,7 +320,7 @@ def builtin_of(loss: Any, batch: Batch) -> BuiltinLoss | NoBuiltin:
     if isinstance(loss, DeclaresBuiltin):
         found = loss.builtin(batch)
     else:
-        name = getattr(loss, "tinker_builtin", None)
+        name = builtin_name(loss)
         if not name:
             return NoBuiltin(f"{who} names no built-in loss (tinker_builtin is None)")
         found = BuiltinLoss(
@@ -284,7 +337,7 @@ def names_builtin(loss: object) -> bool:
     """Whether ``loss`` names a built-in statically (a ``tinker_builtin`` that is not None): it
     is then a plain sum over tokens, as every built-in is, and a stage that folds a normaliser
     into the advantages must fold it for this loss too."""
-    return getattr(loss, "tinker_builtin", None) is not None
+    return builtin_name(loss) is not None
 
 
 def builtin_config(loss: Any, name: str) -> dict[str, float] | None:
@@ -292,7 +345,7 @@ def builtin_config(loss: Any, name: str) -> dict[str, float] | None:
     if it has one, else (the clipped built-ins) thresholds from ``clip_low_threshold`` /
     ``clip_high_threshold`` or ``epsilon_low`` / ``epsilon_high`` attributes. Clip thresholds
     are always sent explicitly, so a recipe never silently runs with a service's defaults."""
-    explicit = getattr(loss, "tinker_loss_fn_config", None)
+    explicit = builtin_fn_config(loss)
     if callable(explicit):
         explicit = explicit()
     if explicit is not None:

@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 
+from tempering import loss_contract
 from tempering import registry as _registry
 from tempering.errors import PluginError
 from tempering.registry import Component, PluginInfo, Registry
@@ -177,7 +178,7 @@ class FakeBackend:
     def forward_backward(self, batch: Batch, loss: Any) -> Future[dict[str, float]]:
         import torch
 
-        if getattr(loss, "needs_logits", False):
+        if loss_contract.needs_logits(loss):
             raise NotImplementedError("FakeBackend has no model, so no logits: test this loss on a real backend")
         tensors = batch.to_tensors(self.tokenizer.pad_token_id)
         base = tensors.get("sampler_logprobs", torch.full_like(tensors["weights"], self.logprob))

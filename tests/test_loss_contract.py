@@ -177,3 +177,34 @@ def test_sdft_declares_its_inputs_teacher_and_builtin(tmp_path):
             ],
         ).run(backend=TopK())
     assert str(err.value).startswith("stages[0].loss.mode: 'topk_logits' trains on the student's logits")
+
+
+def test_optional_capabilities_are_read_through_the_contract() -> None:
+    """Issue 38: a loss's capabilities are optional protocols; a property that says False is
+    read as False, an absent one as absent, and the call alone makes a Loss."""
+    from tempering import loss_contract as lc
+    from tempering.interfaces import Loss
+
+    class Bare:
+        def __call__(self, logprobs, batch):
+            raise AssertionError("not called")
+
+    class Declares:
+        needs_logits = True
+        needs_all_positions = False
+        tinker_builtin = "ppo"
+        tinker_loss_fn_config = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+
+        def __call__(self, logprobs, batch):
+            raise AssertionError("not called")
+
+    bare, declares = Bare(), Declares()
+    assert isinstance(bare, Loss) and isinstance(declares, Loss)
+    assert (lc.needs_logits(bare), lc.needs_all_positions(bare), lc.builtin_name(bare)) == (False, False, None)
+    assert (lc.needs_logits(declares), lc.needs_all_positions(declares), lc.builtin_name(declares)) == (
+        True,
+        False,
+        "ppo",
+    )
+    assert lc.builtin_config(declares, "ppo") == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    assert isinstance(builtin_of(bare, Batch(data=[])), NoBuiltin)

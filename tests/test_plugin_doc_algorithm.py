@@ -90,3 +90,20 @@ print("NO ERROR")
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = proc.stdout.strip().splitlines()[-1]
     assert line.startswith("ERROR ") and re.search(message, line), line
+
+
+def test_its_minimal_loss_is_a_loss(tmp_path: Path) -> None:
+    """Issue 38: the Loss protocol requires the call alone, so the docs' Reinforce (no
+    needs_logits, no tinker_builtin) is an instance, and the optional capabilities read as
+    absent through the loss contract."""
+    example(tmp_path)
+    code = """
+import reinforce_example as ex
+from tempering import loss_contract as lc
+from tempering.interfaces import Loss
+loss = ex.Reinforce()
+print(isinstance(loss, Loss), lc.needs_logits(loss), lc.needs_all_positions(loss), lc.builtin_name(loss))
+"""
+    proc = run(tmp_path, code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "False", "False", "None"]

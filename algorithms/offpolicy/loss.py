@@ -71,6 +71,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from tempering import loss_contract
 from tempering.interfaces import LossOutput, at_positions, from_positions
 from tempering.loss_contract import ADVANTAGES, SAMPLER_LOGPROBS, TARGET_IDS, WEIGHTS, loss_reads
 from tempering.rlmath.aggregation import fold_normaliser
@@ -159,7 +160,7 @@ class OffPolicyObjective:
 
     @property
     def needs_logits(self) -> bool:
-        return self.matched or bool(getattr(self.inner, "needs_logits", False))
+        return self.matched or loss_contract.needs_logits(self.inner)
 
     @property
     def reads(self) -> frozenset[str] | None:
@@ -170,11 +171,11 @@ class OffPolicyObjective:
 
     @property
     def tinker_builtin(self) -> str | None:
-        return None if self.matched else getattr(self.inner, "tinker_builtin", None)
+        return None if self.matched else loss_contract.builtin_name(self.inner)
 
     @property
     def tinker_loss_fn_config(self) -> dict[str, float] | None:
-        return None if self.matched else getattr(self.inner, "tinker_loss_fn_config", None)
+        return None if self.matched else loss_contract.builtin_fn_config(self.inner)
 
     def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
         filtered_frac = 0.0

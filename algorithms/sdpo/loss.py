@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from tempering import loss_contract
 from tempering.interfaces import LossOutput
 from tempering.loss_contract import (
     DISTILL_WEIGHTS,
@@ -175,7 +176,7 @@ class SDPOLoss:
     def needs_logits(self) -> bool:
         """The logit modes need the student's logits (and the policy loss, if it does)."""
         distill = self.weight > 0 and self.mode != "sampled_token"
-        return distill or (self.weight < 1 and bool(getattr(self.policy, "needs_logits", False)))
+        return distill or (self.weight < 1 and loss_contract.needs_logits(self.policy))
 
     @property
     def teacher_input(self) -> str | None:
@@ -208,7 +209,7 @@ class SDPOLoss:
     @property
     def tinker_builtin(self) -> str | None:
         """The static form of :meth:`builtin`: the policy loss's with ``weight`` 0, else none."""
-        return getattr(self.policy, "tinker_builtin", None) if self.weight == 0.0 else None
+        return loss_contract.builtin_name(self.policy) if self.weight == 0.0 else None
 
     def builtin(self, batch: Batch) -> BuiltinLoss | NoBuiltin:
         """Backend-neutrally (the loss contract): with ``weight`` 0 the loss *is* its policy

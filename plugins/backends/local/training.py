@@ -13,6 +13,7 @@ import torch
 
 import tempering.plugins.backends.local.distributed as distributed
 import tempering.plugins.backends.local.sharding as sharding
+from tempering import loss_contract
 from tempering.interfaces import Loss, at_positions, from_positions
 from tempering.plugins.backends.common import float_metrics
 from tempering.plugins.backends.local.logprobs import (
@@ -71,12 +72,12 @@ class Trainer:
         and a ``needs_logits`` loss gets the logits there with ``batch["logit_positions"]``."""
         model = self.weights.model
         tensors = batch.to_tensors(self.pad_token_id, device=self.device)
-        positions = None if getattr(loss, "needs_all_positions", False) else trained_positions(tensors["weights"])
+        positions = None if loss_contract.needs_all_positions(loss) else trained_positions(tensors["weights"])
         model.train()
         logits = model_logits(model, tensors["input_ids"], tensors["attention_mask"], positions)
         lp = selected_token_logprobs(logits, at_positions(tensors["target_ids"], positions))
         lp = from_positions(lp, positions, tensors["target_ids"].shape[1])
-        if getattr(loss, "needs_logits", False):
+        if loss_contract.needs_logits(loss):
             tensors["logits"] = logits
             if positions is not None:
                 tensors["logit_positions"] = positions

@@ -47,6 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tempering import loss_contract
 from tempering.loss_contract import (
     BUILTIN_LOSSES,
     POLICY_BUILTINS,
@@ -115,7 +116,7 @@ def plan_loss(loss: Any, batch: Batch) -> LossPlan:
 
 def custom_plan(loss: Any, batch: Batch, note: str) -> LossPlan:
     """``forward_backward_custom``: only ``target_tokens`` and ``weights`` reach the service."""
-    if getattr(loss, "needs_logits", False):
+    if loss_contract.needs_logits(loss):
         raise NotImplementedError(_logits_message(loss, note))
     inputs = _token_weight_inputs(batch)
     return LossPlan("custom", None, inputs, note=note + "; runs as forward_backward_custom (one extra forward pass)")

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tempering import loss_contract
 from tempering.plugins.backends.common import float_metrics
 from tempering.plugins.backends.tinker.errors import TinkerLossError, one_line
 from tempering.plugins.backends.tinker.mapping import LossPlan
@@ -82,7 +83,7 @@ def loss_metrics(
     metrics: dict[str, float] = {}
     if plan.custom and "out" in captured:
         result = captured["out"]
-    elif not getattr(loss, "needs_logits", False) and not plan.two_dimensional:
+    elif not loss_contract.needs_logits(loss) and not plan.two_dimensional:
         rows = [torch.tensor(tensor_list(o["logprobs"]), dtype=torch.float32) for o in out.loss_fn_outputs]
         width = tensors["weights"].shape[1]
         lp = torch.stack([torch.nn.functional.pad(r, (0, width - r.shape[0])) for r in rows])
