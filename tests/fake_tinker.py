@@ -2,7 +2,7 @@
 real SDK.
 
 ``serve`` (the body of each module's ``server`` fixture) starts
-:class:`~tempering.plugins.backends.tinker.local_server.LocalTinkerServer` on loopback for one
+:class:`~tempering.plugins.tinker_server.server.LocalTinkerServer` on loopback for one
 test (its own models, faults and request log), points ``TINKER_BASE_URL`` at it, sets a ``tml-``
 key, turns the SDK's telemetry off and keeps every cache in the test's folder.
 ``make_backend(server, **kwargs)`` builds a ``TinkerBackend`` on it -- the real
@@ -22,9 +22,9 @@ import pytest
 import tinker  # noqa: F401 - a dev dependency: missing is a failure, not a skip
 
 from tempering.plugins.backends.tinker.backend import TinkerBackend
-from tempering.plugins.backends.tinker.local_server import LocalTinkerServer
-from tempering.plugins.backends.tinker.local_service import ServedModel
 from tempering.plugins.backends.tinker.mapping import plain_datum
+from tempering.plugins.tinker_server.server import LocalTinkerServer
+from tempering.plugins.tinker_server.service import ServedModel
 
 MODEL_KWARGS = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
 CHAT_KWARGS = {**MODEL_KWARGS, "chat": True, "max_position_embeddings": 128}

@@ -439,7 +439,7 @@ def test_grpo_trains_on_exactly_what_the_harness_saw_local(tmp_path: Path) -> No
 def chat_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     from fake_tinker import CHAT_KWARGS, serve
 
-    from tempering.plugins.backends.tinker.local_service import ServedModel
+    from tempering.plugins.tinker_server.service import ServedModel
 
     yield from serve(monkeypatch, tmp_path, {"tiny_llama": ServedModel("tiny_llama", CHAT_KWARGS)})
 

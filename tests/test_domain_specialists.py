@@ -252,7 +252,7 @@ def test_a_specialist_trains_and_answers_on_the_tinker_backend_offline(
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from fake_tinker import MODEL_KWARGS, close_backends, set_env, start_server
 
-    from tempering.plugins.backends.tinker.local_service import ServedModel
+    from tempering.plugins.tinker_server.service import ServedModel
 
     set_env(monkeypatch, tmp_path)
     server = start_server(

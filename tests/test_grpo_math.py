@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 
-from tempering.algorithms.grpo.advantages import (
+from tempering.algorithms.grpo.loss import GRPOLoss, aggregate, k3_kl
+from tempering.interfaces import AdvantageEstimator, Loss
+from tempering.rlmath.advantages import (
     GroupNormAdvantage,
     MeanOnlyAdvantage,
     RLOOAdvantage,
     zero_variance_groups,
 )
-from tempering.algorithms.grpo.loss import GRPOLoss, aggregate, k3_kl
-from tempering.interfaces import AdvantageEstimator, Loss
 
 # --------------------------------------------------------------------------- advantages
 # Four groups with arbitrary, interleaved ids and unequal sizes:

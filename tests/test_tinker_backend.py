@@ -1,7 +1,7 @@
 """The Tinker backend through the real SDK (``tinker`` 0.38) against the local Tinker server.
 
 Every test that talks to a service starts
-:class:`~tempering.plugins.backends.tinker.local_server.LocalTinkerServer` on loopback
+:class:`~tempering.plugins.tinker_server.server.LocalTinkerServer` on loopback
 (``tests/fake_tinker.py``): the backend builds a real ``tinker.ServiceClient``, which speaks the
 SDK's own wire protocol (JSON, and protobuf for forward/backward and samples) to a server that
 trains and samples a tiny Llama with the local backend's code. What is checked here:
@@ -46,7 +46,6 @@ from tempering.algorithms.sft.loss import CrossEntropyLoss
 from tempering.plugins.backends.tinker import backend as backend_module
 from tempering.plugins.backends.tinker import session as session_module
 from tempering.plugins.backends.tinker.backend import TinkerBackend
-from tempering.plugins.backends.tinker.builtin_losses import builtin_loss
 from tempering.plugins.backends.tinker.errors import (
     TinkerAuthError,
     TinkerNotInstalledError,
@@ -54,6 +53,7 @@ from tempering.plugins.backends.tinker.errors import (
     TinkerTrainingError,
 )
 from tempering.plugins.backends.tinker.mapping import plan_loss
+from tempering.plugins.tinker_server.builtin_losses import builtin_loss
 from tempering.types import AdamParams, Batch, Completion, Datum, SamplingParams
 
 

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from tempering.plugins.backends.tinker.builtin_losses import builtin_loss
+from tempering.plugins.tinker_server.builtin_losses import builtin_loss
 
 
 def _clip(x: float, lo: float, hi: float) -> float:

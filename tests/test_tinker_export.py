@@ -20,8 +20,8 @@ from test_export import backend_logprobs, hf_logprobs, load_merged_export, sft
 
 from tempering.apps import cli
 from tempering.apps.rundata import RunDir, run_backend
-from tempering.plugins.backends.tinker.local_service import ServedModel
 from tempering.plugins.models.tiny import tiny_llama
+from tempering.plugins.tinker_server.service import ServedModel
 from tempering.training.recipe import Recipe
 
 pytestmark = pytest.mark.timeout(60)

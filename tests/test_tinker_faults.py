@@ -40,8 +40,8 @@ from tempering.plugins.backends.tinker.errors import (
     TinkerLossError,
     TinkerServiceError,
 )
-from tempering.plugins.backends.tinker.local_service import ServedModel
 from tempering.plugins.models.tiny import tiny_llama
+from tempering.plugins.tinker_server.service import ServedModel
 from tempering.types import AdamParams, Batch, Completion, Datum, SamplingParams
 
 pytestmark = pytest.mark.timeout(60)  # the old backend waited minutes, or forever, in several of these

@@ -10,7 +10,7 @@ named as such (issue 24 item 6).
 * ``TinkerBackend.close`` on such a service waited 30 s and warned ``"TinkerBackend.close: "``
   with nothing after it (a ``TimeoutError`` has no text).
 
-Dead and frozen servers are real processes (``python -m ...local_server``), killed or stopped
+Dead and frozen servers are real processes (``python -m tempering.plugins.tinker_server``), killed or stopped
 with SIGSTOP: an in-process server keeps answering on connections the SDK holds open.
 """
 
@@ -31,9 +31,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fake_tinker import MODEL_KWARGS, make_backend, serve, set_env
 
-from tempering.plugins.backends.tinker import local_server
 from tempering.plugins.backends.tinker.backend import TinkerBackend
 from tempering.plugins.backends.tinker.errors import TinkerServiceError
+from tempering.plugins.tinker_server import server as local_server
 from tempering.types import SamplingParams
 
 pytestmark = pytest.mark.timeout(180)
@@ -82,7 +82,7 @@ def test_persistent_http_500s_are_named_with_status_and_body(server):
 
 
 class ServerProcess:
-    """``python -m tempering.plugins.backends.tinker.local_server`` on a free loopback port."""
+    """``python -m tempering.plugins.tinker_server`` on a free loopback port."""
 
     def __init__(self) -> None:
         with socket.socket() as sock:
@@ -93,7 +93,7 @@ class ServerProcess:
             [
                 sys.executable,
                 "-m",
-                "tempering.plugins.backends.tinker.local_server",
+                "tempering.plugins.tinker_server",
                 "--port",
                 str(port),
                 "--model-kwargs",

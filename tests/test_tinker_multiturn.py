@@ -22,8 +22,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fake_tinker import CHAT_KWARGS, serve
 
-from tempering.plugins.backends.tinker.local_service import ServedModel
 from tempering.plugins.backends.tinker.mapping import plain_datum
+from tempering.plugins.tinker_server.service import ServedModel
 
 ENV_PLUGIN = '''
 from tempering import hookimpl

@@ -22,7 +22,7 @@ import tinker  # noqa: F401 - a dev dependency: missing is a failure, not a skip
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fake_tinker import CHAT_KWARGS, sent, serve
 
-from tempering.plugins.backends.tinker.local_service import ServedModel
+from tempering.plugins.tinker_server.service import ServedModel
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(60)
@@ -154,8 +154,8 @@ SMOL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 def smol_server(monkeypatch, tmp_path):
     """The server with SmolLM2 under its Hugging Face name (as ``--model smollm2 --name ...``);
     the converted weights are read from the usual cache, not converted again in the test's."""
-    from tempering.plugins.backends.tinker.local_server import served_models
     from tempering.plugins.models.gguf import cache_root
+    from tempering.plugins.tinker_server.cli import served_models
 
     monkeypatch.setenv("TEMPERING_MODEL_CACHE", cache_root())
     models, _ = served_models(["--model", "smollm2", "--name", SMOL_NAME])
@@ -227,7 +227,7 @@ def test_grpo_on_smollm2_through_the_local_tinker_server(smol_server, tmp_path, 
 def test_server_command_line_serves_a_model_under_a_name_and_checks_it(monkeypatch, capsys):
     """``--name`` is what clients ask for; a model source that does not exist stops the server at
     start with one line (not at the first client's request)."""
-    from tempering.plugins.backends.tinker.local_server import served_models
+    from tempering.plugins.tinker_server.cli import served_models
 
     models, args = served_models(
         ["--model", "tiny_llama", "--model-kwargs", '{"hidden_size": 32}', "--name", "org/tiny", "--port", "0"]
