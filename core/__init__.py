@@ -6,7 +6,8 @@ The core is small on purpose: data types (:mod:`tempering.types`), the component
 work -- backends, rewards, losses, algorithms -- is a plugin, the built-ins included.
 
 Importing this package must stay cheap (no torch), so that ``tempering plugins`` and
-``--help`` are fast.
+``--help`` are fast: the rest of the public surface (:mod:`tempering.api`: ``Recipe``, the
+stage and loss types, ...) is imported on first use, ``from tempering import Recipe``.
 """
 
 from __future__ import annotations
@@ -31,4 +32,22 @@ __all__ = [
     "TemperingError",
     "UnknownComponentError",
     "hookimpl",
+    "Recipe",
+    "RLStage",
+    "Stage",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """The names of :mod:`tempering.api` not imported above, imported when first asked for."""
+    import tempering.api as api  # an import statement, not `from tempering import`: that would ask __getattr__
+
+    if name in api.__all__:
+        return getattr(api, name)
+    raise AttributeError(f"module 'tempering' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    import tempering.api as api
+
+    return sorted(set(__all__) | set(api.__all__))

@@ -7,6 +7,8 @@ subpackages by purpose, each importing only those below it:
     tempering (types, interfaces, errors, registry, schema, loss_contract, hookspecs, testing)
       < rlmath < runs < rollouts < training < apps
 
+with ``tempering.api`` (the public import surface, re-exports) above them all,
+
 and no import cycle anywhere (a cycle hidden behind a function-level import counts).
 """
 
@@ -18,8 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 #: The core's subpackages, lowest first; the top-level modules of ``tempering`` sit below them all.
 CORE_ORDER = ["rlmath", "runs", "rollouts", "training", "apps"]
-#: Top-level modules that may import upward, and why: ``python -m tempering`` runs the CLI.
-CORE_ENTRY = {"tempering.__main__"}
+#: Top-level modules that may import upward, and why: ``python -m tempering`` runs the CLI; the
+#: package root re-exports :mod:`tempering.api` lazily (``from tempering import Recipe``).
+CORE_ENTRY = {"tempering.__main__", "tempering"}
 
 
 def _imports(path: Path, module: str) -> set[str]:
@@ -38,7 +41,9 @@ def _imports(path: Path, module: str) -> set[str]:
                 if child.level:
                     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
                     base = ".".join(package[: len(package) - child.level + 1] + ([base] if base else []))
-                out.update([base] + [f"{base}.{a.name}" for a in child.names])
+                # `from pkg import name` depends on pkg.name when that is a module, else on pkg
+                # (_graph walks a name that is not a module up to its package)
+                out.update(f"{base}.{a.name}" for a in child.names)
             visit(child)
 
     visit(tree)
@@ -126,8 +131,11 @@ def test_no_import_cycles():
 
 def _core_rank(module: str) -> int:
     """0 for ``tempering``'s own top-level modules, else 1 + the subpackage's place in CORE_ORDER;
-    ``tempering.recipes`` (bundled YAML and its plugin) ranks with the apps."""
+    ``tempering.recipes`` (bundled YAML and its plugin) ranks with the apps, ``tempering.api``
+    (which only re-exports) above everything."""
     parts = module.split(".")
+    if len(parts) >= 2 and parts[1] == "api":
+        return len(CORE_ORDER) + 1
     if len(parts) < 2 or parts[1] not in CORE_ORDER + ["recipes"]:
         return 0
     return len(CORE_ORDER) if parts[1] == "recipes" else 1 + CORE_ORDER.index(parts[1])
@@ -151,6 +159,7 @@ def test_the_core_is_in_subpackages_by_purpose():
     assert top == [
         "__init__",
         "__main__",
+        "api",
         "errors",
         "hookspecs",
         "interfaces",

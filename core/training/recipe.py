@@ -16,6 +16,7 @@ earlier run aside and starts over. The folder rules (lock, fresh start, pruning)
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import os
 import random
 import time
@@ -24,7 +25,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import tempering
 from tempering.errors import (
     ConfigError,
     RunStopped,
@@ -479,7 +479,7 @@ def _metadata(registry: Registry, cfg: Mapping[str, Any]) -> dict[str, Any]:
     # redacted: run.json is read by the trackers and `tempering view`; the components got the real values
     recorded = {**cfg, "stages": [_stage_record(spec) for spec in cfg["stages"]]}
     return {
-        "tempering": tempering.__version__,
+        "tempering": importlib.metadata.version("tempering"),
         "recipe": redact(_jsonable(recorded)),
         "components": used,
         "cwd": os.getcwd(),  # what the recipe's relative paths (a dataset file) were resolved from

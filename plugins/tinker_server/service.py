@@ -127,7 +127,7 @@ def _check_ttl(ttl: int | None) -> None:
         raise Rejected(400, f"ttl_seconds must be between {MIN_TTL_SECONDS} and {MAX_TTL_SECONDS} (or null), got {ttl}")
 
 
-class Sampler:
+class SamplingWeights:
     """The weights a sampling session samples: a frozen snapshot of a run, a run's inflight
     target, or a base model (``client=None``: the owner's live, never-trained weights)."""
 
@@ -165,7 +165,7 @@ class Sampler:
         return _then(self.owner.logprobs(batch, weights=self.snapshot), lambda rows: rows[0])
 
 
-class InflightSampler:
+class InflightWeights:
     """A session of a run's inflight weights: whatever the run published last, at sample time."""
 
     def __init__(self, run: TrainingRun) -> None:
@@ -179,7 +179,7 @@ class InflightSampler:
     def score(self, prompt: list[int], topk: int = 0) -> Future[Any]:
         return self._published().score(prompt, topk)
 
-    def _published(self) -> Sampler:
+    def _published(self) -> SamplingWeights:
         """What the run published last (a session of a run that published nothing yet is refused
         where it is created, so there always is one here)."""
         assert self.run.inflight is not None, "an inflight session of a run that published no weights"
@@ -191,14 +191,14 @@ class TrainingRun:
 
     def __init__(self, model_id: str, base_model: str, rank: int, backend: LocalBackend) -> None:
         self.model_id, self.base_model, self.rank, self.backend = model_id, base_model, rank, backend
-        self.inflight: Sampler | None = None
+        self.inflight: SamplingWeights | None = None
         self.closed: str | None = None  # why the run takes no more requests
         self._next = 1  # seq 0 is the request that created the run
         self._waiting: dict[int, tuple[Callable[[], Future[Any]], Future[Any], float]] = {}
         self._lock = threading.Lock()
         self.names: set[str] = set()
         self._snapshots = itertools.count()
-        self.published: list[Sampler] = []  # its sampling clients' weights in memory, oldest first
+        self.published: list[SamplingWeights] = []  # its sampling clients' weights in memory, oldest first
 
     def run(self, seq_id: int, fn: Callable[[], Future[Any]]) -> Future[Any]:
         """Run ``fn`` (which submits to the backend) once every earlier ``seq_id`` has run."""
@@ -458,8 +458,8 @@ class LocalService:
         self.records = StabilityRecords()
         self.sessions: dict[str, _Session] = {}
         self.runs: dict[str, TrainingRun] = {}
-        self.samplers: dict[str, Sampler | InflightSampler] = {}  # sampling session id -> sampler
-        self.sampler_paths: dict[str, Sampler] = {}  # tinker path -> saved sampler weights (loaded)
+        self.samplers: dict[str, SamplingWeights | InflightWeights] = {}  # sampling session id -> sampler
+        self.sampler_paths: dict[str, SamplingWeights] = {}  # tinker path -> saved sampler weights (loaded)
         self.request_sessions: dict[str, str] = {}  # server future id -> session (a poll is a sign of life)
         self._bases: dict[str, LocalBackend] = {}
         self._tokenizer_dirs: dict[str, str] = {}
@@ -477,8 +477,8 @@ class LocalService:
         #: padded tokens per forward/backward call (a request's datums are split to fit; see _micro_batches)
         self.micro_batch_tokens = 2048
 
-    def _sampler(self, *args: Any) -> Sampler:
-        sampler = Sampler(*args)
+    def _sampler(self, *args: Any) -> SamplingWeights:
+        sampler = SamplingWeights(*args)
         sampler.batching = self.batch_sampling
         return sampler
 
@@ -607,7 +607,7 @@ class LocalService:
         for name, used in list(self.samplers.items()):
             if session_of(name) == session_id:
                 del self.samplers[name]
-            elif isinstance(used, Sampler) and used.owner in released:
+            elif isinstance(used, SamplingWeights) and used.owner in released:
                 used.retired = True  # another session's; reloaded from its path at its next use
         for name in [n for n in self.released if session_of(n) == session_id]:
             del self.released[name]
@@ -907,7 +907,7 @@ class LocalService:
                 lambda client: publish(self._sampler(run.backend, run.base_model, client, name, path)),
             )
 
-        def publish(sampler: Sampler) -> dict[str, Any]:
+        def publish(sampler: SamplingWeights) -> dict[str, Any]:
             self._keep_newest(run, sampler)
             if path is not None:
                 self.sampler_paths[path] = sampler
@@ -915,14 +915,14 @@ class LocalService:
             session = f"{req.model_id}:sample:{req.sampling_session_seq_id}"
             if req.kind == "inflight":
                 run.inflight = sampler
-                self.samplers[session] = InflightSampler(run)
+                self.samplers[session] = InflightWeights(run)
             else:
                 self.samplers[session] = sampler
             return {"sampling_session_id": session, "type": "save_weights_for_sampler"}
 
         return run.run(req.seq_id, go)
 
-    def _keep_newest(self, run: TrainingRun, sampler: Sampler) -> None:
+    def _keep_newest(self, run: TrainingRun, sampler: SamplingWeights) -> None:
         """Hold the newest ``keep_sampling_clients`` sampling clients of a run in memory (each
         is a copy of the trainable weights; the SDK never says one is dropped, so a long run
         would grow by one per step). An older one is released: named sampler weights are
@@ -1013,7 +1013,7 @@ class LocalService:
         return {"base_model": record.base_model, "is_lora": record.lora_rank is not None, "lora_rank": record.lora_rank}
 
     # ------------------------------------------------------------------ sampling
-    def _sampler_at(self, path: str) -> Sampler:
+    def _sampler_at(self, path: str) -> SamplingWeights:
         """Saved sampler weights: in memory while their run lives, else loaded from disk."""
         with self._lock:
             if path not in self.sampler_paths:
@@ -1041,7 +1041,7 @@ class LocalService:
             raise Rejected(400, "give model_path or base_model")
         return session
 
-    def sampler(self, session: str) -> Sampler | InflightSampler:
+    def sampler(self, session: str) -> SamplingWeights | InflightWeights:
         if session in self.released:
             raise Rejected(404, self.released[session])
         if session not in self.samplers:
@@ -1050,7 +1050,7 @@ class LocalService:
             raise Rejected(404, f"no sampling session {session!r}{ended}")
         self.seen(session)
         found = self.samplers[session]
-        if isinstance(found, Sampler) and found.retired and found.path is not None:
+        if isinstance(found, SamplingWeights) and found.retired and found.path is not None:
             with self._lock:  # the weights of a run whose session ended: from disk, as after a restart
                 found = self.samplers[session] = self._sampler_at(found.path)
         return found
