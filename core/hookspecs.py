@@ -80,7 +80,10 @@ def register_loggers(register: Register) -> None:
 
 @hookspec
 def register_models(register: Register) -> None:
-    """Register model builders for the local backend."""
+    """Register model builders for the local backend: a callable taking the recipe's
+    ``model_kwargs`` and returning a :class:`tempering.interfaces.LoadedModel` (the model, its
+    tokenizer and the renderer the model declares for ``renderer: auto``) or a plain
+    ``(model, tokenizer)`` pair (no declared renderer)."""
 
 
 @hookspec

@@ -11,7 +11,7 @@ typed ``ctx`` stages receive (:class:`BuildContext`, :class:`RunContext`).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -163,6 +163,21 @@ class Closeable(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class DeclaresRenderer(Protocol):
+    """``model_renderer``: the chat format the model declares (its builder's
+    :attr:`LoadedModel.renderer`: ``chatml`` for SmolLM2, ``tiny_chat`` for a tiny chat model),
+    what a stage's ``renderer: auto`` picks; None when the model declares none. Data on the
+    backend, so no component has to read it off a tokenizer."""
+
+    model_renderer: str | None
+
+
+def model_renderer(backend: object) -> str | None:
+    """The renderer ``backend``'s model declares (:class:`DeclaresRenderer`), or None."""
+    return backend.model_renderer if isinstance(backend, DeclaresRenderer) else None
+
+
 #: Every capability protocol, by the name a backend's ``capabilities`` mapping uses.
 CAPABILITIES: dict[str, type] = {
     "weight_snapshots": WeightSnapshots,
@@ -197,6 +212,31 @@ def supports(backend: object, capability: type) -> bool:
         return False
     declared = getattr(backend, "capabilities", None)
     return not (isinstance(declared, Mapping) and declared.get(capability_name(capability), True) is False)
+
+
+# --------------------------------------------------------------------------- models
+@dataclass(frozen=True)
+class LoadedModel:
+    """What a model builder (the ``model`` kind) returns: the model, its tokenizer, and the
+    renderer (chat format) the model declares, if any, for ``renderer: auto``.
+
+    It unpacks as ``model, tokenizer`` (the older builder result, which a builder may still
+    return: then it declares no renderer), so ``model, tok = tiny_llama()`` reads as before."""
+
+    model: Any
+    tokenizer: Any
+    renderer: str | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.model, self.tokenizer))
+
+    @classmethod
+    def of(cls, built: LoadedModel | tuple[Any, Any]) -> LoadedModel:
+        """A builder's result as a :class:`LoadedModel` (a ``(model, tokenizer)`` pair declares no renderer)."""
+        if isinstance(built, LoadedModel):
+            return built
+        model, tokenizer = built
+        return cls(model, tokenizer)
 
 
 # --------------------------------------------------------------------------- rewards

@@ -35,6 +35,9 @@ from tempering import hookspecs
 from tempering.errors import ConfigError, PluginError, UnknownComponentError
 from tempering.schema import CHECK_CONFIG, check_config_at
 
+if typing.TYPE_CHECKING:  # pragma: no cover
+    from tempering.interfaces import LoadedModel
+
 ENTRY_POINT_GROUP = "tempering"
 ENV_LOAD = "TEMPERING_LOAD_PLUGINS"  # comma list of external plugins to load; "" = none
 ENV_STRICT = "TEMPERING_STRICT_PLUGINS"  # "1": a plugin that fails to load is an error
@@ -459,7 +462,9 @@ def resolved_values(factory: Callable[..., Any], settings: Mapping[str, Any]) ->
     return dict(hook(settings)) if callable(hook) else {}
 
 
-def registered_builder(name: str, registry: Registry | None = None) -> Callable[..., tuple[Any, Any]] | None:
+def registered_builder(
+    name: str, registry: Registry | None = None
+) -> Callable[..., LoadedModel | tuple[Any, Any]] | None:
     """The model builder a plugin registered under ``name`` (or ``dist:name``), or ``None``:
     then the name is a folder or a hub id (``registry``: the process-wide one by default). Used
     by every backend that builds a model locally, and by ``tempering export`` to rebuild the

@@ -62,6 +62,7 @@ SMOL_SYSTEM = [
 ]
 #: "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
 USER_TURN = [1, 4093, 198, 1780, 314, 216, 34, 27, 35, 47, 2, 198, 1, 520, 9531, 198]
+SMOL = "chatml"  # the renderer SmolLM2's builder declares
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 
 
@@ -71,9 +72,8 @@ def smol() -> Any:
 
     from tempering.plugins.models.smollm2 import RENDERER, smollm2_folder
 
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
-    tokenizer.tempering_renderer = RENDERER  # what the model builder sets
-    return tokenizer
+    assert RENDERER == SMOL  # what the model builder declares (smollm2().renderer)
+    return AutoTokenizer.from_pretrained(smollm2_folder())
 
 
 def build(tokenizer: Any, name: str = "chatml", **keys: Any) -> Any:
@@ -104,7 +104,7 @@ def weighted(renderer: Any, row: Any) -> list[str]:
 
 # --------------------------------------------------------------------------- the format
 def test_auto_picks_chatml_for_smollm2_and_it_stops_at_im_end(smol, chatml):
-    assert default_renderer_name(smol) == "chatml" and chatml.name == "chatml"
+    assert default_renderer_name(smol, SMOL) == "chatml" and chatml.name == "chatml"
     assert chatml.stop() == [IM_END] == [smol.eos_token_id]
     assert chatml.prefix_preserving and chatml.supports_tools
 
@@ -365,14 +365,16 @@ def test_a_text_prompt_is_a_user_turn_with_a_chat_renderer_and_raw_text_with_ren
     for renderer in ("chatml", "auto"):
         client = Recorder(smol, sampled(smol, "5"))
         [group] = collect(
-            completion_sampler(smol, None, renderer), client, [example], 1, SamplingParams(max_tokens=4)
+            completion_sampler(smol, SMOL, None, renderer), client, [example], 1, SamplingParams(max_tokens=4)
         ).groups
         assert client.calls == [([SMOL_SYSTEM + USER_TURN], [IM_END])]
         assert group.samples[0].completion.text == "5"  # parsed back through the renderer
     client = Recorder(smol, [37, IM_END])
-    [group] = collect(completion_sampler(smol, None, "raw"), client, [example], 1, SamplingParams(max_tokens=4)).groups
+    [group] = collect(
+        completion_sampler(smol, SMOL, None, "raw"), client, [example], 1, SamplingParams(max_tokens=4)
+    ).groups
     assert client.calls == [([[1780, 314, 216, 34, 27, 35, 47]], [IM_END])]  # the text's ids, EOS the stop
-    assert chat_text_prompts("raw", smol) is False and chat_text_prompts({"name": "chatml"}, smol) is True
+    assert chat_text_prompts("raw", smol, SMOL) is False and chat_text_prompts({"name": "chatml"}, smol, SMOL) is True
 
 
 def test_a_model_without_a_chat_format_keeps_raw_text_prompts():
@@ -380,14 +382,22 @@ def test_a_model_without_a_chat_format_keeps_raw_text_prompts():
     from tempering.plugins.models.tiny import tiny_llama
     from tempering.rollouts.data import encode_prompt
 
-    _, tokenizer = tiny_llama(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
-    assert chat_text_prompts("auto", tokenizer) is False
+    plain = tiny_llama(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
+    tokenizer = plain.tokenizer
+    assert plain.renderer is None and chat_text_prompts("auto", tokenizer, plain.renderer) is False
     client = Recorder(tokenizer, [tokenizer.eos_token_id])
-    collect(completion_sampler(tokenizer, None), client, [{"prompt": "12+34="}], 1, SamplingParams(max_tokens=4))
+    collect(
+        completion_sampler(tokenizer, plain.renderer, None),
+        client,
+        [{"prompt": "12+34="}],
+        1,
+        SamplingParams(max_tokens=4),
+    )
     assert client.calls == [([encode_prompt(tokenizer, {"prompt": "12+34="})], [tokenizer.eos_token_id])]
     assert client.calls[0][0][0][0] == tokenizer.bos_token_id
-    _, chat = tiny_llama(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, chat=True)
-    assert chat_text_prompts("auto", chat) is True  # a tiny chat model declares tiny_chat
+    chat = tiny_llama(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, chat=True)
+    assert chat.renderer == "tiny_chat"  # a tiny chat model declares tiny_chat
+    assert chat_text_prompts("auto", chat.tokenizer, chat.renderer) is True
 
 
 def test_stages_render_text_prompts_and_answers_as_turns(smol, tmp_path):
@@ -459,7 +469,7 @@ def test_sdft_teachers_see_the_demonstration_in_the_same_format_as_the_student(s
     sdft = SDFT(teacher_template="{prompt} Hint: {demonstration}")
     row = {"prompt": "What is 2+3?", "demonstration": "5"}
     sample = Sample({"prompt": row["prompt"]}, Completion([], [37, IM_END], [0.0, 0.0], "stop"))
-    sdft.student_sampler = completion_sampler(smol, None, "auto")
+    sdft.student_sampler = completion_sampler(smol, SMOL, None, "auto")
     assert sdft.teacher_prefix(None, row, sample) == [
         *SMOL_SYSTEM,
         1,
@@ -484,7 +494,7 @@ def test_sdft_teachers_see_the_demonstration_in_the_same_format_as_the_student(s
         9531,
         198,
     ]  # "...2+3? Hint: 5" as the user turn
-    sdft.student_sampler = completion_sampler(smol, None, "raw")
+    sdft.student_sampler = completion_sampler(smol, SMOL, None, "raw")
     assert (
         sdft.teacher_prefix(SimpleNamespace(tokenizer=smol), row, sample) == smol("What is 2+3? Hint: 5")["input_ids"]
     )
@@ -502,7 +512,7 @@ def test_sdft_earlier_turn_shows_the_demonstration_as_the_models_own_answer(smol
     sdft = SDFT(teacher_template="{prompt}", demonstration_placement="earlier_turn")
     row = {"prompt": "What is 2+3?", "demonstration": "5"}
     sample = Sample({"prompt": row["prompt"]}, Completion([], [37, IM_END], [0.0, 0.0], "stop"))
-    sdft.student_sampler = completion_sampler(smol, None, "auto")
+    sdft.student_sampler = completion_sampler(smol, SMOL, None, "auto")
     messages = [
         {"role": "user", "content": "What is 2+3?"},
         {"role": "assistant", "content": "5"},
@@ -515,7 +525,7 @@ def test_sdft_earlier_turn_shows_the_demonstration_as_the_models_own_answer(smol
     assert got.count(1) == 5  # <|im_start|>: system, user, assistant (the demonstration), user, assistant
     assert "<|im_start|>assistant\n5<|im_end|>\n<|im_start|>user\nWhat is 2+3?" in smol.decode(got)
     # a raw-text student has no turns to put the demonstration in
-    sdft.student_sampler = completion_sampler(smol, None, "raw")
+    sdft.student_sampler = completion_sampler(smol, SMOL, None, "raw")
     with pytest.raises(ValueError, match="earlier turns need a chat prompt"):
         sdft.teacher_prefix(SimpleNamespace(tokenizer=smol), row, sample)
 

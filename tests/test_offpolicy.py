@@ -34,7 +34,7 @@ from tempering.algorithms.offpolicy.loss import (
     sampling_logprobs,
 )
 from tempering.errors import ConfigError
-from tempering.interfaces import Loss
+from tempering.interfaces import Loss, model_renderer
 from tempering.rollouts.async_rollout import AsyncRollouts, StalenessError, sampler_of
 from tempering.rollouts.data import ExampleStream
 from tempering.rollouts.scoring import RewardRunner
@@ -499,7 +499,7 @@ def drive(backend, *, k, fixed=False, steps=6, per_batch=3, chunk=2, pause=0.0, 
     ro = AsyncRollouts(
         backend,
         ExampleStream(EXAMPLES, seed=0),
-        completion_sampler(backend.tokenizer, RewardRunner(length_reward)),
+        completion_sampler(backend.tokenizer, model_renderer(backend), RewardRunner(length_reward)),
         group_size=3,
         groups_per_batch=per_batch,
         params=SamplingParams(max_tokens=3),
@@ -588,7 +588,7 @@ def test_rewards_stream_per_sample_call_not_per_batch():
     ro = AsyncRollouts(
         backend,
         ExampleStream(EXAMPLES),
-        completion_sampler(backend.tokenizer, RewardRunner(reward)),
+        completion_sampler(backend.tokenizer, model_renderer(backend), RewardRunner(reward)),
         group_size=2,
         groups_per_batch=3,
         params=SamplingParams(max_tokens=3),
@@ -637,7 +637,7 @@ def test_failed_rewards_keep_their_place():
     ro = AsyncRollouts(
         backend,
         ExampleStream(EXAMPLES),
-        completion_sampler(backend.tokenizer, RewardRunner(flaky)),
+        completion_sampler(backend.tokenizer, model_renderer(backend), RewardRunner(flaky)),
         group_size=3,
         groups_per_batch=2,
         params=SamplingParams(max_tokens=3),

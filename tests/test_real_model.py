@@ -76,9 +76,10 @@ def test_folder_is_converted_once_and_loads_as_a_chat_model() -> None:
     folder = smollm2.smollm2_folder()
     assert os.path.isfile(os.path.join(folder, gguf.DONE_FILE))
     assert smollm2.smollm2_folder() == folder  # cached: same folder, no second conversion
-    model, tokenizer = smollm2.smollm2()
+    loaded = smollm2.smollm2()
+    model, tokenizer = loaded
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
-    assert tokenizer.tempering_renderer == "chatml" and tokenizer.eos_token == "<|im_end|>"
+    assert loaded.renderer == "chatml" and tokenizer.eos_token == "<|im_end|>"
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 2 + 3?"}],
         add_generation_prompt=True,

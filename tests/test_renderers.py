@@ -405,7 +405,7 @@ def templated_tokenizer(template: str = TEMPLATE) -> Any:
 @pytest.fixture
 def hf() -> Any:
     tokenizer = templated_tokenizer()
-    assert default_renderer_name(tokenizer) == "hf_chat"  # what renderer: auto picks
+    assert default_renderer_name(tokenizer, None) == "hf_chat"  # what renderer: auto picks
     return build("hf_chat", tokenizer)
 
 
@@ -487,7 +487,8 @@ def test_tiny_qwen3_is_deterministic_and_picks_the_qwen3_renderer():
 
     from tempering.plugins.models.qwen3 import tiny_qwen3
 
-    model, tokenizer = tiny_qwen3()
+    loaded = tiny_qwen3()
+    model, tokenizer = loaded
     again, _ = tiny_qwen3()
     other, _ = tiny_qwen3(seed=1)
     weights = [p for _, p in sorted(model.state_dict().items())]
@@ -497,7 +498,7 @@ def test_tiny_qwen3_is_deterministic_and_picks_the_qwen3_renderer():
         model.config.vocab_size == len(tokenizer) == 151669 and model.lm_head.weight is model.model.embed_tokens.weight
     )
     assert sum(p.numel() for p in model.parameters()) < 10_000_000
-    assert default_renderer_name(tokenizer) == "qwen3_instruct"
+    assert loaded.renderer == "qwen3_instruct" and default_renderer_name(tokenizer, loaded.renderer) == "qwen3_instruct"
     assert (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id) == (151645, 151643, None)
 
 
@@ -515,6 +516,6 @@ def test_tiny_qwen3_tokenizer_speaks_the_hugging_face_calls_the_backend_makes(qw
     assert qwen_tokenizer.convert_tokens_to_ids(["<tool_call>", "Hello", "Hello world"]) == [151657, 9707, None]
     [file] = qwen_tokenizer.save_pretrained(str(tmp_path))
     back = TmlTokenizer.from_pretrained(str(tmp_path))
-    assert back("Hello world<|im_end|>")["input_ids"] == ids and back.tempering_renderer == "qwen3_instruct"
+    assert back("Hello world<|im_end|>")["input_ids"] == ids and back.renderer == "qwen3_instruct"
     with open(file) as f:
         assert json.load(f)["class"] == "Qwen3Tokenizer"

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from tempering.apps import cli
+from tempering.interfaces import model_renderer
 from tempering.rollouts.rollout import collect, rollout_metrics
 from tempering.rollouts.scoring import RewardRunner
 from tempering.testing import FakeBackend
@@ -112,7 +113,7 @@ def test_completion_sampler_sends_explicit_stops_and_counts_failures():
             raise ValueError("not a number")
         return 1.0
 
-    sampler = completion_sampler(backend.tokenizer, RewardRunner(reward))
+    sampler = completion_sampler(backend.tokenizer, model_renderer(backend), RewardRunner(reward))
     rollout = collect(sampler, backend, [{"prompt": "1+0="}, {"prompt": "0+1="}], 2, SamplingParams(max_tokens=2))
     assert seen == [[backend.tokenizer.eos_token_id]]  # EOS is an explicit stop, not a backend default
     assert [[s.reward for s in g.samples] for g in rollout.groups] == [[1.0, 0.0], [1.0, 0.0]]

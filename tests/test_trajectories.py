@@ -81,9 +81,10 @@ def qwen3() -> Any:
 
 
 def renderer_for(backend: Any, name: str = "auto") -> Any:
+    from tempering.interfaces import model_renderer
     from tempering.rollouts.renderer import default_renderer_name
 
-    spec = default_renderer_name(backend.tokenizer) if name == "auto" else name
+    spec = default_renderer_name(backend.tokenizer, model_renderer(backend)) if name == "auto" else name
     return get_registry().build("renderer", spec, "renderer", tokenizer=backend.tokenizer)
 
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from tempering.errors import ConfigError
-from tempering.interfaces import RunContext, WeightSnapshots
+from tempering.interfaces import RunContext, WeightSnapshots, model_renderer
 from tempering.loss_contract import DPO_SLOT, REF_LOGPROBS, ROW_INPUTS
 from tempering.rollouts.chat import Message, check_messages
 from tempering.rollouts.data import ExampleStream, encode_completion, encode_prompt, load_examples, user_turn
@@ -161,7 +161,7 @@ class DPO(Stage):
         start = int(state.get("step", 0))
         self.backend = backend = ctx.backend
         multi = any(is_multi_turn(r, self.chosen_key) or is_multi_turn(r, self.rejected_key) for r in examples)
-        self._chat_text = chat_text_prompts(self.renderer, backend.tokenizer)
+        self._chat_text = chat_text_prompts(self.renderer, backend.tokenizer, model_renderer(backend))
         self._renderer = build_renderer(ctx, self.renderer) if multi or self._chat_text else None
         self.snap = f"{ctx.stage_id}/dpo_reference"
         self.live_snapshot = self.reference == "live" and self.reference_model == "stage_start"

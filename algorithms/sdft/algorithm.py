@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tempering.errors import ConfigError
-from tempering.interfaces import Backend, Distributions, FullDistributions, LossLogits, RunContext
+from tempering.interfaces import Backend, Distributions, FullDistributions, LossLogits, RunContext, model_renderer
 from tempering.loss_contract import ADVANTAGES, ROW_INPUTS, SAMPLER_LOGPROBS, TEACHER_TOKEN_LOGPROBS
 from tempering.rlmath.aggregation import fold_normaliser
 from tempering.rollouts.data import ExampleStream, load_examples
@@ -249,7 +249,7 @@ class SDFT(SamplingKeys, Stage):
         multi-turn episodes); return the student batch (weights = loss mask, sampler logprobs)
         and the teacher batch (the demonstration-conditioned prompt + the same continuation)."""
         if getattr(self, "student_sampler", None) is None:  # used outside a run (tests, notebooks)
-            self.student_sampler = completion_sampler(backend.tokenizer, None)
+            self.student_sampler = completion_sampler(backend.tokenizer, model_renderer(backend), None)
         rollout = collect(
             self.student_sampler, backend, [self.student_example(r) for r in rows], self.samples_per_prompt, sampling
         )

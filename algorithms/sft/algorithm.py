@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tempering.errors import ConfigError
+from tempering.interfaces import model_renderer
 from tempering.loss_contract import ROW_INPUTS
 from tempering.rollouts.chat import check_messages
 from tempering.rollouts.data import ExampleStream, encode_completion, encode_prompt, load_examples, user_turn
@@ -66,7 +67,7 @@ class SFT(Stage):
         self.stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
         self.backend = ctx.backend
         # A text prompt is a user turn (its answer the assistant's) where RL would render it so.
-        self._chat_text = chat_text_prompts(self.renderer, ctx.backend.tokenizer)
+        self._chat_text = chat_text_prompts(self.renderer, ctx.backend.tokenizer, model_renderer(ctx.backend))
         self._renderer = build_renderer(ctx, self.renderer) if "messages" in first or self._chat_text else None
 
     def rows(self, example: Mapping[str, Any]) -> list[Segment]:

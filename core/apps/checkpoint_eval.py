@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, cast
 from tempering.apps.export import exported_renderer
 from tempering.apps.rundata import RunDir, run_backend
 from tempering.errors import ConfigError, TemperingError
+from tempering.interfaces import model_renderer
 from tempering.registry import get_registry
 from tempering.rollouts.data import load_examples
 from tempering.rollouts.renderer import check_renderer, resolved_name
@@ -303,7 +304,9 @@ def run_eval(
             }
             out = out or os.path.join(target, "evals", f"step{int(ckpt['global_step']):06d}")
         report = evaluate_policy(backend, resolved, registry)
-        recorded = replace(resolved, renderer=resolved_name(resolved.renderer, backend.tokenizer))  # not "auto"
+        recorded = replace(
+            resolved, renderer=resolved_name(resolved.renderer, backend.tokenizer, model_renderer(backend))
+        )  # not "auto"
     return write_report(report, recorded, source, out)
 
 

@@ -128,8 +128,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     check_recipe(recipe)  # what `tempering run` checks before it starts: show no recipe run would reject
     if args.resolved:
         recipe = with_defaults(recipe)
-        if (tokenizer := model_tokenizer(recipe["backend"])) is not None:  # renderer: auto -> the model's
-            recipe = with_renderers(recipe, tokenizer)
+        if (found := model_tokenizer(recipe["backend"])) is not None:  # renderer: auto -> the model's
+            recipe = with_renderers(recipe, *found)
     print(yaml.safe_dump(redact(recipe), sort_keys=False, default_flow_style=None, width=110), end="")
     return 0
 

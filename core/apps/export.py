@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from tempering.apps.rundata import RunDir, run_backend
 from tempering.errors import ConfigError
-from tempering.interfaces import DownloadableWeights, Exportable, supports
+from tempering.interfaces import DownloadableWeights, Exportable, LoadedModel, model_renderer, supports
 from tempering.registry import registered_builder
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -85,9 +85,7 @@ def export_run(
                 backend.export_pretrained(to, adapter=adapter)
             except ValueError as exc:  # the backend's own refusal, e.g. --adapter without LoRA
                 raise ConfigError(str(exc), "--adapter") from None
-        renderer = trained_renderer(run.recipe) or getattr(
-            getattr(backend, "tokenizer", None), "tempering_renderer", None
-        )
+        renderer = trained_renderer(run.recipe) or model_renderer(backend)
     done = Exported(to, checkpoint["path"], int(checkpoint["global_step"]), str(checkpoint.get("stage", "")), adapter)
     note = {
         "run": os.path.abspath(run.path),
@@ -150,7 +148,7 @@ def adapter_base(name: Any, model_kwargs: Any, folder: str | None) -> Any:
         return AutoModelForCausalLM.from_pretrained(folder)
     builder = registered_builder(str(name)) if isinstance(name, str) and name else None
     if builder is not None:
-        return builder(**dict(model_kwargs or {}))[0]
+        return LoadedModel.of(builder(**dict(model_kwargs or {}))).model
     local = _local_model_folder(str(name))
     if local is None:
         raise ConfigError(

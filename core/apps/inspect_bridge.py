@@ -53,6 +53,7 @@ def model_class() -> type:
             # on first use: inspect imports this entry point on every start, the runner stays unloaded
             from tempering.apps.export import exported_renderer
             from tempering.apps.rundata import RunDir, run_backend
+            from tempering.interfaces import model_renderer
             from tempering.registry import get_registry
             from tempering.rollouts.renderer import RAW
             from tempering.training.evaluate import completion_sampler
@@ -74,11 +75,11 @@ def model_class() -> type:
                     run_backend(RunDir.open(model_name, "model"), step, registry)
                 )
             tokenizer = self.backend.tokenizer
-            hint = hint or getattr(tokenizer, "tempering_renderer", None)
+            hint = hint or model_renderer(self.backend)
             self.chat = bool(hint or getattr(tokenizer, "chat_template", None)) if chat is None else bool(chat)
             spec = hint if renderer == "auto" and hint else renderer
             # chat off: the last user text goes raw, whatever the model's format
-            self.sampler = completion_sampler(tokenizer, None, spec if self.chat else RAW)
+            self.sampler = completion_sampler(tokenizer, hint, None, spec if self.chat else RAW)
 
         def example(self, messages: list[ChatMessage]) -> dict[str, Any]:
             """The sampler's example: OpenAI-format messages, or the last user text as a prompt."""

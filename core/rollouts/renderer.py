@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from tempering.errors import ConfigError
+from tempering.interfaces import model_renderer
 from tempering.rollouts.chat import Message, ParsedResponse
 from tempering.rollouts.trajectory import TrainingRow
 
@@ -77,26 +78,26 @@ AUTO = "auto"
 RAW = "raw"
 
 
-def declared_renderer(tokenizer: Any) -> str | None:
-    """The chat format a model declares: the renderer its builder asked for
-    (``tokenizer.tempering_renderer``, e.g. ``qwen3_instruct`` for ``tiny_qwen3``, ``chatml`` for
-    ``smollm2``), else ``hf_chat`` when the tokenizer has a chat template; None for a model
-    without one (the character-level tiny models without ``chat: true``)."""
-    hint = getattr(tokenizer, "tempering_renderer", None)
-    if isinstance(hint, str) and hint:
-        return hint
+def declared_renderer(tokenizer: Any, declared: str | None) -> str | None:
+    """The chat format a model declares: ``declared``, the renderer its builder named
+    (:func:`tempering.interfaces.model_renderer` of the backend: ``qwen3_instruct`` for
+    ``tiny_qwen3``, ``chatml`` for ``smollm2``), else ``hf_chat`` when the tokenizer has a
+    chat template; None for a model without one (the character-level tiny models without
+    ``chat: true``)."""
+    if declared:
+        return declared
     if getattr(tokenizer, "chat_template", None):
         return "hf_chat"
     return None
 
 
-def default_renderer_name(tokenizer: Any) -> str:
-    """What ``renderer: auto`` means for a tokenizer: its :func:`declared_renderer`, else
+def default_renderer_name(tokenizer: Any, declared: str | None) -> str:
+    """What ``renderer: auto`` means for a model: its :func:`declared_renderer`, else
     ``tiny_chat``."""
-    return declared_renderer(tokenizer) or "tiny_chat"
+    return declared_renderer(tokenizer, declared) or "tiny_chat"
 
 
-def chat_text_prompts(spec: Any, tokenizer: Any) -> bool:
+def chat_text_prompts(spec: Any, tokenizer: Any, declared: str | None) -> bool:
     """Whether a stage renders a text ``prompt`` as one user turn through its renderer (and
     parses the answer back through it) rather than sending the raw text: yes when the stage
     names a renderer, or leaves it ``auto`` and the model declares a chat format
@@ -105,12 +106,12 @@ def chat_text_prompts(spec: Any, tokenizer: Any) -> bool:
     if spec == RAW:
         return False
     if spec is None or spec == AUTO:
-        return declared_renderer(tokenizer) is not None
+        return declared_renderer(tokenizer, declared) is not None
     return True
 
 
-def renderer_spec(spec: Any, tokenizer: Any, path: str = "renderer") -> Any:
-    """A stage's renderer spec with ``auto`` resolved for ``tokenizer``; ``raw`` is refused
+def renderer_spec(spec: Any, tokenizer: Any, declared: str | None, path: str = "renderer") -> Any:
+    """A stage's renderer spec with ``auto`` resolved for the model; ``raw`` is refused
     here, where a chat (``messages``, an environment's episode) needs a renderer."""
     if spec == RAW:
         raise ConfigError(
@@ -118,24 +119,25 @@ def renderer_spec(spec: Any, tokenizer: Any, path: str = "renderer") -> Any:
             "(a 'messages' dataset or an environment); name the model's chat renderer, or auto",
             path,
         )
-    return default_renderer_name(tokenizer) if spec is None or spec == AUTO else spec
+    return default_renderer_name(tokenizer, declared) if spec is None or spec == AUTO else spec
 
 
-def resolved_name(spec: Any, tokenizer: Any) -> Any:
+def resolved_name(spec: Any, tokenizer: Any, declared: str | None) -> Any:
     """``spec`` with ``auto`` replaced by the model's declared chat format
     (:func:`declared_renderer`), for records (``eval.json``, ``tempering show --resolved``):
     naming it then changes nothing. For a model without one ``auto`` stays ``auto`` -- its text
     prompts go raw, which naming ``tiny_chat`` would change (:func:`chat_text_prompts`)."""
     if spec is not None and spec != AUTO:
         return spec
-    return declared_renderer(tokenizer) or AUTO
+    return declared_renderer(tokenizer, declared) or AUTO
 
 
 def build_renderer(ctx: BuildContext, spec: Any, key: str = "renderer") -> Renderer:
     """Build a stage's renderer for the backend's tokenizer (``auto`` resolved first)."""
     tokenizer = ctx.backend.tokenizer
     path = f"{getattr(ctx, 'path', '')}.{key}".lstrip(".")
-    return ctx.build("renderer", renderer_spec(spec, tokenizer, path), key, tokenizer=tokenizer)
+    spec = renderer_spec(spec, tokenizer, model_renderer(ctx.backend), path)
+    return ctx.build("renderer", spec, key, tokenizer=tokenizer)
 
 
 def check_renderer(ctx: BuildContext, spec: Any, key: str = "renderer") -> None:

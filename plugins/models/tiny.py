@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tempering.interfaces import LoadedModel
+
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
@@ -56,8 +58,6 @@ def build_char_tokenizer(chars: str = DEFAULT_CHARS, extra_special: tuple[str, .
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
-    if set(CHAT_TOKENS) <= set(extra_special):
-        tokenizer.tempering_renderer = "tiny_chat"  # what `renderer: auto` picks
     return tokenizer
 
 
@@ -73,14 +73,15 @@ def _set_special_ids(config: Any, tokenizer: Any) -> None:  # a Hugging Face tok
     config.eos_token_id = tokenizer.eos_token_id
 
 
-def _finish(model: PreTrainedModel, tokenizer: Any) -> tuple[Any, Any]:
-    """Put the special ids on the generation config too: ``generate`` reads them from there."""
+def _finish(model: PreTrainedModel, tokenizer: Any, renderer: str | None = None) -> LoadedModel:
+    """Put the special ids on the generation config too: ``generate`` reads them from there.
+    ``renderer``: the chat format the model declares (``renderer: auto`` picks it)."""
     gen = model.generation_config
     gen.pad_token_id = tokenizer.pad_token_id
     gen.bos_token_id = tokenizer.bos_token_id
     gen.eos_token_id = tokenizer.eos_token_id
     model.eval()
-    return model, tokenizer
+    return LoadedModel(model, tokenizer, renderer)
 
 
 def _build(model_cls: Any, config: Any, seed: int) -> Any:
@@ -119,7 +120,7 @@ def _tiny(
     num_heads: int,
     intermediate_size: int,
     max_position_embeddings: int,
-) -> tuple[Any, PreTrainedTokenizerFast]:
+) -> LoadedModel:
     """The one tiny shape both architectures share: full attention heads, untied embeddings."""
     check_shape(
         hidden_size=hidden_size,
@@ -140,7 +141,7 @@ def _tiny(
         tie_word_embeddings=False,
     )
     _set_special_ids(config, tokenizer)
-    return _finish(_build(model_cls, config, seed), tokenizer)
+    return _finish(_build(model_cls, config, seed), tokenizer, "tiny_chat" if chat else None)
 
 
 def tiny_llama(
@@ -152,7 +153,7 @@ def tiny_llama(
     max_position_embeddings: int = 64,
     seed: int = 0,
     chat: bool = False,
-) -> tuple[Any, PreTrainedTokenizerFast]:
+) -> LoadedModel:
     """A randomly initialised ``LlamaForCausalLM`` (about 660k parameters by default) and its
     character tokenizer. The same ``seed`` gives bit-identical weights, which the local backend
     relies on for data-parallel ranks and for rebuilding the frozen reference model.
@@ -184,7 +185,7 @@ def tiny_qwen(
     max_position_embeddings: int = 64,
     seed: int = 0,
     chat: bool = False,
-) -> tuple[Any, PreTrainedTokenizerFast]:
+) -> LoadedModel:
     """Like :func:`tiny_llama` but a ``Qwen2ForCausalLM`` (q/k/v biases), to check that nothing
     in the stack is Llama-specific."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

@@ -171,7 +171,10 @@ class LocalBackend:
         self._source = ModelSource(
             self.model_name, self.model_kwargs, self.seed, self.dtype, self.device, model_builder
         )
-        base, self.tokenizer = self._source.build()
+        loaded = self._source.build()
+        base, self.tokenizer = loaded.model, loaded.tokenizer
+        #: the renderer the model declares (tempering.interfaces.DeclaresRenderer): `renderer: auto`
+        self.model_renderer: str | None = loaded.renderer
         self.pad_token_id, self.eos_token_ids = special_ids(base, self.tokenizer)
         base.generation_config = neutral_generation_config(self.tokenizer, self.pad_token_id, self.eos_token_ids)
         self.model = apply_lora(base, self.lora, self.seed) if self.lora else base
@@ -188,7 +191,7 @@ class LocalBackend:
             bool(self.lora),
             self._sharded,
             self.dtype,
-            lambda: self._source.build()[0],
+            lambda: self._source.build().model,
             initial,
             self.model_name,
         )

@@ -19,6 +19,7 @@ import torch
 from transformers import GenerationConfig
 
 from tempering.errors import ConfigError
+from tempering.interfaces import LoadedModel
 from tempering.plugins.backends.local.model_source import quiet_loading, registered_builder, source_folder
 
 
@@ -33,19 +34,20 @@ class ModelSource:
     seed: int
     dtype: torch.dtype
     device: torch.device
-    builder: Callable[..., tuple[Any, Any]] | None = None
+    builder: Callable[..., LoadedModel | tuple[Any, Any]] | None = None
 
-    def build(self, device: torch.device | None = None) -> tuple[Any, Any]:
-        """The base model (in eval mode, on ``device``, default :attr:`device`) and its tokenizer,
-        built with a private RNG seeded by :attr:`seed`, so the global RNGs are left alone."""
+    def build(self, device: torch.device | None = None) -> LoadedModel:
+        """The base model (in eval mode, on ``device``, default :attr:`device`), its tokenizer and
+        the renderer it declares, built with a private RNG seeded by :attr:`seed`, so the global
+        RNGs are left alone."""
         with torch.random.fork_rng(devices=[]), quiet_loading():
             torch.manual_seed(self.seed)
-            model, tokenizer = self._load()
-        model = model.to(device=device or self.device, dtype=self.dtype)
+            loaded = LoadedModel.of(self._load())
+        model = loaded.model.to(device=device or self.device, dtype=self.dtype)
         model.eval()
-        return model, tokenizer
+        return LoadedModel(model, loaded.tokenizer, loaded.renderer)
 
-    def _load(self) -> tuple[Any, Any]:
+    def _load(self) -> LoadedModel | tuple[Any, Any]:
         builder = self.builder
         if builder is None:
             builder = registered_builder(self.name)
