@@ -170,3 +170,17 @@ def test_the_core_is_in_subpackages_by_purpose():
         "types",
     ]
     assert {p.name for p in (ROOT / "core").iterdir() if (p / "__init__.py").exists()} == {*CORE_ORDER, "recipes"}
+
+
+def test_plugins_and_algorithms_do_not_import_the_apps():
+    """The apps (CLI, export, eval, viewer) call backends and stages; a backend or stage that
+    imported an app would make that a round trip (the local backend's export once imported
+    ``tempering.apps.export``, which calls the backend: issue 38)."""
+    wrong = sorted(
+        f"{a} -> {b}"
+        for a, targets in _graph().items()
+        if _layer(a) != "core"
+        for b in targets
+        if b.startswith("tempering.apps")
+    )
+    assert wrong == []

@@ -22,7 +22,6 @@ used. A backend with neither method cannot be exported (the error says so).
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import tempfile
@@ -34,6 +33,7 @@ from tempering.apps.rundata import RunDir, run_backend
 from tempering.errors import ConfigError
 from tempering.interfaces import DownloadableWeights, Exportable, LoadedModel, model_renderer, supports
 from tempering.registry import registered_builder
+from tempering.runs.pretrained import write_pretrained
 
 if TYPE_CHECKING:  # pragma: no cover
     from tempering.interfaces import Backend
@@ -98,16 +98,6 @@ def export_run(
     with open(os.path.join(to, NOTE), "w", encoding="utf-8") as fh:
         json.dump(note, fh, indent=2)
     return done
-
-
-def write_pretrained(model: Any, tokenizer: Any, path: str, merge: bool, keep: bool = True) -> str:
-    """Save ``model`` (a peft model merged into its base weights when ``merge``) and the
-    tokenizer to ``path``. ``keep``: merge a copy, as merging in place ends a model still in use."""
-    if merge:
-        model = (copy.deepcopy(model) if keep else model).merge_and_unload()
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def export_downloaded(

@@ -24,6 +24,7 @@ import tempering.plugins.backends.local.distributed as distributed
 import tempering.plugins.backends.local.sharding as sharding
 from tempering.plugins.backends.local.training import Trainer
 from tempering.plugins.backends.local.weights import PolicyWeights
+from tempering.runs.pretrained import write_pretrained
 
 CHECKPOINT_FORMAT = 1
 STATE_FILE, META_FILE = "state.pt", "meta.json"
@@ -119,8 +120,6 @@ def export(
     model on rank 0's CPU; every rank calls this."""
     model = _whole_policy(weights, trainer, build_copy) if weights.sharded else weights.model
     if distributed.is_main():
-        from tempering.apps.export import write_pretrained
-
         write_pretrained(model, tokenizer, path, merge=weights.lora and not adapter, keep=not weights.sharded)
     distributed.barrier()
     return path
