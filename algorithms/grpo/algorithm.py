@@ -10,7 +10,7 @@ plain) and the KL to a reference, in the loss (``beta``) and/or logged every ``k
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -20,7 +20,7 @@ from tempering.loss_contract import REF_LOGPROBS, SAMPLER_LOGPROBS, WEIGHTS, rea
 from tempering.rlmath.kl import k3_kl
 from tempering.rollouts.rollout import recompute_sampler_logprobs, should_recompute
 from tempering.training.rl import RLStage
-from tempering.types import Batch
+from tempering.types import Batch, Group
 
 
 @dataclass
@@ -89,7 +89,7 @@ class GRPO(RLStage):
         for a loss that reads them (a KL term), else every ``kl_every`` steps for the log."""
         return super().batch_inputs(loss) | {REF_LOGPROBS}
 
-    def prepare(self, ctx: RunContext, batch: Batch, step: int) -> dict[str, Any]:
+    def prepare(self, ctx: RunContext, batch: Batch, step: int, groups: Sequence[Group]) -> dict[str, Any]:
         # logged on the stage's last step too: the summary after "Done." shows the last step's values
         logged = step % self.kl_every == 0 or step + 1 == self.steps
         kl_now = reads_input(self.loss_fn, REF_LOGPROBS) or (self.log_kl and logged)

@@ -17,7 +17,7 @@ time the trainer waited for rollouts (``time/wait_rollouts``) and trained (``tim
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +27,7 @@ from tempering.loss_contract import names_builtin
 from tempering.rlmath.aggregation import FOLD_AGGREGATIONS, fold_normaliser
 from tempering.rollouts.async_rollout import AsyncRollouts, sampler_of
 from tempering.training.rl import RLStage
-from tempering.types import Batch
+from tempering.types import Batch, Group
 
 if TYPE_CHECKING:  # pragma: no cover
     from tempering.interfaces import RunContext
@@ -201,7 +201,7 @@ class OffPolicyRL(StaleRollouts, RLStage):
     def loop_state(self) -> dict[str, Any]:
         return {**super().loop_state(), **self.corrections_state()}
 
-    def prepare(self, ctx: RunContext, batch: Batch, step: int) -> dict[str, Any]:
+    def prepare(self, ctx: RunContext, batch: Batch, step: int, groups: Sequence[Group]) -> dict[str, Any]:
         return self.prepare_advantages(batch, self.capper)
 
     def objective(self) -> Any:

@@ -50,7 +50,7 @@ training time: the current teacher weights on the stale sample's tokens.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,35 +74,12 @@ from tempering.algorithms.sdpo.loss import SDPOLoss, distillation_problem, teach
 from tempering.errors import ConfigError
 from tempering.interfaces import Backend, Distributions, FullDistributions, LossLogits, RunContext
 from tempering.loss_contract import DISTILL_WEIGHTS, TEACHER_TOKEN_LOGPROBS, check_reads
-from tempering.rollouts.rollout import RolloutBatch
 from tempering.training import teacher as shared
 from tempering.training.stage import Requirement
 from tempering.training.teacher import TEACHER_INPUT_KEYS, TeacherWeights
 from tempering.types import Batch, Datum, Group, Sample
 
-__all__ = ["SDPO", "KeepGroups", "TeacherRows"]
-
-
-class KeepGroups:
-    """A rollout source that remembers the groups of its last batch: the RL engine builds the
-    training batch from them, and SDPO needs them again (siblings, feedback) to build the
-    teachers. Everything else is the wrapped source's."""
-
-    def __init__(self, source: Any) -> None:
-        self.source = source
-        self.groups: list[Group] = []
-
-    @property
-    def position(self) -> int:
-        return self.source.position
-
-    def next_batch(self, step: int) -> RolloutBatch:
-        batch = self.source.next_batch(step)
-        self.groups = list(batch.groups)
-        return batch
-
-    def __getattr__(self, name: str) -> Any:  # publish, close, ... of the wrapped source
-        return getattr(self.source, name)
+__all__ = ["SDPO", "TeacherRows"]
 
 
 @dataclass
@@ -308,8 +285,8 @@ class SDPO(StaleRollouts, GRPO):
             self.weights.start(self.backend, resuming=int(state.get("step", 0)) > 0, path=ctx.path)
         self._trained = False
 
-    def make_rollouts(self, ctx: RunContext, state: Mapping[str, Any]) -> KeepGroups:
-        return KeepGroups(self.async_rollouts(ctx, state) if self.stale else super().make_rollouts(ctx, state))
+    def make_rollouts(self, ctx: RunContext, state: Mapping[str, Any]) -> Any:
+        return self.async_rollouts(ctx, state) if self.stale else super().make_rollouts(ctx, state)
 
     def loop_state(self) -> dict[str, Any]:
         return {**super().loop_state(), **(self.corrections_state() if self.stale else {})}
@@ -324,17 +301,17 @@ class SDPO(StaleRollouts, GRPO):
             self.weights.finish(self.backend)
 
     # ------------------------------------------------------------------ one step
-    def prepare(self, ctx: RunContext, batch: Batch, step: int) -> dict[str, Any]:
+    def prepare(self, ctx: RunContext, batch: Batch, step: int, groups: Sequence[Group]) -> dict[str, Any]:
         """GRPO's preparation (old / reference logprobs; stale: the sampler's logprobs kept, the
         policy loss's advantages capped and normalised), then each row's teacher."""
-        metrics = super().prepare(ctx, batch, step)
+        metrics = super().prepare(ctx, batch, step, groups)
         if self.stale:
             metrics.update(self.prepare_advantages(batch, self.capper))
         self._trained = True
         if self.distillation_weight == 0:
             return metrics
         t0 = time.perf_counter()
-        metrics.update(self.attach_teachers(self.backend, batch, self.rollouts.groups))
+        metrics.update(self.attach_teachers(self.backend, batch, list(groups)))
         metrics["time/teacher"] = time.perf_counter() - t0
         return metrics
 

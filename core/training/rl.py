@@ -17,7 +17,7 @@ trajectories alike: a trajectory's training rows carry weight 1 exactly on its s
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -235,7 +235,7 @@ class RLStage(SamplingKeys, Stage):
             if "reward/mean" in info:  # zero-variance groups: a real, zero, loss
                 metrics["loss"] = 0.0
             return metrics
-        metrics.update(self.prepare(ctx, batch, step))
+        metrics.update(self.prepare(ctx, batch, step, rb.groups))
         t1 = time.perf_counter()
         fb = self.backend.forward_backward(batch, self.objective())
         op = self.backend.optim_step(self.adam(step))  # submitted back to back, awaited together
@@ -250,8 +250,10 @@ class RLStage(SamplingKeys, Stage):
         return metrics
 
     # ------------------------------------------------------------------ what algorithms change
-    def prepare(self, ctx: RunContext, batch: Batch, step: int) -> dict[str, Any]:
-        """Complete the batch before training (in place); returns metrics."""
+    def prepare(self, ctx: RunContext, batch: Batch, step: int, groups: Sequence[Group]) -> dict[str, Any]:
+        """Complete the batch before training (in place); returns metrics. ``groups``: the
+        step's scored groups the batch was built from (:func:`build_group_batch`), for what a
+        row alone does not say (siblings, feedback)."""
         return {}
 
     def objective(self) -> Any:
