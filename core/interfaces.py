@@ -24,6 +24,61 @@ if TYPE_CHECKING:  # pragma: no cover
     from tempering.registry import Registry
 
 
+# --------------------------------------------------------------------------- tokenizer
+@runtime_checkable
+class Tokenizer(Protocol):
+    """The calls tempering makes on a tokenizer: what a Hugging Face ``transformers`` tokenizer
+    offers (the tiny models' character tokenizer is one), and what
+    :class:`tempering.plugins.models.qwen3.TmlTokenizer` implements for tml-renderers' bundled
+    tokenizers. Typed by what is called, loosely where Hugging Face's own signatures are (a
+    text or a batch of them in, ids or a ``BatchEncoding`` out; positional-only where its
+    parameter names differ), so that every component that takes a tokenizer says so instead
+    of taking ``Any``."""
+
+    @property
+    def eos_token_id(self) -> Any: ...  # int, or None before a model sets one
+
+    @property
+    def pad_token_id(self) -> Any: ...
+
+    @property
+    def bos_token_id(self) -> Any: ...
+
+    def __call__(self, text: Any, /, *, add_special_tokens: bool = True, split_special_tokens: bool = False) -> Any:
+        """``{"input_ids": ..., "attention_mask": ...}`` of a text (or a list of texts)."""
+        ...
+
+    def decode(self, ids: Any, /, *, skip_special_tokens: bool = False) -> Any: ...
+
+    def encode(self, text: Any, /, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    def batch_decode(self, sequences: Any, /, *, skip_special_tokens: bool = False) -> list[str]: ...
+
+    def convert_tokens_to_ids(self, tokens: Any, /) -> Any: ...
+
+    def save_pretrained(self, path: str, /) -> Any: ...
+
+    def __len__(self) -> int: ...
+
+
+@runtime_checkable
+class ChatTemplateTokenizer(Tokenizer, Protocol):
+    """A tokenizer with a Hugging Face chat template (``apply_chat_template``): what chat-format
+    datasets and the ChatML check need; narrowed to with ``isinstance``."""
+
+    @property
+    def chat_template(self) -> Any: ...
+
+    def apply_chat_template(self, conversation: Any, /, **kwargs: Any) -> Any: ...
+
+
+@runtime_checkable
+class VocabTokenizer(Tokenizer, Protocol):
+    """A tokenizer that lists its vocabulary (``get_vocab``): the character-level tiny models'."""
+
+    def get_vocab(self) -> dict[str, int]: ...
+
+
 # --------------------------------------------------------------------------- backend
 @runtime_checkable
 class Backend(Protocol):
@@ -42,7 +97,7 @@ class Backend(Protocol):
     :func:`supports`, once at validation, before anything trains.
     """
 
-    tokenizer: Any
+    tokenizer: Tokenizer
     step: int
 
     def sample(
@@ -224,7 +279,7 @@ class LoadedModel:
     return: then it declares no renderer), so ``model, tok = tiny_llama()`` reads as before."""
 
     model: Any
-    tokenizer: Any
+    tokenizer: Tokenizer
     renderer: str | None = None
 
     def __iter__(self) -> Iterator[Any]:

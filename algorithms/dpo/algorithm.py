@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from tempering.errors import ConfigError
-from tempering.interfaces import RunContext, WeightSnapshots, model_renderer
+from tempering.interfaces import RunContext, Tokenizer, WeightSnapshots, model_renderer
 from tempering.loss_contract import DPO_SLOT, REF_LOGPROBS, ROW_INPUTS
 from tempering.rollouts.chat import Message, check_messages
 from tempering.rollouts.data import ExampleStream, encode_completion, encode_prompt, load_examples, user_turn
@@ -196,7 +196,7 @@ class DPO(Stage):
         return None
 
     # ------------------------------------------------------------------ batches
-    def encode(self, tokenizer: Any, row: dict[str, Any]) -> tuple[list[int], list[int], list[int]]:
+    def encode(self, tokenizer: Tokenizer, row: dict[str, Any]) -> tuple[list[int], list[int], list[int]]:
         """A single-turn pair's tokens: prompt, chosen completion, rejected completion."""
         prompt = encode_prompt(tokenizer, self.prompt_example(row))
         chosen = encode_completion(tokenizer, str(row[self.chosen_key]))
@@ -210,7 +210,7 @@ class DPO(Stage):
             example["prompt"] = row[self.prompt_key]
         return example
 
-    def sides(self, tokenizer: Any, row: dict[str, Any], renderer: Any = None) -> tuple[list[Datum], list[Datum]]:
+    def sides(self, tokenizer: Tokenizer, row: dict[str, Any], renderer: Any = None) -> tuple[list[Datum], list[Datum]]:
         """The rows of a pair's chosen and rejected side (one each for a single-turn pair). A
         text prompt with a chat renderer (``_chat_text``, set by :meth:`setup`) is one user turn
         and each completion one assistant turn, as RL samples them."""
@@ -238,7 +238,7 @@ class DPO(Stage):
             out.append(data)
         return out[0], out[1]
 
-    def build_batch(self, tokenizer: Any, rows: list[dict[str, Any]], renderer: Any = None) -> Batch:
+    def build_batch(self, tokenizer: Tokenizer, rows: list[dict[str, Any]], renderer: Any = None) -> Batch:
         """Interleaved rows: ``2i`` = pair i's chosen, ``2i + 1`` its rejected, when every side
         is one row; otherwise each side's rows in turn, each carrying its slot (``extra["dpo_slot"]``:
         ``2i`` or ``2i + 1``) so the loss sums a side over its rows. Precomputed reference

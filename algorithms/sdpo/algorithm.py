@@ -72,7 +72,7 @@ from tempering.algorithms.sdpo.context import (
 )
 from tempering.algorithms.sdpo.loss import SDPOLoss, distillation_problem, teacher_input
 from tempering.errors import ConfigError
-from tempering.interfaces import Backend, Distributions, FullDistributions, LossLogits, RunContext
+from tempering.interfaces import Backend, Distributions, FullDistributions, LossLogits, RunContext, Tokenizer
 from tempering.loss_contract import DISTILL_WEIGHTS, TEACHER_TOKEN_LOGPROBS, check_reads
 from tempering.training import teacher as shared
 from tempering.training.stage import Requirement
@@ -341,7 +341,7 @@ class SDPO(StaleRollouts, GRPO):
         ]
 
     def teacher_prefix(
-        self, tokenizer: Any, context: Any, group: Group, sample: Sample, signal: TeacherSignal
+        self, tokenizer: Tokenizer, context: Any, group: Group, sample: Sample, signal: TeacherSignal
     ) -> tuple[list[int], bool]:
         """The teacher's prompt tokens for ``sample`` (and whether they were truncated)."""
         solution = None
@@ -359,7 +359,9 @@ class SDPO(StaleRollouts, GRPO):
         )
         return truncate_prompt(tokens, self.max_reprompt_len)
 
-    def build_teachers(self, tokenizer: Any, batch: Batch, groups: list[Group], context: Any = None) -> TeacherRows:
+    def build_teachers(
+        self, tokenizer: Tokenizer, batch: Batch, groups: list[Group], context: Any = None
+    ) -> TeacherRows:
         """Which rows of ``batch`` have a teacher, and the teacher's row for each, in place:
         every row gets ``distill_weights`` (the distillation part's loss mask: the row's
         weights where it has a teacher, zeros elsewhere) and a taught row ``completion_len``.

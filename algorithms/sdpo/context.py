@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tempering.interfaces import Tokenizer
+
 __all__ = [
     "DEFAULT_FEEDBACK_TEMPLATE",
     "DEFAULT_REPROMPT_TEMPLATE",
@@ -106,7 +108,7 @@ def choose_signals(
     return out
 
 
-def demonstration_text(tokenizer: Any, sample: Any, remove_thinking: bool = False) -> str:
+def demonstration_text(tokenizer: Tokenizer, sample: Any, remove_thinking: bool = False) -> str:
     """A successful sample's attempt as the text a teacher is shown.
 
     Single turn: its sampled tokens decoded without special tokens (what TRL shows). Multi
@@ -157,7 +159,7 @@ def template_problem(template: str, required: Sequence[str], allowed: Sequence[s
     return None
 
 
-def unencodable(tokenizer: Any, template: str) -> str | None:
+def unencodable(tokenizer: Tokenizer, template: str) -> str | None:
     """Why ``tokenizer`` cannot encode ``template``'s own text (its placeholders left empty), or
     None. A character-level tokenizer without an unknown token (the tiny models) raises on a
     character it lacks; found when the stage is checked, this is one line naming the template

@@ -6,6 +6,8 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tempering.interfaces import ChatTemplateTokenizer, Tokenizer
+
 if TYPE_CHECKING:  # pragma: no cover
     from tempering.interfaces import BuildContext
 
@@ -41,10 +43,10 @@ class ExampleStream:
         return out
 
 
-def encode_prompt(tokenizer: Any, example: Mapping[str, Any]) -> list[int]:
+def encode_prompt(tokenizer: Tokenizer, example: Mapping[str, Any]) -> list[int]:
     """Token ids of an example's prompt: ``messages`` through the chat template when the
     tokenizer has one, else ``prompt`` text with the tokenizer's special tokens (BOS)."""
-    if "messages" in example and getattr(tokenizer, "chat_template", None):
+    if "messages" in example and isinstance(tokenizer, ChatTemplateTokenizer) and tokenizer.chat_template:
         ids = tokenizer.apply_chat_template(list(example["messages"]), add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
     return list(tokenizer(prompt_text(example), add_special_tokens=True)["input_ids"])
@@ -63,7 +65,7 @@ def user_turn(example: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [{"role": "user", "content": prompt_text(example)}]
 
 
-def encode_completion(tokenizer: Any, text: str, add_eos: bool = True) -> list[int]:
+def encode_completion(tokenizer: Tokenizer, text: str, add_eos: bool = True) -> list[int]:
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if add_eos and tokenizer.eos_token_id is not None:
         ids.append(int(tokenizer.eos_token_id))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from tempering.errors import ConfigError
-from tempering.interfaces import model_renderer
+from tempering.interfaces import Tokenizer, model_renderer
 from tempering.rollouts.chat import Message, ParsedResponse
 from tempering.rollouts.trajectory import TrainingRow
 
@@ -78,7 +78,7 @@ AUTO = "auto"
 RAW = "raw"
 
 
-def declared_renderer(tokenizer: Any, declared: str | None) -> str | None:
+def declared_renderer(tokenizer: Tokenizer, declared: str | None) -> str | None:
     """The chat format a model declares: ``declared``, the renderer its builder named
     (:func:`tempering.interfaces.model_renderer` of the backend: ``qwen3_instruct`` for
     ``tiny_qwen3``, ``chatml`` for ``smollm2``), else ``hf_chat`` when the tokenizer has a
@@ -91,13 +91,13 @@ def declared_renderer(tokenizer: Any, declared: str | None) -> str | None:
     return None
 
 
-def default_renderer_name(tokenizer: Any, declared: str | None) -> str:
+def default_renderer_name(tokenizer: Tokenizer, declared: str | None) -> str:
     """What ``renderer: auto`` means for a model: its :func:`declared_renderer`, else
     ``tiny_chat``."""
     return declared_renderer(tokenizer, declared) or "tiny_chat"
 
 
-def chat_text_prompts(spec: Any, tokenizer: Any, declared: str | None) -> bool:
+def chat_text_prompts(spec: Any, tokenizer: Tokenizer, declared: str | None) -> bool:
     """Whether a stage renders a text ``prompt`` as one user turn through its renderer (and
     parses the answer back through it) rather than sending the raw text: yes when the stage
     names a renderer, or leaves it ``auto`` and the model declares a chat format
@@ -110,7 +110,7 @@ def chat_text_prompts(spec: Any, tokenizer: Any, declared: str | None) -> bool:
     return True
 
 
-def renderer_spec(spec: Any, tokenizer: Any, declared: str | None, path: str = "renderer") -> Any:
+def renderer_spec(spec: Any, tokenizer: Tokenizer, declared: str | None, path: str = "renderer") -> Any:
     """A stage's renderer spec with ``auto`` resolved for the model; ``raw`` is refused
     here, where a chat (``messages``, an environment's episode) needs a renderer."""
     if spec == RAW:
@@ -122,7 +122,7 @@ def renderer_spec(spec: Any, tokenizer: Any, declared: str | None, path: str = "
     return default_renderer_name(tokenizer, declared) if spec is None or spec == AUTO else spec
 
 
-def resolved_name(spec: Any, tokenizer: Any, declared: str | None) -> Any:
+def resolved_name(spec: Any, tokenizer: Tokenizer, declared: str | None) -> Any:
     """``spec`` with ``auto`` replaced by the model's declared chat format
     (:func:`declared_renderer`), for records (``eval.json``, ``tempering show --resolved``):
     naming it then changes nothing. For a model without one ``auto`` stays ``auto`` -- its text

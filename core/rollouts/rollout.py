@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tempering.interfaces import Tokenizer
 from tempering.rollouts.scoring import RewardRunner, ScoreStats, run_coroutine
 from tempering.runs.failures import SAMPLES_KEY, failure_metrics
 from tempering.types import Group, SamplingParams
@@ -39,7 +40,7 @@ class SamplerContext:
     own episodes).
     """
 
-    tokenizer: Any
+    tokenizer: Tokenizer
     renderer: Callable[[], Any]
     reward: RewardRunner | None
     build: Callable[[str, Any, str], Any]

@@ -11,8 +11,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from tempering.interfaces import Tokenizer
 
-def write_pretrained(model: Any, tokenizer: Any, path: str, merge: bool, keep: bool = True) -> str:
+
+def write_pretrained(model: Any, tokenizer: Tokenizer, path: str, merge: bool, keep: bool = True) -> str:
     """Save ``model`` (a peft model merged into its base weights when ``merge``) and the
     tokenizer to ``path``. ``keep``: merge a copy, as merging in place ends a model still in use."""
     if merge:

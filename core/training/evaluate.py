@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tempering.interfaces import model_renderer
+from tempering.interfaces import Tokenizer, model_renderer
 from tempering.registry import get_registry
 from tempering.rollouts.data import load_examples
 from tempering.rollouts.renderer import build_renderer, chat_text_prompts, renderer_spec
@@ -90,7 +90,7 @@ def evaluate(
 
 
 def completion_sampler(
-    tokenizer: Any, declared: str | None, reward: RewardRunner | None, renderer: Any = "auto"
+    tokenizer: Tokenizer, declared: str | None, reward: RewardRunner | None, renderer: Any = "auto"
 ) -> Any:
     """A ``completion`` sampler outside a recipe (tests, notebooks): renderer ``auto`` is
     resolved (to ``declared``, the model's own renderer: :func:`tempering.interfaces.model_renderer`)

@@ -27,7 +27,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from tempering.interfaces import LoadedModel
+from tempering.interfaces import LoadedModel, Tokenizer
 from tempering.registry import (
     Registry,
     config_blocks,
@@ -65,7 +65,7 @@ def with_defaults(cfg: Mapping[str, Any], registry: Registry | None = None) -> d
 
 
 def with_renderers(
-    cfg: Mapping[str, Any], tokenizer: Any, declared: str | None, registry: Registry | None = None
+    cfg: Mapping[str, Any], tokenizer: Tokenizer, declared: str | None, registry: Registry | None = None
 ) -> dict[str, Any]:
     """``cfg`` (from :func:`with_defaults`) with each stage's ``renderer: auto`` written as the
     renderer it stands for with the model of ``tokenizer`` that declares ``declared``

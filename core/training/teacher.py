@@ -35,7 +35,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol, cast, runtime_checkable
 
 from tempering.errors import ConfigError
-from tempering.interfaces import Backend, Distributions, EmaWeights, WeightSnapshots, at_positions, from_positions
+from tempering.interfaces import (
+    Backend,
+    Distributions,
+    EmaWeights,
+    Tokenizer,
+    WeightSnapshots,
+    at_positions,
+    from_positions,
+)
 from tempering.loss_contract import (
     LOGIT_POSITIONS,
     LOGITS,
@@ -213,7 +221,7 @@ def prompt_messages(sample: Sample) -> tuple[list[dict[str, Any]], Any] | None:
 
 def reprompted_prefix(
     context: SamplerContext,
-    tokenizer: Any,
+    tokenizer: Tokenizer | None,
     sample: Sample,
     rewrite: Callable[[str], str],
     earlier: Callable[[str], list[dict[str, Any]]] | None = None,
@@ -231,6 +239,8 @@ def reprompted_prefix(
         if not context.chat_prompts:  # the student saw the raw text, so does the teacher
             if earlier is not None:
                 raise ValueError("earlier turns need a chat prompt; this stage renders raw text (renderer: raw)")
+            if tokenizer is None:
+                raise ValueError("a raw-text prompt is encoded with the model's tokenizer; none was given")
             return encode_prompt(tokenizer, {"prompt": rewrite(str(sample.example["prompt"]))})
         found = user_turn(sample.example), sample.example.get("tools")
     messages, tools = found

@@ -41,7 +41,10 @@ import logging
 import threading
 import traceback
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedTokenizerBase
 
 from tempering.registry import get_registry
 from tempering.rollouts.chat import ParsedResponse, ToolCall
@@ -441,7 +444,7 @@ TINY_CHAT_RESPONSE_TEMPLATE: dict[str, Any] = {
 }
 
 
-def tiny_chat_template(tokenizer: Any) -> Any:
+def tiny_chat_template(tokenizer: PreTrainedTokenizerBase) -> Any:
     """Give a ``tiny_chat`` tokenizer (``tiny_llama(chat=True)``) the chat and response templates
     TRL's tool loop needs; returns the tokenizer. Real chat models ship their own."""
     if tokenizer.convert_tokens_to_ids("<|call|>") in (None, tokenizer.unk_token_id):

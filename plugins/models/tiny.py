@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tempering.interfaces import LoadedModel
+from tempering.interfaces import LoadedModel, Tokenizer
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
@@ -67,13 +67,13 @@ def _tokenizer(chars: str, chat: bool) -> PreTrainedTokenizerFast:
     return build_char_tokenizer(CHAT_CHARS if chars == DEFAULT_CHARS else chars, extra_special=CHAT_TOKENS)
 
 
-def _set_special_ids(config: Any, tokenizer: Any) -> None:  # a Hugging Face tokenizer or a TmlTokenizer
+def _set_special_ids(config: Any, tokenizer: Tokenizer) -> None:  # a Hugging Face tokenizer or a TmlTokenizer
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = tokenizer.bos_token_id
     config.eos_token_id = tokenizer.eos_token_id
 
 
-def _finish(model: PreTrainedModel, tokenizer: Any, renderer: str | None = None) -> LoadedModel:
+def _finish(model: PreTrainedModel, tokenizer: Tokenizer, renderer: str | None = None) -> LoadedModel:
     """Put the special ids on the generation config too: ``generate`` reads them from there.
     ``renderer``: the chat format the model declares (``renderer: auto`` picks it)."""
     gen = model.generation_config

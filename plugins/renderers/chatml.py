@@ -58,6 +58,7 @@ from functools import lru_cache
 from typing import Any
 
 from tempering.errors import ConfigError
+from tempering.interfaces import ChatTemplateTokenizer, Tokenizer
 from tempering.plugins.renderers.hermes import format_hermes, parse_hermes
 from tempering.plugins.renderers.hf_chat import error_line, special_ids
 from tempering.rollouts.chat import Message, ParsedResponse, ToolCall, text_of
@@ -83,7 +84,7 @@ class ChatML:
     prefix_preserving = True
     supports_tools = True
 
-    def __init__(self, tokenizer: Any, system_prompt: str | None = AUTO) -> None:
+    def __init__(self, tokenizer: Tokenizer, system_prompt: str | None = AUTO) -> None:
         self.im_start, self.im_end = marker_ids(tokenizer)
         self.tokenizer = tokenizer
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -160,7 +161,7 @@ def tools_section(tools: Sequence[dict[str, Any]]) -> str:
     return TOOLS_INTRO + "\n".join(json.dumps(s, ensure_ascii=False) for s in specs) + TOOLS_OUTRO
 
 
-def marker_ids(tokenizer: Any) -> tuple[int, int]:
+def marker_ids(tokenizer: Tokenizer) -> tuple[int, int]:
     """The ids of ``<|im_start|>`` and ``<|im_end|>``; a :class:`ConfigError` in one line unless
     the tokenizer holds each as one special token that its text encodes to (a character
     tokenizer would spell them out, and then text could never end a turn)."""
@@ -183,7 +184,7 @@ def marker_ids(tokenizer: Any) -> tuple[int, int]:
     return ids[IM_START], ids[IM_END]  # type: ignore[return-value]
 
 
-def _marker_id(tokenizer: Any, marker: str) -> int | None:
+def _marker_id(tokenizer: Tokenizer, marker: str) -> int | None:
     """The id of ``marker`` when it is one token and the tokenizer encodes its text to that id."""
     tid = tokenizer.convert_tokens_to_ids(marker)
     if not isinstance(tid, int) or tid == getattr(tokenizer, "unk_token_id", None):
@@ -195,11 +196,11 @@ def _marker_id(tokenizer: Any, marker: str) -> int | None:
     return tid if ids == [tid] else None
 
 
-def template_system_prompt(tokenizer: Any) -> str | None:
+def template_system_prompt(tokenizer: Tokenizer) -> str | None:
     """The system prompt the tokenizer's chat template writes when a conversation has none, read
     off the template's rendering of a one-message conversation; None when it writes none, has no
     template, or is not ChatML."""
-    if not getattr(tokenizer, "chat_template", None):
+    if not (isinstance(tokenizer, ChatTemplateTokenizer) and tokenizer.chat_template):
         return None
     probe = "Tempering probe"
     user = f"{IM_START}user\n{probe}{IM_END}\n"

@@ -29,9 +29,13 @@ Face convention), whatever form the messages carry them in.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedTokenizerBase
 
 from tempering.errors import ConfigError
+from tempering.interfaces import Tokenizer
 from tempering.plugins.renderers.hermes import parse_hermes
 from tempering.rollouts.chat import Message, ParsedResponse, ToolCall
 from tempering.rollouts.renderer import RenderedPrompt
@@ -58,7 +62,7 @@ class HfChat:
 
     name = "hf_chat"
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(
                 f"the model's tokenizer ({type(tokenizer).__name__}) has no chat template, which hf_chat renders "
@@ -74,7 +78,7 @@ class HfChat:
     def _template(
         self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None, generation: bool
     ) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
+        ids: Any = self.tokenizer.apply_chat_template(
             [_hf_message(m) for m in messages],
             tools=list(tools) if tools else None,
             add_generation_prompt=generation,
@@ -132,7 +136,7 @@ class HfChat:
         return list(self._stop)
 
     def decode(self, tokens: Sequence[int]) -> str:
-        return self.tokenizer.decode([int(t) for t in tokens], skip_special_tokens=False)
+        return str(self.tokenizer.decode([int(t) for t in tokens], skip_special_tokens=False))  # one row: one str
 
     # ------------------------------------------------------------------ parsing
     def parse(
@@ -197,7 +201,7 @@ def _hf_message(m: Message) -> dict[str, Any]:
     return {**m, "tool_calls": calls}
 
 
-def stop_ids(tokenizer: Any, template: Any) -> list[int]:
+def stop_ids(tokenizer: PreTrainedTokenizerBase, template: Any) -> list[int]:
     """EOS id(s), the :data:`END_OF_TURN` markers the template uses, and the first special token
     the template writes after an assistant message's text (``template(messages, tools,
     generation)`` renders; see the module docstring)."""
@@ -222,14 +226,14 @@ def stop_ids(tokenizer: Any, template: Any) -> list[int]:
     return out
 
 
-def _single_token(tokenizer: Any, text: str) -> int | None:
+def _single_token(tokenizer: PreTrainedTokenizerBase, text: str) -> int | None:
     tid = tokenizer.convert_tokens_to_ids(text)
     if not isinstance(tid, int) or tid == getattr(tokenizer, "unk_token_id", None):
         return None
     return tid if tokenizer.convert_ids_to_tokens(tid) == text else None
 
 
-def _turn_end(tokenizer: Any, template: Any) -> int | None:
+def _turn_end(tokenizer: PreTrainedTokenizerBase, template: Any) -> int | None:
     history = [{"role": "user", "content": "hi"}]
     try:
         prompt = template(history, None, True)
@@ -242,7 +246,7 @@ def _turn_end(tokenizer: Any, template: Any) -> int | None:
     return next((t for t in full[len(prompt) :] if t in special), None)
 
 
-def special_ids(tokenizer: Any) -> set[int]:
+def special_ids(tokenizer: Tokenizer) -> set[int]:
     """The ids the tokenizer treats as special: its named special tokens and the added tokens
     marked special (a tokenizer built with extra special tokens lists them only there)."""
     special = {int(i) for i in getattr(tokenizer, "all_special_ids", ())}

@@ -19,9 +19,13 @@ from __future__ import annotations
 import ast
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    pass
 
 from tempering.errors import ConfigError
+from tempering.interfaces import VocabTokenizer
 from tempering.rollouts.chat import Message, ParsedResponse, ToolCall, text_of
 from tempering.rollouts.renderer import RenderedPrompt
 from tempering.rollouts.trajectory import TrainingRow, training_rows
@@ -36,7 +40,7 @@ class TinyChat:
     name = "tiny_chat"
     prefix_preserving = True
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: VocabTokenizer) -> None:
         ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in [*ROLE_TOKENS.values(), CALL_TOKEN]}
         unk = getattr(tokenizer, "unk_token_id", None)
         missing = [t for t, i in ids.items() if i is None or i == unk]

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tempering.errors import ConfigError
+from tempering.interfaces import Tokenizer
 from tempering.plugins.renderers.hf_chat import error_line
 from tempering.rollouts.chat import Message, ParsedResponse, ToolCall, text_of
 from tempering.rollouts.renderer import RenderedPrompt
@@ -47,7 +48,13 @@ class TmlRenderer:
     """
 
     def __init__(
-        self, name: str, renderer: Any, tokenizer: Any = None, *, prefix_preserving: bool, supports_tools: bool = True
+        self,
+        name: str,
+        renderer: Any,
+        tokenizer: Tokenizer | None = None,
+        *,
+        prefix_preserving: bool,
+        supports_tools: bool = True,
     ) -> None:
         self.name = name
         self.prefix_preserving = prefix_preserving
@@ -226,7 +233,7 @@ def _stop_ids(stop: Any, lib_tokenizer: Any) -> list[int]:
 
 
 # ---------------------------------------------------------------------- the tokenizer check
-def check_tokenizer(name: str, lib_tokenizer: Any, stop: Sequence[int], tokenizer: Any) -> None:
+def check_tokenizer(name: str, lib_tokenizer: Any, stop: Sequence[int], tokenizer: Tokenizer) -> None:
     """Refuse a model tokenizer whose ids differ from the format's: the encoding of
     :data:`PROBE` and the id of every stop token must agree."""
     theirs = f"{type(tokenizer).__name__}{_name_of(tokenizer)}"
@@ -256,12 +263,12 @@ def check_tokenizer(name: str, lib_tokenizer: Any, stop: Sequence[int], tokenize
         )
 
 
-def _name_of(tokenizer: Any) -> str:
+def _name_of(tokenizer: Tokenizer) -> str:
     path = getattr(tokenizer, "name_or_path", "")
     return f" '{path}'" if isinstance(path, str) and path else ""
 
 
-def _token_id(tokenizer: Any, text: str) -> int | None:
+def _token_id(tokenizer: Tokenizer, text: str) -> int | None:
     """The id ``tokenizer`` gives the single token ``text`` (None if it is not one token)."""
     convert = getattr(tokenizer, "convert_tokens_to_ids", None)
     if convert is not None:
@@ -282,7 +289,7 @@ def _token_id(tokenizer: Any, text: str) -> int | None:
 def _family(
     name: str,
     cls: str,
-    tokenizer: Any,
+    tokenizer: Tokenizer | None,
     *,
     prefix_preserving: bool,
     supports_tools: bool = True,
@@ -301,7 +308,7 @@ def _family(
     return TmlRenderer(name, renderer, tokenizer, prefix_preserving=prefix_preserving, supports_tools=supports_tools)
 
 
-def qwen3(tokenizer: Any = None, strip_thinking_from_history: bool = True) -> TmlRenderer:
+def qwen3(tokenizer: Tokenizer | None = None, strip_thinking_from_history: bool = True) -> TmlRenderer:
     """Qwen3 hybrid checkpoints with thinking on. Not prefix-preserving: history re-renders a
     turn's ``<think>`` block differently from how it was sampled (dropped by default, written
     without its newlines when kept)."""
@@ -310,7 +317,7 @@ def qwen3(tokenizer: Any = None, strip_thinking_from_history: bool = True) -> Tm
     )
 
 
-def qwen3_instruct(tokenizer: Any = None, strip_thinking_from_history: bool = True) -> TmlRenderer:
+def qwen3_instruct(tokenizer: Tokenizer | None = None, strip_thinking_from_history: bool = True) -> TmlRenderer:
     """Qwen3 instruct checkpoints (no thinking block). Turns that are only tool calls or only an
     answer re-render exactly as sampled, but not prefix-preserving in general: text before a
     tool call is sampled (and SFT-rendered) as ``.`` + ``\\n`` + ``<tool_call>`` while history
@@ -325,7 +332,7 @@ def qwen3_instruct(tokenizer: Any = None, strip_thinking_from_history: bool = Tr
     )
 
 
-def qwen3_disable_thinking(tokenizer: Any = None, strip_thinking_from_history: bool = True) -> TmlRenderer:
+def qwen3_disable_thinking(tokenizer: Tokenizer | None = None, strip_thinking_from_history: bool = True) -> TmlRenderer:
     """Qwen3 hybrid checkpoints with thinking off (the prompt ends in an empty ``<think>``
     block). Not prefix-preserving: history drops that empty block."""
     return _family(
@@ -339,7 +346,7 @@ def qwen3_disable_thinking(tokenizer: Any = None, strip_thinking_from_history: b
 
 
 def qwen3_5(
-    tokenizer: Any = None, strip_thinking_from_history: bool = True, enable_thinking: bool = True
+    tokenizer: Tokenizer | None = None, strip_thinking_from_history: bool = True, enable_thinking: bool = True
 ) -> TmlRenderer:
     """Qwen3.5 (XML tool calls, its own 248k vocabulary). Not prefix-preserving: history
     re-tokenizes the whitespace around an empty think block and drops reasoning before a user
@@ -355,7 +362,7 @@ def qwen3_5(
 
 
 def qwen3_8(
-    tokenizer: Any = None, reasoning_effort: str = "xhigh", strip_thinking_from_history: bool = False
+    tokenizer: Tokenizer | None = None, reasoning_effort: str = "xhigh", strip_thinking_from_history: bool = False
 ) -> TmlRenderer:
     """Qwen3.8 (Qwen3.5 vocabulary; effort ``low``/``medium``/``xhigh``). Not prefix-preserving:
     an answer without reasoning re-renders its empty think block differently."""
@@ -369,13 +376,13 @@ def qwen3_8(
     )
 
 
-def deepseek_v3(tokenizer: Any = None) -> TmlRenderer:
+def deepseek_v3(tokenizer: Tokenizer | None = None) -> TmlRenderer:
     """DeepSeek V3 chat (no tool format). Not prefix-preserving: answers re-render as sampled,
     but history drops a turn's ``<think>`` block, which the format parses."""
     return _family("deepseek_v3", "DeepSeekV3", tokenizer, prefix_preserving=False, supports_tools=False)
 
 
-def deepseek_v3_1(tokenizer: Any = None, thinking: bool = False) -> TmlRenderer:
+def deepseek_v3_1(tokenizer: Tokenizer | None = None, thinking: bool = False) -> TmlRenderer:
     """DeepSeek V3.1 (no tool format). Prefix-preserving without thinking; with ``thinking``
     history drops the reasoning."""
     return _family(
@@ -388,13 +395,13 @@ def deepseek_v3_1(tokenizer: Any = None, thinking: bool = False) -> TmlRenderer:
     )
 
 
-def deepseek_r1(tokenizer: Any = None) -> TmlRenderer:
+def deepseek_r1(tokenizer: Tokenizer | None = None) -> TmlRenderer:
     """DeepSeek R1 (no tool format). Not prefix-preserving: history drops the reasoning."""
     return _family("deepseek_r1", "DeepSeekR1", tokenizer, prefix_preserving=False, supports_tools=False)
 
 
 def deepseek_v4(
-    tokenizer: Any = None, reasoning_effort: str | None = None, thinking_mode: str = "thinking"
+    tokenizer: Tokenizer | None = None, reasoning_effort: str | None = None, thinking_mode: str = "thinking"
 ) -> TmlRenderer:
     """DeepSeek V4 (DSML tool calls; ``thinking_mode`` ``thinking`` or ``chat``). Prefix-preserving."""
     return _family(
@@ -408,7 +415,7 @@ def deepseek_v4(
 
 
 def deepseek_v4_1(
-    tokenizer: Any = None, reasoning_effort: str | None = None, thinking_mode: str = "thinking"
+    tokenizer: Tokenizer | None = None, reasoning_effort: str | None = None, thinking_mode: str = "thinking"
 ) -> TmlRenderer:
     """DeepSeek V4.1 (effort ``low``/``high``/``max``). Prefix-preserving."""
     return _family(
@@ -421,7 +428,7 @@ def deepseek_v4_1(
     )
 
 
-def kimi_k2(tokenizer: Any = None, strip_thinking_from_history: bool = True) -> TmlRenderer:
+def kimi_k2(tokenizer: Tokenizer | None = None, strip_thinking_from_history: bool = True) -> TmlRenderer:
     """Kimi K2 (thinking). Prefix-preserving only with ``strip_thinking_from_history: false``:
     by default the reasoning of a turn answered by a user message is dropped from history."""
     return _family(
@@ -434,7 +441,7 @@ def kimi_k2(tokenizer: Any = None, strip_thinking_from_history: bool = True) -> 
 
 
 def kimi_k2_5(
-    tokenizer: Any = None, support_thinking: bool = True, strip_thinking_from_history: bool = True
+    tokenizer: Tokenizer | None = None, support_thinking: bool = True, strip_thinking_from_history: bool = True
 ) -> TmlRenderer:
     """Kimi K2.5. Prefix-preserving only with ``strip_thinking_from_history: false`` (as K2)."""
     return _family(
@@ -447,7 +454,9 @@ def kimi_k2_5(
     )
 
 
-def glm_5(tokenizer: Any = None, reasoning_effort: str = "max", clear_thinking: bool = True) -> TmlRenderer:
+def glm_5(
+    tokenizer: Tokenizer | None = None, reasoning_effort: str = "max", clear_thinking: bool = True
+) -> TmlRenderer:
     """GLM-5 (tml-renderers' ``Glm52``, GLM-5.2; effort ``high``/``max``). Not prefix-preserving:
     a sampled turn ends in ``<|endoftext|>`` while history follows it with the next role token."""
     return _family(
@@ -460,7 +469,9 @@ def glm_5(tokenizer: Any = None, reasoning_effort: str = "max", clear_thinking: 
     )
 
 
-def glm_5_3(tokenizer: Any = None, reasoning_effort: str = "max", clear_thinking: bool = True) -> TmlRenderer:
+def glm_5_3(
+    tokenizer: Tokenizer | None = None, reasoning_effort: str = "max", clear_thinking: bool = True
+) -> TmlRenderer:
     """GLM-5.3 (effort ``low``/``high``/``max``). Not prefix-preserving (as ``glm_5``)."""
     return _family(
         "glm_5_3",
@@ -472,7 +483,9 @@ def glm_5_3(tokenizer: Any = None, reasoning_effort: str = "max", clear_thinking
     )
 
 
-def glm_5_3_flash(tokenizer: Any = None, reasoning_effort: str = "max", clear_thinking: bool = True) -> TmlRenderer:
+def glm_5_3_flash(
+    tokenizer: Tokenizer | None = None, reasoning_effort: str = "max", clear_thinking: bool = True
+) -> TmlRenderer:
     """GLM-5.3 Flash. Not prefix-preserving (as ``glm_5``)."""
     return _family(
         "glm_5_3_flash",
@@ -485,7 +498,7 @@ def glm_5_3_flash(tokenizer: Any = None, reasoning_effort: str = "max", clear_th
 
 
 def gpt_oss(
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
     reasoning_effort: str = "medium",
     current_date: str | None = None,
     model_identity: str | None = None,
@@ -505,7 +518,7 @@ def gpt_oss(
 
 
 def nemotron3(
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
     strip_thinking_from_history: bool = True,
     ultra: bool = False,
     reasoning_effort: str | None = None,

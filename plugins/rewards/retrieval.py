@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from tempering.interfaces import RewardResult
+from tempering.interfaces import RewardResult, Tokenizer
 
 
 def cited_ids(text: str, pattern: str = r"\[(doc\d+)\]") -> list[str]:
@@ -46,7 +46,7 @@ class RetrievalRecall:
     case_sensitive: bool = False
     cost_coef: float = 0.0
     cost_unit: str = "chars"
-    tokenizer: Any = field(default=None, repr=False)
+    tokenizer: Tokenizer | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.cost_unit not in ("tokens", "words", "chars"):
@@ -60,6 +60,8 @@ class RetrievalRecall:
             return len(completion)
         if self.cost_unit == "words":
             return len(completion.split())
+        if self.tokenizer is None:
+            raise ValueError("cost_unit 'tokens' counts with the model's tokenizer; none was given")
         return len(self.tokenizer(completion, add_special_tokens=False)["input_ids"])
 
     def __call__(self, completion: str, example: Mapping[str, Any]) -> RewardResult:

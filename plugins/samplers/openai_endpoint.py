@@ -48,6 +48,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
+from tempering.interfaces import Tokenizer
 from tempering.plugins.samplers.splice import spliced_prompt, turn_end
 from tempering.rollouts.chat import ROLES, ParsedResponse, ToolCall, assign_call_ids, text_of
 from tempering.runs.serving import BackgroundServer, Limits, Policy, Reply, guarded_app
@@ -171,7 +172,7 @@ class PolicyEndpoint:
     closes it.
     """
 
-    def __init__(self, model: ModelFn, renderer: Any, tokenizer: Any, limits: EndpointLimits) -> None:
+    def __init__(self, model: ModelFn, renderer: Any, tokenizer: Tokenizer, limits: EndpointLimits) -> None:
         self.model, self.renderer, self.tokenizer, self.limits = model, renderer, tokenizer, limits
         self.token = secrets.token_urlsafe(32)
         # Renderers and tokenizers are not promised to be thread-safe (a fast tokenizer whose

@@ -19,6 +19,8 @@ import os
 import shutil
 from typing import Any
 
+from tempering.interfaces import Tokenizer
+
 __all__ = ["hub_cache", "cached_name", "install_tokenizer"]
 
 REVISION = "tempering-served"  # the snapshot folder's name (a real download's is a commit hash)
@@ -45,7 +47,7 @@ def cached_name(name: str, cache: str | None = None) -> str | None:
     return name if os.path.isfile(os.path.join(_repo_dir(name, cache), "refs", "main")) else None
 
 
-def install_tokenizer(name: str, tokenizer: Any, cache: str | None = None, config: Any = None) -> str | None:
+def install_tokenizer(name: str, tokenizer: Tokenizer, cache: str | None = None, config: Any = None) -> str | None:
     """Write ``tokenizer`` (an HF tokenizer, or a folder holding one) into the hub cache as
     ``name`` (``org/model``) unless the cache has ``name`` already; returns the snapshot folder
     written, or None when nothing was written. ``config`` (the model's ``PretrainedConfig``)

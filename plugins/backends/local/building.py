@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationConfig
 
 from tempering.errors import ConfigError
-from tempering.interfaces import LoadedModel
+from tempering.interfaces import LoadedModel, Tokenizer
 from tempering.plugins.backends.local.model_source import quiet_loading, registered_builder, source_folder
 
 
@@ -66,7 +66,7 @@ class ModelSource:
         return model, tokenizer
 
 
-def special_ids(model: Any, tokenizer: Any) -> tuple[int, set[int]]:
+def special_ids(model: Any, tokenizer: Tokenizer) -> tuple[int, set[int]]:
     """Pad id (eos when the tokenizer has none) and every id that ends a completion."""
     eos: set[int] = set()
     for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
@@ -80,7 +80,7 @@ def special_ids(model: Any, tokenizer: Any) -> tuple[int, set[int]]:
     return int(pad), eos
 
 
-def neutral_generation_config(tokenizer: Any, pad_token_id: int, eos_token_ids: set[int]) -> GenerationConfig:
+def neutral_generation_config(tokenizer: Tokenizer, pad_token_id: int, eos_token_ids: set[int]) -> GenerationConfig:
     """Only the special ids: a checkpoint's sampling defaults (Qwen ships top_k=20,
     repetition_penalty=1.05, ...) would otherwise leak into every ``generate`` call and
     make sampler logprobs disagree with the model. Sampling is set by SamplingParams alone."""

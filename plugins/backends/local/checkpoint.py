@@ -22,6 +22,7 @@ import torch
 
 import tempering.plugins.backends.local.distributed as distributed
 import tempering.plugins.backends.local.sharding as sharding
+from tempering.interfaces import Tokenizer
 from tempering.plugins.backends.local.training import Trainer
 from tempering.plugins.backends.local.weights import PolicyWeights
 from tempering.runs.pretrained import write_pretrained
@@ -112,7 +113,7 @@ def export(
     adapter: bool,
     weights: PolicyWeights,
     trainer: Trainer,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     build_copy: Callable[[], Any],
 ) -> str:
     """Write the policy in Hugging Face format at ``path`` (rank 0): merged, or the adapter alone.

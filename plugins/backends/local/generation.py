@@ -38,6 +38,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from tempering.interfaces import Tokenizer
 from tempering.plugins.backends.common import run_on
 from tempering.plugins.backends.local.stops import before_first, split_stop
 from tempering.types import Completion, SamplingParams
@@ -85,7 +86,7 @@ class Generator:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         pad_token_id: int,
         eos_token_ids: set[int],
         device: torch.device,
@@ -268,7 +269,7 @@ class _StopStrings(StoppingCriteria):
     where the completion is cut afterwards.
     """
 
-    def __init__(self, tokenizer: Any, stops: Sequence[str], prompt_width: int, batch_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], prompt_width: int, batch_size: int) -> None:
         self.tokenizer = tokenizer
         self.stops = list(stops)
         self.prompt_width = prompt_width

@@ -67,6 +67,7 @@ import torch
 import tempering.plugins.backends.local.distributed as distributed
 import tempering.plugins.backends.local.sharding as sharding
 from tempering.errors import ConfigError
+from tempering.interfaces import Tokenizer
 from tempering.plugins.backends.local.generation import completion
 from tempering.plugins.backends.local.stops import before_first, split_stop
 from tempering.types import Completion, SamplingParams
@@ -515,7 +516,7 @@ def _ram_dir() -> str | None:
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
 
 
-def _save_base(model: Any, tokenizer: Any, folder: str, lora: bool, write: bool) -> None:
+def _save_base(model: Any, tokenizer: Tokenizer, folder: str, lora: bool, write: bool) -> None:
     """The model as a Hugging Face folder, written where ``write`` (rank 0); for a peft model its
     base weights only (LoRA layers dropped, ``base_layer`` names restored), which is what the
     adapters are applied to. Every rank calls it: under FSDP2 each tensor is gathered whole
