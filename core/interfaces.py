@@ -275,8 +275,9 @@ class LoadedModel:
     """What a model builder (the ``model`` kind) returns: the model, its tokenizer, and the
     renderer (chat format) the model declares, if any, for ``renderer: auto``.
 
-    It unpacks as ``model, tokenizer`` (the older builder result, which a builder may still
-    return: then it declares no renderer), so ``model, tok = tiny_llama()`` reads as before."""
+    It unpacks and indexes as ``(model, tokenizer)`` (the older builder result, which a builder
+    may still return: then it declares no renderer), so ``model, tok = tiny_llama()`` and
+    ``tiny_llama()[0]`` read as before."""
 
     model: Any
     tokenizer: Tokenizer
@@ -284,6 +285,10 @@ class LoadedModel:
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.model, self.tokenizer))
+
+    def __getitem__(self, index: int) -> Any:
+        """``[0]`` the model, ``[1]`` the tokenizer, as the pair it stands for."""
+        return (self.model, self.tokenizer)[index]
 
     @classmethod
     def of(cls, built: LoadedModel | tuple[Any, Any]) -> LoadedModel:
