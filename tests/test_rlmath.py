@@ -54,8 +54,6 @@ def test_rlmath_init_imports_nothing():
 _G, _O, _S = "tempering.algorithms.grpo", "tempering.algorithms.offpolicy", "tempering.algorithms.sdft"
 #: (old module, name there) -> (module in tempering.rlmath, name there)
 REEXPORTS = [
-    (f"{_G}.advantages", "GroupNormAdvantage", "advantages", "GroupNormAdvantage"),
-    (f"{_G}.advantages", "zero_variance_groups", "advantages", "zero_variance_groups"),
     (f"{_G}.loss", "aggregate", "aggregation", "aggregate"),
     (f"{_G}.loss", "k3_kl", "kl", "k3_kl"),
     (f"{_G}.loss", "log_importance_weights", "ratios", "log_importance_weights"),
