@@ -74,6 +74,10 @@ def _sampled_batch(student: LocalBackend, n: int = 2, max_tokens: int = 5) -> Ba
     return Batch(data)
 
 
+def _logits(backend: LocalBackend, d: Datum) -> torch.Tensor:
+    return backend.model(input_ids=torch.tensor([d.input_tokens])).logits
+
+
 def _row_logprobs(model: torch.nn.Module, d: Datum) -> torch.Tensor:
     """One row's next-token log-probabilities ``(T, V)``, by a plain HF forward of the row alone."""
     logits = model(input_ids=torch.tensor([d.input_tokens])).logits[0]
@@ -107,9 +111,11 @@ def test_full_vocabulary_reverse_kl_equals_trl_gkd_beta_1(pair, gkd):
 
     # GKD: student logits with gradients, teacher logits without, every row in one sequence
     # (its batchmean is a mean over the labelled tokens, so rows may be concatenated)
-    student_logits = torch.cat([student.model(input_ids=torch.tensor([d.input_tokens])).logits for d in rows.data], 1)
+    student_logits = torch.cat([_logits(student, d) for d in rows.data], 1)
     with torch.no_grad():
-        teacher_logits = torch.cat([teacher.model(input_ids=torch.tensor([d.input_tokens])).logits for d in rows.data], 1)
+        teacher_logits = torch.cat(
+            [teacher.model(input_ids=torch.tensor([d.input_tokens])).logits for d in rows.data], 1
+        )
     labels = torch.tensor([[t if w else -100 for d in rows.data for t, w in zip(d.target_tokens, d.weights)]])
     trl_loss = gkd(student_logits, teacher_logits, labels=labels, beta=1.0, temperature=1.0)
     trl_loss.backward()
@@ -247,14 +253,17 @@ def test_student_learns_the_teachers_preference(tmp_path, teacher_folder, estima
         "eval": {"dataset": ROWS[1::7], "max_tokens": 2},
     }
     learnt = _recipe(tmp_path, f"learn_{estimator}", teacher_folder, **stage).run()
-    frozen = _recipe(tmp_path, f"frozen_{estimator}", teacher_folder, **{**stage, "optimizer": {"learning_rate": 1e-12}})
-    frozen = frozen.run()
+    stage["optimizer"] = {"learning_rate": 1e-12}
+    frozen = _recipe(tmp_path, f"frozen_{estimator}", teacher_folder, **stage).run()
     kl, kl_frozen = _kl_rows(learnt), _kl_rows(frozen)
     first, last = sum(kl[:3]) / 3, sum(kl[-3:]) / 3
     acc = [r["eval/accuracy"] for r in learnt.history if "eval/accuracy" in r]
     acc_frozen = [r["eval/accuracy"] for r in frozen.history if "eval/accuracy" in r]
-    print(f"{estimator}: teacher_kl {first:.3f} -> {last:.3f}; frozen {sum(kl_frozen[:3]) / 3:.3f} -> "
-          f"{sum(kl_frozen[-3:]) / 3:.3f}; held-out answers 7: {acc[0]:.2f} -> {acc[-1]:.2f} (frozen {acc_frozen[-1]:.2f})")
+    print(
+        f"{estimator}: teacher_kl {first:.3f} -> {last:.3f}; frozen {sum(kl_frozen[:3]) / 3:.3f} -> "
+        f"{sum(kl_frozen[-3:]) / 3:.3f}; held-out answers 7: {acc[0]:.2f} -> {acc[-1]:.2f} "
+        f"(frozen {acc_frozen[-1]:.2f})"
+    )
     assert len(kl) == 30 and all(math.isfinite(x) for x in kl)
     assert first > 5.0 and last < first / 20  # measured 14.3 -> about 0 (seed 0, both estimators)
     assert sum(kl_frozen[-3:]) / 3 > 0.8 * sum(kl_frozen[:3]) / 3
@@ -274,7 +283,9 @@ def test_teacher_from_a_run_checkpoint_and_from_a_model_plugin(tmp_path, teacher
         backend={"name": "local", "model": "tiny_llama", "model_kwargs": SMALL, "num_threads": 1},
         stages=[{"name": "sft", "dataset": sft_rows, "steps": 20, "optimizer": {"learning_rate": 2e-2}}],
     ).run()
-    from_run = _recipe(tmp_path, "from_run", {"run": str(tmp_path / "teacher_run")}, kl={"estimator": "top_k", "top_k": 4})
+    from_run = _recipe(
+        tmp_path, "from_run", {"run": str(tmp_path / "teacher_run")}, kl={"estimator": "top_k", "top_k": 4}
+    )
     from_plugin = _recipe(tmp_path, "from_plugin", {"model": "tiny_llama", "model_kwargs": SMALL})
     assert str(tmp_path / "teacher_run") != teacher_folder
     kl_run, kl_plugin = _kl_rows(from_run.run()), _kl_rows(from_plugin.run())
@@ -312,21 +323,21 @@ def test_vocab_difference_compares_vocabularies_not_objects(pair):
     assert vocab_difference(student.tokenizer, teacher.tokenizer) is None
 
 
-@pytest.mark.parametrize(
-    "teacher, stage, expected",
-    [
-        ("no/such/folder", {}, "stages[0].teacher.model: 'no/such/folder' is not a registered model builder"),
-        ({"model": "tiny_llama", "run": "runs/x"}, {}, "stages[0].teacher: give exactly one of model, run or backend"),
-        ({"model": "tiny_llama", "modle_kwargs": {}}, {}, "stages[0].teacher.modle_kwargs: unknown key"),
-        ({"run": "no/such/run"}, {}, "stages[0].teacher.run: no such folder 'no/such/run'"),
-        ("tinker://abc/sampler_weights/x", {}, "stages[0].teacher.model: 'tinker://abc/sampler_weights/x' is a weights path"),
-        ("tiny_llama", {"kl": "fulll"}, "stages[0].kl.estimator: use one of sampled, full, top_k (got 'fulll'). Did you mean 'full'?"),
-        ("tiny_llama", {"kl": {"estimator": "full"}, "loss": "ppo"}, "stages[0].loss: kl.estimator 'full' is itself the loss"),
-        ("tiny_llama", {"kl": {"estimator": "full", "aggregation": "sum"}}, "stages[0].kl.aggregation: sum is for sampled"),
-        ("tiny_llama", {"kl": {"discount": 2}}, "stages[0].kl.discount: must be in [0, 1], got 2"),
-        ("tiny_llama", {"drop_zero_variance": True}, "stages[0].drop_zero_variance: without a reward"),
-    ],
-)
+BAD = [
+    ("no/such/folder", {}, "stages[0].teacher.model: 'no/such/folder' is not a registered model builder"),
+    ({"model": "tiny_llama", "run": "runs/x"}, {}, "stages[0].teacher: give exactly one of model, run or backend"),
+    ({"model": "tiny_llama", "modle_kwargs": {}}, {}, "stages[0].teacher.modle_kwargs: unknown key"),
+    ({"run": "no/such/run"}, {}, "stages[0].teacher.run: no such folder 'no/such/run'"),
+    ("tinker://run/sampler_weights/x", {}, "stages[0].teacher.model: 'tinker://run/sampler_weights/x' is a weights"),
+    ("tiny_llama", {"kl": "fulll"}, "stages[0].kl.estimator: use one of sampled, full, top_k (got 'fulll'). Did you"),
+    ("tiny_llama", {"kl": {"estimator": "full"}, "loss": "ppo"}, "stages[0].loss: kl.estimator 'full' is itself"),
+    ("tiny_llama", {"kl": {"estimator": "full", "aggregation": "sum"}}, "stages[0].kl.aggregation: sum is for"),
+    ("tiny_llama", {"kl": {"discount": 2}}, "stages[0].kl.discount: must be in [0, 1], got 2"),
+    ("tiny_llama", {"drop_zero_variance": True}, "stages[0].drop_zero_variance: without a reward"),
+]
+
+
+@pytest.mark.parametrize("teacher, stage, expected", BAD)
 def test_bad_keys_are_one_line_at_their_path(tmp_path, teacher, stage, expected):
     assert _error(tmp_path, teacher, **stage).startswith(expected)
 

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
+from tempering.algorithms.distill.kl import KLTerm, kl_term
+from tempering.algorithms.distill.loss import ReverseKLLoss
+from tempering.algorithms.distill.teacher import Teacher, TeacherSpec, check_teacher, open_teacher, teacher_spec
 from tempering.errors import ConfigError
 from tempering.interfaces import Distributions, FullDistributions, Loss, LossLogits, RunContext, supports
 from tempering.loss_contract import TEACHER_TOKEN_LOGPROBS
@@ -27,9 +30,6 @@ from tempering.training.rl import RLStage
 from tempering.training.stage import Requirement, check_choice
 from tempering.training.teacher import attach_teacher
 from tempering.types import Batch, Datum
-
-from tempering.algorithms.distill.kl import KLTerm, kl_term
-from tempering.algorithms.distill.teacher import Teacher, check_teacher, open_teacher, teacher_spec
 
 RECOMPUTE = ("auto", "always", "never")
 
@@ -61,6 +61,8 @@ class Distill(RLStage):
     recompute_logprobs: str = "auto"
 
     label = "distill"
+    #: The nested blocks' schemas (``tempering.registry.BLOCKS_HOOK``): their keys in docs/reference.md.
+    config_blocks: ClassVar[dict[str, type]] = {"teacher": TeacherSpec, "kl": KLTerm}
     summary_keys = ("distill/teacher_kl", "loss", "reward/mean", "accuracy")
     postfix = {"kl": "distill/teacher_kl", "reward": "reward/mean"}
 
@@ -148,7 +150,7 @@ class Distill(RLStage):
             self.term.shape_advantages(batch)
         return metrics
 
-    def objective(self) -> Loss:
+    def objective(self) -> ReverseKLLoss | Loss:
         """The ``top_k`` / ``full`` reverse KL, else the policy loss on the KL advantages."""
         return self.kl_loss if self.kl_loss is not None else self.loss_fn
 
@@ -166,4 +168,3 @@ def teacher_kl(batch: Batch) -> dict[str, float]:
     if not diffs:
         return {}
     return {"distill/teacher_kl": sum(diffs) / len(diffs), "distill/teacher_logprob": sum(teacher) / len(teacher)}
-

@@ -58,8 +58,11 @@ class Vocabulary(Protocol):
 
 @dataclass
 class TeacherSpec:
-    """The ``teacher:`` block (see the module docstring). A string is shorthand: a folder
-    holding a run (``run.json``) is ``{run: ...}``, anything else ``{model: ...}``."""
+    """The ``teacher:`` block, exactly one of: ``model`` (a Hugging Face folder, a ``tempering
+    export`` folder, a GGUF file, a hub id, or a model plugin's name with ``model_kwargs``; on
+    Tinker a ``tinker://`` sampler-weights path), ``run`` (a run folder: its latest checkpoint,
+    or ``step``) or ``backend`` (a whole backend spec). A string is shorthand: a folder holding
+    a run (``run.json``) is ``{run: ...}``, anything else ``{model: ...}``."""
 
     model: str | None = None
     model_kwargs: dict[str, Any] | None = None

@@ -87,7 +87,8 @@ class RLStage(SamplingKeys, Stage):
 
     ``dataset``, ``reward`` (scores completions; for environments, final answers the
     environment leaves unscored; ``null`` in a stage whose signal is not a reward -- on-policy
-    distillation's teacher -- where every sample scores 0 and no reward metric is logged), ``advantage``, ``loss``, ``sampler`` (``completion`` or
+    distillation's teacher -- where every sample scores 0 and no reward metric is logged),
+    ``advantage``, ``loss``, ``sampler`` (``completion`` or
     ``{name: environment, environment: ..., max_turns: ...}``), ``renderer`` (``auto``: the
     model's format), ``steps``, ``prompts_per_step``, ``group_size``, ``max_tokens`` (per model
     turn), ``temperature``, ``top_p``, ``top_k``, ``stop``, ``optimizer``,
@@ -204,7 +205,9 @@ class RLStage(SamplingKeys, Stage):
         self.estimator = ctx.build("advantage", self.advantage, "advantage")
         # what the loss cannot see in a batch (Dr. GRPO's constant normaliser: max_tokens), passed once
         self.loss_fn = for_stage(ctx.build("loss", self.loss, "loss"), LossSetup(max_tokens=self.max_tokens))
-        written = self.scored and self.reward != type(self).__dataclass_fields__["reward"].default  # a default: no warning
+        written = (
+            self.scored and self.reward != type(self).__dataclass_fields__["reward"].default
+        )  # a default: no warning
         self.rollout_sampler = build_sampler(
             ctx, self.sampler, "sampler", self.reward_runner, self.renderer, reward_key="reward" if written else None
         )
