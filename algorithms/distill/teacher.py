@@ -141,9 +141,9 @@ def check_teacher(spec: TeacherSpec, ctx: RunContext, key: str = "teacher") -> N
         run.checkpoint(spec.step, key=f"{path}.step" if spec.step is not None else f"{path}.run")
     elif spec.backend is not None:
         ctx.check("backend", spec.backend, f"{key}.backend")
-    elif ctx.backend is not None and by_path(spec, ctx.backend):
-        return  # the service checks its own paths
     elif spec.model is not None and "://" in spec.model:
+        if ctx.backend is None or by_path(spec, ctx.backend):
+            return  # the service checks its own paths; without the backend, which one is not known yet
         raise ConfigError(
             f"'{spec.model}' is a weights path only its service scores (a tinker:// path needs "
             "backend: {name: tinker}); on this backend give a folder, an export or a model name",
