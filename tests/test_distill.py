@@ -351,3 +351,22 @@ def test_no_reward_logs_no_reward_metrics(tmp_path):
     rewarded = _recipe(tmp_path, "rewarded", "tiny_llama", reward="exact_match").run()
     assert all("reward/mean" in r for r in rewarded.history if "loss" in r)
     assert os.path.isdir(tmp_path / "rewarded")
+
+
+def test_a_reward_stays_required_where_the_stage_has_no_other_signal(tmp_path):
+    """``reward: null`` is for a stage whose ``prepare`` brings the signal (distill); GRPO
+    without a reward would train on zero advantages, silently: refused in one line."""
+    with pytest.raises(ConfigError) as info:
+        Recipe(
+            name="grpo",
+            output_dir=str(tmp_path / "grpo"),
+            loggers=[],
+            backend={"name": "local", "model": "tiny_llama", "model_kwargs": SMALL, "num_threads": 1},
+            stages=[{"name": "grpo", "reward": None, "dataset": ROWS, "steps": 1}],
+        ).run()
+    assert str(info.value) == "stages[0].reward: grpo learns from a reward; give one (e.g. reward: exact_match)"
+
+
+def test_tempering_plugins_lists_distill(fresh_registry):
+    component = fresh_registry.get("algorithm", "distill")
+    assert component.plugin.dist == "tempering" and component.load() is Distill

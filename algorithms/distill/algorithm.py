@@ -61,6 +61,7 @@ class Distill(RLStage):
     recompute_logprobs: str = "auto"
 
     label = "distill"
+    reward_optional = True  # the teacher is the signal
     #: The nested blocks' schemas (``tempering.registry.BLOCKS_HOOK``): their keys in docs/reference.md.
     config_blocks: ClassVar[dict[str, type]] = {"teacher": TeacherSpec, "kl": KLTerm}
     summary_keys = ("distill/teacher_kl", "loss", "reward/mean", "accuracy")

@@ -30,6 +30,7 @@ from tempering.apps.rundata import RUN_FILE, RunDir, run_backend
 from tempering.errors import ConfigError
 from tempering.interfaces import Backend, Closeable, RunContext
 from tempering.schema import Problem
+from tempering.training.progress import phase
 from tempering.training.recipe import backend_spec
 from tempering.training.stage import sub_config
 
@@ -175,6 +176,7 @@ def open_teacher(spec: TeacherSpec, ctx: RunContext, key: str = "teacher") -> Te
         assert spec.model is not None
         return Teacher(student, {"weights": spec.model}, spec.model)
     teacher = Teacher(student, description=str(spec.run or spec.model or spec.backend))
+    phase(f"loading the teacher: {teacher.description} ...")  # a real model takes a while: say so
     try:
         if spec.run is not None:
             run = RunDir.open(os.path.expanduser(spec.run), key=f"{path}.run")

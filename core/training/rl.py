@@ -140,6 +140,9 @@ class RLStage(SamplingKeys, Stage):
 
     summary_keys: ClassVar[tuple[str, ...]] = ("reward/mean", "accuracy", "loss")
     postfix = {"reward": "reward/mean", "acc": "accuracy"}
+    #: Whether the stage trains without a reward (``reward: null``): only a stage whose
+    #: ``prepare`` brings its own signal (distillation's teacher); elsewhere it is an error.
+    reward_optional: ClassVar[bool] = False
 
     # ------------------------------------------------------------------ validation and setup
     def validate(self, ctx: RunContext) -> None:
@@ -175,6 +178,11 @@ class RLStage(SamplingKeys, Stage):
                 f"{path}.{key}",
                 f"must be in [0, 1] (1 = never stop), got {getattr(self, key)}",
             )
+        require(
+            self.scored or self.reward_optional,
+            f"{path}.reward",
+            f"{self.label} learns from a reward; give one (e.g. reward: exact_match)",
+        )
         require(
             self.scored or not self.drop_zero_variance,
             f"{path}.drop_zero_variance",
