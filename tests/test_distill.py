@@ -214,7 +214,9 @@ def teacher_folder(tmp_path_factory) -> str:
     return b.export_pretrained(str(tmp_path_factory.mktemp("teacher") / "sevens"))
 
 
-def _recipe(tmp_path: Path, name: str, teacher: object, **stage: object) -> Recipe:
+def _recipe(
+    tmp_path: Path, name: str, teacher: object, run: dict[str, object] | None = None, **stage: object
+) -> Recipe:
     spec = {
         "name": "distill",
         "teacher": teacher,
@@ -232,6 +234,7 @@ def _recipe(tmp_path: Path, name: str, teacher: object, **stage: object) -> Reci
         loggers=[],
         backend={"name": "local", "model": "tiny_llama", "model_kwargs": SMALL, "num_threads": 1},
         stages=[spec],
+        **(run or {}),
     )
 
 
@@ -295,6 +298,17 @@ def test_teacher_from_a_run_checkpoint_and_from_a_model_plugin(tmp_path, teacher
     assert kl_run[0] > 0.5  # the run's trained policy prefers 7; the student does not
     # a string naming a run folder is a run teacher
     assert _kl_rows(_recipe(tmp_path, "run_str", str(tmp_path / "teacher_run")).run())[0] > 0.5
+
+
+def test_an_interrupted_stage_resumes_with_the_same_teacher(tmp_path, teacher_folder):
+    """Stopped after 2 of 4 steps and run again: the teacher is opened again from its folder
+    and the resumed steps are the uninterrupted run's, to the last digit of the KL."""
+    straight = _kl_rows(_recipe(tmp_path, "straight", teacher_folder, steps=4).run())
+    stop = {"max_total_steps": 2, "checkpoint_every": 1}
+    first = _kl_rows(_recipe(tmp_path, "resumed", teacher_folder, run=stop, steps=4).run())
+    rest = _kl_rows(_recipe(tmp_path, "resumed", teacher_folder, run={"checkpoint_every": 1}, steps=4).run())
+    assert len(first) == 2 and len(straight) == 4
+    assert first + rest[-2:] == pytest.approx(straight, abs=1e-6)
 
 
 # --------------------------------------------------------------------------- bad input: one line each

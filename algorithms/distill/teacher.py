@@ -29,6 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 from tempering.apps.rundata import RUN_FILE, RunDir, run_backend
 from tempering.errors import ConfigError
 from tempering.interfaces import Backend, Closeable, RunContext
+from tempering.runs.rng import kept_rng
 from tempering.schema import Problem
 from tempering.training.progress import phase
 from tempering.training.recipe import backend_spec
@@ -178,15 +179,18 @@ def open_teacher(spec: TeacherSpec, ctx: RunContext, key: str = "teacher") -> Te
     teacher = Teacher(student, description=str(spec.run or spec.model or spec.backend))
     phase(f"loading the teacher: {teacher.description} ...")  # a real model takes a while: say so
     try:
-        if spec.run is not None:
-            run = RunDir.open(os.path.expanduser(spec.run), key=f"{path}.run")
-            teacher.scorer, _ = teacher.resources.enter_context(run_backend(run, spec.step, ctx.registry))
-        else:
-            own = spec.backend is not None
-            built = spec.backend if own else model_backend_spec(spec, ctx, key)
-            teacher.scorer = ctx.build("backend", built, f"{key}.backend" if own else key)
-            if isinstance(teacher.scorer, Closeable):
-                teacher.resources.callback(teacher.scorer.close)
+        # building a backend seeds the global RNGs, loading a checkpoint restores its run's: the
+        # student samples from them, and a resumed student has just restored its own
+        with kept_rng():
+            if spec.run is not None:
+                run = RunDir.open(os.path.expanduser(spec.run), key=f"{path}.run")
+                teacher.scorer, _ = teacher.resources.enter_context(run_backend(run, spec.step, ctx.registry))
+            else:
+                own = spec.backend is not None
+                built = spec.backend if own else model_backend_spec(spec, ctx, key)
+                teacher.scorer = ctx.build("backend", built, f"{key}.backend" if own else key)
+                if isinstance(teacher.scorer, Closeable):
+                    teacher.resources.callback(teacher.scorer.close)
         problem = vocab_difference(student.tokenizer, teacher.scorer.tokenizer)
         if problem is not None:
             raise ConfigError(
