@@ -311,6 +311,57 @@ def test_an_interrupted_stage_resumes_with_the_same_teacher(tmp_path, teacher_fo
     assert first + rest[-2:] == pytest.approx(straight, abs=1e-6)
 
 
+class _TwoTurns:
+    """Answers every model turn with a tool message; the episode ends after two turns."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    async def reset(self, example):
+        return [{"role": "user", "content": example["prompt"]}]
+
+    def tools(self):
+        return []
+
+    async def step(self, response):
+        from tempering.rollouts.environment import StepResult
+
+        self.turns += 1
+        return StepResult([{"role": "tool", "content": "42"}], reward=0.0, done=self.turns >= 2)
+
+    async def cleanup(self):
+        pass
+
+
+def test_multi_turn_episodes_are_distilled_on_the_sampled_turns_only(tmp_path):
+    """The RL engine's episodes feed distillation as they feed GRPO: the teacher scores each
+    episode's whole row and the KL counts the model's turns only (tool answers at weight 0)."""
+    chat = {**SMALL, "chat": True, "max_position_embeddings": 256}
+    rows = [{"prompt": f"what is {i}+{i}?"} for i in range(4)]
+    result = Recipe(
+        name="episodes",
+        output_dir=str(tmp_path / "episodes"),
+        loggers=[],
+        backend={"name": "local", "model": "tiny_llama", "model_kwargs": chat, "num_threads": 1},
+        stages=[
+            {
+                "name": "distill",
+                "teacher": {"model": "tiny_llama", "model_kwargs": {**chat, "seed": 3}},
+                "dataset": rows,
+                "steps": 2,
+                "prompts_per_step": 2,
+                "max_tokens": 4,
+                "sampler": {"name": "environment", "environment": _TwoTurns, "max_turns": 2},
+                "optimizer": {"learning_rate": 1e-2},
+            }
+        ],
+    ).run()
+    steps = [r for r in result.history if "loss" in r]
+    assert len(steps) == 2
+    assert all(abs(r["distill/teacher_kl"]) > 0.01 and math.isfinite(r["loss"]) for r in steps)
+    assert all(r["env/turns_mean"] == 2.0 for r in steps)
+
+
 # --------------------------------------------------------------------------- bad input: one line each
 def _error(tmp_path: Path, teacher: object, **stage: object) -> str:
     with pytest.raises(ConfigError) as info:
