@@ -5,6 +5,11 @@ token. Schulman's k3, ``exp(d) - d - 1`` with ``d = log(ref / pi)``, is unbiased
 ``KL(pi || ref)`` on samples from ``pi``, non-negative and low-variance, which is why GRPO
 (TRL, DeepSeekMath) penalises it. (The off-policy diagnostics' ``is/kl`` is the same estimator
 of ``KL(q || pi)`` written on the log-ratio: :func:`tempering.rlmath.diagnostics.ratio_stats`.)
+
+On-policy distillation needs the other direction and no estimator's correction: the sampled
+token's ``log pi - log teacher`` is unbiased for ``KL(pi || teacher)`` on the student's own
+samples, and its negation (optionally summed into a discounted return-to-go) is the per-token
+advantage (:func:`sampled_reverse_kl`, :func:`discounted_future_sum`, :func:`reverse_kl_advantages`).
 """
 
 from __future__ import annotations
