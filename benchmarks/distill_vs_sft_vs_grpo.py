@@ -6,7 +6,7 @@ move the student towards the skill, each at equal samples per step (4 prompts x 
 16 tokens, the same learning rate, steps and seed), held-out accuracy (``math_answer`` on 100
 ``math_questions`` never trained on, greedy) measured every ``--eval-every`` steps:
 
-* ``distill``: ``examples/real_models/smollm2_distill.yaml``: the student samples, the teacher
+* ``distill``: ``examples/distill/smollm2.yaml``: the student samples, the teacher
   scores its tokens, the sampled-token reverse KL is the advantage (no reward);
 * ``sft``: the same stage replaced by SFT on completions the teacher sampled for the training
   questions (temperature 0.7, ``steps x 32`` of them, drawn once before training: their cost is
@@ -40,7 +40,7 @@ import yaml
 
 os.environ.setdefault("TEMPERING_PROGRESS", "0")
 HERE = os.path.dirname(os.path.abspath(__file__))
-DISTILL_RECIPE = os.path.join(HERE, "..", "examples", "real_models", "smollm2_distill.yaml")
+DISTILL_RECIPE = os.path.join(HERE, "..", "examples", "distill", "smollm2.yaml")
 METHODS = ("distill", "sft", "grpo")
 
 
