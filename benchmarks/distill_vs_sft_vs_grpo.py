@@ -167,12 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"teacher {teacher}; {s}; load average before: {os.getloadavg()[0]:.2f}", flush=True)
     base = [sys.executable, os.path.abspath(__file__), "--teacher", teacher, "--out", args.out]
     base += ["--steps", str(args.steps), "--eval-every", str(args.eval_every)] + (["--smoke"] if args.smoke else [])
-    if "sft" in args.only:
-        took = child([*base, "--samples-child", str(args.seeds[0])])["seconds"]
-        print(f"teacher samples for SFT: {samples} ({took:.0f} s)", flush=True)
     rows = []
     for seed in args.seeds:
         for method in args.only:
+            if method == "sft" and not os.path.exists(samples):  # drawn once, before the first SFT run
+                took = child([*base, "--samples-child", str(args.seeds[0])])["seconds"]
+                print(f"teacher samples for SFT: {samples} ({took:.0f} s)", flush=True)
             rows.append(child([*base, "--child", method, str(seed)]))
             print(json.dumps(rows[-1]), flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
