@@ -213,9 +213,8 @@ class RLStage(SamplingKeys, Stage):
         self.estimator = ctx.build("advantage", self.advantage, "advantage")
         # what the loss cannot see in a batch (Dr. GRPO's constant normaliser: max_tokens), passed once
         self.loss_fn = for_stage(ctx.build("loss", self.loss, "loss"), LossSetup(max_tokens=self.max_tokens))
-        written = (
-            self.scored and self.reward != type(self).__dataclass_fields__["reward"].default
-        )  # a default: no warning
+        default = type(self).__dataclass_fields__["reward"].default
+        written = self.scored and self.reward != default  # the default: nothing to warn about
         self.rollout_sampler = build_sampler(
             ctx, self.sampler, "sampler", self.reward_runner, self.renderer, reward_key="reward" if written else None
         )
