@@ -166,8 +166,8 @@ def test_an_inspect_task_evaluates_a_run_through_the_bridge(tmp_path: Path) -> N
     from inspect_ai.scorer import exact
     from inspect_ai.solver import generate
 
-    from tempering.apps.rundata import RunDir, run_backend
     from tempering.plugins.datasets.tool_use import tool_use
+    from tempering.training.rundata import RunDir, run_backend
 
     run = small_run()
     tasks = tool_use("test", size=4)

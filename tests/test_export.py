@@ -14,9 +14,9 @@ import torch
 from observability_run import small_run
 
 from tempering.apps import cli
-from tempering.apps.rundata import RunDir, run_backend
 from tempering.registry import get_registry
 from tempering.training.recipe import Recipe, backend_spec
+from tempering.training.rundata import RunDir, run_backend
 from tempering.types import Batch, Datum
 
 TINY = {

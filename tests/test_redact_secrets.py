@@ -76,7 +76,7 @@ def test_a_literal_api_key_is_used_but_never_written(judge, tmp_path, capsys, fr
     # tempering export/eval rebuild the backend from run.json: a redacted value is left out (the
     # backend's own default, e.g. TINKER_API_KEY), never sent as "<redacted>" (the local backend
     # would reject the key outright)
-    from tempering.apps.rundata import RunDir, run_backend
+    from tempering.training.rundata import RunDir, run_backend
 
     info["recipe"]["backend"]["api_key"] = "<redacted>"
     (out / "run.json").write_text(json.dumps(info), encoding="utf-8")

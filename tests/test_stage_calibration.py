@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from tempering.apps.rundata import RunDir
 from tempering.apps.view.server import RunViewer, ViewServer, make_handler
 from tempering.plugins.datasets.forecast_questions import forecast_questions
 from tempering.runs.calibration import calibration, reliability_path
 from tempering.runs.serving import Call
 from tempering.testing import FakeBackend
 from tempering.training.recipe import Recipe
+from tempering.training.rundata import RunDir
 
 
 def text_rows(split: str, size: int) -> list[dict[str, Any]]:

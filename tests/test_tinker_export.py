@@ -19,10 +19,10 @@ from fake_tinker import MODEL_KWARGS, sent, serve
 from test_export import backend_logprobs, hf_logprobs, load_merged_export, sft
 
 from tempering.apps import cli
-from tempering.apps.rundata import RunDir, run_backend
 from tempering.plugins.models.tiny import tiny_llama
 from tempering.plugins.tinker_server.service import ServedModel
 from tempering.training.recipe import Recipe
+from tempering.training.rundata import RunDir, run_backend
 
 pytestmark = pytest.mark.timeout(60)
 #: A base model named like a hub id: not buildable here, so merging it needs --base-model.

@@ -21,10 +21,10 @@ import pytest
 from observability_run import RL_STEPS, SFT_STEPS, small_run
 
 from tempering.apps import cli
-from tempering.apps.rundata import RunDir
 from tempering.apps.view.query import RolloutQuery, run_query
 from tempering.apps.view.server import RunViewer, ViewServer
 from tempering.errors import ConfigError
+from tempering.training.rundata import RunDir
 
 CHROMIUM = os.environ.get("TEMPERING_CHROMIUM", "/usr/bin/chromium")
 # As root on a machine with no network: no sandbox, and no background connections to refuse.

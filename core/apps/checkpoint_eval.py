@@ -29,7 +29,6 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, cast
 
 from tempering.apps.export import exported_renderer
-from tempering.apps.rundata import RunDir, run_backend
 from tempering.errors import ConfigError, TemperingError
 from tempering.interfaces import model_renderer
 from tempering.registry import get_registry
@@ -42,6 +41,7 @@ from tempering.runs.calibration import calibration, forecasts_of, reliability_di
 from tempering.runs.failures import failure_metrics
 from tempering.training.config import parse_value
 from tempering.training.evaluate import build_sampler
+from tempering.training.rundata import RunDir, run_backend
 from tempering.training.stage import check_sampler
 from tempering.types import Group, SamplingParams
 

@@ -29,11 +29,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from tempering.apps.rundata import RunDir, run_backend
 from tempering.errors import ConfigError
 from tempering.interfaces import DownloadableWeights, Exportable, LoadedModel, model_renderer, supports
 from tempering.registry import registered_builder
 from tempering.runs.pretrained import write_pretrained
+from tempering.training.rundata import RunDir, run_backend
 
 if TYPE_CHECKING:  # pragma: no cover
     from tempering.interfaces import Backend

@@ -52,11 +52,11 @@ def model_class() -> type:
         ) -> None:
             # on first use: inspect imports this entry point on every start, the runner stays unloaded
             from tempering.apps.export import exported_renderer
-            from tempering.apps.rundata import RunDir, run_backend
             from tempering.interfaces import model_renderer
             from tempering.registry import get_registry
             from tempering.rollouts.renderer import RAW
             from tempering.training.evaluate import completion_sampler
+            from tempering.training.rundata import RunDir, run_backend
 
             super().__init__(model_name, base_url, api_key, [], config or GenerateConfig())
             if model_args:

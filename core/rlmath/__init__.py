@@ -13,7 +13,8 @@ Modules:
   batch-std, RLOO), group statistics and the zero-variance-group test.
 - :mod:`~tempering.rlmath.ratios`: log-importance weights (token / GSPO sequence level) and
   Tinker's GSPO-token ratio.
-- :mod:`~tempering.rlmath.kl`: KL estimators from sampled tokens (Schulman's k3).
+- :mod:`~tempering.rlmath.kl`: KL estimators from sampled tokens (Schulman's k3; the sampled
+  reverse KL and its discounted return-to-go, on-policy distillation's advantages).
 - :mod:`~tempering.rlmath.divergence`: divergences between whole next-token distributions
   (forward / reverse KL, generalised JSD; full vocabulary or top-k with a tail bucket), for
   distillation.

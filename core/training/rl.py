@@ -73,6 +73,9 @@ class SyncRollouts:
         pass
 
 
+#: What :func:`build_group_batch` reports of the rewards (left out of an unscored stage's metrics).
+REWARD_METRICS = ("reward/mean", "reward/std", "accuracy", "groups/zero_variance_frac")
+
 #: The most samples (``prompts_per_step`` x ``group_size``) one RL step may take: far above any
 #: real step (GRPO papers use ~1-16k), far below what would hang building the step's examples.
 MAX_SAMPLES_PER_STEP = 1 << 20
@@ -83,7 +86,9 @@ class RLStage(SamplingKeys, Stage):
     """Keys shared by every RL stage (``grpo``, ``offpolicy``):
 
     ``dataset``, ``reward`` (scores completions; for environments, final answers the
-    environment leaves unscored), ``advantage``, ``loss``, ``sampler`` (``completion`` or
+    environment leaves unscored; ``null`` in a stage whose signal is not a reward -- on-policy
+    distillation's teacher -- where every sample scores 0 and no reward metric is logged),
+    ``advantage``, ``loss``, ``sampler`` (``completion`` or
     ``{name: environment, environment: ..., max_turns: ...}``), ``renderer`` (``auto``: the
     model's format), ``steps``, ``prompts_per_step``, ``group_size``, ``max_tokens`` (per model
     turn), ``temperature``, ``top_p``, ``top_k``, ``stop``, ``optimizer``,
@@ -135,6 +140,9 @@ class RLStage(SamplingKeys, Stage):
 
     summary_keys: ClassVar[tuple[str, ...]] = ("reward/mean", "accuracy", "loss")
     postfix = {"reward": "reward/mean", "acc": "accuracy"}
+    #: Whether the stage trains without a reward (``reward: null``): only a stage whose
+    #: ``prepare`` brings its own signal (distillation's teacher); elsewhere it is an error.
+    reward_optional: ClassVar[bool] = False
 
     # ------------------------------------------------------------------ validation and setup
     def validate(self, ctx: RunContext) -> None:
@@ -170,18 +178,43 @@ class RLStage(SamplingKeys, Stage):
                 f"{path}.{key}",
                 f"must be in [0, 1] (1 = never stop), got {getattr(self, key)}",
             )
-        built = check_stage(ctx, self, ("reward", "advantage", "loss"), self.dataset_columns(ctx))
-        name = split_spec(self.advantage, "advantage")[0] if isinstance(self.advantage, (str, Mapping)) else ""
-        check_group_size(ctx, built["advantage"], self.group_size, name)
+        require(
+            self.scored or self.reward_optional,
+            f"{path}.reward",
+            f"{self.label} learns from a reward; give one (e.g. reward: exact_match)",
+        )
+        require(
+            self.scored or not self.drop_zero_variance,
+            f"{path}.drop_zero_variance",
+            "without a reward every group has zero variance, so every group would be dropped: set it to false",
+        )
+        components = ("reward", "advantage", "loss") if self.scored else ("advantage", "loss")
+        built = check_stage(ctx, self, components, self.dataset_columns(ctx))
+        if self.scored:  # without a reward the advantages are the stage's own (prepare)
+            name = split_spec(self.advantage, "advantage")[0] if isinstance(self.advantage, (str, Mapping)) else ""
+            check_group_size(ctx, built["advantage"], self.group_size, name)
+
+    @property
+    def scored(self) -> bool:
+        """Whether samples are scored by a reward (``reward`` is not ``null``)."""
+        return self.reward is not None
 
     def setup(self, ctx: RunContext, state: Mapping[str, Any]) -> None:
         self.backend = ctx.backend
-        reward = build_checked(ctx, "reward", self.reward, "reward")
-        self.reward_runner = RewardRunner(reward, timeout=self.reward_timeout, concurrency=self.reward_concurrency)
+        self.reward_runner = (
+            RewardRunner(
+                build_checked(ctx, "reward", self.reward, "reward"),
+                timeout=self.reward_timeout,
+                concurrency=self.reward_concurrency,
+            )
+            if self.scored
+            else None  # unscored: every sample keeps reward 0
+        )
         self.estimator = ctx.build("advantage", self.advantage, "advantage")
         # what the loss cannot see in a batch (Dr. GRPO's constant normaliser: max_tokens), passed once
         self.loss_fn = for_stage(ctx.build("loss", self.loss, "loss"), LossSetup(max_tokens=self.max_tokens))
-        written = self.reward != type(self).__dataclass_fields__["reward"].default  # the default: nothing to warn about
+        default = type(self).__dataclass_fields__["reward"].default
+        written = self.scored and self.reward != default  # the default: nothing to warn about
         self.rollout_sampler = build_sampler(
             ctx, self.sampler, "sampler", self.reward_runner, self.renderer, reward_key="reward" if written else None
         )
@@ -220,6 +253,8 @@ class RLStage(SamplingKeys, Stage):
         t0 = time.perf_counter()
         rb = self.rollouts.next_batch(step)
         batch, info = build_group_batch(rb.groups, self.estimator, self.drop_zero_variance, self.success_threshold)
+        if not self.scored:  # zeros everywhere: no reward to report, no collapse to warn of
+            info = {k: v for k, v in info.items() if k not in REWARD_METRICS}
         metrics: dict[str, Any] = {**info, **rollout_metrics(rb.groups), **rb.metrics}
         log_groups(
             ctx,

@@ -23,9 +23,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tempering.algorithms.dpo.algorithm import DPO
-from tempering.apps.rundata import RunDir, run_backend
 from tempering.registry import get_registry
 from tempering.rollouts.renderer import chat_text_prompts, renderer_spec
+from tempering.training.rundata import RunDir, run_backend
 from tempering.types import Batch
 
 

@@ -62,13 +62,13 @@ import torch
 from tempering.interfaces import LossOutput
 from tempering.plugins.backends.common import failed, resolved
 from tempering.plugins.backends.local.backend import LocalBackend, LocalSamplingClient
-from tempering.plugins.backends.local.checkpoint import kept_rng
 from tempering.plugins.backends.local.memory import give_back
 from tempering.plugins.backends.local.model_source import registered_builder
 from tempering.plugins.tinker_server.batching import SampleBatcher
 from tempering.plugins.tinker_server.builtin_losses import builtin_loss, check_builtin
 from tempering.plugins.tinker_server.registry import CheckpointRecord, Registry, RunRecord
 from tempering.plugins.tinker_server.stability import StabilityRecords, session_of
+from tempering.runs.rng import kept_rng
 from tempering.types import AdamParams, Batch, Datum, SamplingParams
 
 __all__ = ["ServedModel", "LocalService", "Rejected", "UserError", "MIN_TTL_SECONDS"]

@@ -33,13 +33,13 @@ from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs
 
-from tempering.apps.rundata import METRICS_FILE, RUN_FILE, RunDir, read_jsonl
 from tempering.apps.view.query import RolloutQuery, run_query
 from tempering.errors import ConfigError
 from tempering.runs import rollout_log
 from tempering.runs.calibration import RELIABILITY_DIR
 from tempering.runs.runfolder import PROGRESS_FILE
 from tempering.runs.serving import BackgroundServer, Call, Policy, Reply, guarded_app, host_allowed
+from tempering.training.rundata import METRICS_FILE, RUN_FILE, RunDir, read_jsonl
 
 __all__ = ["RunViewer", "ViewServer", "host_allowed", "make_handler", "policy"]
 

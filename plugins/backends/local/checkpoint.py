@@ -15,7 +15,7 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from tempering.interfaces import Tokenizer
 from tempering.plugins.backends.local.training import Trainer
 from tempering.plugins.backends.local.weights import PolicyWeights
 from tempering.runs.pretrained import write_pretrained
+from tempering.runs.rng import rng_state, set_rng_state
 
 CHECKPOINT_FORMAT = 1
 STATE_FILE, META_FILE = "state.pt", "meta.json"
@@ -146,45 +147,6 @@ def seed_everything(seed: int) -> None:
         import numpy as np
 
         np.random.seed(seed % 2**32)
-
-
-def rng_state() -> dict[str, Any]:
-    """Every RNG a run draws from, in a form ``torch.load(weights_only=True)`` accepts."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    with contextlib.suppress(ImportError):
-        import numpy as np
-
-        legacy = np.random.get_state()  # a tuple for numpy's global MT19937 (a dict for other generators)
-        if isinstance(legacy, tuple):
-            name, keys, pos, has_gauss, cached = legacy
-            state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
-    return state
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore what :func:`rng_state` returned."""
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
-
-
-@contextlib.contextmanager
-def kept_rng() -> Iterator[None]:
-    """Leave every global RNG as it was on entry: for code that builds or loads a backend (which
-    seeds them) in a process that draws from them for other reasons."""
-    state = rng_state()
-    try:
-        yield
-    finally:
-        set_rng_state(state)
 
 
 # ---------------------------------------------------------------------- files

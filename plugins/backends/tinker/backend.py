@@ -182,6 +182,10 @@ class TinkerBackend:
     #: losses. :func:`tempering.interfaces.supports` reads it, so a stage that needs
     #: ``EmaWeights`` or ``FullDistributions`` fails at validation, before anything trains.
     capabilities = {"ema_update": False, "full_distributions": False, "logits": False}
+    #: ``weights=`` in :meth:`logprobs` / :meth:`distributions` may be a sampler-weights path
+    #: with one of these prefixes as well as a snapshot's name: weights saved by another run (a
+    #: distillation teacher, the cookbook's ``teacher_checkpoint``), scored by their own client.
+    weight_path_schemes = ("tinker://",)
 
     def __init__(
         self,
@@ -294,6 +298,7 @@ class TinkerBackend:
         self._sampler: Call | None = None  # the save_weights_and_get_sampling_client of the newest weights
         self._sampler_version = 0
         self._base_sampler: Any = None
+        self._path_samplers: dict[str, Any] = {}  # sampling clients of weights given by path
         self._reference_lock = threading.Lock()
         self._names = itertools.count(1)
 
@@ -403,8 +408,21 @@ class TinkerBackend:
                 )
             return self._base_sampler
 
+    def _path_sampler(self, path: str) -> Any:
+        """A sampling client of the weights at ``path`` (a ``tinker://`` sampler-weights path),
+        created on first use and kept (a failed attempt is never cached)."""
+        with self._reference_lock:
+            if path not in self._path_samplers:
+                self._path_samplers[path] = self.session.setup(
+                    f"create a sampling client for {path}", lambda: self.service.create_sampling_client(model_path=path)
+                )
+            return self._path_samplers[path]
+
     def _scorer(self, reference: bool, weights: str | None) -> Callable[[], Any]:
-        """The sampling client that scores: a snapshot's, the base model's, or the newest weights'."""
+        """The sampling client that scores: a snapshot's, weights' by path, the base model's, or
+        the newest weights'."""
+        if weights is not None and str(weights).startswith(self.weight_path_schemes):
+            return partial(self._path_sampler, str(weights))
         if weights is not None:
             return self.snapshots.client(str(weights), self.session.setup, self.service)
         if reference:
@@ -469,7 +487,8 @@ class TinkerBackend:
     # ------------------------------------------------------------------ scoring
     def logprobs(self, batch: Batch, reference: bool = False, weights: str | None = None) -> Future[list[list[float]]]:
         """Per-target-token logprobs of each row (no gradients): the trainer's forward pass
-        (default), the base model (``reference=True``) or a snapshot (``weights=NAME``)."""
+        (default), the base model (``reference=True``), a snapshot (``weights=NAME``) or weights
+        saved elsewhere (``weights="tinker://..."``, :attr:`weight_path_schemes`)."""
         if reference and weights is not None:
             raise ValueError("logprobs: pass reference=True or weights=NAME, not both")
         if weights is not None or reference or self.policy_logprobs == "sampler":
