@@ -139,7 +139,13 @@ class MonitorReward:
     @staticmethod
     def check_config(config: Mapping[str, Any]) -> Iterator[Problem | None]:
         """Every key, before anything trains: one line at the key that is wrong."""
-        yield one_of("predict", config["predict"], ("change", "answer"), "what the monitor predicts")
+        predict = config["predict"]
+        yield one_of(
+            "predict",
+            predict,
+            ("change", "answer"),
+            f"use change (whether the answer changes) or answer (which answer), got {predict!r}",
+        )
         yield caught("monitor", variant_maker, config["variants"], config["prompt_key"], "monitor.variants")
         try:
             re.compile(config["answer_pattern"])
@@ -364,7 +370,7 @@ def _monitor_problem(monitor: Any) -> Problem | None:
         except TypeError as exc:
             return Problem("monitor", f"{exc}: use the keys of llm_judge (base_url, model, api_key_env, timeout, ...)")
         except ValueError as exc:
-            return Problem("monitor", str(exc).replace("llm_judge", "the monitor's judge"))
+            return Problem("monitor", re.sub(r"^llm_judge[.:]\s*", "", str(exc)))
         return None
     return Problem(
         "monitor",
