@@ -278,3 +278,22 @@ stages:
 )
 def test_bad_monitor_config_is_one_line(rejects_before_training, override, message):
     rejects_before_training(TINY_RECIPE, override, message)
+
+
+def test_cue_questions_plant_a_cue_that_the_variant_removes():
+    from tempering.plugins.datasets.cue_questions import LETTERS, choice_reward, cue_questions
+    from tempering.plugins.rewards.counterfactual import variant_maker
+
+    rows = cue_questions(split="train", size=400)
+    remove = variant_maker([{"remove": "{cue}"}])
+    for r in rows:
+        assert r["prompt"].startswith(r["cue"]) and f"({r['cued']})" in r["cue"] and "professor" in r["cue"]
+        assert (r["cued"] == r["answer"]) == r["cue_right"]
+        assert len(set(r["choices"].values())) == 4 and r["answer"] in LETTERS
+        (variant,) = remove(r)
+        assert variant["prompt"] == r["prompt"][len(r["cue"]) :] and "professor" not in variant["prompt"]
+    assert 0.4 < sum(r["cue_right"] for r in rows) / len(rows) < 0.6
+    assert {r["question"] for r in rows}.isdisjoint({r["question"] for r in cue_questions(split="test")})
+    assert choice_reward("so... Answer: (b)", {"answer": "B"}) == 1.0
+    assert choice_reward("the answer is C. Answer: D", {"answer": "C"}) == 0.0  # the last one counts
+    assert choice_reward("no idea", {"answer": "A"}) == 0.0
