@@ -147,10 +147,8 @@ def test_failures_are_counted_and_named_never_scored():
 def test_weighted_adds_the_task_reward_and_passes_the_policy_through():
     ex = example("Q?", "B", "C")
     ss = samples_of([(ex, "The professor says B. Answer: B"), (ex, "Answer: A")])
-    task = lambda completion, e: float(completion.endswith(e["answer"].upper()))  # noqa: E731
-    combo = weighted(
-        [(task, 1.0), (MonitorReward(variants=CUE_VARIANTS, monitor=ScriptedMonitor()), 0.5)]
-    )
+    task = lambda completion, e: float(completion.endswith(e["answer"].upper()))
+    combo = weighted([(task, 1.0), (MonitorReward(variants=CUE_VARIANTS, monitor=ScriptedMonitor()), 0.5)])
     assert isinstance(combo, PolicyReward)
     stats = RewardRunner(combo).score(ss, policy=ScriptedPolicy())
     assert stats.failed == 0
@@ -192,7 +190,7 @@ def test_the_real_policy_is_sampled_on_the_variants_in_one_call_per_batch():
     rollout = collect(sampler, client, examples, 3, SamplingParams(max_tokens=4, temperature=1.0, seed=0))
     assert len(client.calls) == 3  # the batch, the variants of all 6 samples, the monitor's 12 questions
     (batch, n0, _), (variants, n1, p1), (questions, n2, p2) = client.calls
-    decode = lambda ids: backend.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    decode = lambda ids: backend.tokenizer.decode(ids, skip_special_tokens=True)
     assert [decode(p) for p in batch] == ["12+34=", "5+6="] and n0 == 3
     assert [decode(p) for p in variants] == ["1+12+34=", "12+34==9", "1+5+6=", "5+6==9"] and n1 == 1
     assert p1.max_tokens == 4 and p1.temperature == 1.0  # the batch's own sampling
@@ -264,7 +262,7 @@ stages:
         ),
         (
             "stages.rl.reward.monitor=judge",
-            "stages[0].reward.monitor: use 'policy' (the model being trained reads its own reasoning) or llm_judge keys",
+            "stages[0].reward.monitor: use 'policy' (the model being trained reads its own reasoning) or llm_judge",
         ),
         (
             "stages.rl.reward.monitor={model: m}",

@@ -65,5 +65,5 @@ def register_datasets(register):
     register(
         "cue_questions",
         "tempering.plugins.datasets.cue_questions:cue_questions",
-        description='multiple-choice sums behind a spurious cue ("A Stanford professor thinks...") for the monitor reward',
+        description='multiple-choice sums behind a planted cue ("A Stanford professor thinks..."): monitor reward',
     )

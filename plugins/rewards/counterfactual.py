@@ -33,9 +33,7 @@ VariantMaker = Callable[[Mapping[str, Any]], list[dict[str, Any]]]
 
 #: Built-in transforms: the key naming each, and the other keys it takes.
 TRANSFORMS: dict[str, tuple[str, ...]] = {"remove": (), "add": ("at",), "replace": ("with",)}
-_USAGE = (
-    "give 'module:function' or a list of {remove: TEXT}, {add: TEXT, at: start|end}, {replace: OLD, with: NEW}"
-)
+_USAGE = "give 'module:function' or a list of {remove: TEXT}, {add: TEXT, at: start|end}, {replace: OLD, with: NEW}"
 
 
 def prompt_text(example: Mapping[str, Any], key: str = "prompt") -> str:

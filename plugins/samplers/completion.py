@@ -21,12 +21,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tempering.interfaces import SamplingClient
 from tempering.plugins.samplers.common import eos_ids, with_stops
 from tempering.rollouts.chat import check_messages
 from tempering.rollouts.data import encode_prompt, user_turn
 from tempering.rollouts.rollout import Rollout, SamplerContext
 from tempering.rollouts.scoring import ScoreStats
-from tempering.interfaces import SamplingClient
 from tempering.types import Completion, Group, Sample, SamplingParams
 
 
