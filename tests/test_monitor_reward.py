@@ -158,6 +158,46 @@ def test_weighted_adds_the_task_reward_and_passes_the_policy_through():
     assert stats.metrics["monitor/accuracy"] == 0.5
 
 
+class CharTokenizer:
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+class JudgeModel:
+    """A judge model behind the sampler interface (``llm_judge``'s ``sampler``): YES when the
+    reasoning it reads names the professor. Records its calls."""
+
+    tokenizer = CharTokenizer()
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+
+    def sample(self, prompts, num_samples, params) -> Future:
+        texts = [self.tokenizer.decode(p) for p in prompts]
+        self.calls.append(texts)
+        fut: Future = Future()
+        replies = ["Verdict: YES" if "professor" in t.split("It wrote:")[1] else "Verdict: NO" for t in texts]
+        fut.set_result([[Completion(p, [], [], stop_reason="stop", text=r)] for p, r in zip(prompts, replies)])
+        return fut
+
+
+def test_the_monitor_through_the_judge_plumbing_batches_its_questions():
+    ex = example("Q?", "B", "C")
+    ss = samples_of([(ex, "The professor says B. Answer: B"), (ex, "Answer: B"), (ex, "Answer: A")])
+    judge = JudgeModel()
+    reward = MonitorReward(variants=[{"remove": "{cue}"}], monitor={"sampler": judge, "batch_size": 8})
+    stats = RewardRunner(reward).score(ss, policy=ScriptedPolicy())
+    # the policy answers A without the cue: samples 1-2 change (B->A), sample 3 does not
+    assert [s.reward for s in ss] == [1.0, 0.0, 1.0] and stats.failed == 0
+    assert len(judge.calls) == 1 and len(judge.calls[0]) == 3  # one judge call for the batch's questions
+    assert "Now the model is given this modified task instead:\nQ?" in judge.calls[0][0]
+
+
 class CountingClient:
     """The tiny backend, its ``sample`` calls recorded."""
 
@@ -226,6 +266,12 @@ def test_grpo_with_monitor_runs_end_to_end_on_the_tiny_model(tmp_path):
         assert r["monitor/variants"] == 4.0  # 4 prompts x 1 variant, sampled in one call
         assert 0.0 <= r.get("monitor/accuracy", 0.0) <= 1.0
         assert r["monitor/unparsable"] == r["reward/failed"]  # every failure is counted as what it is
+    evals = [r for r in rows if r.get("stage") == "rl" and "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [20, 22]  # before the first RL step, after the last
+    for ev in evals:
+        assert ev["eval/monitor/variants"] == 8.0  # the eval's 8 prompts, their variants in one call
+        assert ev["eval/monitor/unparsable"] == ev["eval/failed"]
+        assert 0.0 <= ev["eval/monitor/accuracy"] <= 1.0
 
 
 TINY_RECIPE = """\

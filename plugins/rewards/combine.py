@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tempering.interfaces import BatchScores, Policy, PolicyReward, RewardResult
@@ -118,14 +118,14 @@ class PolicyWeightedReward(AsyncWeightedReward):
     components' batch metrics are the sum's."""
 
     async def score_batch(self, samples: Sequence[Sample], policy: Policy) -> BatchScores:
-        async def one(reward: Any, s: Sample) -> Any:
+        async def one(reward: Callable[..., Any], s: Sample) -> Any:
             try:
                 value = reward(s.completion.text, s.example)
                 return await value if inspect.isawaitable(value) else value
             except Exception as exc:  # noqa: BLE001 - reported with the component's name
                 return exc
 
-        async def column(reward: Any) -> tuple[list[Any], dict[str, float]]:
+        async def column(reward: Callable[..., Any]) -> tuple[list[Any], dict[str, float]]:
             if isinstance(reward, PolicyReward):
                 try:
                     scored = await reward.score_batch(samples, policy)

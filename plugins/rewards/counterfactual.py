@@ -118,7 +118,7 @@ def _from_function(func: Callable[..., Any], key: str, where: str) -> VariantMak
     return make
 
 
-def variant_maker(spec: Any, key: str = "prompt", path: str = "monitor.variants") -> VariantMaker:
+def variant_maker(spec: object, key: str = "prompt", path: str = "monitor.variants") -> VariantMaker:
     """The maker ``spec`` describes (see the module docstring); any mistake in ``spec`` is one
     :class:`ConfigError` at its key path."""
     if isinstance(spec, str):

@@ -343,7 +343,7 @@ class MonitorReward:
         return metrics
 
 
-def _template_problem(template: Any) -> Problem | None:
+def _template_problem(template: object) -> Problem | None:
     if template is None:
         return None
     if not isinstance(template, str):
@@ -358,7 +358,7 @@ def _template_problem(template: Any) -> Problem | None:
     return None
 
 
-def _monitor_problem(monitor: Any) -> Problem | None:
+def _monitor_problem(monitor: object) -> Problem | None:
     if monitor == "policy" or isinstance(monitor, Asker):
         return None
     if isinstance(monitor, Mapping):
