@@ -8,6 +8,7 @@ end to end; one-line config errors."""
 from __future__ import annotations
 
 import json
+import string
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -158,27 +159,18 @@ def test_weighted_adds_the_task_reward_and_passes_the_policy_through():
     assert stats.metrics["monitor/accuracy"] == 0.5
 
 
-class CharTokenizer:
-    chat_template = None
-
-    def __call__(self, text, add_special_tokens=True):
-        return {"input_ids": [ord(c) for c in text]}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
-
-
 class JudgeModel:
     """A judge model behind the sampler interface (``llm_judge``'s ``sampler``): YES when the
     reasoning it reads names the professor. Records its calls."""
 
-    tokenizer = CharTokenizer()
-
     def __init__(self) -> None:
+        from tempering.plugins.models.tiny import build_char_tokenizer
+
+        self.tokenizer = build_char_tokenizer(string.printable)
         self.calls: list[list[str]] = []
 
     def sample(self, prompts, num_samples, params) -> Future:
-        texts = [self.tokenizer.decode(p) for p in prompts]
+        texts = [self.tokenizer.decode(p, skip_special_tokens=True) for p in prompts]
         self.calls.append(texts)
         fut: Future = Future()
         replies = ["Verdict: YES" if "professor" in t.split("It wrote:")[1] else "Verdict: NO" for t in texts]
@@ -275,13 +267,25 @@ def test_grpo_with_monitor_runs_end_to_end_on_the_tiny_model(tmp_path):
 
 
 TINY_RECIPE = """\
-name: bad
+name: bad_monitor
 output_dir: {out}
-backend: {{name: local, model: tiny_llama, model_kwargs: {{hidden_size: 32, num_layers: 1, num_heads: 2}}}}
 loggers: [jsonl]
+backend:
+  name: local
+  model: tiny_llama
+  model_kwargs: {{hidden_size: 32, num_layers: 1, num_heads: 2}}
 stages:
-  - {{id: rl, name: grpo, dataset: {{name: arithmetic}}, steps: 1, prompts_per_step: 2, group_size: 2, max_tokens: 2,
-      reward: {{name: monitor, variants: [{{add: "1+"}}], predict: answer}}}}
+  - id: rl
+    name: grpo
+    steps: 1
+    prompts_per_step: 2
+    group_size: 2
+    max_tokens: 2
+    reward:
+      name: monitor
+      predict: answer
+      variants:
+        - add: "1+"
 """
 
 
