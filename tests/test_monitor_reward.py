@@ -246,11 +246,23 @@ def test_batch_policy_is_a_policy():
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "monitor" / "tiny.yaml"
 
 
-def test_grpo_with_monitor_runs_end_to_end_on_the_tiny_model(tmp_path):
+def test_grpo_with_monitor_runs_end_to_end_on_the_tiny_model(tmp_path, monkeypatch):
     from tempering.apps import cli
+    from tempering.plugins.backends.local.backend import LocalBackend
 
+    calls: list[int] = []  # prompts per sample call
+    real = LocalBackend.sample
+
+    def counted(self, prompts, num_samples, params):
+        calls.append(len(prompts))
+        return real(self, prompts, num_samples, params)
+
+    monkeypatch.setattr(LocalBackend, "sample", counted)
     rc = cli.main(["run", str(EXAMPLE), f"output_dir={tmp_path}"])
     assert rc in (0, None)
+    # eval before (8 prompts: the batch, its 8 variants, 8 monitor questions), then per RL step
+    # the batch (4 prompts), ONE call for the 4 variants, one for the 16 monitor questions; eval after
+    assert calls == [8, 8, 8, 4, 4, 16, 4, 4, 16, 8, 8, 8]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r.get("stage") == "rl" and "monitor/variants" in r]
     assert len(rl) == 2
