@@ -357,3 +357,31 @@ def test_cue_questions_plant_a_cue_that_the_variant_removes():
     assert choice_reward("so... Answer: (b)", {"answer": "B"}) == 1.0
     assert choice_reward("the answer is C. Answer: D", {"answer": "C"}) == 0.0  # the last one counts
     assert choice_reward("no idea", {"answer": "A"}) == 0.0
+
+
+def test_variants_change_the_prompt_or_the_last_user_message(tmp_path, monkeypatch):
+    from tempering.errors import ConfigError
+    from tempering.plugins.rewards.counterfactual import distinct_variants, variant_maker
+
+    chat = {"messages": [{"role": "user", "content": "old"}, {"role": "user", "content": "Hint: 3. Q?"}], "h": "3"}
+    make = variant_maker([{"remove": "Hint: {h}. "}, {"add": " Be brief.", "at": "end"}, {"replace": "Q", "with": "R"}])
+    out = make(chat)
+    assert [v["messages"][1]["content"] for v in out] == ["Q?", "Hint: 3. Q? Be brief.", "Hint: 3. R?"]
+    assert all(v["messages"][0]["content"] == "old" and v["h"] == "3" for v in out)
+    assert chat["messages"][1]["content"] == "Hint: 3. Q?"  # the original is untouched
+
+    (tmp_path / "my_variants.py").write_text(
+        "def flip(example):\n    return [example['prompt'][::-1], {**example, 'prompt': 'x'}, example['prompt']]\n"
+    )
+    monkeypatch.chdir(tmp_path)  # imported from the working folder, as the python reward is
+    user = variant_maker("my_variants:flip")
+    assert [v["prompt"] for v in distinct_variants(user, {"prompt": "ab"})] == ["ba", "x"]  # the copy is dropped
+
+    with pytest.raises(ConfigError, match=r"monitor.variants\[0\].at: use start or end"):
+        variant_maker([{"add": "x", "at": "middle"}])
+    with pytest.raises(ConfigError, match=r"monitor.variants\[0\].with: 'replace' needs 'with: NEW'"):
+        variant_maker([{"replace": "x"}])
+    with pytest.raises(TypeError, match="return a list of prompt texts or examples"):
+        variant_maker(lambda e: "one text")({"prompt": "p"})
+    with pytest.raises(ValueError, match=r"names the column 'cue', which the example lacks"):
+        variant_maker([{"remove": "{cue}"}])({"prompt": "p"})
