@@ -385,3 +385,17 @@ def test_variants_change_the_prompt_or_the_last_user_message(tmp_path, monkeypat
         variant_maker(lambda e: "one text")({"prompt": "p"})
     with pytest.raises(ValueError, match=r"names the column 'cue', which the example lacks"):
         variant_maker([{"remove": "{cue}"}])({"prompt": "p"})
+
+
+def test_offpolicy_with_monitor_samples_the_snapshot_and_logs_the_monitor(tmp_path):
+    """Off-policy, the policy a reward gets is the snapshot client that sampled the chunk; the
+    monitor's batch metrics reach the step's row through the asynchronous producer."""
+    from tempering.apps import cli
+
+    rc = cli.main(["run", str(EXAMPLE), f"output_dir={tmp_path}", "stages.rl.name=offpolicy", "stages.rl.eval=null"])
+    assert rc in (0, None)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r.get("stage") == "rl" and "reward/mean" in r]
+    assert len(rl) == 2 and all(r["monitor/variants"] == 4.0 for r in rl)
+    assert all(r["monitor/unparsable"] == r["reward/failed"] for r in rl)
+    assert all("offpolicy/staleness_mean" in r for r in rl)
