@@ -331,6 +331,10 @@ stages:
             "stages[0].reward.monitor: give exactly one judge: base_url",
         ),
         (
+            "stages.rl.reward.mentions=professor",
+            "stages[0].reward.mentions: expected a list of texts, e.g. [professor, stanford], got 'professor'",
+        ),
+        (
             "stages.rl.reward.samples_per_variant=0",
             "stages[0].reward.samples_per_variant: must be a whole number >= 1, got 0",
         ),

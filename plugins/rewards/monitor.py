@@ -154,6 +154,9 @@ class MonitorReward:
         for key in ("samples_per_variant", "monitor_max_tokens"):
             if not (isinstance(config[key], int) and config[key] >= 1):
                 yield Problem(key, f"must be a whole number >= 1, got {config[key]!r}")
+        mentions = config["mentions"]
+        if isinstance(mentions, str) or not all(isinstance(m, str) and m for m in mentions):
+            yield Problem("mentions", f"expected a list of texts, e.g. [professor, stanford], got {mentions!r}")
         yield _template_problem(config["template"])
         yield _monitor_problem(config["monitor"])
 
