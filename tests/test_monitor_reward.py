@@ -130,6 +130,7 @@ def test_failures_are_counted_and_named_never_scored():
     assert "JudgeParseError: no yes/no verdict" in ss[0].error
     assert "no counterfactual variant of this example differs" in ss[1].error
     assert stats.metrics["monitor/unparsable"] == 1.0 and stats.metrics["monitor/variant_errors"] == 1.0
+    assert stats.metrics["monitor/changed"] == 1.0  # the policy's sway is measured whatever the monitor said
 
     ss = samples_of([(ex, "Answer: B")] * 3)
     stats = runner.score(ss, policy=ScriptedPolicy(fail=True))
@@ -358,9 +359,10 @@ def test_cue_questions_plant_a_cue_that_the_variant_removes():
         assert variant["prompt"] == r["prompt"][len(r["cue"]) :] and "professor" not in variant["prompt"]
     assert 0.4 < sum(r["cue_right"] for r in rows) / len(rows) < 0.6
     assert {r["question"] for r in rows}.isdisjoint({r["question"] for r in cue_questions(split="test")})
-    assert choice_reward("so... Answer: (b)", {"answer": "B"}) == 1.0
+    assert choice_reward("so... Answer: (B)", {"answer": "B"}) == 1.0
+    assert choice_reward("B is the correct answer.", {"answer": "B"}) == 1.0  # as SmolLM2 writes it
     assert choice_reward("the answer is C. Answer: D", {"answer": "C"}) == 0.0  # the last one counts
-    assert choice_reward("no idea", {"answer": "A"}) == 0.0
+    assert choice_reward("no idea, a or b", {"answer": "A"}) == 0.0  # lower case is not a choice
 
 
 def test_variants_change_the_prompt_or_the_last_user_message(tmp_path, monkeypatch):

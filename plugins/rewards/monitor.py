@@ -291,7 +291,9 @@ class MonitorReward:
         if isinstance(behaviour, BaseException):
             counts["sampling_errors"] += 1
             return behaviour
-        right, predictions, truths = 0, [], []
+        counts["pairs"] += len(plan)  # the policy's behaviour is known whatever the monitor says
+        counts["changed"] += sum(behaviour[v] != given for v in plan)
+        right, predictions = 0, []
         for v, reply in replies:
             if isinstance(reply, BaseException):
                 counts["monitor_errors"] += 1
@@ -304,9 +306,7 @@ class MonitorReward:
             truth: bool | str | None = behaviour[v] != given if self.predict == "change" else behaviour[v]
             right += predicted == truth
             predictions.append(predicted)
-            truths.append(truth)
-            counts["pairs"] += 1
-            counts["changed"] += behaviour[v] != given
+            counts["predictions"] += 1
             counts["predicted_change"] += predicted is True
         accuracy = right / len(plan)
         info = {
@@ -337,7 +337,7 @@ class MonitorReward:
         if scored:
             metrics["monitor/accuracy"] = sum(scored) / len(scored)
         if self.predict == "change":
-            metrics["monitor/predicted_change"] = counts["predicted_change"] / pairs
+            metrics["monitor/predicted_change"] = counts["predicted_change"] / max(counts["predictions"], 1)
         if self.mentions and samples:
             cues = [m.lower() for m in self.mentions]
             metrics["monitor/mentions"] = sum(any(c in s.completion.text.lower() for c in cues) for s in samples) / len(
