@@ -405,3 +405,27 @@ def test_offpolicy_with_monitor_samples_the_snapshot_and_logs_the_monitor(tmp_pa
     assert len(rl) == 2 and all(r["monitor/variants"] == 4.0 for r in rl)
     assert all(r["monitor/unparsable"] == r["reward/failed"] for r in rl)
     assert all("offpolicy/staleness_mean" in r for r in rl)
+
+
+def test_the_runner_bounds_a_policy_rewards_batch_call():
+    """``reward_timeout`` bounds the whole batch's call; a wrong result count fails the batch."""
+    import asyncio
+
+    class Slow:
+        def __init__(self, delay: float, results: int) -> None:
+            self.delay, self.n = delay, results
+
+        def __call__(self, completion, example):
+            raise AssertionError("a policy reward is scored by batch")
+
+        async def score_batch(self, samples, policy):
+            await asyncio.sleep(self.delay)
+            return BatchScores([1.0] * self.n, {"monitor/accuracy": 1.0})
+
+    ss = samples_of([({"prompt": "p"}, "x")] * 3)
+    stats = RewardRunner(Slow(5.0, 3), timeout=0.05).score(ss, policy=ScriptedPolicy())
+    assert stats.timeouts == 3 and stats.failed == 3 and stats.metrics == {}
+    stats = RewardRunner(Slow(0.0, 2)).score(ss, policy=ScriptedPolicy())
+    assert stats.failed == 3 and "score_batch returned 2 results for 3 samples" in ss[0].error
+    stats = RewardRunner(Slow(0.0, 3)).score(ss, policy=ScriptedPolicy())
+    assert stats.scored == 3 and [s.reward for s in ss] == [1.0] * 3 and stats.metrics == {"monitor/accuracy": 1.0}

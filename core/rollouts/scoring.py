@@ -167,8 +167,9 @@ class RewardRunner:
         return stats
 
     async def _score_batch(self, samples: list[Sample], reward: PolicyReward, policy: Policy | None) -> ScoreStats:
-        """A :class:`~tempering.interfaces.PolicyReward`'s one call for the whole batch; a
-        failure of the call fails every sample, one result that is an exception its own."""
+        """A :class:`~tempering.interfaces.PolicyReward`'s one call for the whole batch. The call
+        failing (raising, timing out, a result count that is not the batch's) fails every
+        sample; a result that is an exception fails its own sample only."""
         stats = ScoreStats()
         t0 = time.perf_counter()
         if policy is None:
