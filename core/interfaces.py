@@ -11,12 +11,12 @@ typed ``ctx`` stages receive (:class:`BuildContext`, :class:`RunContext`).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from tempering.types import AdamParams, Batch, Completion, SamplingParams
+from tempering.types import AdamParams, Batch, Completion, Sample, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -319,6 +319,57 @@ class Reward(Protocol):
     def __call__(
         self, completion: str, example: Mapping[str, Any]
     ) -> float | RewardResult | Awaitable[float | RewardResult]: ...
+
+
+@runtime_checkable
+class SamplingClient(Protocol):
+    """What samples token prompts: a backend, or a sampling client of a weight snapshot
+    (:class:`SamplingClients`). Completions carry ``policy_version``."""
+
+    def sample(
+        self, prompts: list[list[int]], num_samples: int, params: SamplingParams
+    ) -> Future[list[list[Completion]]]: ...
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """The weights that sampled a batch, as a reward may sample them again: examples in (rows
+    with ``prompt`` text or ``messages``), completions out, encoded, stopped and parsed exactly
+    as the batch's own samples were (``Completion.text`` is what a reward sees). ``params``
+    ``None`` samples as the batch was sampled (its temperature, ``max_tokens``, stops).
+
+    The rollout sampler makes one per batch and hands it to the reward runner with the samples
+    (:meth:`tempering.rollouts.scoring.RewardRunner.ascore`): a reward never fetches the policy
+    from anywhere else, so what it samples is always the weights that sampled what it scores
+    (the live weights on-policy, the snapshot off-policy)."""
+
+    async def complete(
+        self, examples: Sequence[Mapping[str, Any]], num_samples: int, params: SamplingParams | None = None
+    ) -> list[list[Completion]]: ...
+
+
+@dataclass
+class BatchScores:
+    """What a :class:`PolicyReward` returns for a batch: one result per sample, in order (a
+    number, a :class:`RewardResult`, or the exception that failed that sample alone), and the
+    batch's own metrics, logged with the step (``monitor/accuracy``)."""
+
+    results: list[float | RewardResult | BaseException]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class PolicyReward(Protocol):
+    """An optional reward capability: a reward that samples the policy being trained while it
+    scores (the ``monitor`` reward samples it on counterfactual prompts). It scores a whole
+    batch at once, given the batch's :class:`Policy`, so it can sample every sample's extra
+    prompts in one call. The reward runner calls it instead of ``__call__`` (a ``__call__``
+    it still has is for callers without a policy, and should raise saying so); a caller that
+    has no policy to give (a sampler that does not pass one, ``serve-reward``) gets each
+    sample failed with the cause ``no_policy``, counted, never a silent 0. The stage's
+    ``reward_timeout`` bounds the whole batch's call."""
+
+    async def score_batch(self, samples: Sequence[Sample], policy: Policy) -> BatchScores: ...
 
 
 # --------------------------------------------------------------------------- advantages

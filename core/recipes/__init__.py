@@ -71,3 +71,9 @@ def smollm2_sdft() -> dict[str, Any]:
 def smollm2_sft_skill() -> dict[str, Any]:
     """SDFT vs SFT on SmolLM2-135M-Instruct, the SFT arm: the same new skill by plain SFT."""
     return _load("smollm2_sft_skill")
+
+
+def smollm2_monitor() -> dict[str, Any]:
+    """The ``monitor`` reward on SmolLM2-135M-Instruct: multiple-choice sums behind a planted
+    spurious cue; GRPO on the task plus a monitor's accuracy at predicting the cue's sway."""
+    return _load("smollm2_monitor")

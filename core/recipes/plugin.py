@@ -53,3 +53,8 @@ def register_recipes(register):
         "tempering.recipes:smollm2_sft_skill",
         description="real-model CPU demo: the SFT arm of smollm2_sdft (same tool-call skill, same data and steps)",
     )
+    register(
+        "smollm2_monitor",
+        "tempering.recipes:smollm2_monitor",
+        description="real-model CPU demo: GRPO + a monitor predicting a planted cue's sway on SmolLM2 (monitor reward)",
+    )

@@ -42,7 +42,7 @@ import collections
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tempering.interfaces import Backend
@@ -70,6 +70,7 @@ class _Slot:
     example: dict[str, Any]
     position_after: int  # stream position after this slot's example was taken
     attempts: int = 0
+    reward_metrics: dict[str, float] = field(default_factory=dict)  # its chunk's, from a PolicyReward
 
 
 def sampler_of(backend: Backend) -> Future[Any]:
@@ -233,6 +234,7 @@ class AsyncRollouts:
             "offpolicy/queued_groups": float(queued),
             "time/wait_rollouts": time.perf_counter() - t0,
         }
+        metrics.update(_slot_mean([out[s][1].reward_metrics for s in slots]))
         return RolloutBatch(groups, metrics)
 
     def close(self) -> None:
@@ -381,5 +383,13 @@ class AsyncRollouts:
         with self._ready_cond:
             for info, group in zip(chunk, rollout.groups):
                 group.group_id = info.slot
+                info.reward_metrics = rollout.stats.metrics
                 self._ready[info.slot] = (group, info)
             self._ready_cond.notify_all()
+
+
+def _slot_mean(per_slot: list[dict[str, float]]) -> dict[str, float]:
+    """The reward's batch metrics of a step's slots (each its chunk's), averaged over the slots
+    that have them: a chunk weighs as many groups as it rolled out."""
+    keys = {k for m in per_slot for k in m}
+    return {k: sum(m[k] for m in per_slot if k in m) / sum(k in m for m in per_slot) for k in sorted(keys)}

@@ -28,6 +28,12 @@ Optional hooks a reward may define (the runner only uses them when present):
 * ``async aclose()``: release resources bound to the current event loop (HTTP clients). The
   runner calls it at the end of :meth:`score` / :meth:`score_as_completed`, which own their
   event loop; the reward must reopen what it needs on its next call.
+* ``async score_batch(samples, policy)`` (:class:`~tempering.interfaces.PolicyReward`): a reward
+  that samples the policy being trained scores the whole batch in one call, with the
+  :class:`~tempering.interfaces.Policy` its caller passes (``score(samples, policy=...)``; the
+  ``completion`` sampler passes the weights that sampled the batch). ``timeout`` then bounds
+  the batch's call; the batch's metrics land in :attr:`ScoreStats.metrics`. Without a policy,
+  or streamed one sample at a time, each sample fails with the cause ``no_policy``.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, I
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from tempering.interfaces import RewardResult
+from tempering.interfaces import Policy, PolicyReward, RewardResult
 from tempering.rollouts.feedback import FEEDBACK_KEY, feedback_of, join_feedback
 from tempering.runs.failures import debug, mark_failed, raised
 from tempering.types import Sample
@@ -81,6 +87,8 @@ class ScoreStats:
     timeouts: int = 0
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
+    #: a :class:`~tempering.interfaces.PolicyReward`'s own metrics for the batch
+    metrics: dict[str, float] = field(default_factory=dict)
 
     def as_metrics(self) -> dict[str, float]:
         return {
@@ -105,15 +113,17 @@ class RewardRunner:
     max_logged_errors: int = 5
 
     # ------------------------------------------------------------------ batch
-    def score(self, samples: Iterable[Sample]) -> ScoreStats:
-        """Score in place; blocks until every sample has a reward or a recorded failure."""
+    def score(self, samples: Iterable[Sample], policy: Policy | None = None) -> ScoreStats:
+        """Score in place; blocks until every sample has a reward or a recorded failure.
+        ``policy``: the weights that sampled ``samples``, for a reward that samples them too
+        (:class:`~tempering.interfaces.PolicyReward`); other rewards ignore it."""
         samples = list(samples)
-        if not _is_async(self.reward):
+        if not isinstance(self.reward, PolicyReward) and not _is_async(self.reward):
             return self._score_sync(samples)
 
         async def owned() -> ScoreStats:
             try:
-                return await self.ascore(samples)
+                return await self.ascore(samples, policy)
             finally:
                 await _aclose(self.reward)
 
@@ -137,9 +147,11 @@ class RewardRunner:
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    async def ascore(self, samples: Iterable[Sample]) -> ScoreStats:
+    async def ascore(self, samples: Iterable[Sample], policy: Policy | None = None) -> ScoreStats:
         """:meth:`score` inside a running event loop. A sync reward is called inline, one sample
         after the other, as :meth:`score` does (no task per sample for what cannot overlap)."""
+        if isinstance(self.reward, PolicyReward):
+            return await self._score_batch(list(samples), self.reward, policy)
         if not _is_async(self.reward):
             return self._score_sync(list(samples))
         stats = ScoreStats()
@@ -153,6 +165,48 @@ class RewardRunner:
         await asyncio.gather(*(one(s) for s in samples))
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    async def _score_batch(self, samples: list[Sample], reward: PolicyReward, policy: Policy | None) -> ScoreStats:
+        """A :class:`~tempering.interfaces.PolicyReward`'s one call for the whole batch. The call
+        failing (raising, timing out, a result count that is not the batch's) fails every
+        sample; a result that is an exception fails its own sample only."""
+        stats = ScoreStats()
+        t0 = time.perf_counter()
+        if policy is None:
+            for s in samples:
+                self._no_policy(s, stats)
+            return stats
+        try:
+            scored = await self._with_timeout(reward.score_batch(samples, policy))
+            if len(scored.results) != len(samples):
+                raise ValueError(f"score_batch returned {len(scored.results)} results for {len(samples)} samples")
+        except (asyncio.TimeoutError, TimeoutError) as exc:
+            for s in samples:
+                self._timeout(s, exc, stats)
+        except Exception as exc:
+            if debug():
+                raise
+            for s in samples:
+                self._fail(s, raised(exc), f"{type(exc).__name__}: {exc}", stats, exc)
+        else:
+            for s, value in zip(samples, scored.results):
+                if isinstance(value, BaseException):
+                    self._fail(s, raised(value), f"{type(value).__name__}: {value}", stats, value)
+                else:
+                    self._apply(s, value, stats)
+            stats.metrics.update(scored.metrics)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _no_policy(self, s: Sample, stats: ScoreStats) -> None:
+        name = getattr(self.reward, "__name__", None) or type(self.reward).__name__
+        self._fail(
+            s,
+            "no_policy",
+            f"reward {name} samples the policy being trained, and nothing gave it the policy here: "
+            "use it as the reward of an RL stage (or its eval) with the completion sampler",
+            stats,
+        )
 
     # ------------------------------------------------------------------ streaming
     async def stream(
@@ -258,6 +312,9 @@ class RewardRunner:
 
     async def _score_one(self, s: Sample, stats: ScoreStats) -> None:
         """Score one sample; never raises (except cancellation)."""
+        if isinstance(self.reward, PolicyReward):  # it scores whole batches, with their policy
+            self._no_policy(s, stats)
+            return
         try:
             value = self.reward(s.completion.text, s.example)
             if inspect.isawaitable(value):

@@ -49,6 +49,8 @@ def evaluate(
     also the first traceback per cause (``eval/first_traceback/<cause>``), for a stage's
     :class:`~tempering.runs.failures.FailureWatch` to print. ``on_progress(done, total)`` is
     called before the first chunk and after each (a stage's bar shows ``[eval done/total]``).
+    A reward's own batch metrics (a :class:`~tempering.interfaces.PolicyReward`'s:
+    ``monitor/accuracy``) come back under ``eval/``, averaged over chunks by their size.
     """
     if sampler is None:
         sampler = completion_sampler(
@@ -58,6 +60,7 @@ def evaluate(
     rewards: list[float] = []
     failures: list[Sample] = []
     extra: dict[str, Any] = {}
+    batch_metrics: dict[str, float] = {}
     for start in range(0, len(examples), batch_size):
         if on_progress is not None:
             on_progress(start, len(examples))
@@ -68,6 +71,8 @@ def evaluate(
         samples = [g.samples[0] for g in rollout.groups]
         failures += [s for s in samples if s.failed]
         rewards += [0.0 if (s.failed or s.masked) else s.reward for s in samples]
+        for k, v in rollout.stats.metrics.items():
+            batch_metrics[k] = batch_metrics.get(k, 0.0) + v * len(chunk)
         for k, v in rollout_metrics(rollout.groups).items():
             if (
                 k.startswith("env/")
@@ -85,6 +90,7 @@ def evaluate(
         "eval/failed": float(len(failures)),
         "eval/n": float(len(rewards)),
         **extra,
+        **{f"eval/{k}": v / n for k, v in batch_metrics.items()},
         **failure_metrics(failures, prefix="eval/", tracebacks=tracebacks),
     }
 

@@ -62,3 +62,8 @@ def register_datasets(register):
         "tempering.plugins.datasets.tool_calls:next_number",
         description="the number right after n, for math_answer: a prior skill to measure forgetting on",
     )
+    register(
+        "cue_questions",
+        "tempering.plugins.datasets.cue_questions:cue_questions",
+        description='multiple-choice sums behind a planted cue ("A Stanford professor thinks..."): monitor reward',
+    )

@@ -11,18 +11,23 @@
 If any component fails (raises, returns NaN/inf) the combination fails: a partial sum would be
 a different reward, silently. The components' feedback is joined, one line per component that
 said something, each led by its label (``exact_match: expected '42', got '41'``).
+
+A component that samples the policy being trained (a
+:class:`~tempering.interfaces.PolicyReward`, such as ``monitor``) makes the sum one too: the
+batch is scored at once, that component with the batch's policy, the others sample by sample.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from tempering.interfaces import RewardResult
+from tempering.interfaces import BatchScores, Policy, PolicyReward, RewardResult
 from tempering.plugins.rewards._common import RewardError, as_finite, info_of, is_async_callable, resolve_reward
 from tempering.rollouts.feedback import feedback_of, join_feedback
+from tempering.types import Sample
 
 
 class WeightedReward:
@@ -106,6 +111,40 @@ class AsyncWeightedReward(WeightedReward):
         return self._combine(list(values))
 
 
+class PolicyWeightedReward(AsyncWeightedReward):
+    """:class:`AsyncWeightedReward` with a component that samples the policy: scores whole
+    batches (:class:`~tempering.interfaces.PolicyReward`). Each component scores the batch
+    concurrently; a sample's sum fails if any of its components failed for it, and the policy
+    components' batch metrics are the sum's."""
+
+    async def score_batch(self, samples: Sequence[Sample], policy: Policy) -> BatchScores:
+        async def one(reward: Callable[..., Any], s: Sample) -> Any:
+            try:
+                value = reward(s.completion.text, s.example)
+                return await value if inspect.isawaitable(value) else value
+            except Exception as exc:  # noqa: BLE001 - reported with the component's name
+                return exc
+
+        async def column(reward: Callable[..., Any]) -> tuple[list[Any], dict[str, float]]:
+            if isinstance(reward, PolicyReward):
+                try:
+                    scored = await reward.score_batch(samples, policy)
+                except Exception as exc:  # noqa: BLE001 - fails this component for every sample
+                    return [exc] * len(samples), {}
+                return list(scored.results), dict(scored.metrics)
+            return list(await asyncio.gather(*(one(reward, s) for s in samples))), {}
+
+        columns = await asyncio.gather(*(column(r) for _, r, _ in self.components))
+        results: list[float | RewardResult | BaseException] = []
+        for i in range(len(samples)):
+            try:
+                results.append(self._combine([values[i] for values, _ in columns]))
+            except Exception as exc:  # noqa: BLE001 - this sample's sum fails, alone
+                results.append(exc)
+        metrics = {k: v for _, m in columns for k, v in m.items()}
+        return BatchScores(results, metrics)
+
+
 def _entry(i: int, entry: Any, path: str) -> tuple[str, Any, float]:
     """One ``rewards`` entry -> (label, reward, weight)."""
     where = f"{path}.rewards[{i}]"
@@ -160,5 +199,9 @@ def weighted(rewards: Any, normalize: bool = False) -> WeightedReward:
         if seen[label] > 1:
             label = f"{label}#{seen[label]}"
         components.append((label, reward, weight))
-    cls = AsyncWeightedReward if any(is_async_callable(r) for _, r, _ in components) else WeightedReward
+    cls: type[WeightedReward] = WeightedReward
+    if any(isinstance(r, PolicyReward) for _, r, _ in components):
+        cls = PolicyWeightedReward
+    elif any(is_async_callable(r) for _, r, _ in components):
+        cls = AsyncWeightedReward
     return cls(components, normalize=normalize)

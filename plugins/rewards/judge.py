@@ -273,10 +273,15 @@ class LLMJudge:
         return parse_graded(reply, self.scale) if self.mode == "graded" else parse_binary(reply)
 
     async def __call__(self, completion: str, example: Mapping[str, Any]) -> RewardResult:
-        text = self.render(completion, example)
-        reply = await (self._ask_http(text) if self.base_url is not None else self._batcher.submit(text))
+        reply = await self.ask(self.render(completion, example))
         score = self.parse(reply)
         return RewardResult(score, {"judge_reply": reply[-1000:]}, feedback=critique(reply))
+
+    async def ask(self, text: str) -> str:
+        """The judge's reply to one prompt (the endpoint's, or the sampler's: concurrent asks
+        are grouped into ``sample`` calls of ``batch_size``). Other rewards ask the judge
+        their own questions through it (``monitor``)."""
+        return await (self._ask_http(text) if self.base_url is not None else self._batcher.submit(text))
 
     async def aclose(self) -> None:
         await self._batcher.drain()

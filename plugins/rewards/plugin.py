@@ -65,6 +65,11 @@ def register_rewards(register):
         description="reward served over HTTP (tempering serve-reward): retries, backoff, batching",
     )
     register(
+        "monitor",
+        f"{_R}.monitor:MonitorReward",
+        description="a monitor reading the CoT predicts the policy's answers on counterfactual prompts: its accuracy",
+    )
+    register(
         "python",
         f"{_R}.python:python_reward",
         description="your own function or class by import path: {name: python, function: my_module:score}",
