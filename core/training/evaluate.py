@@ -17,6 +17,7 @@ from tempering.rollouts.rollout import SamplerContext, collect, rollout_metrics
 from tempering.rollouts.scoring import RewardRunner
 from tempering.runs.calibration import calibration, forecasts_of, reliability_diagram, reliability_path
 from tempering.runs.failures import failure_metrics
+from tempering.runs.outcomes import outcome_metrics
 from tempering.runs.rollout_log import DEFAULT_GROUPS, log_groups
 from tempering.training.progress import paused
 from tempering.types import Group, Sample, SamplingParams
@@ -43,7 +44,8 @@ def evaluate(
     ``sampler`` defaults to single-turn completions (built for ``backend``'s tokenizer).
     Failed samples count as wrong (reward 0) and are counted in ``eval/failed``, per cause in
     ``eval/failed/<cause>`` with the first error's text in ``eval/first_error/<cause>`` (see
-    :mod:`tempering.runs.failures`); masked episodes (a limit configured to mask) count as wrong too.
+    :mod:`tempering.runs.failures`), scored samples by their reward's label in
+    ``eval/outcome/<label>`` (:mod:`tempering.runs.outcomes`); masked episodes (a limit configured to mask) count as wrong too.
     ``on_groups`` sees each chunk's scored groups (the rollout log keeps some). ``tracebacks``:
     also the first traceback per cause (``eval/first_traceback/<cause>``), for a stage's
     :class:`~tempering.runs.failures.FailureWatch` to print. ``on_progress(done, total)`` is
@@ -54,6 +56,7 @@ def evaluate(
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
     rewards: list[float] = []
     failures: list[Sample] = []
+    scored: list[Sample] = []
     extra: dict[str, Any] = {}
     for start in range(0, len(examples), batch_size):
         if on_progress is not None:
@@ -64,6 +67,7 @@ def evaluate(
             on_groups(rollout.groups)
         samples = [g.samples[0] for g in rollout.groups]
         failures += [s for s in samples if s.failed]
+        scored += samples
         rewards += [0.0 if (s.failed or s.masked) else s.reward for s in samples]
         for k, v in rollout_metrics(rollout.groups).items():
             if (
@@ -83,6 +87,7 @@ def evaluate(
         "eval/n": float(len(rewards)),
         **extra,
         **failure_metrics(failures, prefix="eval/", tracebacks=tracebacks),
+        **outcome_metrics(scored, prefix="eval/"),
     }
 
 
