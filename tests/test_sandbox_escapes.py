@@ -13,7 +13,9 @@ from __future__ import annotations
 import os
 import resource
 import secrets
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -106,14 +108,22 @@ def test_write_outside_the_sandbox_reaches_nothing(sandbox: Sandbox, tmp_path: P
         assert not target.exists(), f"{target} was written from inside the sandbox"
 
 
-def test_secret_file_is_not_readable(sandbox: Sandbox, tmp_path: Path) -> None:
+@pytest.fixture
+def home() -> Iterator[Path]:
+    """A home folder any host user could read (pytest's tmp_path is private to this user): only
+    the sandbox's own filesystem keeps its files out."""
+    folder = Path(tempfile.mkdtemp(prefix="tempering-home-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder)
+
+
+def test_secret_file_is_not_readable(sandbox: Sandbox, home: Path) -> None:
     secret = f"-----BEGIN OPENSSH PRIVATE KEY----- {secrets.token_hex(16)}"
-    key = tmp_path / "home" / ".ssh" / "id_ed25519"
-    key.parent.mkdir(parents=True)
+    key = home / ".ssh" / "id_ed25519"
+    key.parent.mkdir(mode=0o755)
     key.write_text(secret)
-    key.chmod(0o644)  # readable by any host user: only the sandbox's own filesystem keeps it out
-    for folder in (key.parent, key.parent.parent, tmp_path):
-        folder.chmod(0o755)
+    key.chmod(0o644)
     paths = [str(key), os.path.expanduser("~/.ssh/id_rsa"), "/etc/shadow", "/etc/passwd"]
     program = (
         f"paths = {paths!r}\n"
