@@ -31,16 +31,20 @@ def call(sandbox: Sandbox, program: str, tests: list[str]) -> RewardResult:
 
 
 def leftover_processes() -> list[str]:
-    """Processes still running a sandbox's harness (forked children keep its command line)."""
+    """Processes still running the harness of a call that has ended: the last word of a
+    harness's command line is its call's host folder, removed when the call returns (forked
+    children keep the command line). Calls still running elsewhere (another test worker) keep
+    their folder, so they are not counted."""
     found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
         except OSError:
             continue
-        if "harness.py" in cmdline and "job.json" in cmdline:
-            found.append(f"{pid}: {cmdline[:120]}")
+        if len(argv) > 2 and argv[-2].endswith("program.py") and "harness.py" in " ".join(argv):
+            if not os.path.isdir(argv[-1]):
+                found.append(f"{pid}: {' '.join(argv)[:160]}")
     return found

@@ -250,3 +250,23 @@ def test_forged_report_cannot_pass_without_the_answers(sandbox: Sandbox) -> None
     )
     result = call(sandbox, program, ["assert add(2, 3) == 5"])
     assert result.reward == 0.0, result
+
+
+def test_daemonized_child_does_not_outlive_the_call(sandbox: Sandbox) -> None:
+    """A child that leaves the session and closes its output is still in the sandbox's pid
+    namespace: it dies with the call (the autouse check finds no process left)."""
+    program = (
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    os.close(1)\n"
+        "    os.close(2)\n"
+        "    time.sleep(60)\n"
+        "    os._exit(0)\n"
+        "def f():\n"
+        "    return 1\n"
+    )
+    t0 = time.monotonic()
+    result = call(sandbox, program, ["assert f() == 2"])
+    assert (result.reward, result.info["outcome"]) == (0.0, "failed_tests"), result
+    assert time.monotonic() - t0 < SHORT["wall_seconds"]  # over when the program is, not at the clock

@@ -70,6 +70,7 @@ class Isolation:
         ``/tmp`` of ``tmp_bytes`` under bubblewrap."""
         inside = INSIDE if self.kind == "bubblewrap" else folder
         run = [self.python, "-I", "-S", "-B", f"{inside}/harness.py", f"{inside}/job.json", f"{inside}/program.py"]
+        run.append(folder)  # unused inside; names the call on the host's process list (leftover checks)
         if self.kind != "bubblewrap":
             return run
         assert self.bwrap is not None
