@@ -62,3 +62,8 @@ def register_datasets(register):
         "tempering.plugins.datasets.tool_calls:next_number",
         description="the number right after n, for math_answer: a prior skill to measure forgetting on",
     )
+    register(
+        "code_functions",
+        "tempering.plugins.datasets.code_functions:code_functions",
+        description="80 small Python functions to write (strings, lists, arithmetic), 4 asserts each, for sandbox",
+    )
