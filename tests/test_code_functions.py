@@ -3,10 +3,14 @@ task, and every task solvable -- its reference solution passes all its tests in 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from tests.sandbox_support import make_sandbox
+from sandbox_support import make_sandbox
 
+from tempering.apps import cli
 from tempering.plugins.datasets.code_functions import TASKS, code_functions
 from tempering.plugins.rewards.sandbox.program import parse_tests
 from tempering.registry import get_registry
@@ -47,3 +51,21 @@ def test_registered_and_bad_split_is_one_line() -> None:
     assert len(rows) == 16
     with pytest.raises(ValueError, match=r"^code_functions: split must be 'train', 'test' or 'all', got 'valid'$"):
         code_functions("valid")
+
+
+def test_the_recipe_runs_end_to_end_on_a_tiny_model(tmp_path: Path) -> None:
+    """``smollm2_code`` with the tiny chat Llama in place of SmolLM2: sampling, the sandbox
+    reward, GRPO and the held-out evaluation run, and the programs' outcomes are counted."""
+    make_sandbox()  # skips, with the reason, where the machine cannot isolate
+    out = tmp_path / "run"
+    args = ["backend.model=tiny_llama", "backend.model_kwargs={chat: true}", "stages.rl.steps=2"]
+    args += ["stages.rl.prompts_per_step=2", "stages.rl.group_size=2", "stages.rl.max_tokens=12"]
+    args += ["stages.rl.eval.max_tokens=12", "stages.rl.eval.every=2", "stages.rl.eval.at_start=false"]
+    assert cli.main(["run", "smollm2_code", *args, "--output-dir", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "reward/mean" in r]
+    evals = [r for r in rows if "eval/n" in r]
+    assert len(train) == 2 and all(r["reward/failed"] == 0 for r in train)
+    assert all(sum(v for k, v in r.items() if k.startswith("outcome/")) == 4 for r in train)
+    assert evals[-1]["eval/n"] == 16
+    assert sum(v for k, v in evals[-1].items() if k.startswith("eval/outcome/")) == 16

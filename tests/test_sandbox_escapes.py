@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sandbox_support import SHORT, call, leftover_processes, make_sandbox
+from sandbox_support import SHORT, call, leftover_processes, make_sandbox
 
 from tempering.plugins.rewards.sandbox.job import Job
 from tempering.plugins.rewards.sandbox.reward import Sandbox

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.sandbox_support import SHORT, call, make_sandbox
+from sandbox_support import SHORT, call, make_sandbox
 
 from tempering.errors import ConfigError
 from tempering.registry import get_registry

@@ -71,3 +71,9 @@ def smollm2_sdft() -> dict[str, Any]:
 def smollm2_sft_skill() -> dict[str, Any]:
     """SDFT vs SFT on SmolLM2-135M-Instruct, the SFT arm: the same new skill by plain SFT."""
     return _load("smollm2_sft_skill")
+
+
+def smollm2_code() -> dict[str, Any]:
+    """The sandbox reward's demo: GRPO with LoRA teaches SmolLM2-135M-Instruct to write small
+    Python functions, rewarded by the share of unit tests its program passes in a sandbox."""
+    return _load("smollm2_code")

@@ -53,3 +53,8 @@ def register_recipes(register):
         "tempering.recipes:smollm2_sft_skill",
         description="real-model CPU demo: the SFT arm of smollm2_sdft (same tool-call skill, same data and steps)",
     )
+    register(
+        "smollm2_code",
+        "tempering.recipes:smollm2_code",
+        description="real-model CPU demo: GRPO on sandboxed unit tests teaches SmolLM2-135M-Instruct small Python functions",
+    )
