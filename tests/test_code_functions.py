@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from sandbox_support import make_sandbox
 
 from tempering.apps import cli
@@ -38,9 +37,7 @@ def test_each_task_has_four_literal_asserts_and_shows_the_first() -> None:
 def test_every_reference_solution_passes_in_the_sandbox() -> None:
     sandbox = make_sandbox(workers=2)
     rows = code_functions("all")
-    batch = [
-        Sample(example=r, completion=Completion([], [], [], text=f"```python\n{r['reference']}```")) for r in rows
-    ]
+    batch = [Sample(example=r, completion=Completion([], [], [], text=f"```python\n{r['reference']}```")) for r in rows]
     stats = RewardRunner(sandbox).score(batch)
     assert stats.failed == 0
     assert [(s.example["name"], s.reward_info["outcome"]) for s in batch if s.reward != 1.0] == []

@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from sandbox_support import SHORT, call, leftover_processes, make_sandbox
 
 from tempering.plugins.rewards.sandbox.job import Job
@@ -79,7 +78,9 @@ def test_infinite_loop_is_killed_within_the_wall_clock_limit(sandbox: Sandbox) -
 def test_sleeping_program_is_killed_at_the_wall_clock_limit(sandbox: Sandbox) -> None:
     """No CPU used, so only the host's wall clock ends it (with its whole pid namespace)."""
     t0 = time.monotonic()
-    result = call(sandbox, "import os, time\nif os.fork() == 0:\n    time.sleep(600)\ntime.sleep(600)", ["assert 1 == 1"])
+    result = call(
+        sandbox, "import os, time\nif os.fork() == 0:\n    time.sleep(600)\ntime.sleep(600)", ["assert 1 == 1"]
+    )
     assert (result.reward, result.info["outcome"]) == (0.0, "timeout"), result
     assert SHORT["wall_seconds"] <= time.monotonic() - t0 < SHORT["wall_seconds"] + 5
 
@@ -139,7 +140,9 @@ def test_secret_file_is_not_readable(sandbox: Sandbox, home: Path) -> None:
     )
     result = call(sandbox, program, [f"assert leak() == {secret!r}"])
     assert (result.reward, result.info["outcome"]) == (0.0, "failed_tests"), result
-    assert result.feedback is not None and result.feedback.endswith("(got None)")  # the test's text holds the secret, not the output
+    assert result.feedback is not None and result.feedback.endswith(
+        "(got None)"
+    )  # the test's text holds the secret, not the output
     with Job(program + "leak()\n", ["leak()"], sandbox.limits) as job:  # what the sandbox printed
         import asyncio
 

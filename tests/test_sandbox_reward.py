@@ -3,19 +3,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
-
 from sandbox_support import SHORT, call, make_sandbox
 
 from tempering.errors import ConfigError
+from tempering.plugins.rewards.sandbox import isolation as isolation_module
+from tempering.plugins.rewards.sandbox.program import extract_program, parse_test, parse_tests, passed
+from tempering.plugins.rewards.sandbox.reward import Sandbox
 from tempering.registry import get_registry
 from tempering.rollouts.scoring import RewardRunner
 from tempering.runs.outcomes import outcome_metrics
-from tempering.plugins.rewards.sandbox import isolation as isolation_module
-from tempering.plugins.rewards.sandbox.program import extract_program, parse_test, parse_tests, passed
-from tempering.plugins.rewards.sandbox.reward import Sandbox, SandboxError
 from tempering.types import Completion, Sample
 
 ADD_TESTS = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add(0, 0) == 0"]
@@ -121,9 +121,7 @@ def test_calls_run_side_by_side_and_outcomes_are_counted() -> None:
 
 def test_a_sandbox_that_does_not_start_is_a_counted_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     sandbox = make_sandbox()
-    argv = sandbox.used.argv
-    monkeypatch.setattr(sandbox, "used", type(sandbox.used)(**{**sandbox.used.__dict__}))
-    monkeypatch.setattr(type(sandbox.used), "argv", lambda self, folder, tmp: [*argv(folder, tmp)[:1], "--no-such-option"])
+    monkeypatch.setattr(sandbox, "used", dataclasses.replace(sandbox.used, bwrap="/bin/false"))  # exits 1 at once
     batch = samples(["def add(a, b):\n    return a + b"])
     stats = RewardRunner(sandbox).score(batch)
     assert (stats.scored, stats.failed) == (0, 1)
@@ -159,7 +157,10 @@ def test_registered_and_built_by_name(sandbox: Sandbox) -> None:
     [
         ({"scoring": "fractoin"}, "stages[0].reward.scoring: use one of fraction, all. Did you mean 'fraction'?"),
         ({"cpu_seconds": 0}, "stages[0].reward.cpu_seconds: must be a number > 0, got 0"),
-        ({"memory_mb": 16}, "stages[0].reward.memory_mb: must be at least 64 (the interpreter alone needs ~20 MB), got 16"),
+        (
+            {"memory_mb": 16},
+            "stages[0].reward.memory_mb: must be at least 64 (the interpreter alone needs ~20 MB), got 16",
+        ),
         ({"uid": 0}, "stages[0].reward.uid: must be an unprivileged host uid > 0 (e.g. 65534, nobody), got 0"),
         ({"python": "/nope/python"}, "stages[0].reward.python: /nope/python is not an executable interpreter; "),
     ],

@@ -56,5 +56,5 @@ def register_recipes(register):
     register(
         "smollm2_code",
         "tempering.recipes:smollm2_code",
-        description="real-model CPU demo: GRPO on sandboxed unit tests teaches SmolLM2-135M-Instruct small Python functions",
+        description="real-model CPU demo: GRPO on sandboxed unit tests teaches SmolLM2-135M-Instruct Python functions",
     )

@@ -45,7 +45,8 @@ def evaluate(
     Failed samples count as wrong (reward 0) and are counted in ``eval/failed``, per cause in
     ``eval/failed/<cause>`` with the first error's text in ``eval/first_error/<cause>`` (see
     :mod:`tempering.runs.failures`), scored samples by their reward's label in
-    ``eval/outcome/<label>`` (:mod:`tempering.runs.outcomes`); masked episodes (a limit configured to mask) count as wrong too.
+    ``eval/outcome/<label>`` (:mod:`tempering.runs.outcomes`); masked episodes (a limit
+    configured to mask) count as wrong too.
     ``on_groups`` sees each chunk's scored groups (the rollout log keeps some). ``tracebacks``:
     also the first traceback per cause (``eval/first_traceback/<cause>``), for a stage's
     :class:`~tempering.runs.failures.FailureWatch` to print. ``on_progress(done, total)`` is

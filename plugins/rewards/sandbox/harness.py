@@ -48,14 +48,14 @@ def main(job_path: str, program_path: str) -> None:
     result: dict[str, object] = {"load": None, "tests": []}
     namespace: dict[str, object] = {"__name__": "solution"}
     try:
-        exec(compile(source, "solution.py", "exec"), namespace)  # noqa: S102 - the point of the sandbox
+        exec(compile(source, "solution.py", "exec"), namespace)
     except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are the program's too
         result["load"] = [type(exc).__name__, str(exc)[:300]]
     tests: list[list[str]] = []
     if result["load"] is None:
         for expression in job["tests"]:
             try:
-                value = eval(expression, namespace)  # noqa: S307
+                value = eval(expression, namespace)
                 tests.append(["ok", text(value)[: REPR_CAP + 1]])
             except BaseException as exc:  # noqa: BLE001
                 tests.append(["error", f"{type(exc).__name__}: {str(exc)[:200]}"])

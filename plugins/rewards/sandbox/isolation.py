@@ -106,7 +106,7 @@ def default_python() -> str:
     return "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else os.path.realpath(sys.executable)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def detect(isolation: str, uid: int, python: str) -> Isolation:
     """The :class:`Isolation` for the ``isolation`` key (``auto`` = bubblewrap), probed once per
     process; :class:`IsolationUnavailable` with the reason when it cannot run."""
@@ -131,7 +131,11 @@ def probe(isolation: Isolation) -> None:
     with Job("print(1)", ["1 + 1"], limits) as job:
         try:
             done = subprocess.run(
-                isolation.argv(job.folder, 1 << 20), capture_output=True, timeout=30, stdin=subprocess.DEVNULL, **isolation.popen_kwargs()
+                isolation.argv(job.folder, 1 << 20),
+                capture_output=True,
+                timeout=30,
+                stdin=subprocess.DEVNULL,
+                **isolation.popen_kwargs(),
             )
         except (OSError, subprocess.SubprocessError) as exc:
             raise IsolationUnavailable(f"{isolation.kind} did not start: {exc}") from None

@@ -36,7 +36,13 @@ from typing import Any, ClassVar
 
 from tempering.interfaces import RewardResult
 from tempering.plugins.rewards._common import LoopLocal, RewardError
-from tempering.plugins.rewards.sandbox.isolation import ISOLATIONS, Isolation, IsolationUnavailable, default_python, detect
+from tempering.plugins.rewards.sandbox.isolation import (
+    ISOLATIONS,
+    Isolation,
+    IsolationUnavailable,
+    default_python,
+    detect,
+)
 from tempering.plugins.rewards.sandbox.job import Job, Limits
 from tempering.plugins.rewards.sandbox.program import EXTRACT_MODES, CodeTest, extract_program, parse_tests, passed
 from tempering.schema import Problem, check_config_at, field_values, one_of
@@ -99,14 +105,22 @@ class Sandbox:
                 yield Problem(key, f"must be a number > 0, got {value!r}")
                 return
         if config["memory_mb"] < 64:
-            yield Problem("memory_mb", f"must be at least 64 (the interpreter alone needs ~20 MB), got {config['memory_mb']}")
+            yield Problem(
+                "memory_mb", f"must be at least 64 (the interpreter alone needs ~20 MB), got {config['memory_mb']}"
+            )
         if config["max_processes"] < 2:
-            yield Problem("max_processes", f"must be at least 2 (the sandbox's init and the program), got {config['max_processes']}")
+            yield Problem(
+                "max_processes",
+                f"must be at least 2 (the sandbox's init and the program), got {config['max_processes']}",
+            )
         if isinstance(config["uid"], bool) or not isinstance(config["uid"], int) or config["uid"] <= 0:
             yield Problem("uid", f"must be an unprivileged host uid > 0 (e.g. 65534, nobody), got {config['uid']!r}")
         python = config["python"] or default_python()
         if not os.access(python, os.X_OK):
-            yield Problem("python", f"{python} is not an executable interpreter; name one the sandbox can run (e.g. /usr/bin/python3)")
+            yield Problem(
+                "python",
+                f"{python} is not an executable interpreter; name one the sandbox can run (e.g. /usr/bin/python3)",
+            )
             return
         if config["isolation"] in ISOLATIONS:
             try:
@@ -115,7 +129,8 @@ class Sandbox:
                 yield Problem(
                     "isolation",
                     f"{exc}; install bubblewrap (apt-get install bubblewrap) and allow user namespaces, or set "
-                    "isolation: rlimits to accept weaker isolation (the program then sees the host's files and network)",
+                    "isolation: rlimits to accept weaker isolation "
+                    "(the program then sees the host's files and network)",
                 )
 
     def __post_init__(self) -> None:
@@ -140,7 +155,9 @@ class Sandbox:
     # ------------------------------------------------------------------ a call
     async def __call__(self, completion: str, example: Mapping[str, Any]) -> RewardResult:
         if self.tests_key not in example:
-            raise KeyError(f"sandbox: the example has no '{self.tests_key}' key (keys: {sorted(example)}); set reward.tests_key")
+            raise KeyError(
+                f"sandbox: the example has no '{self.tests_key}' key (keys: {sorted(example)}); set reward.tests_key"
+            )
         tests = parse_tests(example[self.tests_key], self.tests_key)
         program = extract_program(completion, self.extract)
         if program is None:
@@ -177,13 +194,15 @@ class Sandbox:
             os.close(info_write)
         out, err = bytearray(), bytearray()
         budget, over = [int(self.max_output_kb) << 10], asyncio.Event()
-        done = asyncio.ensure_future(
+        done: asyncio.Future[Any] = asyncio.ensure_future(
             asyncio.gather(_drain(proc.stdout, out, budget, over), _drain(proc.stderr, err, budget, over), proc.wait())
         )
-        watch = asyncio.ensure_future(over.wait())
+        watch: asyncio.Future[Any] = asyncio.ensure_future(over.wait())
         limit: str | None = None
         try:
-            finished, _ = await asyncio.wait({done, watch}, timeout=self.wall_seconds, return_when=asyncio.FIRST_COMPLETED)
+            finished, _ = await asyncio.wait(
+                {done, watch}, timeout=self.wall_seconds, return_when=asyncio.FIRST_COMPLETED
+            )
             if done not in finished:
                 limit = "output_limit" if watch in finished else "timeout"
                 self._kill(proc.pid, info_read)
@@ -237,7 +256,9 @@ class Sandbox:
         outcome = "passed" if all(results) else "failed_tests"
         return self._result(outcome, tests, results, run.seconds, _first_failure(tests, results, reports))
 
-    def _result(self, outcome: str, tests: list[CodeTest], results: list[bool], seconds: float, why: str) -> RewardResult:
+    def _result(
+        self, outcome: str, tests: list[CodeTest], results: list[bool], seconds: float, why: str
+    ) -> RewardResult:
         n_passed = sum(results)
         if outcome in LIMIT_OUTCOMES or not tests:
             reward = 0.0
