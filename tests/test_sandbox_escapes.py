@@ -35,7 +35,7 @@ def sandbox() -> Sandbox:
 
 @pytest.fixture(autouse=True)
 def host_unaffected() -> Iterator[None]:
-    """After every attempt: this process's parent alive, no sandbox process left."""
+    """After every attempt: this process's parent alive, no sandbox process left (within 2 s)."""
     parent = os.getppid()
     yield
     os.kill(parent, 0)  # raises if the parent is gone
@@ -273,3 +273,15 @@ def test_daemonized_child_does_not_outlive_the_call(sandbox: Sandbox) -> None:
     result = call(sandbox, program, ["assert f() == 2"])
     assert (result.reward, result.info["outcome"]) == (0.0, "failed_tests"), result
     assert time.monotonic() - t0 < SHORT["wall_seconds"]  # over when the program is, not at the clock
+
+
+def test_a_cancelled_call_kills_its_sandbox(sandbox: Sandbox) -> None:
+    """A caller that gives up first (the reward runner's own ``reward_timeout``, shorter than
+    ``wall_seconds``) cancels the call: the sandbox is killed then, not left to its clock."""
+    import asyncio
+
+    async def give_up() -> None:
+        await asyncio.wait_for(sandbox("import time\ntime.sleep(60)", {"tests": ["assert 1 == 1"]}), 0.5)
+
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(give_up())

@@ -205,12 +205,13 @@ class Sandbox:
             )
             if done not in finished:
                 limit = "output_limit" if watch in finished else "timeout"
+        finally:  # also when the caller gave up (cancelled): the sandbox must not outlive the call
+            if not done.done():
                 self._kill(proc.pid, info_read)
-            with contextlib.suppress(asyncio.TimeoutError):  # the pipes drain to EOF once all is dead
+            # Once all is dead the pipes drain to EOF and the process is reaped (asyncio reports
+            # the exit only then); waiting here also keeps a cancelled call from leaving both.
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(done), 10.0)
-        finally:
-            if proc.returncode is None:  # cancelled, or the sandbox outlived its kill
-                self._kill(proc.pid, info_read)
             for task in (done, watch):
                 task.cancel()
             await asyncio.gather(done, watch, return_exceptions=True)
