@@ -182,3 +182,12 @@ def test_no_isolation_tool_is_refused_naming_the_key(monkeypatch: pytest.MonkeyP
     text = str(caught.value)
     assert text.startswith("stages[0].reward.isolation: bubblewrap (bwrap) is not installed; install bubblewrap")
     assert "set isolation: rlimits to accept weaker isolation" in text and "\n" not in text
+
+
+def test_an_older_bubblewrap_runs_without_its_newer_options(sandbox: Sandbox) -> None:
+    """bwrap before 0.8 has no --disable-userns (Ubuntu 22.04: 0.6): it is left out, and said."""
+    old = dataclasses.replace(sandbox.used, options=frozenset({"--size"}))
+    argv = old.argv("/tmp/job", 1 << 20)
+    assert "--disable-userns" not in argv and argv[argv.index("--size") + 1] == str(1 << 20)
+    assert old.describe().endswith("; no --disable-userns (bwrap too old)")
+    assert "--disable-userns" in sandbox.used.argv("/tmp/job", 1 << 20)

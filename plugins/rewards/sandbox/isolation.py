@@ -34,6 +34,9 @@ INSIDE = "/sandbox"
 #: Top-level folders the interpreter may need besides ``/usr``: links into it on merged-/usr
 #: systems (Debian 12), else bound read-only when they exist.
 SYSTEM_DIRS = ("/bin", "/sbin", "/lib", "/lib64", "/lib32")
+#: bubblewrap options used when this bwrap has them: no user namespaces inside the sandbox
+#: (less kernel surface), a size for its /tmp.
+OPTIONAL = ("--disable-userns", "--size")
 #: Environment of the sandboxed program (nothing of the host's is passed on).
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
 
@@ -45,20 +48,25 @@ class IsolationUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class Isolation:
     """How calls run: ``kind`` (``bubblewrap`` or ``rlimits``), the host ``uid`` they run as
-    (``None``: this process's own), the ``python`` inside, and ``bwrap``'s path."""
+    (``None``: this process's own), the ``python`` inside, ``bwrap``'s path and the optional
+    options this bwrap has (``--disable-userns`` from 0.8, ``--size`` from 0.5: an older one
+    runs without them, and :meth:`describe` says so)."""
 
     kind: str
     uid: int | None
     python: str
     bwrap: str | None = None
+    options: frozenset[str] = frozenset()
 
     def describe(self) -> str:
         """One line: what isolates a program here."""
         who = f"host uid {self.uid}" if self.uid is not None else f"this process's uid {os.getuid()} (not root)"
         if self.kind == "bubblewrap":
+            missing = [f"no {o} (bwrap too old)" for o in OPTIONAL if o not in self.options]
             return (
                 f"sandbox: bubblewrap ({self.bwrap}): user, pid, net, mount, ipc, uts namespaces, no capabilities, "
                 f"private /tmp, read-only /usr only, {who}; rlimits on CPU, memory, processes, files"
+                + "".join(f"; {m}" for m in missing)
             )
         return (
             f"sandbox: rlimits only (weaker: the program sees the host's files as {who} and its network); "
@@ -74,7 +82,8 @@ class Isolation:
         if self.kind != "bubblewrap":
             return run
         assert self.bwrap is not None
-        args = [self.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent"]
+        args = [self.bwrap, "--unshare-all", "--unshare-user", "--die-with-parent"]
+        args += ["--disable-userns"] if "--disable-userns" in self.options else []
         args += ["--new-session", "--cap-drop", "ALL", "--clearenv", "--uid", "65534", "--gid", "65534"]
         args += ["--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
         for path in SYSTEM_DIRS:
@@ -87,7 +96,9 @@ class Isolation:
             args += ["--ro-bind", prefix, prefix]
         for name, value in ENV.items():
             args += ["--setenv", name, value]
-        args += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
+        args += ["--proc", "/proc", "--dev", "/dev"]
+        args += ["--size", str(tmp_bytes)] if "--size" in self.options else []
+        args += ["--tmpfs", "/tmp"]
         return args + ["--ro-bind", folder, INSIDE, "--chdir", "/tmp", "--", *run]
 
     def popen_kwargs(self) -> dict[str, Any]:
@@ -98,6 +109,15 @@ class Isolation:
         if self.uid is not None:
             kwargs.update(user=self.uid, group=self.uid, extra_groups=[])
         return kwargs
+
+
+def options_of(bwrap: str) -> frozenset[str]:
+    """Which of :data:`OPTIONAL` ``bwrap --help`` lists."""
+    try:
+        text = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return frozenset()
+    return frozenset(o for o in OPTIONAL if o in text.split())
 
 
 def default_python() -> str:
@@ -117,7 +137,7 @@ def detect(isolation: str, uid: int, python: str) -> Isolation:
         bwrap = shutil.which("bwrap")
         if bwrap is None:
             raise IsolationUnavailable("bubblewrap (bwrap) is not installed")
-        chosen = Isolation("bubblewrap", host_uid, python, bwrap)
+        chosen = Isolation("bubblewrap", host_uid, python, bwrap, options_of(bwrap))
     probe(chosen)
     return chosen
 
