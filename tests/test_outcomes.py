@@ -3,6 +3,7 @@ step and per evaluation; failed samples are failures, not outcomes."""
 
 from __future__ import annotations
 
+from tempering.apps.checkpoint_eval import score_groups
 from tempering.rollouts.rollout import rollout_metrics
 from tempering.runs.failures import mark_failed
 from tempering.runs.outcomes import outcome_metrics
@@ -25,3 +26,8 @@ def test_labels_are_counted_and_failures_are_not() -> None:
 def test_a_step_logs_them() -> None:
     metrics = rollout_metrics([Group({}, [sample({"outcome": "memory"}), sample({"outcome": "passed"})])])
     assert (metrics["outcome/memory"], metrics["outcome/passed"]) == (1.0, 1.0)
+
+
+def test_tempering_eval_counts_them() -> None:
+    report = score_groups([Group({}, [sample({"outcome": "passed"}), sample({"outcome": "syntax_error"})])])
+    assert (report["outcome/passed"], report["outcome/syntax_error"]) == (1.0, 1.0)
