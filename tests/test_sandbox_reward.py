@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import tempfile
 import time
 
 import pytest
@@ -191,3 +194,27 @@ def test_an_older_bubblewrap_runs_without_its_newer_options(sandbox: Sandbox) ->
     assert "--disable-userns" not in argv and argv[argv.index("--size") + 1] == str(1 << 20)
     assert old.describe().endswith("; no --disable-userns (bwrap too old)")
     assert "--disable-userns" in sandbox.used.argv("/tmp/job", 1 << 20)
+
+
+def test_no_user_namespaces_is_refused_with_bwraps_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bwrap that cannot create its namespaces (as on a kernel without unprivileged user
+    namespaces) fails the probe: one line with bwrap's own reason and the key to accept less."""
+    folder = tempfile.mkdtemp(prefix="tempering-fake-bwrap-")  # readable by the sandbox's uid
+    fake = os.path.join(folder, "bwrap")
+    with open(fake, "w", encoding="utf-8") as f:
+        f.write("#!/bin/sh\necho 'bwrap: No permissions to creating new namespace' >&2\nexit 1\n")
+    os.chmod(folder, 0o755)
+    os.chmod(fake, 0o755)
+    monkeypatch.setattr(isolation_module.shutil, "which", lambda name: fake)
+    isolation_module.detect.cache_clear()
+    try:
+        with pytest.raises(ConfigError) as caught:
+            get_registry().build("reward", {"name": "sandbox"}, "stages[0].reward")
+    finally:
+        isolation_module.detect.cache_clear()
+        shutil.rmtree(folder)
+    assert str(caught.value).startswith(
+        "stages[0].reward.isolation: bubblewrap could not run a test program: "
+        "bwrap: No permissions to creating new namespace; install bubblewrap"
+    )
+    assert "set isolation: rlimits" in str(caught.value) and "\n" not in str(caught.value)
