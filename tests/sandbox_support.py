@@ -44,7 +44,7 @@ def leftover_processes() -> list[str]:
                 argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
         except OSError:
             continue
-        if len(argv) > 2 and argv[-2].endswith("program.py") and "harness.py" in " ".join(argv):
+        if len(argv) > 3 and argv[-3].endswith("program.py") and "harness.py" in " ".join(argv):
             if not os.path.isdir(argv[-1]):
                 found.append(f"{pid}: {' '.join(argv)[:160]}")
     return found

@@ -242,17 +242,18 @@ def test_equal_to_everything_object_does_not_pass(sandbox: Sandbox) -> None:
 
 
 def test_forged_report_cannot_pass_without_the_answers(sandbox: Sandbox) -> None:
-    """A program that prints the harness's report line itself (the marker is in its job file)
-    and exits first still has to know the expected values."""
+    """A program that writes the harness's report line itself, on the report pipe it inherits
+    (the marker is in its job file, the pipe's number in the harness's argv), and exits first
+    still has to know the expected values."""
     program = (
-        "import json, os\n"
+        "import json, os, sys\n"
         "job = json.load(open('/sandbox/job.json'))\n"
         "line = job['marker'] + json.dumps({'load': None, 'tests': [['ok', 'True'] for _ in job['tests']]})\n"
-        "os.write(1, (line + '\\n').encode())\n"
+        "os.write(int(sys.argv[3]), ('\\n' + line + '\\n').encode())\n"
         "os._exit(0)\n"
     )
     result = call(sandbox, program, ["assert add(2, 3) == 5"])
-    assert result.reward == 0.0, result
+    assert (result.reward, result.info["outcome"]) == (0.0, "failed_tests"), result  # the forged report was read
 
 
 def test_daemonized_child_does_not_outlive_the_call(sandbox: Sandbox) -> None:

@@ -190,10 +190,10 @@ def test_no_isolation_tool_is_refused_naming_the_key(monkeypatch: pytest.MonkeyP
 def test_an_older_bubblewrap_runs_without_its_newer_options(sandbox: Sandbox) -> None:
     """bwrap before 0.8 has no --disable-userns (Ubuntu 22.04: 0.6): it is left out, and said."""
     old = dataclasses.replace(sandbox.used, options=frozenset({"--size"}))
-    argv = old.argv("/tmp/job", 1 << 20)
+    argv = old.argv("/tmp/job", 1 << 20, 3)
     assert "--disable-userns" not in argv and argv[argv.index("--size") + 1] == str(1 << 20)
     assert old.describe().endswith("; no --disable-userns (bwrap too old)")
-    assert "--disable-userns" in sandbox.used.argv("/tmp/job", 1 << 20)
+    assert "--disable-userns" in sandbox.used.argv("/tmp/job", 1 << 20, 3)
 
 
 def test_no_user_namespaces_is_refused_with_bwraps_reason(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -218,3 +218,16 @@ def test_no_user_namespaces_is_refused_with_bwraps_reason(monkeypatch: pytest.Mo
         "bwrap: No permissions to creating new namespace; install bubblewrap"
     )
     assert "set isolation: rlimits" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_large_right_values_are_not_an_output_flood(sandbox: Sandbox) -> None:
+    """The report of four 9000-character values (36 KB, over a 16 KB output limit) is the
+    harness's, not the program's output: the program passes."""
+    small = make_sandbox(max_output_kb=16)
+    tests = [f"assert block({i}) == {'x' * 9000!r}" for i in range(4)]
+    result = call(small, "def block(i):\n    return 'x' * 9000", tests)
+    assert (result.reward, result.info["outcome"]) == (1.0, "passed"), result
+    assert (
+        call(small, "print('y' * 20_000)\ndef block(i):\n    return 'x' * 9000", tests).info["outcome"]
+        == "output_limit"
+    )

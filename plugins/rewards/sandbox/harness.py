@@ -1,5 +1,7 @@
 """The program that runs *inside* the sandbox: it sets the resource limits, runs the model's
-program and evaluates each test expression, then prints one result line.
+program and evaluates each test expression, then writes one report line on the file descriptor
+the host gave it (its own pipe: the program's stdout and stderr are the program's, limited by
+``max_output_kb``; the report has a budget of its own).
 
 It is copied into the sandbox's read-only ``/sandbox`` folder and run by a bare interpreter
 (``python3 -I -S``), so it imports nothing but the standard library. It decides nothing: it
@@ -37,7 +39,7 @@ def set_limits(limits: dict[str, int]) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def main(job_path: str, program_path: str) -> None:
+def main(job_path: str, program_path: str, report_fd: int) -> None:
     write, dumps, text = os.write, json.dumps, repr  # kept before the program can replace them
     with open(job_path, encoding="utf-8") as f:
         job = json.load(f)
@@ -64,9 +66,9 @@ def main(job_path: str, program_path: str) -> None:
         sys.stdout.flush()
     except BaseException:  # noqa: BLE001 - the program may have closed or replaced stdout
         pass
-    write(1, ("\n" + job["marker"] + dumps(result) + "\n").encode())
+    write(report_fd, ("\n" + job["marker"] + dumps(result) + "\n").encode())
     os._exit(0)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))

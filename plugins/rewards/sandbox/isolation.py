@@ -73,12 +73,13 @@ class Isolation:
             "rlimits on CPU, memory, processes, files; its process group is killed at the wall-clock limit"
         )
 
-    def argv(self, folder: str, tmp_bytes: int) -> list[str]:
-        """The command running the harness on the job in ``folder`` (host path), with a private
-        ``/tmp`` of ``tmp_bytes`` under bubblewrap."""
+    def argv(self, folder: str, tmp_bytes: int, report_fd: int) -> list[str]:
+        """The command running the harness on the job in ``folder`` (host path), reporting on
+        the inherited file descriptor ``report_fd``, with a private ``/tmp`` of ``tmp_bytes``
+        under bubblewrap."""
         inside = INSIDE if self.kind == "bubblewrap" else folder
         run = [self.python, "-I", "-S", "-B", f"{inside}/harness.py", f"{inside}/job.json", f"{inside}/program.py"]
-        run.append(folder)  # unused inside; names the call on the host's process list (leftover checks)
+        run += [str(report_fd), folder]  # the folder is unused inside: it names the call in the host's process list
         if self.kind != "bubblewrap":
             return run
         assert self.bwrap is not None
@@ -149,17 +150,22 @@ def probe(isolation: Isolation) -> None:
 
     limits = Limits(cpu_seconds=5, memory_bytes=256 << 20, max_processes=8, file_bytes=1 << 20)
     with Job("print(1)", ["1 + 1"], limits) as job:
+        report_read, report_write = os.pipe()
         try:
             done = subprocess.run(
-                isolation.argv(job.folder, 1 << 20),
+                isolation.argv(job.folder, 1 << 20, report_write),
                 capture_output=True,
                 timeout=30,
                 stdin=subprocess.DEVNULL,
+                pass_fds=(report_write,),
                 **isolation.popen_kwargs(),
             )
         except (OSError, subprocess.SubprocessError) as exc:
             raise IsolationUnavailable(f"{isolation.kind} did not start: {exc}") from None
-        report = job.read(done.stdout)
+        finally:
+            os.close(report_write)
+        with os.fdopen(report_read, "rb") as f:
+            report = job.read(f.read())
         if done.returncode != 0 or report is None:
             why = (done.stderr.decode(errors="replace").strip().splitlines() or [f"exit {done.returncode}"])[0]
             raise IsolationUnavailable(f"{isolation.kind} could not run a test program: {why}")

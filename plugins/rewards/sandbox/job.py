@@ -1,5 +1,5 @@
 """One call's files: a private host folder holding the harness, the program and the job (the
-test expressions, the limits, the markers), and the harness's report read back from stdout.
+test expressions, the limits, the markers), and the harness's report read back from its pipe.
 
 The folder is readable by the sandbox user (an unprivileged uid may have to read it) and holds
 nothing secret: the model's program and the test *expressions*; the expected values stay in
@@ -57,17 +57,23 @@ class Job:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
 
+    def report_bytes(self) -> int:
+        """The most the report pipe takes: the report, whose values are each cut at
+        :data:`.harness.REPR_CAP` characters (JSON may escape each into 6 bytes)."""
+        return 1024 + len(self.marker) + len(self.expressions) * (6 * harness.REPR_CAP + 64)
+
     def started(self, stderr: bytes) -> bool:
         return self.started_line.encode() in stderr
 
-    def read(self, stdout: bytes) -> dict[str, Any] | None:
-        """The harness's report: the JSON after the last marker, with one test entry per
-        expression; ``None`` when there is none or it is malformed (the program ended the
-        process first, or printed a marker of its own that does not parse)."""
-        at = stdout.rfind(self.marker.encode())
+    def read(self, written: bytes) -> dict[str, Any] | None:
+        """The harness's report in what was ``written`` on its pipe: the JSON after the last
+        marker, with one test entry per expression; ``None`` when there is none or it is
+        malformed (the program ended the process first, or wrote a marker of its own that does
+        not parse: the pipe is inherited, and the marker is in the job file it can read)."""
+        at = written.rfind(self.marker.encode())
         if at < 0:
             return None
-        line = stdout[at + len(self.marker) :].split(b"\n", 1)[0]
+        line = written[at + len(self.marker) :].split(b"\n", 1)[0]
         try:
             report = json.loads(line)
         except ValueError:

@@ -61,10 +61,12 @@ class SandboxError(RewardError):
 
 @dataclass
 class Finished:
-    """What one sandboxed run left: its output, exit status and the limit that ended it."""
+    """What one sandboxed run left: the program's output, the harness's report, the exit
+    status and the limit that ended it."""
 
     stdout: bytes
     stderr: bytes
+    report: bytes
     returncode: int | None
     limit: str | None
     seconds: float
@@ -173,7 +175,8 @@ class Sandbox:
     async def run(self, job: Job) -> Finished:
         """Run the harness on ``job`` under the isolation in use, within the limits."""
         info_read, info_write = os.pipe()  # bubblewrap's --info-fd: the namespace's init, to kill
-        argv = self.used.argv(job.folder, self.limits.file_bytes)
+        report_read, report_write = os.pipe()  # the harness's report, apart from the program's output
+        argv = self.used.argv(job.folder, self.limits.file_bytes, report_write)
         bwrap = self.used.kind == "bubblewrap"
         if bwrap:
             argv[1:1] = ["--info-fd", str(info_write)]
@@ -184,18 +187,30 @@ class Sandbox:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
-                pass_fds=(info_write,) if bwrap else (),
+                pass_fds=(info_write, report_write) if bwrap else (report_write,),
                 **self.used.popen_kwargs(),
             )
         except OSError as exc:
             os.close(info_read)
+            os.close(report_read)
             raise SandboxError(f"could not start the sandbox ({self.used.kind}): {exc}") from None
         finally:
             os.close(info_write)
-        out, err = bytearray(), bytearray()
-        budget, over = [int(self.max_output_kb) << 10], asyncio.Event()
+            os.close(report_write)
+        report_stream = asyncio.StreamReader()
+        loop = asyncio.get_running_loop()
+        report_pipe, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(report_stream), os.fdopen(report_read, "rb", 0)
+        )
+        out, err, report = bytearray(), bytearray(), bytearray()
+        budget, report_budget, over = [int(self.max_output_kb) << 10], [job.report_bytes()], asyncio.Event()
         done: asyncio.Future[Any] = asyncio.ensure_future(
-            asyncio.gather(_drain(proc.stdout, out, budget, over), _drain(proc.stderr, err, budget, over), proc.wait())
+            asyncio.gather(
+                _drain(proc.stdout, out, budget, over),
+                _drain(proc.stderr, err, budget, over),
+                _drain(report_stream, report, report_budget, over),
+                proc.wait(),
+            )
         )
         watch: asyncio.Future[Any] = asyncio.ensure_future(over.wait())
         limit: str | None = None
@@ -215,8 +230,9 @@ class Sandbox:
             for task in (done, watch):
                 task.cancel()
             await asyncio.gather(done, watch, return_exceptions=True)
+            report_pipe.close()
             os.close(info_read)
-        return Finished(bytes(out), bytes(err), proc.returncode, limit, time.monotonic() - t0)
+        return Finished(bytes(out), bytes(err), bytes(report), proc.returncode, limit, time.monotonic() - t0)
 
     def _kill(self, pid: int, info_read: int) -> None:
         """End the whole sandbox: bubblewrap's pid-namespace init first (the kernel then kills
@@ -234,7 +250,7 @@ class Sandbox:
     def _score(self, job: Job, run: Finished, tests: list[CodeTest]) -> RewardResult:
         if run.limit is not None:
             return self._result(run.limit, tests, [], run.seconds, f"hit the {run.limit} limit")
-        report = job.read(run.stdout)
+        report = job.read(run.report)
         if report is None:
             signum = _signal_of(run.returncode, self.used.kind)
             if signum == signal.SIGXCPU:
