@@ -188,6 +188,7 @@ class Sandbox:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 pass_fds=(info_write, report_write) if bwrap else (report_write,),
+                cwd=job.folder,  # never the trainer's (the run folder): the rlimits fallback starts there
                 **self.used.popen_kwargs(),
             )
         except OSError as exc:
