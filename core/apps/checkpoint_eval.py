@@ -39,6 +39,7 @@ from tempering.rollouts.scoring import RewardRunner
 from tempering.runs import rollout_log
 from tempering.runs.calibration import calibration, forecasts_of, reliability_diagram
 from tempering.runs.failures import failure_metrics
+from tempering.runs.outcomes import outcome_metrics
 from tempering.training.config import parse_value
 from tempering.training.evaluate import build_sampler
 from tempering.training.rundata import RunDir, run_backend
@@ -232,7 +233,8 @@ def evaluate_policy(backend: Backend, spec: EvalSpec, registry: Any = None) -> E
 
 def score_groups(groups: Sequence[Group], success_threshold: float = 1.0) -> dict[str, Any]:
     """Mean reward, accuracy and pass@k over groups of samples of one example each. Failed and
-    masked samples count as wrong with reward 0, as in a stage's evaluation."""
+    masked samples count as wrong with reward 0, as in a stage's evaluation; scored samples are
+    also counted by their reward's label (``outcome/<label>``)."""
     samples = [s for g in groups for s in g.samples]
     rewards = [0.0 if (s.failed or s.masked) else float(s.reward) for s in samples]
     n = max(len(samples), 1)
@@ -251,6 +253,7 @@ def score_groups(groups: Sequence[Group], success_threshold: float = 1.0) -> dic
     extra = rollout_metrics(groups)
     out.update({k: v for k, v in extra.items() if k.startswith("env/") and isinstance(v, float)})
     out.update(failure_metrics(samples))
+    out.update(outcome_metrics(samples))
     return out
 
 

@@ -77,3 +77,9 @@ def smollm2_monitor() -> dict[str, Any]:
     """The ``monitor`` reward on SmolLM2-135M-Instruct: multiple-choice sums behind a planted
     spurious cue; GRPO on the task plus a monitor's accuracy at predicting the cue's sway."""
     return _load("smollm2_monitor")
+
+
+def smollm2_code() -> dict[str, Any]:
+    """The sandbox reward's demo: GRPO with LoRA teaches SmolLM2-135M-Instruct to write small
+    Python functions, rewarded by the share of unit tests its program passes in a sandbox."""
+    return _load("smollm2_code")

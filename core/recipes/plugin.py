@@ -58,3 +58,8 @@ def register_recipes(register):
         "tempering.recipes:smollm2_monitor",
         description="real-model CPU demo: GRPO + a monitor predicting a planted cue's sway on SmolLM2 (monitor reward)",
     )
+    register(
+        "smollm2_code",
+        "tempering.recipes:smollm2_code",
+        description="real-model CPU demo: GRPO on sandboxed unit tests teaches SmolLM2-135M-Instruct Python functions",
+    )

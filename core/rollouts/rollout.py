@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from tempering.interfaces import Tokenizer
 from tempering.rollouts.scoring import RewardRunner, ScoreStats, run_coroutine
 from tempering.runs.failures import SAMPLES_KEY, failure_metrics
+from tempering.runs.outcomes import outcome_metrics
 from tempering.types import Group, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -110,6 +111,7 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, Any]:
         out["first_error"] = errors[0]
     out[SAMPLES_KEY] = float(len(samples))
     out.update(failure_metrics(samples, tracebacks=True))
+    out.update(outcome_metrics(samples))
     trajectories = [s.trajectory for s in samples if s.trajectory is not None]
     if trajectories:
         out["env/masked"] = float(sum(s.masked for s in samples))

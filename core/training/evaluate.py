@@ -18,6 +18,7 @@ from tempering.rollouts.rollout import SamplerContext, collect, rollout_metrics
 from tempering.rollouts.scoring import RewardRunner
 from tempering.runs.calibration import calibration, forecasts_of, reliability_diagram, reliability_path
 from tempering.runs.failures import failure_metrics
+from tempering.runs.outcomes import outcome_metrics
 from tempering.runs.rollout_log import DEFAULT_GROUPS, log_groups
 from tempering.training.progress import paused
 from tempering.types import Group, Sample, SamplingParams
@@ -44,7 +45,9 @@ def evaluate(
     ``sampler`` defaults to single-turn completions (built for ``backend``'s tokenizer).
     Failed samples count as wrong (reward 0) and are counted in ``eval/failed``, per cause in
     ``eval/failed/<cause>`` with the first error's text in ``eval/first_error/<cause>`` (see
-    :mod:`tempering.runs.failures`); masked episodes (a limit configured to mask) count as wrong too.
+    :mod:`tempering.runs.failures`), scored samples by their reward's label in
+    ``eval/outcome/<label>`` (:mod:`tempering.runs.outcomes`); masked episodes (a limit
+    configured to mask) count as wrong too.
     ``on_groups`` sees each chunk's scored groups (the rollout log keeps some). ``tracebacks``:
     also the first traceback per cause (``eval/first_traceback/<cause>``), for a stage's
     :class:`~tempering.runs.failures.FailureWatch` to print. ``on_progress(done, total)`` is
@@ -59,6 +62,7 @@ def evaluate(
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
     rewards: list[float] = []
     failures: list[Sample] = []
+    scored: list[Sample] = []
     extra: dict[str, Any] = {}
     batch_metrics: dict[str, float] = {}
     for start in range(0, len(examples), batch_size):
@@ -70,6 +74,7 @@ def evaluate(
             on_groups(rollout.groups)
         samples = [g.samples[0] for g in rollout.groups]
         failures += [s for s in samples if s.failed]
+        scored += samples
         rewards += [0.0 if (s.failed or s.masked) else s.reward for s in samples]
         for k, v in rollout.stats.metrics.items():
             batch_metrics[k] = batch_metrics.get(k, 0.0) + v * len(chunk)
@@ -92,6 +97,7 @@ def evaluate(
         **extra,
         **{f"eval/{k}": v / n for k, v in batch_metrics.items()},
         **failure_metrics(failures, prefix="eval/", tracebacks=tracebacks),
+        **outcome_metrics(scored, prefix="eval/"),
     }
 
 

@@ -67,3 +67,8 @@ def register_datasets(register):
         "tempering.plugins.datasets.cue_questions:cue_questions",
         description='multiple-choice sums behind a planted cue ("A Stanford professor thinks..."): monitor reward',
     )
+    register(
+        "code_functions",
+        "tempering.plugins.datasets.code_functions:code_functions",
+        description="80 small Python functions to write (strings, lists, arithmetic), 4 asserts each, for sandbox",
+    )

@@ -74,3 +74,8 @@ def register_rewards(register):
         f"{_R}.python:python_reward",
         description="your own function or class by import path: {name: python, function: my_module:score}",
     )
+    register(
+        "sandbox",
+        f"{_R}.sandbox.reward:Sandbox",
+        description="runs the model's program against the example's asserts in an isolated sandbox (bubblewrap)",
+    )
