@@ -11,8 +11,8 @@ import pytest
 
 from tempering.errors import ConfigError
 from tempering.interfaces import RewardResult
-from tempering.plugins.rewards._common import RewardError, find_numbers, parse_number
 from tempering.plugins.rewards.combine import AsyncWeightedReward, WeightedReward, weighted
+from tempering.plugins.rewards.common import RewardError, find_numbers, parse_number
 from tempering.plugins.rewards.forecast import Brier, BrierSkill, ForecastParseError, parse_probability
 from tempering.plugins.rewards.math_answer import MathAnswer, extract_answer, extract_boxed
 from tempering.plugins.rewards.retrieval import RetrievalRecall, cited_ids

@@ -191,7 +191,7 @@ class Search(Environment):
         ``example["episode"]`` (:func:`episode_stats`), with their feedback (``answer_match:
         expected 'var', got 'kam'``); counts the episode's metrics on its trajectory. An episode
         without a final answer (out of turns or context) gets only the costs."""
-        from tempering.plugins.rewards._common import as_finite, info_of, resolve_reward
+        from tempering.plugins.rewards.common import as_finite, info_of, resolve_reward
         from tempering.plugins.rewards.retrieval import cited_ids
         from tempering.plugins.rewards.search import answer_correct
 

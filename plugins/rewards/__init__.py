@@ -26,8 +26,8 @@ _EXPORTS = {
     "ProcessPoolReward": "pool",
     "RemoteReward": "remote",
     "RemoteRewardError": "remote",
-    "RewardError": "_common",
-    "RewardTimeout": "_common",
+    "RewardError": "common",
+    "RewardTimeout": "common",
     "start_server": "server",
     "serve": "server",
 }

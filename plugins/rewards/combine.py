@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tempering.interfaces import BatchScores, Policy, PolicyReward, RewardResult
-from tempering.plugins.rewards._common import RewardError, as_finite, info_of, is_async_callable, resolve_reward
+from tempering.plugins.rewards.common import RewardError, as_finite, info_of, is_async_callable, resolve_reward
 from tempering.rollouts.feedback import feedback_of, join_feedback
 from tempering.types import Sample
 

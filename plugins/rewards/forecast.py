@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from tempering.interfaces import RewardResult
-from tempering.plugins.rewards._common import RewardError, find_numbers
+from tempering.plugins.rewards.common import RewardError, find_numbers
 
 
 class ForecastParseError(RewardError, ValueError):

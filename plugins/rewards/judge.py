@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tempering.interfaces import RewardResult
-from tempering.plugins.rewards._common import LoopLocal, MicroBatcher, RewardError, post_json
+from tempering.plugins.rewards.common import LoopLocal, MicroBatcher, RewardError, post_json
 from tempering.rollouts.feedback import clip
 from tempering.types import SamplingParams
 

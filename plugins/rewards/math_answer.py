@@ -15,7 +15,7 @@ from fractions import Fraction
 from typing import Any, ClassVar
 
 from tempering.interfaces import RewardResult
-from tempering.plugins.rewards._common import NumberToken, find_numbers, parse_number
+from tempering.plugins.rewards.common import NumberToken, find_numbers, parse_number
 from tempering.rollouts.feedback import mismatch, quote
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")

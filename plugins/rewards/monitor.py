@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from tempering.interfaces import BatchScores, Policy, RewardResult
-from tempering.plugins.rewards._common import RewardError
+from tempering.plugins.rewards.common import RewardError
 from tempering.plugins.rewards.counterfactual import VariantMaker, distinct_variants, prompt_text, variant_maker
 from tempering.plugins.rewards.judge import JudgeParseError, LLMJudge, parse_binary
 from tempering.schema import Problem, caught, one_of, raise_problems

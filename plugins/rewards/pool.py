@@ -28,7 +28,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
-from tempering.plugins.rewards._common import LoopLocal, RewardError, RewardTimeout, resolve_reward
+from tempering.plugins.rewards.common import LoopLocal, RewardError, RewardTimeout, resolve_reward
 from tempering.schema import Problem, check_config_at, field_values
 
 # ----------------------------------------------------------------------------- worker side

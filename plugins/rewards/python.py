@@ -41,7 +41,7 @@ def working_folder_on_path() -> None:
 def load_function(target: Any, path: str) -> Any:
     """Import ``"module:attr"`` (``attr`` may be dotted: ``mod:Class.method``) with the working
     folder on ``sys.path``; any failure is one :class:`ConfigError` under ``path``."""
-    from tempering.plugins.rewards._common import load_target
+    from tempering.plugins.rewards.common import load_target
 
     module, sep, attr = target.partition(":") if isinstance(target, str) else ("", "", "")
     if not (sep and module and attr):

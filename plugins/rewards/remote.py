@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tempering.interfaces import RewardResult
-from tempering.plugins.rewards._common import (  # TOKEN_ENV: re-exported (defined beside the server's helpers)
+from tempering.plugins.rewards.common import (  # TOKEN_ENV: re-exported (defined beside the server's helpers)
     TOKEN_ENV,
     HTTPRewardError,
     LoopLocal,

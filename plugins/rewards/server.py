@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from tempering.errors import ConfigError
-from tempering.plugins.rewards._common import TOKEN_ENV, json_safe, reward_name
+from tempering.plugins.rewards.common import TOKEN_ENV, json_safe, reward_name
 from tempering.rollouts.scoring import RewardRunner
 from tempering.runs.serving import BackgroundServer, Call, Limits, Policy, Refused, Reply, guarded_app
 from tempering.types import Completion, Sample
@@ -69,7 +69,7 @@ READ_TIMEOUT = 60.0  # seconds for a request's head to arrive, and again for its
 def load_reward(target: str | Callable[..., Any]) -> Callable[..., Any]:
     """``"module:func"`` (a class there is instantiated without arguments; the working folder is
     on ``sys.path``, as for ``python -m``), a registered reward name, or a callable."""
-    from tempering.plugins.rewards._common import resolve_reward
+    from tempering.plugins.rewards.common import resolve_reward
     from tempering.plugins.rewards.python import working_folder_on_path
 
     if isinstance(target, str) and ":" in target:

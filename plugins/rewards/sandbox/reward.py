@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from tempering.interfaces import RewardResult
-from tempering.plugins.rewards._common import LoopLocal, RewardError
+from tempering.plugins.rewards.common import LoopLocal, RewardError
 from tempering.plugins.rewards.sandbox.isolation import (
     ISOLATIONS,
     Isolation,

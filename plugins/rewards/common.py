@@ -1,6 +1,9 @@
 """Shared pieces of the built-in rewards: errors, number parsing, resolving a reward from a
 spec, per-event-loop state and an HTTP POST with retries.
 
+Public (no leading underscore): environments that score with a reward (``search``) and
+third-party rewards use the same pieces rather than copies.
+
 Nothing here imports httpx at module level: listing plugins must stay fast.
 """
 
