@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_runs import TwoTurns, tiny_recipe
 
 from tempering.algorithms.distill.algorithm import Distill
 from tempering.algorithms.distill.kl import kl_term
@@ -228,14 +229,7 @@ def _recipe(
         "optimizer": {"learning_rate": 1e-2},
         **stage,
     }
-    return Recipe(
-        name=name,
-        output_dir=str(tmp_path / name),
-        loggers=[],
-        backend={"name": "local", "model": "tiny_llama", "model_kwargs": SMALL, "num_threads": 1},
-        stages=[spec],
-        **(run or {}),
-    )
+    return tiny_recipe(tmp_path, name, spec, SMALL, **(run or {}))
 
 
 def _kl_rows(result) -> list[float]:
@@ -311,28 +305,6 @@ def test_an_interrupted_stage_resumes_with_the_same_teacher(tmp_path, teacher_fo
     assert first + rest[-2:] == pytest.approx(straight, abs=1e-6)
 
 
-class _TwoTurns:
-    """Answers every model turn with a tool message; the episode ends after two turns."""
-
-    def __init__(self) -> None:
-        self.turns = 0
-
-    async def reset(self, example):
-        return [{"role": "user", "content": example["prompt"]}]
-
-    def tools(self):
-        return []
-
-    async def step(self, response):
-        from tempering.rollouts.environment import StepResult
-
-        self.turns += 1
-        return StepResult([{"role": "tool", "content": "42"}], reward=0.0, done=self.turns >= 2)
-
-    async def cleanup(self):
-        pass
-
-
 def test_multi_turn_episodes_are_distilled_on_the_sampled_turns_only(tmp_path):
     """The RL engine's episodes feed distillation as they feed GRPO: the teacher scores each
     episode's whole row and the KL counts the model's turns only (tool answers at weight 0)."""
@@ -351,7 +323,7 @@ def test_multi_turn_episodes_are_distilled_on_the_sampled_turns_only(tmp_path):
                 "steps": 2,
                 "prompts_per_step": 2,
                 "max_tokens": 4,
-                "sampler": {"name": "environment", "environment": _TwoTurns, "max_turns": 2},
+                "sampler": {"name": "environment", "environment": TwoTurns, "max_turns": 2},
                 "optimizer": {"learning_rate": 1e-2},
             }
         ],

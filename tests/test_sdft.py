@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_runs import TwoTurns, tiny_recipe
 
 from tempering.algorithms.sdft.algorithm import DEFAULT_TEACHER_TEMPLATE, SDFT, teacher_prompt
 from tempering.algorithms.sdft.loss import (
@@ -444,13 +445,7 @@ def _sdft_recipe(tmp_path, name, **stage):
         "optimizer": {"learning_rate": 1e-2},
         **stage,
     }
-    return Recipe(
-        name=name,
-        output_dir=str(tmp_path / name),
-        loggers=[],
-        backend={"name": "local", "model": "tiny_llama", "model_kwargs": SMALL, "num_threads": 1},
-        stages=[spec],
-    )
+    return tiny_recipe(tmp_path, name, spec, SMALL)
 
 
 @pytest.mark.parametrize(
@@ -508,26 +503,6 @@ def test_stage_config_errors(tmp_path):
 
 
 # --------------------------------------------------------------------------- multi-turn students
-class _TwoTurns:
-    """Answers every model turn with a tool message; the episode ends after two turns."""
-
-    def __init__(self) -> None:
-        self.turns = 0
-
-    async def reset(self, example):
-        return [{"role": "user", "content": example["prompt"]}]
-
-    def tools(self):
-        return []
-
-    async def step(self, response):
-        from tempering.rollouts.environment import StepResult
-
-        self.turns += 1
-        return StepResult([{"role": "tool", "content": "42"}], reward=0.0, done=self.turns >= 2)
-
-    async def cleanup(self):
-        pass
 
 
 def test_sdft_distils_multi_turn_trajectories(tmp_path):
@@ -535,7 +510,6 @@ def test_sdft_distils_multi_turn_trajectories(tmp_path):
     results inside at weight 0), the teacher row the demonstration-conditioned prompt followed
     by exactly the same tokens, and the stage trains through the environment sampler."""
     from tempering.plugins.backends.local.backend import LocalBackend
-    from tempering.training.recipe import Recipe
 
     kwargs = {
         "hidden_size": 32,
@@ -557,7 +531,7 @@ def test_sdft_distils_multi_turn_trajectories(tmp_path):
         "teacher": "live",
         "loss": {"name": "sdft", "mode": "sampled_token"},
         "skip_first_tokens": 1,
-        "sampler": {"name": "environment", "environment": _TwoTurns, "max_turns": 2},
+        "sampler": {"name": "environment", "environment": TwoTurns, "max_turns": 2},
         "optimizer": {"learning_rate": 1e-2},
     }
     result = Recipe(name="s", output_dir=str(tmp_path), loggers=[], stages=[stage]).run(backend=backend)

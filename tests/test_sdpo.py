@@ -22,6 +22,8 @@ import torch
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
+from tiny_runs import TwoTurns, tiny_recipe
+
 from tempering.algorithms.grpo.loss import GRPOLoss
 from tempering.algorithms.sdpo.algorithm import SDPO
 from tempering.algorithms.sdpo.context import (
@@ -872,13 +874,7 @@ def sdpo_recipe(tmp_path: Any, name: str, **stage: Any) -> Recipe:
         "optimizer": {"learning_rate": 1e-2},
         **stage,
     }
-    return Recipe(
-        name=name,
-        output_dir=str(tmp_path / name),
-        loggers=[],
-        backend={"name": "local", "model": "tiny_llama", "model_kwargs": SMALL, "num_threads": 1},
-        stages=[spec],
-    )
+    return tiny_recipe(tmp_path, name, spec, SMALL)
 
 
 @pytest.mark.parametrize(
@@ -978,34 +974,6 @@ def test_feedback_is_the_teacher_signal(tmp_path, monkeypatch):
     )
 
 
-class _TwoTurns:
-    """Answers every model turn with a tool message; the episode ends after two turns, and it
-    scored 1 when the first turn started with a digit."""
-
-    def __init__(self) -> None:
-        self.turns = 0
-        self.first = ""
-
-    async def reset(self, example):
-        return [{"role": "user", "content": example["prompt"]}]
-
-    def tools(self):
-        return []
-
-    async def step(self, response):
-        from tempering.rollouts.environment import StepResult
-
-        self.turns += 1
-        self.first = self.first or (getattr(response, "text", "") or " ")
-        done = self.turns >= 2
-        return StepResult(
-            [{"role": "tool", "content": "42"}], reward=float(self.first[:1].isdigit()) if done else 0.0, done=done
-        )
-
-    async def cleanup(self):
-        pass
-
-
 def test_multi_turn_samples_are_distilled_on_their_first_row(tmp_path):
     """An episode's teacher row is the re-prompted first messages followed by exactly the
     student's row after its prompt (every turn, the tool results between at weight 0); rows
@@ -1035,7 +1003,7 @@ def test_multi_turn_samples_are_distilled_on_their_first_row(tmp_path):
         "max_tokens": 6,
         "teacher": "live",
         "success_reward_threshold": 0.0,
-        "sampler": {"name": "environment", "environment": _TwoTurns, "max_turns": 2},
+        "sampler": {"name": "environment", "environment": TwoTurns, "max_turns": 2},
         "optimizer": {"learning_rate": 1e-2},
         **TINY_TEMPLATES,
     }

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_runs import tiny_recipe
 
 from tempering.algorithms.offpolicy.algorithm import OffPolicyRL, StaleRollouts
 from tempering.algorithms.offpolicy.loss import ClippedISLoss, OffPolicyObjective
@@ -114,13 +115,7 @@ def stale_recipe(tmp_path: Any, name: str, **stage: Any) -> Recipe:
         "log_kl": False,
         **stage,
     }
-    return Recipe(
-        name=name,
-        output_dir=str(tmp_path / name),
-        loggers=[],
-        backend={"name": "local", "model": "tiny_llama", "model_kwargs": SMALL, "num_threads": 1},
-        stages=[spec],
-    )
+    return tiny_recipe(tmp_path, name, spec, SMALL)
 
 
 def test_python_recipe_reaches_k_stale_and_scores_the_teacher_at_training_time(tmp_path):
