@@ -174,15 +174,21 @@ def test_bad_keys_get_one_line(keys: dict, line: str) -> None:
     assert str(caught.value).startswith(line) and "\n" not in str(caught.value)
 
 
-def test_no_isolation_tool_is_refused_naming_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(isolation_module.shutil, "which", lambda name: None)
+def refusal(monkeypatch: pytest.MonkeyPatch, bwrap: str | None) -> str:
+    """The one-line error building a default sandbox reward gives when ``shutil.which`` finds
+    ``bwrap`` (None: not installed); the isolation probe's cache is cleared around it."""
+    monkeypatch.setattr(isolation_module.shutil, "which", lambda name: bwrap)
     isolation_module.detect.cache_clear()
     try:
         with pytest.raises(ConfigError) as caught:
             get_registry().build("reward", {"name": "sandbox"}, "stages[0].reward")
     finally:
         isolation_module.detect.cache_clear()
-    text = str(caught.value)
+    return str(caught.value)
+
+
+def test_no_isolation_tool_is_refused_naming_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = refusal(monkeypatch, None)
     assert text.startswith("stages[0].reward.isolation: bubblewrap (bwrap) is not installed; install bubblewrap")
     assert "set isolation: rlimits to accept weaker isolation" in text and "\n" not in text
 
@@ -205,19 +211,15 @@ def test_no_user_namespaces_is_refused_with_bwraps_reason(monkeypatch: pytest.Mo
         f.write("#!/bin/sh\necho 'bwrap: No permissions to creating new namespace' >&2\nexit 1\n")
     os.chmod(folder, 0o755)
     os.chmod(fake, 0o755)
-    monkeypatch.setattr(isolation_module.shutil, "which", lambda name: fake)
-    isolation_module.detect.cache_clear()
     try:
-        with pytest.raises(ConfigError) as caught:
-            get_registry().build("reward", {"name": "sandbox"}, "stages[0].reward")
+        text = refusal(monkeypatch, fake)
     finally:
-        isolation_module.detect.cache_clear()
         shutil.rmtree(folder)
-    assert str(caught.value).startswith(
+    assert text.startswith(
         "stages[0].reward.isolation: bubblewrap could not run a test program: "
         "bwrap: No permissions to creating new namespace; install bubblewrap"
     )
-    assert "set isolation: rlimits" in str(caught.value) and "\n" not in str(caught.value)
+    assert "set isolation: rlimits" in text and "\n" not in text
 
 
 def test_large_right_values_are_not_an_output_flood(sandbox: Sandbox) -> None:
