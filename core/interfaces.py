@@ -439,7 +439,12 @@ class Sampler(Protocol):
     """
 
     async def sample(
-        self, client: Any, examples: list[dict[str, Any]], group_size: int, params: SamplingParams, first_id: int = 0
+        self,
+        client: SamplingClient,
+        examples: list[dict[str, Any]],
+        group_size: int,
+        params: SamplingParams,
+        first_id: int = 0,
     ) -> Any: ...
 
 

@@ -74,6 +74,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 from tempering.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from tempering.interfaces import Loss
     from tempering.types import Batch
 
 __all__ = [
@@ -216,7 +217,7 @@ class StageAwareLoss(Protocol):
     def for_stage(self, setup: LossSetup) -> Any: ...
 
 
-def for_stage(loss: Any, setup: LossSetup) -> Any:
+def for_stage(loss: Loss, setup: LossSetup) -> Loss:
     """``loss`` configured with what its stage knows (:class:`StageAwareLoss`), else ``loss``."""
     return loss.for_stage(setup) if isinstance(loss, StageAwareLoss) else loss
 
@@ -311,7 +312,7 @@ class DeclaresBuiltin(Protocol):
     def builtin(self, batch: Batch) -> BuiltinLoss | NoBuiltin: ...
 
 
-def builtin_of(loss: Any, batch: Batch) -> BuiltinLoss | NoBuiltin:
+def builtin_of(loss: Loss, batch: Batch) -> BuiltinLoss | NoBuiltin:
     """The built-in loss that computes ``loss`` exactly on ``batch``, as the loss declares it
     (``builtin(batch)``, else ``tinker_builtin`` and its config), or why there is none.
     A declaration that names no built-in, or a clipped one without thresholds, is a
@@ -340,7 +341,7 @@ def names_builtin(loss: object) -> bool:
     return builtin_name(loss) is not None
 
 
-def builtin_config(loss: Any, name: str) -> dict[str, float] | None:
+def builtin_config(loss: Loss, name: str) -> dict[str, float] | None:
     """The config of built-in ``name`` a loss declares statically: its ``tinker_loss_fn_config``
     if it has one, else (the clipped built-ins) thresholds from ``clip_low_threshold`` /
     ``clip_high_threshold`` or ``epsilon_low`` / ``epsilon_high`` attributes. Clip thresholds

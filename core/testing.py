@@ -35,6 +35,7 @@ import pytest
 from tempering import loss_contract
 from tempering import registry as _registry
 from tempering.errors import PluginError
+from tempering.interfaces import Loss
 from tempering.registry import Component, PluginInfo, Registry
 from tempering.types import AdamParams, Batch, Completion, SamplingParams
 
@@ -175,7 +176,7 @@ class FakeBackend:
     def snapshot_names(self) -> list[str]:
         return sorted(set(self.snapshots))
 
-    def forward_backward(self, batch: Batch, loss: Any) -> Future[dict[str, float]]:
+    def forward_backward(self, batch: Batch, loss: Loss) -> Future[dict[str, float]]:
         import torch
 
         if loss_contract.needs_logits(loss):

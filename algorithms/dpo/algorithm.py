@@ -43,11 +43,11 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from tempering.errors import ConfigError
-from tempering.interfaces import RunContext, Tokenizer, WeightSnapshots, model_renderer
+from tempering.interfaces import Loss, RunContext, Tokenizer, WeightSnapshots, model_renderer
 from tempering.loss_contract import DPO_SLOT, REF_LOGPROBS, ROW_INPUTS
 from tempering.rollouts.chat import Message, check_messages
 from tempering.rollouts.data import ExampleStream, encode_completion, encode_prompt, load_examples, user_turn
-from tempering.rollouts.renderer import build_renderer, chat_text_prompts
+from tempering.rollouts.renderer import Renderer, build_renderer, chat_text_prompts
 from tempering.rollouts.trajectory import as_context
 from tempering.training.stage import Requirement, Stage, check_stage
 from tempering.types import Batch, Datum
@@ -81,7 +81,7 @@ def continuation(value: Any, where: str) -> list[Message]:
     return messages
 
 
-def turn_rows(renderer: Any, history: list[Message], side: list[Message], tools: Any) -> list[Datum]:
+def turn_rows(renderer: Renderer, history: list[Message], side: list[Message], tools: Any) -> list[Datum]:
     """The rows of one side: ``history`` + ``side`` rendered for training, weight on the
     side's assistant tokens only (the history's assistant turns are context)."""
     rows = [r for r in renderer.render_training([*as_context(history), *side], tools) if any(r.weights)]
@@ -145,7 +145,7 @@ class DPO(Stage):
             )
         return needs
 
-    def batch_inputs(self, loss: Any) -> frozenset[str]:
+    def batch_inputs(self, loss: Loss) -> frozenset[str]:
         """Interleaved pairs' rows, the reference policy's logprobs and, for sides of several
         rows, each row's slot (the loss contract's names)."""
         return ROW_INPUTS | {REF_LOGPROBS, DPO_SLOT}
@@ -210,7 +210,9 @@ class DPO(Stage):
             example["prompt"] = row[self.prompt_key]
         return example
 
-    def sides(self, tokenizer: Tokenizer, row: dict[str, Any], renderer: Any = None) -> tuple[list[Datum], list[Datum]]:
+    def sides(
+        self, tokenizer: Tokenizer, row: dict[str, Any], renderer: Renderer | None = None
+    ) -> tuple[list[Datum], list[Datum]]:
         """The rows of a pair's chosen and rejected side (one each for a single-turn pair). A
         text prompt with a chat renderer (``_chat_text``, set by :meth:`setup`) is one user turn
         and each completion one assistant turn, as RL samples them."""
@@ -238,7 +240,7 @@ class DPO(Stage):
             out.append(data)
         return out[0], out[1]
 
-    def build_batch(self, tokenizer: Tokenizer, rows: list[dict[str, Any]], renderer: Any = None) -> Batch:
+    def build_batch(self, tokenizer: Tokenizer, rows: list[dict[str, Any]], renderer: Renderer | None = None) -> Batch:
         """Interleaved rows: ``2i`` = pair i's chosen, ``2i + 1`` its rejected, when every side
         is one row; otherwise each side's rows in turn, each carrying its slot (``extra["dpo_slot"]``:
         ``2i`` or ``2i + 1``) so the loss sums a side over its rows. Precomputed reference

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from tempering.errors import ConfigError
-from tempering.interfaces import LossOnTrainingForward, RunContext, WeightSnapshots, supports
+from tempering.interfaces import Loss, LossOnTrainingForward, RunContext, WeightSnapshots, supports
 from tempering.loss_contract import REF_LOGPROBS, SAMPLER_LOGPROBS, WEIGHTS, reads_input
 from tempering.rlmath.kl import k3_kl
 from tempering.rollouts.rollout import recompute_sampler_logprobs, should_recompute
@@ -84,7 +84,7 @@ class GRPO(RLStage):
                 self.ref_name
             ).result()  # saved in checkpoints: resume keeps it
 
-    def batch_inputs(self, loss: Any) -> frozenset[str]:
+    def batch_inputs(self, loss: Loss) -> frozenset[str]:
         """The RL engine's inputs, plus the reference policy's logprobs: scored at every step
         for a loss that reads them (a KL term), else every ``kl_every`` steps for the log."""
         return super().batch_inputs(loss) | {REF_LOGPROBS}

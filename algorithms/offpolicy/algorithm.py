@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from tempering.algorithms.offpolicy.loss import AdvantageCap, OffPolicyObjective, _RatioLoss
 from tempering.errors import ConfigError
+from tempering.interfaces import Loss
 from tempering.loss_contract import names_builtin
 from tempering.rlmath.aggregation import FOLD_AGGREGATIONS, fold_normaliser
 from tempering.rollouts.async_rollout import AsyncRollouts, sampler_of
@@ -35,7 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
 AGGREGATIONS = ("auto", *FOLD_AGGREGATIONS)
 
 
-def sums_over_tokens(loss: Any) -> bool:
+def sums_over_tokens(loss: Loss) -> bool:
     """True for a loss that is a plain sum over tokens (every loss naming a Tinker built-in,
     and this package's losses), which needs its normaliser folded into the advantages; False
     for one that normalises itself (``grpo``'s aggregations)."""

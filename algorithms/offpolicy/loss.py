@@ -72,7 +72,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 
 from tempering import loss_contract
-from tempering.interfaces import LossOutput, at_positions, from_positions
+from tempering.interfaces import Loss, LossOutput, at_positions, from_positions
 from tempering.loss_contract import ADVANTAGES, SAMPLER_LOGPROBS, TARGET_IDS, WEIGHTS, loss_reads
 from tempering.rlmath.aggregation import fold_normaliser
 from tempering.rlmath.diagnostics import ratio_stats
@@ -401,7 +401,7 @@ class AdvantageCap:
         self.multiple, self.momentum, self.mean = multiple, momentum, mean
 
     @classmethod
-    def for_loss(cls, loss: Any, mean: float | None = None) -> AdvantageCap:
+    def for_loss(cls, loss: Loss, mean: float | None = None) -> AdvantageCap:
         """The cap ``loss`` asks for (:class:`CapsAdvantages`); none for any other loss."""
         if isinstance(loss, CapsAdvantages):
             return cls(loss.advantage_cap, loss.advantage_cap_momentum, mean)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tempering.errors import ConfigError
-from tempering.interfaces import Backend, Distributions, FullDistributions, LossLogits, RunContext, model_renderer
+from tempering.interfaces import Backend, Distributions, FullDistributions, Loss, LossLogits, RunContext, model_renderer
 from tempering.loss_contract import ADVANTAGES, ROW_INPUTS, SAMPLER_LOGPROBS, TEACHER_TOKEN_LOGPROBS
 from tempering.rlmath.aggregation import fold_normaliser
 from tempering.rollouts.data import ExampleStream, load_examples
@@ -153,7 +153,7 @@ class SDFT(SamplingKeys, Stage):
         """A ``stage_start`` or ``ema`` teacher is a weight snapshot; ``ema`` moves it."""
         return [*super().required_capabilities(), *self.teacher_weights().requirements("teacher")]
 
-    def loss_capabilities(self, loss: Any) -> list[Requirement]:
+    def loss_capabilities(self, loss: Loss) -> list[Requirement]:
         """What the loss's teacher input asks of the backend (:func:`tempering.training.teacher.teacher_needs`):
         the teacher's top-k or full distributions, and the student's logits in the loss."""
         kind = teacher_needs(loss).input
@@ -178,7 +178,7 @@ class SDFT(SamplingKeys, Stage):
             ),
         ]
 
-    def batch_inputs(self, loss: Any) -> frozenset[str]:
+    def batch_inputs(self, loss: Loss) -> frozenset[str]:
         """Each student row's tokens and weights, the sampler's logprobs and the teacher's
         values the loss asks for (:func:`tempering.training.teacher.teacher_needs`); the sampled-token
         advantages for the ``token`` input (the loss contract's names)."""

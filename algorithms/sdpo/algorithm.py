@@ -72,7 +72,7 @@ from tempering.algorithms.sdpo.context import (
 )
 from tempering.algorithms.sdpo.loss import SDPOLoss, distillation_problem, teacher_input
 from tempering.errors import ConfigError
-from tempering.interfaces import Backend, Distributions, FullDistributions, LossLogits, RunContext, Tokenizer
+from tempering.interfaces import Backend, Distributions, FullDistributions, Loss, LossLogits, RunContext, Tokenizer
 from tempering.loss_contract import DISTILL_WEIGHTS, TEACHER_TOKEN_LOGPROBS, check_reads
 from tempering.training import teacher as shared
 from tempering.training.stage import Requirement
@@ -254,7 +254,7 @@ class SDPO(StaleRollouts, GRPO):
     def _teacher_input(self) -> str | None:
         return teacher_input(self.distillation_mode, self.distillation_topk_support, self.distillation_weight)
 
-    def batch_inputs(self, loss: Any) -> frozenset[str]:
+    def batch_inputs(self, loss: Loss) -> frozenset[str]:
         """GRPO's inputs, plus the distillation mask and the teacher's values of the mode
         (:data:`tempering.training.teacher.TEACHER_INPUT_KEYS`) when something is distilled. ``loss`` is
         the stage's policy loss; the blended :class:`SDPOLoss` is checked against the same set

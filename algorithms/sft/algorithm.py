@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tempering.errors import ConfigError
-from tempering.interfaces import model_renderer
+from tempering.interfaces import Loss, model_renderer
 from tempering.loss_contract import ROW_INPUTS
 from tempering.rollouts.chat import check_messages
 from tempering.rollouts.data import ExampleStream, encode_completion, encode_prompt, load_examples, user_turn
@@ -51,7 +51,7 @@ class SFT(Stage):
         require(self.batch_size >= 1, f"{ctx.path}.batch_size", f"must be >= 1, got {self.batch_size}")
         check_stage(ctx, self, columns={"prompt": {self.completion_key: "completion_key"}, "messages": {}})
 
-    def batch_inputs(self, loss: Any) -> frozenset[str]:
+    def batch_inputs(self, loss: Loss) -> frozenset[str]:
         """Rows and their weights (the loss contract's names): nothing sampled, no reference."""
         return ROW_INPUTS
 

@@ -28,7 +28,7 @@ import asyncio
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tempering.rollouts.chat import ParsedResponse, assign_call_ids, check_messages
 from tempering.rollouts.feedback import feedback_of
@@ -36,6 +36,10 @@ from tempering.rollouts.loop_thread import LoopThread
 from tempering.rollouts.trajectory import Trajectory, TrajectoryBuilder, Turn
 from tempering.runs.failures import debug, format_traceback
 from tempering.types import Completion, SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tempering.interfaces import SamplingClient
+    from tempering.rollouts.renderer import Renderer
 
 LIMIT_ACTIONS = ("zero", "mask")
 #: The parse error of a turn the token limit cut before its stop token (environments may treat
@@ -131,7 +135,7 @@ class ModelQueue:
 
     def __init__(
         self,
-        client: Any,
+        client: SamplingClient,
         params: SamplingParams,
         batch_wait: float | None = None,
         seed: int | None = None,
@@ -236,7 +240,7 @@ def _cut(c: Completion, limit: int) -> Completion:
 async def run_episode(
     env: Any,
     example: dict[str, Any],
-    renderer: Any,
+    renderer: Renderer,
     queue: ModelQueue,
     key: int,
     limits: EpisodeLimits,

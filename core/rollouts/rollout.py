@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tempering.interfaces import Tokenizer
+from tempering.interfaces import Sampler, SamplingClient, Tokenizer
 from tempering.rollouts.scoring import RewardRunner, ScoreStats, run_coroutine
 from tempering.runs.failures import SAMPLES_KEY, failure_metrics
 from tempering.runs.outcomes import outcome_metrics
@@ -71,8 +71,8 @@ class RolloutBatch:
 
 
 def collect(
-    sampler: Any,
-    client: Any,
+    sampler: Sampler,
+    client: SamplingClient,
     examples: Sequence[Mapping[str, Any]],
     group_size: int,
     params: SamplingParams,

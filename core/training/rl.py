@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from tempering.errors import ConfigError
+from tempering.interfaces import Loss
 from tempering.loss_contract import ADVANTAGES, ROW_INPUTS, SAMPLER_LOGPROBS, LossSetup, for_stage
 from tempering.registry import split_spec
 from tempering.rollouts.data import ExampleStream, load_examples
@@ -224,7 +225,7 @@ class RLStage(SamplingKeys, Stage):
         self.params = self.sampling_params()
         self.rollouts = self.make_rollouts(ctx, state)
 
-    def batch_inputs(self, loss: Any) -> frozenset[str]:
+    def batch_inputs(self, loss: Loss) -> frozenset[str]:
         """Each row's tokens and weights, the sampler's logprobs and the group-relative advantages
         (the loss contract's names, :mod:`tempering.loss_contract`)."""
         return ROW_INPUTS | {SAMPLER_LOGPROBS, ADVANTAGES}

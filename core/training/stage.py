@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from tempering.errors import ConfigError, TemperingError
-from tempering.interfaces import RunContext, capability_name, supports
+from tempering.interfaces import Loss, RunContext, capability_name, supports
 from tempering.loss_contract import check_reads
 from tempering.registry import validate_params
 from tempering.rollouts.renderer import check_renderer
@@ -241,7 +241,7 @@ class Requirement(NamedTuple):
     message: str = ""
 
 
-def check_capabilities(ctx: RunContext, stage: Stage, loss: Any = None) -> None:
+def check_capabilities(ctx: RunContext, stage: Stage, loss: Loss | None = None) -> None:
     """Raise a one-line :class:`ConfigError` at the stage's key path for the first capability
     of :meth:`Stage.required_capabilities` (then, given the stage's built ``loss``, of
     :meth:`Stage.loss_capabilities`) the backend lacks (:func:`tempering.interfaces.supports`).
@@ -327,13 +327,13 @@ class Stage:
         subclass) those its keys ask for, e.g. SDFT's ``teacher: ema``."""
         return [Requirement(cap) for cap in self.requires]
 
-    def loss_capabilities(self, loss: Any) -> list[Requirement]:
+    def loss_capabilities(self, loss: Loss) -> list[Requirement]:
         """The backend capabilities the stage's built ``loss`` needs, for needs that depend on
         the loss's own config (SDFT's logit modes: the model's logits in the loss). Checked
         with :meth:`required_capabilities`, once the loss is built at validation."""
         return []
 
-    def batch_inputs(self, loss: Any) -> frozenset[str] | None:
+    def batch_inputs(self, loss: Loss) -> frozenset[str] | None:
         """What this stage's batches hold for ``loss``: the loss contract's input names
         (:mod:`tempering.loss_contract`), checked against what the loss ``reads`` when the
         recipe is validated. ``None`` (the default): not declared, not checked."""

@@ -77,6 +77,7 @@ from functools import partial
 from typing import Any
 
 from tempering.errors import ConfigError, TemperingError
+from tempering.interfaces import Loss
 from tempering.plugins.backends.common import checked_extra
 from tempering.plugins.backends.tinker.checkpoint import (
     CHECKPOINT_FORMAT,
@@ -555,7 +556,7 @@ class TinkerBackend:
         return self.snapshots.names()
 
     # ------------------------------------------------------------------ training
-    def forward_backward(self, batch: Batch, loss: Any) -> Future[dict[str, float]]:
+    def forward_backward(self, batch: Batch, loss: Loss) -> Future[dict[str, float]]:
         """Accumulate the gradients of ``loss`` on ``batch`` on the service: a Tinker built-in
         when it is exact for ``loss``, else ``forward_backward_custom`` (after a local dry run of
         the loss). Returns the loss's own metrics (computed from the logprobs Tinker returns)

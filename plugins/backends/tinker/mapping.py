@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tempering import loss_contract
+from tempering.interfaces import Loss
 from tempering.loss_contract import (
     BUILTIN_LOSSES,
     POLICY_BUILTINS,
@@ -96,7 +97,7 @@ class LossPlan:
         )
 
 
-def plan_loss(loss: Any, batch: Batch) -> LossPlan:
+def plan_loss(loss: Loss, batch: Batch) -> LossPlan:
     """The Tinker rows for ``loss`` on ``batch``: the built-in the loss declares (the loss
     contract, :func:`tempering.loss_contract.builtin_of`) when there is one, else ``custom``.
     Raises :class:`NotImplementedError` for losses Tinker cannot run at all (those that need
@@ -114,7 +115,7 @@ def plan_loss(loss: Any, batch: Batch) -> LossPlan:
     return _builtin_plan(loss, found, batch)
 
 
-def custom_plan(loss: Any, batch: Batch, note: str) -> LossPlan:
+def custom_plan(loss: Loss, batch: Batch, note: str) -> LossPlan:
     """``forward_backward_custom``: only ``target_tokens`` and ``weights`` reach the service."""
     if loss_contract.needs_logits(loss):
         raise NotImplementedError(_logits_message(loss, note))
@@ -128,7 +129,7 @@ def _token_weight_inputs(batch: Batch) -> list[dict[str, list[Any]]]:
 
 
 # ---------------------------------------------------------------------- losses a built-in computes
-def _builtin_plan(loss: Any, builtin: BuiltinLoss, batch: Batch) -> LossPlan:
+def _builtin_plan(loss: Loss, builtin: BuiltinLoss, batch: Batch) -> LossPlan:
     name, config, who = builtin.name, dict(builtin.config) if builtin.config else None, type(loss).__name__
     if name == "cross_entropy":
         if config:

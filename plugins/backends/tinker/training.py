@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tempering import loss_contract
+from tempering.interfaces import Loss
 from tempering.plugins.backends.common import float_metrics
 from tempering.plugins.backends.tinker.errors import TinkerLossError, one_line
 from tempering.plugins.backends.tinker.mapping import LossPlan
@@ -23,7 +24,7 @@ from tempering.plugins.backends.tinker.scoring import tensor_list
 from tempering.types import AdamParams
 
 
-def dry_run(loss: Any, tensors: dict[str, Any]) -> None:
+def dry_run(loss: Loss, tensors: dict[str, Any]) -> None:
     """Run ``loss`` on zero logprobs, with a gradient, before anything is sent: the SDK runs a
     custom loss inside the training client's queue, where an error poisons the client for good.
     Catches what does not depend on the logprobs' values (missing inputs, wrong shapes, a
@@ -48,7 +49,7 @@ def dry_run(loss: Any, tensors: dict[str, Any]) -> None:
         ) from err
 
 
-def custom_loss_fn(loss: Any, tensors: dict[str, Any], captured: dict[str, Any]) -> Callable[..., Any]:
+def custom_loss_fn(loss: Loss, tensors: dict[str, Any], captured: dict[str, Any]) -> Callable[..., Any]:
     """The ``forward_backward_custom`` callable: our loss on the logprobs Tinker returns.
 
     The SDK passes one logprob tensor per row (requires grad) and back-propagates the returned
@@ -74,7 +75,7 @@ def custom_loss_fn(loss: Any, tensors: dict[str, Any], captured: dict[str, Any])
 
 
 def loss_metrics(
-    out: Any, plan: LossPlan, loss: Any, tensors: dict[str, Any], captured: dict[str, Any]
+    out: Any, plan: LossPlan, loss: Loss, tensors: dict[str, Any], captured: dict[str, Any]
 ) -> dict[str, float]:
     """The metrics of a finished ``forward_backward``: the loss's own (from the custom run, or
     the loss recomputed on the per-token logprobs a built-in returned), its value, and the
