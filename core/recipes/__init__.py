@@ -71,3 +71,9 @@ def smollm2_sdft() -> dict[str, Any]:
 def smollm2_sft_skill() -> dict[str, Any]:
     """SDFT vs SFT on SmolLM2-135M-Instruct, the SFT arm: the same new skill by plain SFT."""
     return _load("smollm2_sft_skill")
+
+
+def smollm2_search() -> dict[str, Any]:
+    """Glean's search agent on SmolLM2-135M-Instruct: a DPO warmup on tool-call traces, then
+    GRPO through the ``search`` environment on recall, answer and tool cost."""
+    return _load("smollm2_search")

@@ -53,3 +53,8 @@ def register_recipes(register):
         "tempering.recipes:smollm2_sft_skill",
         description="real-model CPU demo: the SFT arm of smollm2_sdft (same tool-call skill, same data and steps)",
     )
+    register(
+        "smollm2_search",
+        "tempering.recipes:smollm2_search",
+        description="real-model CPU demo: Glean's search agent on SmolLM2-135M (DPO warmup on tool-call traces, GRPO on recall and tool cost)",
+    )
