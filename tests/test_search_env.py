@@ -303,7 +303,8 @@ def test_an_evaluation_counts_what_answering_cost(tiny_chat: Any) -> None:
     from tempering.training.evaluate import evaluate
 
     task = two_hop_task()
-    [row] = [r for r in agentic_search("test", "transcripts", hops=[2]) if r["messages"][0]["content"] == task["question"]]
+    rows = agentic_search("test", "transcripts", hops=[2])
+    [row] = [r for r in rows if r["messages"][0]["content"] == task["question"]]
     turns = weighted_runs(tiny_chat.render_training(row["messages"], row["tools"]))
     m = evaluate(Scripted(turns), [task], None, 64, sampler=episodes(tiny_chat))
     assert (m["eval/n"], m["eval/recall"], m["eval/tool_calls"], m["eval/turns"]) == (1.0, 1.0, 2.0, 3.0)
