@@ -56,5 +56,5 @@ def register_recipes(register):
     register(
         "smollm2_search",
         "tempering.recipes:smollm2_search",
-        description="real-model CPU demo: a search agent on SmolLM2-135M (SFT on tool-call traces, GRPO on recall, cost)",
+        description="real-model CPU demo: a search agent on SmolLM2-135M (SFT on tool-call traces, GRPO on recall)",
     )
