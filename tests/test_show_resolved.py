@@ -46,7 +46,9 @@ def test_resolved_shows_every_components_defaults(capsys: pytest.CaptureFixture[
     assert cfg["loggers"][0] == {"name": "jsonl", "filename": "metrics.jsonl"}
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "tool_use", "agentic_search_dpo", "smollm2_math", "smollm2_forecast"])
+@pytest.mark.parametrize(
+    "name", ["arithmetic", "tool_use", "agentic_search_dpo", "smollm2_math", "smollm2_forecast", "smollm2_search"]
+)
 def test_resolved_recipe_is_one_run_accepts(capsys: pytest.CaptureFixture[str], name: str) -> None:
     """Every key --resolved writes is one the validator accepts, with the value the run used anyway."""
     rc, out, _ = show(capsys, name, "--resolved")
