@@ -3,7 +3,11 @@ warmup of ``smollm2_search`` -- STEPS SFT steps on the gold tool-call traces -- 
 never calls the ``search`` tool (held-out: no call, recall 0) into one that searches and cites
 what it found, on EVAL_SIZE held-out questions, greedy, whole episodes.
 
-Measured: see BOUNDS below and docs/systems.md#search-agent-glean.
+Measured (seed 0, one thread, 192 s on the loaded machine, 195 s under pytest): before, no call
+and recall 0 on 8 of 8 episodes (the base model answers in prose); after 5 steps at lr 1e-3,
+2.25 tool calls per episode, recall 0.25, accuracy 0.125 (the model has the call format, not yet
+when to stop: it searches again until the turn limit). With the learning rate at 1e-12 (165 s):
+0.00 calls and recall 0.00 after, as before; both bounds fail that.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from tempering.recipes import smollm2_search
 from tempering.training.recipe import Recipe
 
 STEPS, EVAL_SIZE = 5, 8
+CALLS, RECALL = 0.5, 0.1  # per episode after the warmup; measured 2.25 and 0.25, and 0.00 / 0.00 with lr 1e-12
 
 
 def before_and_after(tmp_path: Any, learning_rate: float, seed: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -47,6 +52,7 @@ def per_episode(row: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.slow
 def test_smollm2_learns_to_search_and_cite(tmp_path: Any) -> None:
     before, after = before_and_after(tmp_path, 1.0e-3)
+    print(f"\nheld-out per episode, before: {before}\nafter {STEPS} SFT steps: {after}")
     assert before["tool_calls"] == 0.0 and before["recall"] == 0.0, before  # the base model never calls
-    assert after["tool_calls"] >= 0.5, (before, after)
-    assert after["recall"] >= 0.25, (before, after)
+    assert after["tool_calls"] >= CALLS, (before, after)
+    assert after["recall"] >= RECALL, (before, after)
