@@ -122,6 +122,21 @@ def test_a_bad_call_is_an_error_message_the_model_reads(name: str, args: dict[st
     assert not env.listings and not env.pruned_at  # a failed call shows and prunes nothing
 
 
+def test_offer_limits_the_tools_the_model_sees_and_may_call() -> None:
+    """``offer: [search]``: the transcripts' tool specs (what a chat format writes into the
+    system turn) hold search alone, and a call to another tool is an error the model reads."""
+    task = two_hop_task()
+    env = reset(task, offer=["search"])
+    assert [t.name for t in env.tools()] == ["search"]
+    [message] = asyncio.run(env.step(ParsedResponse(tool_calls=[ToolCall("open", {"doc_id": "x"}, "c0")]))).messages
+    assert message["content"] == "Error: unknown tool 'open' (tools: search)"
+    [row] = agentic_search("test", format="transcripts", hops=[2], size=1, environment={"offer": ["search"]})
+    assert [t["function"]["name"] for t in row["tools"]] == ["search"]
+    for bad in (["grep"], [], "search"):
+        with pytest.raises(ValueError, match="offer must be a non-empty list of tool names from open, prune, search"):
+            Search(offer=bad)
+
+
 def test_prune_hides_documents_shown_before_it_and_only_those() -> None:
     task = two_hop_task()
     env = reset(task)
@@ -189,10 +204,8 @@ def weighted_runs(rows: list[Any]) -> list[list[int]]:
     return runs
 
 
-def play(
-    renderer: Any, task: dict[str, Any], turns: list[list[int]], environment: Any = "search", max_turns: int = 6
-) -> tuple[Any, Scripted]:
-    """One episode of ``task`` through the registered ``environment`` sampler; its sample."""
+def episodes(renderer: Any, environment: Any = "search", max_turns: int = 6) -> Any:
+    """The registered ``environment`` sampler over ``renderer``."""
     reg = get_registry()
     context = SamplerContext(
         renderer.tokenizer,
@@ -201,14 +214,18 @@ def play(
         build=lambda k, s, key: reg.build(k, s, key),
         factory=lambda k, s, key: reg.factory(k, s, key),
     )
-    sampler = reg.build(
-        "sampler",
-        {"name": "environment", "environment": environment, "max_turns": max_turns},
-        "sampler",
-        context=context,
-    )
+    spec = {"name": "environment", "environment": environment, "max_turns": max_turns}
+    return reg.build("sampler", spec, "sampler", context=context)
+
+
+def play(
+    renderer: Any, task: dict[str, Any], turns: list[list[int]], environment: Any = "search", max_turns: int = 6
+) -> tuple[Any, Scripted]:
+    """One episode of ``task`` through the registered ``environment`` sampler; its sample."""
     model = Scripted(turns)
-    rollout = collect(sampler, model, [task], 1, SamplingParams(max_tokens=64, temperature=0.0))
+    rollout = collect(
+        episodes(renderer, environment, max_turns), model, [task], 1, SamplingParams(max_tokens=64, temperature=0.0)
+    )
     [sample] = rollout.groups[0].samples
     return sample, model
 
@@ -278,6 +295,21 @@ def test_the_gold_path_scores_recall_answer_and_costs_with_its_metrics(tiny_chat
         assert (other.trajectory.metrics["recall"], other.trajectory.metrics["answer_correct"]) == (recall, correct)
         assert other.reward == pytest.approx(recall + correct - 0.02 * 3 - 0.0002 * context)
         assert other.feedback == said
+
+
+def test_an_evaluation_counts_what_answering_cost(tiny_chat: Any) -> None:
+    """A held-out evaluation of the gold path logs, next to recall and tool calls, the tokens the
+    model wrote, its turns and the wall clock: the per-episode costs a search agent is judged on."""
+    from tempering.training.evaluate import evaluate
+
+    task = two_hop_task()
+    rows = agentic_search("test", "transcripts", hops=[2])
+    [row] = [r for r in rows if r["messages"][0]["content"] == task["question"]]
+    turns = weighted_runs(tiny_chat.render_training(row["messages"], row["tools"]))
+    m = evaluate(Scripted(turns), [task], None, 64, sampler=episodes(tiny_chat))
+    assert (m["eval/n"], m["eval/recall"], m["eval/tool_calls"], m["eval/turns"]) == (1.0, 1.0, 2.0, 3.0)
+    assert m["eval/generated_tokens"] == sum(len(t) for t in turns) > 0
+    assert 0.0 < m["eval/seconds"] < 30.0
 
 
 def test_an_episode_without_an_answer_gets_only_the_costs(tiny_chat: Any) -> None:

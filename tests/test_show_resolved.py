@@ -56,6 +56,7 @@ def test_resolved_shows_every_components_defaults(capsys: pytest.CaptureFixture[
         "smollm2_forecast",
         "smollm2_monitor",
         "smollm2_code",
+        "smollm2_search",
     ],
 )
 def test_resolved_recipe_is_one_run_accepts(capsys: pytest.CaptureFixture[str], name: str) -> None:

@@ -83,3 +83,9 @@ def smollm2_code() -> dict[str, Any]:
     """The sandbox reward's demo: GRPO with LoRA teaches SmolLM2-135M-Instruct to write small
     Python functions, rewarded by the share of unit tests its program passes in a sandbox."""
     return _load("smollm2_code")
+
+
+def smollm2_search() -> dict[str, Any]:
+    """Glean's search agent on SmolLM2-135M-Instruct: an SFT warmup on tool-call traces
+    (DPO: docs/systems.md), then GRPO through the ``search`` environment on recall, answer and tool cost."""
+    return _load("smollm2_search")

@@ -63,3 +63,8 @@ def register_recipes(register):
         "tempering.recipes:smollm2_code",
         description="real-model CPU demo: GRPO on sandboxed unit tests teaches SmolLM2-135M-Instruct Python functions",
     )
+    register(
+        "smollm2_search",
+        "tempering.recipes:smollm2_search",
+        description="real-model CPU demo: a search agent on SmolLM2-135M (SFT on tool-call traces, GRPO on recall)",
+    )

@@ -7,6 +7,7 @@ stage reports is the number of the task it trains on.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +44,11 @@ def evaluate(
     """Mean reward and accuracy (share of rewards >= ``success_threshold``) on ``examples``.
 
     ``sampler`` defaults to single-turn completions (built for ``backend``'s tokenizer).
-    Failed samples count as wrong (reward 0) and are counted in ``eval/failed``, per cause in
+    What answering cost, as sums over the examples (divide by ``eval/n`` for the mean per
+    episode, the latency and token figures a search agent is judged on next to its accuracy):
+    ``eval/generated_tokens`` (the tokens the model wrote, every turn), ``eval/turns`` (model
+    calls: 1 per single-turn example) and ``eval/seconds`` (wall clock of the whole evaluation,
+    episodes batched). Failed samples count as wrong (reward 0) and are counted in ``eval/failed``, per cause in
     ``eval/failed/<cause>`` with the first error's text in ``eval/first_error/<cause>`` (see
     :mod:`tempering.runs.failures`), scored samples by their reward's label in
     ``eval/outcome/<label>`` (:mod:`tempering.runs.outcomes`); masked episodes (a limit
@@ -65,6 +70,8 @@ def evaluate(
     scored: list[Sample] = []
     extra: dict[str, Any] = {}
     batch_metrics: dict[str, float] = {}
+    generated = turns = 0
+    t0 = time.perf_counter()
     for start in range(0, len(examples), batch_size):
         if on_progress is not None:
             on_progress(start, len(examples))
@@ -75,6 +82,8 @@ def evaluate(
         samples = [g.samples[0] for g in rollout.groups]
         failures += [s for s in samples if s.failed]
         scored += samples
+        generated += sum(s.num_generated for s in samples)
+        turns += sum(len(s.trajectory.turns) if s.trajectory is not None else 1 for s in samples)
         rewards += [0.0 if (s.failed or s.masked) else s.reward for s in samples]
         for k, v in rollout.stats.metrics.items():
             batch_metrics[k] = batch_metrics.get(k, 0.0) + v * len(chunk)
@@ -94,6 +103,9 @@ def evaluate(
         "eval/accuracy": sum(r >= success_threshold - 1e-9 for r in rewards) / n,
         "eval/failed": float(len(failures)),
         "eval/n": float(len(rewards)),
+        "eval/generated_tokens": float(generated),
+        "eval/turns": float(turns),
+        "eval/seconds": time.perf_counter() - t0,
         **extra,
         **{f"eval/{k}": v / n for k, v in batch_metrics.items()},
         **failure_metrics(failures, prefix="eval/", tracebacks=tracebacks),
