@@ -71,3 +71,10 @@ def smollm2_sdft() -> dict[str, Any]:
 def smollm2_sft_skill() -> dict[str, Any]:
     """SDFT vs SFT on SmolLM2-135M-Instruct, the SFT arm: the same new skill by plain SFT."""
     return _load("smollm2_sft_skill")
+
+
+def smollm2_stale_sdpo() -> dict[str, Any]:
+    """Stale SDPO on a slow multi-turn task (the Trajectory system): SmolLM2 through the
+    ``calculator`` environment with a slow tool, on-policy vs 3 steps stale (clipped IS, capped
+    advantages) vs naive IS, by override."""
+    return _load("smollm2_stale_sdpo")

@@ -53,3 +53,8 @@ def register_recipes(register):
         "tempering.recipes:smollm2_sft_skill",
         description="real-model CPU demo: the SFT arm of smollm2_sdft (same tool-call skill, same data and steps)",
     )
+    register(
+        "smollm2_stale_sdpo",
+        "tempering.recipes:smollm2_stale_sdpo",
+        description="real-model CPU demo: SDPO 3 steps stale (clipped IS, capped |A|) vs on-policy vs naive IS, slow tool",
+    )
