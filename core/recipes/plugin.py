@@ -56,5 +56,5 @@ def register_recipes(register):
     register(
         "smollm2_stale_sdpo",
         "tempering.recipes:smollm2_stale_sdpo",
-        description="real-model CPU demo: SDPO 3 steps stale (clipped IS, capped |A|) vs on-policy vs naive IS, slow tool",
+        description="real-model CPU demo: stale SDPO (clipped IS, capped |A|) vs on-policy vs naive IS, slow checker",
     )

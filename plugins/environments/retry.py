@@ -100,4 +100,5 @@ class Retry(Environment):
         if passed or self.answers >= self.attempts:
             return StepResult(reward=score, done=True, metrics=metrics, feedback=feedback)
         metrics["retries"] = 1.0
-        return StepResult([{"role": "user", "content": self.retry_message}], reward=0.0, metrics=metrics, feedback=feedback)
+        again: list[Message] = [{"role": "user", "content": self.retry_message}]
+        return StepResult(again, reward=0.0, metrics=metrics, feedback=feedback)
