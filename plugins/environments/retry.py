@@ -77,7 +77,10 @@ class Retry(Environment):
             yield Problem("retry_message", "must be text: the model's next user turn after a failed answer")
 
     async def reset(self, example: dict[str, Any]) -> list[Message]:
+        from tempering.plugins.rewards._common import resolve_reward
+
         self.example, self.answers = dict(example), 0
+        self.checker = resolve_reward(self.check, path="environment.check")
         return await super().reset(example)
 
     async def step(self, response: ParsedResponse) -> StepResult:
@@ -86,16 +89,16 @@ class Retry(Environment):
         grader would); any other malformed turn ends the episode (:class:`Environment`)."""
         if response.parse_error not in (None, CUT_TURN):
             return await super().step(response)
-        from tempering.plugins.rewards._common import as_finite, resolve_reward
+        from tempering.plugins.rewards._common import as_finite
 
         self.answers += 1
         if self.latency_s:
             await asyncio.sleep(self.latency_s)
-        value = resolve_reward(self.check, path="environment.check")(response.text, self.example)
+        value = self.checker(response.text, self.example)
         value = await value if inspect.isawaitable(value) else value
         score = as_finite(value, "retry: the checker")
-        feedback = None if score >= self.pass_reward else feedback_of(value, "retry: the checker")
         passed = score >= self.pass_reward
+        feedback = None if passed else feedback_of(value, "retry: the checker")
         metrics = {"passed_first": float(passed and self.answers == 1)} if self.answers == 1 else {}
         if passed or self.answers >= self.attempts:
             return StepResult(reward=score, done=True, metrics=metrics, feedback=feedback)
