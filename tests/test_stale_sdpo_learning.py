@@ -4,7 +4,8 @@ capped advantages) through the ``retry`` environment with a LATENCY_S-second che
 held-out pass rate on EVAL_SIZE questions (whole episodes, greedy, so an unchanged policy scores
 exactly the same), and it trained on stale episodes from a policy that had moved since.
 
-Measured (seed 0, one thread, 4.2 min on the loaded machine, load 4-6): pass rate 0.406 -> 0.469
+Measured (seed 0, one thread, 4.2 min on the loaded machine, load 4-6; 2.0 min under pytest later,
+load 3-4): pass rate 0.406 -> 0.469
 (gain 0.0625: 15 of 32 episodes passed instead of 13, 13 on the first answer instead of 12),
 staleness 3 at step 4, is/kl at most 0.028. With the learning rate at 1e-12 (4.6 min): 0.406 -> 0.406 (gain 0.000) and
 is/kl 0.000 at every step (the same episodes were sampled: seeded); both bounds fail it. The
