@@ -514,6 +514,67 @@ def test_running_out_of_turns_and_the_calculators_own_score_are_feedback(rendere
     assert [g.samples[0].reward for g in groups] == [0.0, 0.0, 1.0]
 
 
+# --------------------------------------------------------------------------- retry: a slow checker
+RETRY = {"name": "retry", "retry_message": "no. again, only the number."}  # the tiny tokenizer has no capitals
+
+
+def test_retry_checks_each_answer_and_asks_again_until_it_passes_or_runs_out(renderer):
+    script = {"2+3": [say("2+3=6"), say("5")], "4+4": [say("8")], "6+1": [say("6"), say("8")]}
+    examples = [{"prompt": q, "answer": a} for q, a in zip(script, ("5", "8", "7"))]
+    groups, metrics, model, _ = roll(renderer, RETRY, script, examples)
+    retried, first, failed = (g.samples[0] for g in groups)
+    assert [s.reward for s in (retried, first, failed)] == [1.0, 1.0, 0.0]
+    assert [len(s.trajectory.turns) for s in (retried, first, failed)] == [2, 1, 2]
+    assert retried.trajectory.turns[0].observation == [{"role": "user", "content": "no. again, only the number."}]
+    assert retried.feedback == "expected '5', got '6'"  # the failed answer's, not the pass's
+    assert failed.feedback == "expected '7', got '6'\nexpected '7', got '8'"
+    assert first.feedback is None
+    assert (metrics["env/passed_first"], metrics["env/retries"]) == (1.0, 2.0)
+    assert [len(c["prompts"]) for c in model.calls] == [3, 2]  # the second turn: the two that failed
+
+
+def test_retry_checks_a_turn_cut_at_the_token_limit_as_written(renderer):
+    # "5 and" is cut after 2 tokens: the checker reads "5 " (math_answer: the last number) and
+    # passes it; a cut turn is an answer, not the end of the episode
+    script = {"2+3": [say("5 and so on")], "4+4": [say("7 and so on"), say("8")]}
+    examples = [{"prompt": q, "answer": a} for q, a in zip(script, ("5", "8"))]
+    groups, metrics, *_ = roll(renderer, RETRY, script, examples, max_tokens=2)
+    assert [g.samples[0].reward for g in groups] == [1.0, 1.0]
+    assert [len(g.samples[0].trajectory.turns) for g in groups] == [1, 2]
+    assert metrics["env/retries"] == 1.0
+
+
+def test_the_retry_checkers_latency_is_a_wait_the_episodes_share(renderer):
+    # latency_s is a wait (a slow grader), not work: three episodes wait together (one
+    # latency per answer, not three), and the process spends no CPU on it
+    latency = 0.6
+    script = {f"{a}+1": [say(str(a + 1))] for a in (1, 2, 3)}
+    examples = [{"prompt": q, "answer": str(a + 1)} for q, a in zip(script, (1, 2, 3))]
+    wall, cpu = time.perf_counter(), time.process_time()
+    groups, *_ = roll(renderer, {**RETRY, "latency_s": latency}, script, examples)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    assert [g.samples[0].reward for g in groups] == [1.0, 1.0, 1.0]
+    assert latency <= wall < 2 * latency, wall
+    assert cpu < latency / 2, cpu
+
+
+@pytest.mark.parametrize(
+    "key, bad, says",
+    [
+        ("attempts", 0, "must be >= 1"),
+        ("latency_s", -1.0, "must be a number of seconds >= 0"),
+        ("latency_s", math.inf, "must be a number of seconds >= 0"),
+        ("retry_message", " ", "must be text"),
+    ],
+)
+def test_a_bad_retry_key_is_one_line_at_its_path(renderer, key, bad, says):
+    from tempering.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"^sampler\.environment\.{key}: {says}") as info:
+        sampler(renderer, {**RETRY, key: bad})
+    assert "\n" not in str(info.value)
+
+
 # --------------------------------------------------------------------------- malformed turns
 def test_a_malformed_tool_call_parses_to_a_parse_error(renderer):
     tokens = [renderer.call_id, *renderer._text("add(1,2)"), renderer.eos_id]

@@ -89,3 +89,10 @@ def smollm2_search() -> dict[str, Any]:
     """Glean's search agent on SmolLM2-135M-Instruct: an SFT warmup on tool-call traces
     (DPO: docs/systems.md), then GRPO through the ``search`` environment on recall, answer and tool cost."""
     return _load("smollm2_search")
+
+
+def smollm2_stale_sdpo() -> dict[str, Any]:
+    """Stale SDPO on a slow multi-turn task (the Trajectory system): SmolLM2 through the
+    ``calculator`` environment with a slow tool, on-policy vs 3 steps stale (clipped IS, capped
+    advantages) vs naive IS, by override."""
+    return _load("smollm2_stale_sdpo")

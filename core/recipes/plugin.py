@@ -68,3 +68,8 @@ def register_recipes(register):
         "tempering.recipes:smollm2_search",
         description="real-model CPU demo: a search agent on SmolLM2-135M (SFT on tool-call traces, GRPO on recall)",
     )
+    register(
+        "smollm2_stale_sdpo",
+        "tempering.recipes:smollm2_stale_sdpo",
+        description="real-model CPU demo: stale SDPO (clipped IS, capped |A|) vs on-policy vs naive IS, slow checker",
+    )

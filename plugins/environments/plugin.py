@@ -18,6 +18,11 @@ def register_environments(register):
         description="multi-hop search over a corpus: search (BM25), open, prune; answer citing [d12] documents",
     )
     register(
+        "retry",
+        f"{_E}.retry:Retry",
+        description="answer, a slow checker (latency_s) says pass or try again, up to `attempts` answers",
+    )
+    register(
         "openenv",
         f"{_E}.openenv:OpenEnv",
         description="an OpenEnv server's environment (openenv-core 0.3): its action as a tool or the turn's text",
