@@ -33,6 +33,11 @@ from tempering.types import AdamParams
 TIMING = ("time", "step_time", "tokens_per_s")
 
 
+def timing(key: str) -> bool:
+    """A wall-clock metric (never equal across two runs): the step's, ``time/*``, an eval's ``eval/seconds``."""
+    return key in TIMING or key.startswith("time/") or key.endswith("/seconds")
+
+
 # --------------------------------------------------------------------------- a stage without a model
 @dataclass
 class Counting(Stage):
@@ -73,9 +78,7 @@ def counting(out: Path, stages: tuple[dict, ...] = ({}, {}), **top: Any) -> Reci
 def rows(out: Path) -> list[dict[str, Any]]:
     """metrics.jsonl without the wall-clock columns."""
     lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [
-        {k: v for k, v in json.loads(line).items() if k not in TIMING and not k.startswith("time/")} for line in lines
-    ]
+    return [{k: v for k, v in json.loads(line).items() if not timing(k)} for line in lines]
 
 
 def checkpoint_dirs(out: Path) -> list[str]:
