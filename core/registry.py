@@ -31,7 +31,7 @@ from typing import Any
 
 import pluggy
 
-from tempering import hookspecs
+import tempering.hookspecs as hookspecs
 from tempering.errors import ConfigError, PluginError, UnknownComponentError
 from tempering.schema import CHECK_CONFIG, check_config_at
 

@@ -32,8 +32,8 @@ from typing import Any
 
 import pytest
 
-from tempering import loss_contract
-from tempering import registry as _registry
+import tempering.loss_contract as loss_contract
+import tempering.registry as _registry
 from tempering.errors import PluginError
 from tempering.interfaces import Loss
 from tempering.registry import Component, PluginInfo, Registry

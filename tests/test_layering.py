@@ -41,9 +41,7 @@ def _imports(path: Path, module: str) -> set[str]:
                 if child.level:
                     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
                     base = ".".join(package[: len(package) - child.level + 1] + ([base] if base else []))
-                # `from pkg import name` depends on pkg.name when that is a module, else on pkg
-                # (_graph walks a name that is not a module up to its package)
-                out.update(f"{base}.{a.name}" for a in child.names)
+                out.update([base] + [f"{base}.{a.name}" for a in child.names])
             visit(child)
 
     visit(tree)

@@ -71,7 +71,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from tempering import loss_contract
+import tempering.loss_contract as loss_contract
 from tempering.interfaces import Loss, LossOutput, at_positions, from_positions
 from tempering.loss_contract import ADVANTAGES, SAMPLER_LOGPROBS, TARGET_IDS, WEIGHTS, loss_reads
 from tempering.rlmath.aggregation import fold_normaliser

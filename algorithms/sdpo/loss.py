@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from tempering import loss_contract
+import tempering.loss_contract as loss_contract
 from tempering.interfaces import LossOutput
 from tempering.loss_contract import (
     DISTILL_WEIGHTS,

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
+import tempering.loss_contract as loss_contract
 import tempering.plugins.backends.local.distributed as distributed
 import tempering.plugins.backends.local.sharding as sharding
-from tempering import loss_contract
 from tempering.interfaces import Loss, at_positions, from_positions
 from tempering.plugins.backends.common import float_metrics
 from tempering.plugins.backends.local.logprobs import (

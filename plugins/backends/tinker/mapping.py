@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tempering import loss_contract
+import tempering.loss_contract as loss_contract
 from tempering.interfaces import Loss
 from tempering.loss_contract import (
     BUILTIN_LOSSES,

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tempering import loss_contract
+import tempering.loss_contract as loss_contract
 from tempering.interfaces import Loss
 from tempering.plugins.backends.common import float_metrics
 from tempering.plugins.backends.tinker.errors import TinkerLossError, one_line
