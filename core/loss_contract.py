@@ -103,6 +103,7 @@ __all__ = [
     "SOFT_TARGET_IDS",
     "SOFT_TARGET_WEIGHTS",
     "StageAwareLoss",
+    "SumOverTokensLoss",
     "TARGET_IDS",
     "TEACHER_LOGITS",
     "TEACHER_TOKEN_LOGPROBS",
@@ -120,6 +121,7 @@ __all__ = [
     "needs_all_positions",
     "needs_logits",
     "reads_input",
+    "sums_over_tokens",
 ]
 
 # --------------------------------------------------------------------------- batch inputs
@@ -249,6 +251,14 @@ class NamedBuiltinLoss(Protocol):
     tinker_builtin: str | None
 
 
+@runtime_checkable
+class SumOverTokensLoss(Protocol):
+    """``sums_over_tokens = True``: the loss is a plain sum over its tokens (as Tinker's built-ins
+    are), so a stage that normalises folds the normaliser into the advantages before the call."""
+
+    sums_over_tokens: bool
+
+
 def needs_logits(loss: object) -> bool:
     """Whether ``loss`` reads :data:`LOGITS` (:class:`LogitsLoss`); False when it does not say."""
     return isinstance(loss, LogitsLoss) and bool(loss.needs_logits)
@@ -339,6 +349,12 @@ def names_builtin(loss: object) -> bool:
     is then a plain sum over tokens, as every built-in is, and a stage that folds a normaliser
     into the advantages must fold it for this loss too."""
     return builtin_name(loss) is not None
+
+
+def sums_over_tokens(loss: object) -> bool:
+    """Whether ``loss`` is a plain sum over tokens: it says so (:class:`SumOverTokensLoss`) or
+    names a built-in (every built-in is one). False for a loss that normalises itself (``grpo``)."""
+    return (isinstance(loss, SumOverTokensLoss) and bool(loss.sums_over_tokens)) or names_builtin(loss)
 
 
 def builtin_config(loss: Loss, name: str) -> dict[str, float] | None:

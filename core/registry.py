@@ -59,6 +59,10 @@ ComponentSpec = Any
 #: show --resolved`` fills in the block's defaults and ``docs/reference.md`` lists its keys,
 #: both without importing the plugin that defines it.
 BLOCKS_HOOK = "config_blocks"
+#: A factory may define ``moved_keys``: config keys it no longer takes -> where they went (e.g.
+#: ``{"max_steps_off_policy": "stale: {max_steps_off_policy: ...}"}``), so an old recipe gets one
+#: line saying where to write it instead of "unknown key".
+MOVED_KEYS_HOOK = "moved_keys"
 #: A factory may also name the values an ``auto`` setting resolves to, for ``show --resolved``:
 #: a static ``resolved_values(settings) -> {key: value}`` (the local backend's ``engine: auto``).
 RESOLVE_HOOK = "resolved_values"
@@ -545,7 +549,10 @@ def validate_params(
     if schema is None:
         return dict(params)
     known = {f.name for f in dataclasses.fields(schema)}
+    moved: Mapping[str, str] = getattr(factory, MOVED_KEYS_HOOK, None) or {}
     for key in params:
+        if key not in known and key in moved:
+            raise ConfigError(f"'{key}' moved: write it as {moved[key]} (see CHANGELOG.md)", f"{path}.{key}")
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""

@@ -2,8 +2,9 @@
 
 The registered losses here (``ppo``, ``cispo``, ``tis``, ``clipped_is``) read the batch and call
 the pure functions of :mod:`tempering.rlmath.policy_loss` (the formulas, written once, shared
-with the Tinker backend's built-ins); what stays here is off-policy's own: the sampler-matched
-objective, the stage's advantage cap and the losses' Tinker names.
+with the Tinker backend's built-ins); what stays here is the losses' own: their knobs and Tinker
+names. The corrections around them (the sampler-matched objective, the advantage cap, the folded
+normaliser) are the stale-rollout component's, :mod:`tempering.training.stale`.
 
 Layout as in :mod:`tempering.algorithms.grpo.loss`: ``logprobs`` and every per-position tensor
 are ``(B, T)`` over target positions; ``batch["weights"]`` is the loss mask (non-zero on the
@@ -14,8 +15,8 @@ completion tokens that count), ``batch["sampler_logprobs"]`` the behaviour polic
 
 Every loss is a **sum over tokens**, exactly as Tinker's built-in losses compute it, so any
 normaliser (token mean, sequence mean) must be folded into ``advantages`` before the call (the
-``offpolicy`` stage does it: :func:`fold_normaliser`). With ``level="token"`` each loss names the
-Tinker built-in that computes the same value and gradient (``tinker_builtin``) and the
+stale-rollout component does it: :func:`~tempering.rlmath.aggregation.fold_normaliser`). With
+``level="token"`` each loss names the Tinker built-in that computes the same value and gradient (``tinker_builtin``) and the
 ``loss_fn_config`` to send (``tinker_loss_fn_config``):
 
 =============== ================================================================ ==================
@@ -48,7 +49,8 @@ PPO's pessimistic ``min`` (a trust region around the *sampler's* policy, so a st
 cannot drag the policy further than the clip allows), on advantages whose per-token ``|A|`` is
 capped at ``advantage_cap`` times its running mean. Every loss here has the ``advantage_cap``
 and ``advantage_cap_momentum`` knobs (off except for ``clipped_is``); the stage applies the cap
-(:class:`AdvantageCap`) before the call, so on Tinker the loss is still the built-in ``ppo``.
+(:class:`~tempering.rlmath.advantage_cap.AdvantageCap`) before the call, so on Tinker the loss is
+still the built-in ``ppo``.
 Measured on the arithmetic task at staleness 3 (docs/offpolicy.md), the coefficient forms
 (``cispo``, ``tis``, and the clipped ratio used as a coefficient) drift at a high learning rate
 while the PPO-style ``min`` does not: a coefficient's gradient never switches off, so nothing
@@ -67,137 +69,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import ClassVar
 
 import torch
 
-import tempering.loss_contract as loss_contract
-from tempering.interfaces import Loss, LossOutput, at_positions, from_positions
-from tempering.loss_contract import ADVANTAGES, SAMPLER_LOGPROBS, TARGET_IDS, WEIGHTS, loss_reads
-from tempering.rlmath.aggregation import fold_normaliser
+from tempering.interfaces import LossOutput
+from tempering.loss_contract import ADVANTAGES, SAMPLER_LOGPROBS, WEIGHTS
 from tempering.rlmath.diagnostics import ratio_stats
-from tempering.rlmath.masks import active, masked
-from tempering.rlmath.policy_loss import cispo_loss, importance_sampling_loss, ppo_loss, tis_loss
+from tempering.rlmath.policy_loss import cispo_loss, ppo_loss, tis_loss
 from tempering.rlmath.ratios import IS_LEVELS, log_importance_weights
 
-# cispo_loss, fold_normaliser, importance_sampling_loss, ppo_loss, ratio_stats and tis_loss are
-# re-exports from tempering.rlmath, kept so that existing imports (tests, third-party plugins)
-# keep working.
-__all__ = [
-    "LEVELS",
-    "AdvantageCap",
-    "CISPOLoss",
-    "ClippedISLoss",
-    "OffPolicyObjective",
-    "PPOLoss",
-    "TISLoss",
-    "cap_advantages",
-    "cispo_loss",
-    "fold_normaliser",
-    "importance_sampling_loss",
-    "ppo_loss",
-    "ratio_stats",
-    "sampling_logprobs",
-    "tis_loss",
-]
+__all__ = ["LEVELS", "CISPOLoss", "ClippedISLoss", "PPOLoss", "TISLoss"]
 
 LEVELS = IS_LEVELS
-
-
-# --------------------------------------------------------------------------- sampler-matched scoring
-def sampling_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probabilities of ``targets`` under the distribution a sampler with these settings
-    draws from: ``logits / T``, then top-k, then top-p (the local backend's and HF's order,
-    with HF's own warpers so ties and boundaries match), log-softmaxed. ``temperature <= 0``
-    (greedy) means the untempered model, as the local backend records it.
-
-    Returns ``(logprobs (B, T), kept (B, T) bool)``: ``kept`` is False where the target lies
-    outside the filtered support (its probability there is 0; the logprob is replaced by the
-    temperature-only one so it stays finite -- callers mask such tokens out).
-    """
-    scores = logits.float()
-    if temperature > 0 and temperature != 1.0:
-        scores = scores / float(temperature)
-    tempered = torch.log_softmax(scores, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    if temperature <= 0 or (top_k <= 0 and top_p >= 1.0):
-        return tempered, torch.ones_like(tempered, dtype=torch.bool)
-    from transformers import TopKLogitsWarper, TopPLogitsWarper
-
-    flat = scores.reshape(-1, scores.shape[-1])
-    if top_k > 0:
-        flat = TopKLogitsWarper(top_k=int(top_k))(None, flat)
-    if top_p < 1.0:
-        flat = TopPLogitsWarper(top_p=float(top_p))(None, flat)
-    filtered = torch.log_softmax(flat.reshape(scores.shape), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    kept = torch.isfinite(filtered)
-    return torch.where(kept, filtered, tempered), kept
-
-
-@dataclass
-class OffPolicyObjective:
-    """Wraps any policy loss so the trainer's logprobs match the sampler's distribution and
-    importance-ratio diagnostics are always logged.
-
-    With ``temperature``/``top_k``/``top_p`` at their neutral values (1, 0, 1) the backend's
-    logprobs are used as they are and the inner loss's Tinker built-in still applies. Otherwise
-    the policy is scored from the logits exactly as the sampler drew (:func:`sampling_logprobs`),
-    so ``rho = pi_theta^T(y) / q(y)`` compares like with like: it is 1 on-policy, and the
-    IS-corrected gradient is that of the tempered policy the rollouts came from. Tokens outside
-    the trainer's filtered support (possible only with top-k/top-p) have ``rho = 0`` and are
-    masked out. This needs logits, so there is no Tinker built-in for it.
-    """
-
-    inner: Any
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    @property
-    def matched(self) -> bool:
-        return self.temperature > 0 and (self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0)
-
-    @property
-    def needs_logits(self) -> bool:
-        return self.matched or loss_contract.needs_logits(self.inner)
-
-    @property
-    def reads(self) -> frozenset[str] | None:
-        """The inner loss's inputs (the loss contract), plus the target ids when it scores the
-        logits as the sampler drew."""
-        inner = loss_reads(self.inner)
-        return None if inner is None else inner | ({TARGET_IDS} if self.matched else set())
-
-    @property
-    def tinker_builtin(self) -> str | None:
-        return None if self.matched else loss_contract.builtin_name(self.inner)
-
-    @property
-    def tinker_loss_fn_config(self) -> dict[str, float] | None:
-        return None if self.matched else loss_contract.builtin_fn_config(self.inner)
-
-    def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> LossOutput:
-        filtered_frac = 0.0
-        if self.matched:
-            positions, width = batch.get("logit_positions"), logprobs.shape[-1]
-            targets = at_positions(batch["target_ids"], positions)
-            logprobs, kept = sampling_logprobs(batch["logits"], targets, self.temperature, self.top_k, self.top_p)
-            logprobs, kept = from_positions(logprobs, positions, width), from_positions(kept, positions, width, True)
-            mask = batch["weights"]
-            is_active = active(mask)
-            filtered_frac = float((is_active & ~kept).sum()) / max(int(is_active.sum()), 1)
-            batch = {**batch, "weights": torch.where(kept, mask, torch.zeros_like(mask))}
-        out = self.inner(logprobs, batch)
-        metrics = dict(out.metrics)
-        if "sampler_logprobs" in batch:
-            mask = batch["weights"]
-            lr = masked(logprobs.detach() - batch["sampler_logprobs"].to(logprobs.dtype), mask)
-            for key, value in ratio_stats(lr, mask).items():
-                metrics.setdefault(key, value)
-        if self.matched:
-            metrics["is/filtered_frac"] = filtered_frac
-        return LossOutput(out.loss, metrics)
 
 
 # --------------------------------------------------------------------------- registered losses
@@ -208,13 +92,14 @@ class _RatioLoss:
     ``level``: ``token`` ratios or one ``sequence`` ratio (masked-mean log-ratio, GSPO).
     ``advantage_cap`` (multiple of the running mean ``|A|``, null = off) and
     ``advantage_cap_momentum`` are read by the stage, which caps the advantages before the
-    call (:class:`AdvantageCap`)."""
+    call (:class:`~tempering.rlmath.advantage_cap.AdvantageCap`)."""
 
     level: str = "token"
     advantage_cap: float | None = None
     advantage_cap_momentum: float = 0.9
 
     needs_logits: ClassVar[bool] = False
+    sums_over_tokens: ClassVar[bool] = True  # the normaliser is folded into the advantages
     reads: ClassVar[frozenset[str]] = frozenset({WEIGHTS, SAMPLER_LOGPROBS, ADVANTAGES})  # the loss contract
     _builtin: ClassVar[str] = ""
 
@@ -355,71 +240,3 @@ class ClippedISLoss(PPOLoss):
     after the stage has capped the advantages."""
 
     advantage_cap: float | None = 3.0
-
-
-# --------------------------------------------------------------------------- advantage capping
-def cap_advantages(rows: list[list[float]], weights: list[list[float]], cap: float) -> tuple[list[list[float]], int]:
-    """Clamp every loss token's advantage to ``[-cap, cap]``; returns the new rows and how many
-    tokens were capped. Off-mask positions are left as they are."""
-    n = 0
-    out = []
-    for adv, w in zip(rows, weights):
-        row = []
-        for a, m in zip(adv, w):
-            if m != 0 and abs(a) > cap:
-                a = cap if a > 0 else -cap
-                n += 1
-            row.append(a)
-        out.append(row)
-    return out, n
-
-
-@runtime_checkable
-class CapsAdvantages(Protocol):
-    """A loss that asks the ``offpolicy`` stage to cap its advantages (every loss here): a cap
-    at ``advantage_cap`` times the running mean ``|A|`` (``None``: off), whose mean moves with
-    ``advantage_cap_momentum``. Read by the stage, typed, instead of probed."""
-
-    advantage_cap: float | None
-    advantage_cap_momentum: float
-
-
-class AdvantageCap:
-    """Caps per-token ``|A|`` at ``multiple`` x its running mean (the stale-rollout recipe).
-
-    The running mean is an exponential moving average (``momentum``) of each batch's mean
-    ``|A|`` over loss tokens with a non-zero advantage (zero-variance groups would otherwise
-    drag it down and cap the rare informative group); the first batch initialises it. The
-    cap for a batch uses the mean *including* that batch. ``multiple=None`` disables it.
-    """
-
-    def __init__(self, multiple: float | None, momentum: float = 0.9, mean: float | None = None) -> None:
-        if multiple is not None and multiple <= 0:
-            raise ValueError(f"AdvantageCap: multiple must be > 0 (or None), got {multiple}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"AdvantageCap: momentum must be in [0, 1), got {momentum}")
-        self.multiple, self.momentum, self.mean = multiple, momentum, mean
-
-    @classmethod
-    def for_loss(cls, loss: Loss, mean: float | None = None) -> AdvantageCap:
-        """The cap ``loss`` asks for (:class:`CapsAdvantages`); none for any other loss."""
-        if isinstance(loss, CapsAdvantages):
-            return cls(loss.advantage_cap, loss.advantage_cap_momentum, mean)
-        return cls(None, 0.9, mean)
-
-    def __call__(
-        self, rows: list[list[float]], weights: list[list[float]]
-    ) -> tuple[list[list[float]], dict[str, float]]:
-        if self.multiple is None:
-            return rows, {}
-        values = [abs(a) for adv, w in zip(rows, weights) for a, m in zip(adv, w) if m != 0 and a != 0]
-        if not values:
-            return rows, {
-                "advantage/cap": float("inf") if self.mean is None else self.multiple * self.mean,
-                "advantage/capped_frac": 0.0,
-            }
-        batch_mean = sum(values) / len(values)
-        self.mean = batch_mean if self.mean is None else self.momentum * self.mean + (1 - self.momentum) * batch_mean
-        cap = self.multiple * self.mean
-        rows, n = cap_advantages(rows, weights, cap)
-        return rows, {"advantage/cap": cap, "advantage/capped_frac": n / len(values)}

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tempering.interfaces import Tokenizer
+from tempering.schema import Problem
 
 __all__ = [
     "DEFAULT_FEEDBACK_TEMPLATE",
@@ -59,6 +60,60 @@ class RepromptRules:
     dont_reprompt_on_self_success: bool = True
     include_environment_feedback: bool = True
     environment_feedback_only_without_solution: bool = False
+
+
+@dataclass(frozen=True)
+class Reprompt(RepromptRules):
+    """The ``reprompt:`` block of the ``sdpo`` stage (TRL's ``SDPOConfig`` names): the rules
+    above (who gets which signal), ``remove_thinking_from_demonstration``, the teacher prompt's
+    templates (``reprompt_template`` with ``{prompt}``, ``{solution}``, ``{feedback}``;
+    ``solution_template`` with ``{successful_previous_attempt}``; ``feedback_template`` with
+    ``{feedback_raw}``) and ``max_reprompt_len`` (tokens of the teacher's prompt kept: its end)."""
+
+    remove_thinking_from_demonstration: bool = False
+    max_reprompt_len: int = 10240
+    reprompt_template: str = DEFAULT_REPROMPT_TEMPLATE
+    solution_template: str = DEFAULT_SOLUTION_TEMPLATE
+    feedback_template: str = DEFAULT_FEEDBACK_TEMPLATE
+
+    @staticmethod
+    def check_config(config: Mapping[str, Any]) -> Iterator[Problem]:
+        """A cap below one token; a template that does not parse, names an unknown placeholder
+        or lacks one the rules use (the teacher would never see it)."""
+        if config["max_reprompt_len"] < 1:
+            yield Problem(
+                "max_reprompt_len",
+                f"must be >= 1 (tokens of the teacher's prompt kept), got {config['max_reprompt_len']}",
+            )
+        for key, need, allowed in used_templates(config):
+            why = template_problem(config[key], need, allowed)
+            if why is not None:
+                yield Problem(key, why)
+
+    def check_encodable(self, tokenizer: Tokenizer) -> Problem | None:
+        """The first template the teacher uses whose text ``tokenizer`` cannot encode."""
+        for key, need, _ in used_templates(vars(self)):
+            if need or key == "reprompt_template":
+                why = unencodable(tokenizer, getattr(self, key))
+                if why is not None:
+                    return Problem(key, why)
+        return None
+
+
+def used_templates(config: Mapping[str, Any]) -> list[tuple[str, list[str], tuple[str, ...]]]:
+    """Each template key with the placeholders the rules make it need, and those it may use."""
+    required = ["prompt"]
+    if config["use_successful_as_teacher"]:
+        required.append("solution")
+    if config["include_environment_feedback"]:
+        required.append("feedback")
+    solution = ["successful_previous_attempt"] if config["use_successful_as_teacher"] else []
+    feedback = ["feedback_raw"] if config["include_environment_feedback"] else []
+    return [
+        ("reprompt_template", required, ("prompt", "solution", "feedback")),
+        ("solution_template", solution, ("successful_previous_attempt",)),
+        ("feedback_template", feedback, ("feedback_raw",)),
+    ]
 
 
 @dataclass(frozen=True)

@@ -87,44 +87,43 @@ def distillation_problem(
     weight: float,
     is_clip_low: float | None = None,
 ) -> tuple[str, str] | None:
-    """The first bad distillation setting as ``(stage key, one-line message)``, or None.
+    """The first bad distillation setting as ``(key of the distillation: block, one-line message)``, or None.
 
     One rule set for the stage's validation (a :class:`~tempering.errors.ConfigError` at the
     key's path) and for :class:`SDPOLoss` built by hand (a ``ValueError``)."""
     if mode not in MODES:
-        return "distillation_mode", f"unknown mode '{mode}'; use one of {', '.join(MODES)}"
+        return "mode", f"unknown mode '{mode}'; use one of {', '.join(MODES)}"
     if not 0.0 <= alpha <= 1.0:
-        return "distillation_alpha", f"must be in [0, 1] (0 forward KL, 1 reverse KL, JSD between), got {alpha}"
+        return "alpha", f"must be in [0, 1] (0 forward KL, 1 reverse KL, JSD between), got {alpha}"
     if mode == "sampled_token" and alpha != 1.0:
-        return "distillation_alpha", (
-            f"must be 1 with distillation_mode 'sampled_token' (a sampled token estimates "
+        return "alpha", (
+            f"must be 1 with mode 'sampled_token' (a sampled token estimates "
             f"the reverse KL only), got {alpha}; use full_logits or topk_logits for other alphas"
         )
     if mode == "topk_logits" and topk is None:
         return (
-            "distillation_topk",
-            "distillation_mode 'topk_logits' needs distillation_topk (the support size, e.g. 100)",
+            "topk",
+            "mode 'topk_logits' needs topk (the support size, e.g. 100)",
         )
     if topk is not None and mode != "topk_logits":
-        return "distillation_topk", f"is only read by distillation_mode 'topk_logits' (the mode is '{mode}'); remove it"
+        return "topk", f"is only read by mode 'topk_logits' (the mode is '{mode}'); remove it"
     if topk is not None and topk < 1:
-        return "distillation_topk", f"must be >= 1, got {topk}"
+        return "topk", f"must be >= 1, got {topk}"
     if support not in SUPPORTS:
-        return "distillation_topk_support", f"use one of {', '.join(SUPPORTS)} (got '{support}')"
+        return "topk_support", f"use one of {', '.join(SUPPORTS)} (got '{support}')"
     if is_clip is not None and is_clip <= 0:
-        return "distillation_is_clip", f"must be > 0 (or null: off), got {is_clip}"
+        return "is_clip", f"must be > 0 (or null: off), got {is_clip}"
     if is_clip_low is not None and is_clip is None:
         return (
-            "distillation_is_clip_low",
-            "is a floor of the distillation_is_clip weight, which is off (null); set both",
+            "is_clip_low",
+            "is a floor of the is_clip weight, which is off (null); set both",
         )
     if is_clip_low is not None and not 0 < is_clip_low <= min(1.0, is_clip or 1.0):
-        return "distillation_is_clip_low", (
-            f"must be in (0, {min(1.0, is_clip or 1.0):g}] (at most 1 and at most "
-            f"distillation_is_clip), got {is_clip_low}"
+        return "is_clip_low", (
+            f"must be in (0, {min(1.0, is_clip or 1.0):g}] (at most 1 and at most is_clip), got {is_clip_low}"
         )
     if not 0.0 <= weight <= 1.0:
-        return "distillation_weight", f"must be in [0, 1] (1 distillation only, 0 policy gradient only), got {weight}"
+        return "weight", f"must be in [0, 1] (1 distillation only, 0 policy gradient only), got {weight}"
     return None
 
 
