@@ -5,7 +5,7 @@ exact match after burning ``--burn-ms`` of CPU per sample (a busy loop, like a r
 run in a ``process_pool`` reward so it does not hold the trainer's GIL. Configurations:
 
 1. ``grpo``       -- the synchronous GRPO stage: sample the batch, score it, train.
-2. ``async k=0``  -- the ``offpolicy`` stage with ``max_steps_off_policy: 0``: the same loop as
+2. ``async k=0``  -- the ``offpolicy`` stage with ``stale: {max_steps_off_policy: 0}``: the same loop as
    below but the producer waits for the new weights after every step (on-policy, synchronous;
    a chunk's rewards still overlap the next chunk's sampling).
 3. ``async k=1``, ``async k=3`` -- sampling and scoring of the next batches overlap training.
@@ -121,12 +121,13 @@ def main() -> None:
         f"{args.prompts} prompts x {args.group_size} samples per step, reward burns {args.burn_ms} ms/sample "
         f"in {args.workers} worker process(es), {args.steps} steps ({args.warmup} warm-up left out)"
     )
-    off = {"name": "offpolicy", "loss": "clipped_is", "groups_per_sample": args.groups_per_sample}
+    off = {"name": "offpolicy", "loss": "clipped_is"}
+    stale = {"groups_per_sample": args.groups_per_sample}
     configs = {
         "grpo": ("sync grpo", {"name": "grpo", "loss": {"name": "grpo", "loss_type": "dapo"}, "log_kl": False}),
-        "k0": ("async k=0", {**off, "max_steps_off_policy": 0}),
-        "k1": ("async k=1", {**off, "max_steps_off_policy": 1}),
-        "k3": ("async k=3", {**off, "max_steps_off_policy": 3}),
+        "k0": ("async k=0", {**off, "stale": {**stale, "max_steps_off_policy": 0}}),
+        "k1": ("async k=1", {**off, "stale": {**stale, "max_steps_off_policy": 1}}),
+        "k3": ("async k=3", {**off, "stale": {**stale, "max_steps_off_policy": 3}}),
     }
     chosen = [c for c in (args.only.split(",") if args.only else configs) if c]
     runs: dict[str, list[dict[str, Any]]] = {key: [] for key in chosen}

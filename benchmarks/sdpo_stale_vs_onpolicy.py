@@ -8,7 +8,7 @@ its SFT warmup, then SDPO from the feedback) with this slow reward in the RL sta
 
 1. ``on-policy``: the sdpo stage as bundled -- sample the batch, wait for its rewards, score the
    teacher, train; the next batch is sampled with the new weights.
-2. ``stale k=3``: ``max_steps_off_policy: 3`` with the stale recipe's corrections (``loss:
+2. ``stale k=3``: ``stale: {max_steps_off_policy: 3}`` with the stale recipe's corrections (``loss:
    clipped_is`` -- the bundled GRPO loss's PPO clip, ``|A|`` capped at 3x its running mean --
    and the distillation weight clipped to [0.5, 2]): the producer samples and waits for rewards
    of the next batches while the trainer trains (docs/sdpo.md, "Stale SDPO").
@@ -51,12 +51,8 @@ async def slow_exact_match(completion: str, example: dict[str, Any]) -> Any:
     return ExactMatch()(completion, example)
 
 
-STALE = {
-    "max_steps_off_policy": 3,
-    "loss": {"name": "clipped_is"},
-    "distillation_is_clip": 2.0,
-    "distillation_is_clip_low": 0.5,
-}
+STALE = {"stale": {"max_steps_off_policy": 3}, "loss": {"name": "clipped_is"}}
+STALE_DISTILLATION = {"is_clip": 2.0, "is_clip_low": 0.5}
 
 
 def run_one(config: str, seed: int, steps: int, concurrency: int) -> dict[str, Any]:
@@ -70,6 +66,7 @@ def run_one(config: str, seed: int, steps: int, concurrency: int) -> dict[str, A
     rl["eval"] = {**rl["eval"], "every": 0, "at_start": True}  # at the start and the end only
     if config == "stale":
         rl.update(STALE)
+        rl["distillation"] = {**rl.get("distillation", {}), **STALE_DISTILLATION}
     with tempfile.TemporaryDirectory() as out:
         spec.update(seed=seed, output_dir=out, loggers=["jsonl"])
         result = Recipe(**spec, resume=False).run()

@@ -1,7 +1,8 @@
 """The layering the code keeps, read from the source (every import, function-level ones included).
 
 Three folders, three layers: ``core/`` (``tempering``) imports neither ``tempering.plugins`` nor
-``tempering.algorithms``; plugins and algorithms do not import each other. Inside the core,
+``tempering.algorithms``; plugins and algorithms do not import each other, and no algorithm
+imports another (they compose the core's parts). Inside the core,
 subpackages by purpose, each importing only those below it:
 
     tempering (types, interfaces, errors, registry, schema, loss_contract, hookspecs, testing)
@@ -92,6 +93,25 @@ def test_no_upward_imports():
     allowed = {"core": {"core"}, "algorithms": {"core", "algorithms"}, "plugins": {"core", "plugins"}}
     wrong = sorted(
         f"{a} -> {b}" for a, targets in _graph().items() for b in targets if _layer(b) not in allowed[_layer(a)]
+    )
+    assert wrong == []
+
+
+def _algorithm(module: str) -> str:
+    """The algorithm package a module belongs to (``tempering.algorithms.sdpo.loss`` -> ``sdpo``)."""
+    return module.split(".")[2] if module.count(".") >= 2 else ""
+
+
+def test_no_algorithm_imports_another():
+    """Algorithms are composed from the core's parts (the RL engine, the policy-gradient stage,
+    the stale-rollout component, teacher weights), never from one another: an algorithm's
+    package imports only itself and the core."""
+    wrong = sorted(
+        f"{a} -> {b}"
+        for a, targets in _graph().items()
+        if _layer(a) == "algorithms"
+        for b in targets
+        if _layer(b) == "algorithms" and _algorithm(b) != _algorithm(a)
     )
     assert wrong == []
 
