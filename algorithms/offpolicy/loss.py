@@ -16,8 +16,8 @@ completion tokens that count), ``batch["sampler_logprobs"]`` the behaviour polic
 Every loss is a **sum over tokens**, exactly as Tinker's built-in losses compute it, so any
 normaliser (token mean, sequence mean) must be folded into ``advantages`` before the call (the
 stale-rollout component does it: :func:`~tempering.rlmath.aggregation.fold_normaliser`). With
-``level="token"`` each loss names the Tinker built-in that computes the same value and gradient (``tinker_builtin``) and the
-``loss_fn_config`` to send (``tinker_loss_fn_config``):
+``level="token"`` each loss names the Tinker built-in that computes the same value and gradient
+(``tinker_builtin``) and the ``loss_fn_config`` to send (``tinker_loss_fn_config``):
 
 =============== ================================================================ ==================
 name            per-token loss (summed over mask)                                Tinker built-in

@@ -64,11 +64,14 @@ class RepromptRules:
 
 @dataclass(frozen=True)
 class Reprompt(RepromptRules):
-    """The ``reprompt:`` block of the ``sdpo`` stage (TRL's ``SDPOConfig`` names): the rules
-    above (who gets which signal), ``remove_thinking_from_demonstration``, the teacher prompt's
-    templates (``reprompt_template`` with ``{prompt}``, ``{solution}``, ``{feedback}``;
-    ``solution_template`` with ``{successful_previous_attempt}``; ``feedback_template`` with
-    ``{feedback_raw}``) and ``max_reprompt_len`` (tokens of the teacher's prompt kept: its end)."""
+    """The ``reprompt:`` block of the ``sdpo`` stage: which samples get a teacher, and the
+    teacher's prompt (TRL's ``SDPOConfig`` names).
+
+    The rules of :class:`RepromptRules` (who gets which signal),
+    ``remove_thinking_from_demonstration``, the teacher prompt's templates (``reprompt_template``
+    with ``{prompt}``, ``{solution}``, ``{feedback}``; ``solution_template`` with
+    ``{successful_previous_attempt}``; ``feedback_template`` with ``{feedback_raw}``) and
+    ``max_reprompt_len`` (tokens of the teacher's prompt kept: its end)."""
 
     remove_thinking_from_demonstration: bool = False
     max_reprompt_len: int = 10240

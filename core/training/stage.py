@@ -143,27 +143,34 @@ class EvalConfig:
     stop_every: int = 0  # 0: with each periodic evaluation (``every``)
     stop_size: Any = None  # null: the whole held-out set
 
+    @staticmethod
+    def check_config(config: Mapping[str, Any]) -> Iterator[Problem | None]:
+        """The values that cannot work, at their keys (run by :func:`sub_config`)."""
+        c = config
+        if c["max_tokens"] < 1:
+            yield Problem("max_tokens", f"must be >= 1, got {c['max_tokens']}")
+        if c["every"] < 0:
+            yield Problem("every", f"must be >= 0 (0 = at the start and end only), got {c['every']}")
+        if c["temperature"] < 0:
+            yield Problem("temperature", f"must be >= 0 (0 = greedy), got {c['temperature']}")
+        if c["stop_every"] < 0:
+            yield Problem("stop_every", f"must be >= 0 (0 = with each evaluation), got {c['stop_every']}")
+        size = c["stop_size"]
+        if not (size is None or (isinstance(size, int) and size >= 1)):
+            yield Problem("stop_size", f"must be a number of examples >= 1 or null (all), got {size!r}")
+        target = c["stop_at_accuracy"]
+        if target is not None and not ((c["every"] or c["stop_every"]) and 0 < float(target) <= 1):
+            yield Problem("stop_at_accuracy", "needs eval.every or eval.stop_every > 0 and a value in (0, 1]")
+
 
 def check_eval(ctx: RunContext, value: Any, stage: Any = None) -> EvalConfig:
     """Validate an ``eval:`` block and the components it names (its dataset's rows:
     :func:`check_stage`, after every config check)."""
-    ev = sub_config(EvalConfig, value, f"{ctx.path}.eval")
-    path = f"{ctx.path}.eval"
-    require(ev.max_tokens >= 1, f"{path}.max_tokens", f"must be >= 1, got {ev.max_tokens}")
-    require(ev.every >= 0, f"{path}.every", f"must be >= 0 (0 = at the start and end only), got {ev.every}")
-    require(ev.temperature >= 0, f"{path}.temperature", f"must be >= 0 (0 = greedy), got {ev.temperature}")
+    ev = sub_config(EvalConfig, value, f"{ctx.path}.eval")  # its fields and their values
     if ev.sampler is not None:
         check_sampler(ctx, ev.sampler, "eval.sampler")
     if ev.dataset is not None and ev.reward is not None:  # the stage's own is checked as its "reward"
         ctx.check("reward", ev.reward, "eval.reward")
-    require(ev.stop_every >= 0, f"{path}.stop_every", f"must be >= 0 (0 = with each evaluation), got {ev.stop_every}")
-    require(
-        ev.stop_size is None or (isinstance(ev.stop_size, int) and ev.stop_size >= 1),
-        f"{path}.stop_size",
-        f"must be a number of examples >= 1 or null (all), got {ev.stop_size!r}",
-    )
-    if ev.stop_at_accuracy is not None and not ((ev.every or ev.stop_every) and 0 < float(ev.stop_at_accuracy) <= 1):
-        raise ConfigError("needs eval.every or eval.stop_every > 0 and a value in (0, 1]", f"{path}.stop_at_accuracy")
     return ev
 
 
@@ -198,15 +205,9 @@ def check_stage(
     and their factory's ``check_config`` (see :mod:`tempering.schema`). Then,
     unless in :func:`config_only`, the datasets (the stage's and ``eval``'s): ``columns`` is
     what the stage's rows must hold (see :func:`check_dataset`)."""
-    steps = getattr(stage, "steps", 1)
-    require(
-        steps >= 1,
-        f"{ctx.path}.steps",
-        f"must be >= 1, got {steps} (a stage of no steps would be skipped; remove the stage instead)",
-    )
+    if isinstance(stage, Stage):  # its own keys' values (a recipe's stage: checked when it was built too)
+        check_config_at(type(stage), field_values(stage), ctx.path)
     sub_config(OptimizerConfig, stage.optimizer, f"{ctx.path}.optimizer")  # its fields and check
-    if isinstance(stage, SamplingKeys):
-        stage.check_sampling(ctx.path)
     ev = check_eval(ctx, stage.eval, stage)
     built: dict[str, Any] = {}
     for kind in components:
@@ -318,6 +319,19 @@ class Stage:
     postfix: ClassVar[dict[str, str]] = {"loss": "loss"}
 
     # ------------------------------------------------------------------ what a stage writes
+    @classmethod
+    def check_config(cls, config: Mapping[str, Any]) -> Iterator[Problem | None]:
+        """The values of the stage's own keys that cannot work, each a :class:`Problem` at its
+        key (:mod:`tempering.schema`): run by the registry when it builds the stage from a
+        recipe, and by :func:`check_stage` for a stage built in Python. A subclass adds its
+        own after ``super().check_config(config)``'s. What needs the backend, a component or
+        the data is :meth:`validate`'s."""
+        steps = config.get("steps", 1)
+        if steps < 1:
+            yield Problem(
+                "steps", f"must be >= 1, got {steps} (a stage of no steps would be skipped; remove the stage instead)"
+            )
+
     def validate(self, ctx: RunContext) -> None:
         """Check every nested block before any stage trains."""
         check_stage(ctx, self)
@@ -475,9 +489,19 @@ class SamplingKeys:
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(self.max_tokens, self.temperature, self.top_p, self.top_k, list(self.stop))
 
-    def check_sampling(self, path: str) -> None:
-        """Ranges of the sampling keys (``path``: the stage's)."""
-        require(self.max_tokens >= 1, f"{path}.max_tokens", f"must be >= 1, got {self.max_tokens}")
-        require(self.temperature >= 0, f"{path}.temperature", f"must be >= 0, got {self.temperature}")
-        require(0 < self.top_p <= 1, f"{path}.top_p", f"must be in (0, 1], got {self.top_p}")
-        require(self.top_k >= 0, f"{path}.top_k", f"must be >= 0 (0 = no top-k), got {self.top_k}")
+    @classmethod
+    def check_config(cls, config: Mapping[str, Any]) -> Iterator[Problem | None]:
+        """Ranges of the sampling keys, then the next class's checks (a mixin of a
+        :class:`Stage`: cooperative, so both run)."""
+        c = config
+        if c["max_tokens"] < 1:
+            yield Problem("max_tokens", f"must be >= 1, got {c['max_tokens']}")
+        if c["temperature"] < 0:
+            yield Problem("temperature", f"must be >= 0, got {c['temperature']}")
+        if not 0 < c["top_p"] <= 1:
+            yield Problem("top_p", f"must be in (0, 1], got {c['top_p']}")
+        if c["top_k"] < 0:
+            yield Problem("top_k", f"must be >= 0 (0 = no top-k), got {c['top_k']}")
+        after = super()
+        if hasattr(after, "check_config"):
+            yield from after.check_config(config)

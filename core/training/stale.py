@@ -44,14 +44,23 @@ if TYPE_CHECKING:  # pragma: no cover
     from tempering.interfaces import Backend, Sampler
     from tempering.rollouts.data import ExampleStream
 
-__all__ = ["AGGREGATIONS", "OffPolicyObjective", "StaleRollouts", "Staleness", "sampling_logprobs", "staleness"]
+__all__ = [
+    "AGGREGATIONS",
+    "MOVED_INTO_STALE",
+    "OffPolicyObjective",
+    "StaleRollouts",
+    "Staleness",
+    "sampling_logprobs",
+    "staleness",
+]
 
 AGGREGATIONS = ("auto", *FOLD_AGGREGATIONS)
 
 
 @dataclass
 class Staleness:
-    """The ``stale:`` block.
+    """The ``stale:`` block: how stale rollouts may be, how often the sampler syncs, and the
+    advantages' normaliser.
 
     - ``max_steps_off_policy`` (k): the staleness bound; 0 = synchronous on-policy.
     - ``sync_every``: publish a sampler snapshot every this many steps (1 <= it <= k + 1).
@@ -97,6 +106,22 @@ class Staleness:
             yield Problem("max_resamples", f"must be >= 0, got {config['max_resamples']}")
         aggregation = config["aggregation"]
         yield one_of("aggregation", aggregation, AGGREGATIONS, f"use one of {AGGREGATIONS} (got '{aggregation}')")
+
+
+#: The stage keys of earlier versions that moved into the ``stale:`` block (a stage's
+#: ``moved_keys``: an old recipe gets one line saying where to write them).
+MOVED_INTO_STALE = {
+    name: f"stale: {{{name}: ...}}"
+    for name in (
+        "max_steps_off_policy",
+        "sync_every",
+        "fixed_staleness",
+        "groups_per_sample",
+        "aggregation",
+        "max_resamples",
+        "seeded_sampling",
+    )
+}
 
 
 def staleness(value: object, path: str) -> Staleness:
