@@ -221,4 +221,7 @@ def test_writing_a_plugin_names_real_paths_and_every_hook() -> None:
     assert set(re.findall(r"`(register_\w+)`", para)) == {n for n in dir(hookspecs) if n.startswith("register_")}
     assert "never against another algorithm's code" not in text
     sdpo = (ROOT / "algorithms" / "sdpo" / "algorithm.py").read_text()
-    assert "from tempering.algorithms.grpo" in sdpo  # what the page now says
+    # composed of the core's pieces (issue 38): it imports no other algorithm's code
+    assert re.findall(r"from tempering\.algorithms\.(\w+)", sdpo) and not re.findall(
+        r"from tempering\.algorithms\.(?!sdpo\b)\w+", sdpo
+    )

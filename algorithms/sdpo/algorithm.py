@@ -68,6 +68,7 @@ from tempering.rollouts.async_rollout import AsyncRollouts
 from tempering.training.policy_gradient import PolicyGradient
 from tempering.training.rl import SyncRollouts
 from tempering.training.stage import Requirement
+from tempering.training.stale import MOVED_KEYS as STALE_MOVED_KEYS
 from tempering.training.stale import Staleness, StaleRollouts, staleness
 from tempering.types import Batch, Group
 
@@ -95,18 +96,7 @@ MOVED = {
             "feedback_template",
         )
     },
-    **{
-        k: f"stale: {{{k}: ...}}"
-        for k in (
-            "max_steps_off_policy",
-            "sync_every",
-            "fixed_staleness",
-            "groups_per_sample",
-            "aggregation",
-            "max_resamples",
-            "seeded_sampling",
-        )
-    },
+    **STALE_MOVED_KEYS,
 }
 
 

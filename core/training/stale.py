@@ -24,7 +24,7 @@ everything it needs is an argument.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import tempering.loss_contract as loss_contract
@@ -44,7 +44,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from tempering.interfaces import Backend, Sampler
     from tempering.rollouts.data import ExampleStream
 
-__all__ = ["AGGREGATIONS", "OffPolicyObjective", "StaleRollouts", "Staleness", "sampling_logprobs", "staleness"]
+__all__ = [
+    "AGGREGATIONS",
+    "MOVED_KEYS",
+    "OffPolicyObjective",
+    "StaleRollouts",
+    "Staleness",
+    "sampling_logprobs",
+    "staleness",
+]
 
 AGGREGATIONS = ("auto", *FOLD_AGGREGATIONS)
 
@@ -97,6 +105,11 @@ class Staleness:
             yield Problem("max_resamples", f"must be >= 0, got {config['max_resamples']}")
         aggregation = config["aggregation"]
         yield one_of("aggregation", aggregation, AGGREGATIONS, f"use one of {AGGREGATIONS} (got '{aggregation}')")
+
+
+#: The flat keys of earlier versions -> the block they moved to: a stage's ``moved_keys``
+#: (:data:`tempering.registry.MOVED_KEYS_HOOK`), so an old recipe gets one line saying where.
+MOVED_KEYS = {f.name: f"stale: {{{f.name}: ...}}" for f in fields(Staleness)}
 
 
 def staleness(value: object, path: str) -> Staleness:
