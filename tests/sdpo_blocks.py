@@ -13,7 +13,7 @@ from dataclasses import fields
 from typing import Any
 
 from tempering.algorithms.sdpo.context import Reprompt
-from tempering.algorithms.sdpo.distillation import Distillation, SelfDistillation
+from tempering.algorithms.sdpo.distillation import Distillation, SelfDistillation, distillation, reprompt
 from tempering.training.stale import Staleness
 
 DISTILLATION_KEYS = frozenset(f.name for f in fields(Distillation))
@@ -47,11 +47,14 @@ def sdpo_keys(**flat: Any) -> dict[str, Any]:
 
 
 def term(stage_id: str = "", **flat: Any) -> SelfDistillation:
-    """The self-distillation term of the ``distillation:`` / ``reprompt:`` keys in ``flat``."""
+    """The self-distillation term of the ``distillation:`` / ``reprompt:`` keys in ``flat``,
+    each block checked as the stage checks it."""
     blocks = sdpo_keys(**flat)
     unknown = set(blocks) - {"distillation", "reprompt"}
     if unknown:
         raise TypeError(f"not keys of the self-distillation term: {sorted(unknown)}")
     return SelfDistillation(
-        Distillation(**blocks.get("distillation", {})), Reprompt(**blocks.get("reprompt", {})), stage_id
+        distillation(blocks.get("distillation", {}), "distillation"),
+        reprompt(blocks.get("reprompt", {}), "reprompt"),
+        stage_id,
     )
