@@ -871,7 +871,7 @@ TINY_CHAT = {
 
 
 @pytest.mark.parametrize(
-    "stage", [{"name": "grpo"}, {"name": "offpolicy", "max_steps_off_policy": 2}], ids=["grpo", "offpolicy"]
+    "stage", [{"name": "grpo"}, {"name": "offpolicy", "stale": {"max_steps_off_policy": 2}}], ids=["grpo", "offpolicy"]
 )
 def test_rl_stages_train_through_the_environment_sampler(tmp_path, stage):
     from tempering.plugins.backends.local.backend import LocalBackend

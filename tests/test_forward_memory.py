@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tempering.algorithms.dpo.loss import DPOLoss
 from tempering.algorithms.grpo.loss import GRPOLoss
-from tempering.algorithms.offpolicy.loss import OffPolicyObjective, PPOLoss
+from tempering.algorithms.offpolicy.loss import PPOLoss
 from tempering.algorithms.sdft.loss import SDFTLoss
 from tempering.algorithms.sft.loss import CrossEntropyLoss
 from tempering.interfaces import LossOutput
@@ -33,6 +33,7 @@ from tempering.plugins.backends.local.logprobs import (
     selected_token_logprobs,
     trained_positions,
 )
+from tempering.training.stale import OffPolicyObjective
 from tempering.types import Batch, Datum
 
 # 42 tokens: a vocabulary size no other dimension of this model has (hidden 32, heads of 16,

@@ -9,6 +9,7 @@ Everything here is fast (fakes or a ~20k-parameter Llama); the learning comparis
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -19,28 +20,20 @@ import pytest
 import torch
 
 from tempering.algorithms.grpo.loss import GRPOLoss
-from tempering.algorithms.offpolicy.algorithm import OffPolicyRL
-from tempering.algorithms.offpolicy.loss import (
-    AdvantageCap,
-    CISPOLoss,
-    ClippedISLoss,
-    OffPolicyObjective,
-    PPOLoss,
-    TISLoss,
-    cap_advantages,
-    fold_normaliser,
-    importance_sampling_loss,
-    ratio_stats,
-    sampling_logprobs,
-)
+from tempering.algorithms.offpolicy.loss import CISPOLoss, ClippedISLoss, PPOLoss, TISLoss
 from tempering.errors import ConfigError
 from tempering.interfaces import Loss, model_renderer
+from tempering.rlmath.advantage_cap import AdvantageCap, cap_advantages
+from tempering.rlmath.aggregation import fold_normaliser
+from tempering.rlmath.diagnostics import ratio_stats
+from tempering.rlmath.policy_loss import importance_sampling_loss
 from tempering.rollouts.async_rollout import AsyncRollouts, StalenessError, sampler_of
 from tempering.rollouts.data import ExampleStream
 from tempering.rollouts.scoring import RewardRunner
 from tempering.testing import FakeBackend
 from tempering.training.evaluate import completion_sampler
 from tempering.training.recipe import Recipe, read_progress
+from tempering.training.stale import OffPolicyObjective, Staleness, StaleRollouts, sampling_logprobs
 from tempering.types import AdamParams, Batch, Datum, SamplingParams
 
 LN = math.log
@@ -298,14 +291,15 @@ def test_cap_advantages_and_running_mean_hand_computed():
 
 
 def test_prepare_advantages_caps_then_folds():
-    stage = OffPolicyRL(aggregation="token_mean")
+    corrections = StaleRollouts(Staleness(aggregation="token_mean"), PPOLoss(), PPOLoss(), SamplingParams(), {}, "s")
+    corrections.capper = AdvantageCap(multiple=1.0)
     batch = Batch(
         [
             Datum([1, 2, 3], [2, 3, 4], [0, 1, 1], [0, -1, -1], [0.0, 2.0, 2.0]),
             Datum([1, 2], [2, 3], [0, 1], [0, -1], [0.0, -1.0]),
         ]
     )
-    metrics = stage.prepare_advantages(batch, AdvantageCap(multiple=1.0))
+    metrics = corrections.prepare(batch)
     # |A| = 2, 2, 1 -> mean 5/3 = cap; 2 -> 5/3; then / N = 3 tokens
     assert batch.data[0].advantages == pytest.approx([0.0, 5 / 9, 5 / 9])
     assert batch.data[1].advantages == pytest.approx([0.0, -1 / 3])
@@ -653,7 +647,12 @@ def test_failed_rewards_keep_their_place():
 
 
 # --------------------------------------------------------------------------- the stage
+STALE_KEYS = {f.name for f in dataclasses.fields(Staleness)}
+
+
 def stage_cfg(**kw):
+    """The stage's keys; the staleness keys among ``kw`` go in its ``stale:`` block."""
+    stale = {"max_steps_off_policy": 1, **{k: kw.pop(k) for k in list(kw) if k in STALE_KEYS}}
     cfg = {
         "name": "offpolicy",
         "steps": 4,
@@ -662,7 +661,7 @@ def stage_cfg(**kw):
         "max_tokens": 3,
         "dataset": {"name": "arithmetic", "size": 20},
         "reward": "exact_match",
-        "max_steps_off_policy": 1,
+        "stale": stale,
     }
     cfg.update(kw)
     return cfg
@@ -717,20 +716,42 @@ def test_stage_folds_the_normaliser_only_for_sum_losses(tmp_path, fresh_registry
             assert top * (n if scaled else 1) == pytest.approx(1.1547, abs=1e-3)
     with pytest.raises(ConfigError, match="normalise twice") as err:
         run_stage(tmp_path, fresh_registry, VersionedFake(), name="twice", loss="grpo", aggregation="token_mean")
-    assert "stages[0].aggregation" in str(err.value)
+    assert "stages[0].stale.aggregation" in str(err.value)
 
 
 def test_stage_config_errors_name_the_key(tmp_path, fresh_registry):
     for kw, key in [
-        ({"sync_every": 3}, "sync_every"),
-        ({"max_steps_off_policy": -1}, "max_steps_off_policy"),
-        ({"fixed_staleness": True, "max_steps_off_policy": 2, "sync_every": 2}, "fixed_staleness"),
-        ({"aggregation": "mean"}, "aggregation"),
+        ({"sync_every": 3}, "stale.sync_every"),
+        ({"max_steps_off_policy": -1}, "stale.max_steps_off_policy"),
+        ({"fixed_staleness": True, "max_steps_off_policy": 2, "sync_every": 2}, "stale.fixed_staleness"),
+        ({"aggregation": "mean"}, "stale.aggregation"),
         ({"loss": "ppo_typo"}, "loss"),
     ]:
         with pytest.raises((ConfigError, KeyError)) as err:
             run_stage(tmp_path, fresh_registry, VersionedFake(), **kw)
         assert f"stages[0].{key}" in str(err.value), err.value
+
+
+OLD_KEY_RECIPE = """\
+name: old
+output_dir: {out}
+backend: {{name: local, model: tiny_llama,
+          model_kwargs: {{hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64}}, num_threads: 1}}
+loggers: []
+stages:
+  - {{id: rl, name: offpolicy, dataset: {{name: arithmetic, split: train}}, steps: 1, prompts_per_step: 2,
+      group_size: 2, max_tokens: 2}}
+"""
+
+
+@pytest.mark.parametrize("key", ["max_steps_off_policy", "sync_every", "aggregation"])
+def test_a_flat_staleness_key_of_earlier_versions_is_one_line_naming_its_block(rejects_before_training, key):
+    value = {"max_steps_off_policy": "2", "sync_every": "1", "aggregation": "token_mean"}[key]
+    rejects_before_training(
+        OLD_KEY_RECIPE,
+        f"stages.rl.{key}={value}",
+        f"stages[0].{key}: '{key}' moved: write it as stale: {{{key}: ...}} (see CHANGELOG.md)",
+    )
 
 
 def test_stage_without_sampling_client_still_runs(tmp_path, fresh_registry):

@@ -60,9 +60,7 @@ def rl_run(tmp_path: Path, checkpoint: str, name: str, loss: str) -> dict:
         "group_size": 8,
         "max_tokens": 4,
         "optimizer": {"learning_rate": 1e-3},
-        "max_steps_off_policy": 3,
-        "fixed_staleness": True,
-        "groups_per_sample": 8,
+        "stale": {"max_steps_off_policy": 3, "fixed_staleness": True, "groups_per_sample": 8},
         "eval": EVAL,
     }
     try:

@@ -241,7 +241,7 @@ def test_every_real_model_example_trains_a_step(recipe: Path, tmp_path: Path, mo
         stage.pop("eval", None)
         stage.update({k: v for k, v in SMALL.items() if k in stage})
         if stage["name"] == "sdpo":  # a teacher for every sample, success or not (feedback)
-            stage["include_environment_feedback"] = True
+            stage["reprompt"] = {**(stage.get("reprompt") or {}), "include_environment_feedback": True}
     cfg.update(output_dir=str(tmp_path / "run"), loggers=["jsonl"], resume=False)
     cfg["backend"]["lora"] = {"rank": 4, "alpha": 8}
     Recipe(**cfg).run()

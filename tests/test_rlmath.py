@@ -51,7 +51,7 @@ def test_rlmath_init_imports_nothing():
     assert out.stdout.strip() == "False"
 
 
-_G, _O, _S = "tempering.algorithms.grpo", "tempering.algorithms.offpolicy", "tempering.algorithms.sdft"
+_G, _S = "tempering.algorithms.grpo", "tempering.algorithms.sdft"
 #: (old module, name there) -> (module in tempering.rlmath, name there)
 REEXPORTS = [
     (f"{_G}.loss", "aggregate", "aggregation", "aggregate"),
@@ -59,11 +59,6 @@ REEXPORTS = [
     (f"{_G}.loss", "log_importance_weights", "ratios", "log_importance_weights"),
     (f"{_G}.loss", "clip_metrics", "diagnostics", "clip_metrics"),
     (f"{_G}.loss", "grpo_token_loss", "policy_loss", "grpo_token_loss"),
-    (f"{_O}.loss", "ppo_loss", "policy_loss", "ppo_loss"),
-    (f"{_O}.loss", "cispo_loss", "policy_loss", "cispo_loss"),
-    (f"{_O}.loss", "importance_sampling_loss", "policy_loss", "importance_sampling_loss"),
-    (f"{_O}.loss", "ratio_stats", "diagnostics", "ratio_stats"),
-    (f"{_O}.loss", "fold_normaliser", "aggregation", "fold_normaliser"),
     (f"{_S}.loss", "fold_normaliser", "aggregation", "fold_normaliser"),
     (f"{_S}.loss", "aggregate", "aggregation", "aggregate_mean"),
     (f"{_S}.loss", "divergence", "divergence", "divergence"),

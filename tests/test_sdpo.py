@@ -22,10 +22,10 @@ import torch
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
+from sdpo_blocks import sdpo_keys, term
 from tiny_runs import TwoTurns, tiny_recipe
 
 from tempering.algorithms.grpo.loss import GRPOLoss
-from tempering.algorithms.sdpo.algorithm import SDPO
 from tempering.algorithms.sdpo.context import (
     DEFAULT_FEEDBACK_TEMPLATE,
     DEFAULT_REPROMPT_TEMPLATE,
@@ -38,6 +38,7 @@ from tempering.algorithms.sdpo.context import (
     template_problem,
     truncate_prompt,
 )
+from tempering.algorithms.sdpo.distillation import SelfDistillation
 from tempering.algorithms.sdpo.loss import SDPOLoss
 from tempering.rlmath.advantages import GroupNormAdvantage
 from tempering.training.recipe import Recipe
@@ -349,8 +350,8 @@ def test_loss_config_is_checked():
     for bad, match in (
         ({"mode": "kl"}, "unknown mode 'kl'"),
         ({"mode": "full_logits", "alpha": 1.5}, r"\[0, 1\]"),
-        ({"alpha": 0.5}, "must be 1 with distillation_mode 'sampled_token'"),
-        ({"mode": "topk_logits"}, "needs distillation_topk"),
+        ({"alpha": 0.5}, "must be 1 with mode 'sampled_token'"),
+        ({"mode": "topk_logits"}, "needs topk"),
         ({"topk": 4}, "only read by"),
         ({"is_clip": 0.0}, "> 0"),
         ({"weight": 1.5}, r"\[0, 1\]"),
@@ -526,10 +527,10 @@ def trl_teacher_prompts(
 
 
 def our_teacher_prompts(
-    stage: SDPO, tok: Any, groups: list[Group], context: Any
+    distiller: SelfDistillation, tok: Any, groups: list[Group], context: Any
 ) -> tuple[list[list[int] | None], list[float], Any]:
     batch, _ = build_group_batch(groups, GroupNormAdvantage())
-    rows = stage.build_teachers(tok, batch, groups, context)
+    rows = distiller.build_teachers(tok, batch, groups, context)
     prefixes: list[list[int] | None] = []
     taught = iter(rows.teacher)
     for d in batch.data:
@@ -563,8 +564,7 @@ def test_teacher_prompts_equal_trls_context_builder(trl_sdpo, tmp_path, cfg):
     groups = sdpo_groups(tok)
     trl_cfg = {"include_environment_feedback": True, **cfg}
     ours_cfg = {k: v for k, v in cfg.items()}
-    stage = SDPO(
-        dataset=[{}],
+    distiller = term(
         reprompt_template=DEFAULT_REPROMPT_TEMPLATE
         if cfg.get("use_successful_as_teacher", True)
         else "{prompt}{feedback}",
@@ -575,12 +575,12 @@ def test_teacher_prompts_equal_trls_context_builder(trl_sdpo, tmp_path, cfg):
         tmp_path,
         tok,
         **trl_cfg,
-        **({"reprompt_template": stage.reprompt_template} if "use_successful_as_teacher" in cfg else {}),
+        **({"reprompt_template": distiller.rules.reprompt_template} if "use_successful_as_teacher" in cfg else {}),
     )
     theirs, their_mask = trl_teacher_prompts(
         builder, groups, [g.example["prompt"] for g in groups for _ in g.samples], tok.pad_token_id
     )
-    prefixes, mask, rows = our_teacher_prompts(stage, tok, groups, raw_context())
+    prefixes, mask, rows = our_teacher_prompts(distiller, tok, groups, raw_context())
     assert mask == their_mask
     assert [p for p, m in zip(prefixes, mask) if m] == [t for t, m in zip(theirs, their_mask) if m]
     assert sum(mask) > 0
@@ -661,9 +661,9 @@ def test_teacher_prompts_in_chat_formats(trl_sdpo, tmp_path, name, system):
         for c, r, f in zip(comps, rewards, feedback)
     ]
     groups = [Group(dict(example), samples)]
-    stage = SDPO(dataset=[{}], **templates)
+    distiller = term(**templates)
     context = SimpleNamespace(chat_prompts=True, renderer=lambda: renderer)
-    prefixes, mask, _ = our_teacher_prompts(stage, tok, groups, context)
+    prefixes, mask, _ = our_teacher_prompts(distiller, tok, groups, context)
     builder = trl_builder(
         trl_sdpo,
         tmp_path,
@@ -676,7 +676,12 @@ def test_teacher_prompts_in_chat_formats(trl_sdpo, tmp_path, name, system):
     assert mask == their_mask == [1.0, 1.0, 1.0, 1.0]
     assert prefixes == theirs
     text = reprompt_text(
-        stage.reprompt_template, stage.solution_template, stage.feedback_template, user, "46", "expected 46, got 45"
+        distiller.rules.reprompt_template,
+        distiller.rules.solution_template,
+        distiller.rules.feedback_template,
+        user,
+        "46",
+        "expected 46, got 45",
     )
     assert prefixes[1] == renderer.render_prompt([*head, {"role": "user", "content": text}]).tokens
     if name == "qwen3_instruct":
@@ -751,16 +756,17 @@ def test_stage_teachers_and_loss_equal_trls_trainer(trl_sdpo, tmp_path, trained_
     batch, _ = build_group_batch(groups, GroupNormAdvantage())
     for d, lp in zip(batch.data, backend.logprobs(batch).result()):  # behaviour logprobs: +-1 nat off-policy
         d.sampler_logprobs = [x + (-1.0) ** i if w else 0.0 for i, (x, w) in enumerate(zip(lp, d.weights))]
-    stage = SDPO(dataset=[{}], teacher="live", **cfg, **extra)
-    metrics = stage.attach_teachers(backend, batch, groups, raw_context())
+    distiller = term(teacher="live", **cfg, **extra)
+    metrics = distiller.attach_teachers(backend, batch, groups, raw_context())
+    config = distiller.config
     loss = SDPOLoss(
         policy=GRPOLoss(),
-        mode=stage.distillation_mode,
-        alpha=stage.distillation_alpha,
-        topk=stage.distillation_topk,
-        topk_support=stage.distillation_topk_support,
-        add_tail=stage.distillation_add_tail,
-        is_clip=stage.distillation_is_clip,
+        mode=config.mode,
+        alpha=config.alpha,
+        topk=config.topk,
+        topk_support=config.topk_support,
+        add_tail=config.add_tail,
+        is_clip=config.is_clip,
     )
     backend.model.zero_grad(set_to_none=True)
     ours = backend.forward_backward(batch, loss).result()
@@ -845,7 +851,7 @@ def test_the_yaml_recipe_runs(tmp_path):
         "stages.rl.steps=2",
         "stages.rl.prompts_per_step=2",
         "stages.rl.group_size=3",
-        "stages.rl.success_reward_threshold=0.0",
+        "stages.rl.reprompt.success_reward_threshold=0.0",
     ]
     result = Recipe.from_yaml(EXAMPLE, overrides).run()
     rows = sdpo_rows(result)
@@ -872,7 +878,7 @@ def sdpo_recipe(tmp_path: Any, name: str, **stage: Any) -> Recipe:
         "group_size": 4,
         "max_tokens": 3,
         "optimizer": {"learning_rate": 1e-2},
-        **stage,
+        **sdpo_keys(**stage),
     }
     return tiny_recipe(tmp_path, name, spec, SMALL)
 
@@ -1001,11 +1007,10 @@ def test_multi_turn_samples_are_distilled_on_their_first_row(tmp_path):
         "prompts_per_step": 2,
         "group_size": 3,
         "max_tokens": 6,
-        "teacher": "live",
-        "success_reward_threshold": 0.0,
+        "distillation": {"teacher": "live"},
+        "reprompt": {"success_reward_threshold": 0.0, **TINY_TEMPLATES},
         "sampler": {"name": "environment", "environment": TwoTurns, "max_turns": 2},
         "optimizer": {"learning_rate": 1e-2},
-        **TINY_TEMPLATES,
     }
     result = Recipe(name="s", output_dir=str(tmp_path), loggers=[], stages=[stage]).run(backend=backend)
     logged = sdpo_rows(result)
@@ -1018,7 +1023,7 @@ def test_multi_turn_samples_are_distilled_on_their_first_row(tmp_path):
     rollout = collect(built.rollout_sampler, backend, rows[:2], 3, built.sampling_params())
     groups = rollout.groups
     batch, _ = build_group_batch(groups, GroupNormAdvantage())
-    teachers = built.build_teachers(backend.tokenizer, batch, groups)
+    teachers = built.distiller.build_teachers(backend.tokenizer, batch, groups, built.rollout_sampler.context)
     samples = [s for g in groups for s in g.samples]
     assert all(len(s.trajectory.turns) == 2 for s in samples)
     assert len(teachers.student) == len(samples)  # one distilled row per episode: its first
@@ -1047,41 +1052,68 @@ stages:
 
 BAD_INPUT = [
     (
-        "stages.rl.distillation_mode=kl",
-        "stages[0].distillation_mode: unknown mode 'kl'; use one of sampled_token, full_logits, topk_logits",
+        "stages.rl.distillation.mode=kl",
+        "stages[0].distillation.mode: unknown mode 'kl'; use one of sampled_token, full_logits, topk_logits",
     ),
     (
-        "stages.rl.distillation_alpha=0.5",
-        "stages[0].distillation_alpha: must be 1 with distillation_mode 'sampled_token'",
+        "stages.rl.distillation.alpha=0.5",
+        "stages[0].distillation.alpha: must be 1 with mode 'sampled_token'",
     ),
-    ("stages.rl.distillation_alpha=1.5", "stages[0].distillation_alpha: must be in [0, 1]"),
+    ("stages.rl.distillation.alpha=1.5", "stages[0].distillation.alpha: must be in [0, 1]"),
     (
-        "stages.rl.distillation_mode=topk_logits",
-        "stages[0].distillation_topk: distillation_mode 'topk_logits' needs distillation_topk",
+        "stages.rl.distillation.mode=topk_logits",
+        "stages[0].distillation.topk: mode 'topk_logits' needs topk",
     ),
-    ("stages.rl.distillation_weight=2", "stages[0].distillation_weight: must be in [0, 1]"),
-    ("stages.rl.distillation_is_clip=0", "stages[0].distillation_is_clip: must be > 0 (or null: off)"),
-    ("stages.rl.teacher=frozen", "stages[0].teacher: use one of base, stage_start, live, ema (got 'frozen')"),
-    ("stages.rl.max_reprompt_len=0", "stages[0].max_reprompt_len: must be >= 1"),
-    ("stages.rl.reprompt_template='{solution}{feedback}'", "stages[0].reprompt_template: has no {prompt} placeholder"),
-    ("stages.rl.reprompt_template='{prompt}{feedback}'", "stages[0].reprompt_template: has no {solution} placeholder"),
-    ("stages.rl.reprompt_template='{prompt}{solution}'", "stages[0].reprompt_template: has no {feedback} placeholder"),
+    ("stages.rl.distillation.weight=2", "stages[0].distillation.weight: must be in [0, 1]"),
+    ("stages.rl.distillation.is_clip=0", "stages[0].distillation.is_clip: must be > 0 (or null: off)"),
     (
-        "stages.rl.solution_template='solved: '",
-        "stages[0].solution_template: has no {successful_previous_attempt} placeholder",
+        "stages.rl.distillation.teacher=frozen",
+        "stages[0].distillation.teacher: use one of base, stage_start, live, ema (got 'frozen')",
+    ),
+    ("stages.rl.reprompt.max_reprompt_len=0", "stages[0].reprompt.max_reprompt_len: must be >= 1"),
+    (
+        "stages.rl.reprompt.reprompt_template='{solution}{feedback}'",
+        "stages[0].reprompt.reprompt_template: has no {prompt} placeholder",
     ),
     (
-        "stages.rl.feedback_template='{feedback}'",
-        "stages[0].feedback_template: unknown placeholder {feedback}; use {feedback_raw}",
+        "stages.rl.reprompt.reprompt_template='{prompt}{feedback}'",
+        "stages[0].reprompt.reprompt_template: has no {solution} placeholder",
+    ),
+    (
+        "stages.rl.reprompt.reprompt_template='{prompt}{solution}'",
+        "stages[0].reprompt.reprompt_template: has no {feedback} placeholder",
+    ),
+    (
+        "stages.rl.reprompt.solution_template='solved: '",
+        "stages[0].reprompt.solution_template: has no {successful_previous_attempt} placeholder",
+    ),
+    (
+        "stages.rl.reprompt.feedback_template='{feedback}'",
+        "stages[0].reprompt.feedback_template: unknown placeholder {feedback}; use {feedback_raw}",
     ),
     (  # the default templates' letters on the tiny model's digits-only tokenizer (was 50 lines)
         "stages.rl.steps=1",
-        "stages[0].reprompt_template: this model's tokenizer cannot encode the template's text "
+        "stages[0].reprompt.reprompt_template: this model's tokenizer cannot encode the template's text "
         "(WordLevel error: Missing [UNK] token from the vocabulary); write the template in characters",
     ),
     (
-        "stages.rl.reprompt_template='{prompt}{solution}{feedback}='",
-        "stages[0].solution_template: this model's tokenizer cannot encode",
+        "stages.rl.reprompt.reprompt_template='{prompt}{solution}{feedback}='",
+        "stages[0].reprompt.solution_template: this model's tokenizer cannot encode",
+    ),
+    # the flat keys of earlier versions: one line naming the block each moved to
+    (
+        "stages.rl.distillation_mode=full_logits",
+        "stages[0].distillation_mode: 'distillation_mode' moved: write it as distillation: {mode: ...} "
+        "(see CHANGELOG.md)",
+    ),
+    (
+        "stages.rl.reprompt_template='{prompt}'",
+        "stages[0].reprompt_template: 'reprompt_template' moved: write it as reprompt: {reprompt_template: ...}",
+    ),
+    (
+        "stages.rl.max_steps_off_policy=2",
+        "stages[0].max_steps_off_policy: 'max_steps_off_policy' moved: write it as stale: "
+        "{max_steps_off_policy: ...} (see CHANGELOG.md)",
     ),
 ]
 
@@ -1089,7 +1121,7 @@ BAD_INPUT = [
 @pytest.mark.parametrize(
     "override, message",
     BAD_INPUT,
-    ids=[o.split("=")[0].split(".")[-1] + "=" + o.split("=", 1)[1][:12] for o, _ in BAD_INPUT],
+    ids=[o.split("=")[0].removeprefix("stages.rl.") + "=" + o.split("=", 1)[1][:12] for o, _ in BAD_INPUT],
 )
 def test_bad_input_is_one_line_before_anything_trains(rejects_before_training, override, message):
     rejects_before_training(BAD_RECIPE, override, message)
@@ -1100,12 +1132,12 @@ def test_bad_input_is_one_line_before_anything_trains(rejects_before_training, o
     [
         (
             {"teacher": "ema"},
-            "stages[0].teacher: 'ema' needs a backend that averages weights (ema_update, e.g. local); "
-            "use teacher: stage_start, base or live",
+            "stages[0].distillation.teacher: 'ema' needs a backend that averages weights (ema_update, e.g. local); "
+            "use distillation.teacher: stage_start, base or live",
         ),
         (
             {"teacher": "stage_start", "distillation_mode": "full_logits"},
-            "stages[0].distillation_mode: 'full_logits' (support: student) needs the teacher's full "
+            "stages[0].distillation.mode: 'full_logits' (support: student) needs the teacher's full "
             "next-token distributions",
         ),
         (
@@ -1115,7 +1147,7 @@ def test_bad_input_is_one_line_before_anything_trains(rejects_before_training, o
                 "distillation_topk": 4,
                 "distillation_topk_support": "teacher",
             },
-            "stages[0].distillation_mode: 'topk_logits' needs the teacher's top-k next-token distributions",
+            "stages[0].distillation.mode: 'topk_logits' needs the teacher's top-k next-token distributions",
         ),
     ],
 )
@@ -1126,7 +1158,13 @@ def test_a_backend_without_the_needed_capability_is_refused(tmp_path, stage, mes
     from tempering.testing import FakeBackend
 
     backend = FakeBackend()
-    spec = {"name": "sdpo", "dataset": [{"prompt": "1+1=", "answer": "2"}], "steps": 1, "group_size": 2, **stage}
+    spec = {
+        "name": "sdpo",
+        "dataset": [{"prompt": "1+1=", "answer": "2"}],
+        "steps": 1,
+        "group_size": 2,
+        **sdpo_keys(**stage),
+    }
     with pytest.raises(ConfigError) as err:
         Recipe(name="cap", output_dir=str(tmp_path), loggers=[], stages=[spec]).run(backend=backend)
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
@@ -1144,7 +1182,7 @@ def test_sampled_token_with_a_frozen_teacher_runs_on_a_snapshot_only_backend(tmp
         "steps": 2,
         "prompts_per_step": 1,
         "group_size": 2,
-        "teacher": "stage_start",
+        "distillation": {"teacher": "stage_start"},
         "reward": "exact_match",
     }
     result = Recipe(name="ok", output_dir=str(tmp_path), loggers=[], stages=[spec]).run(backend=backend)

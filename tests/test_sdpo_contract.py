@@ -2,7 +2,7 @@
 inputs it reads (the policy loss's when blended in, the distillation mask and the teacher's
 values of its mode), the sdpo stage declares what its batches hold and checks the blended loss
 against it, and the built-in that computes the loss is declared backend-neutrally (none while
-something is distilled; the policy loss's own at distillation_weight 0)."""
+something is distilled; the policy loss's own at distillation.weight 0)."""
 
 from __future__ import annotations
 
@@ -54,21 +54,21 @@ def test_sdpo_loss_reads_and_teacher_needs_follow_the_mode_and_weight(case):
     assert blended.reads == distill | {ADVANTAGES, REF_LOGPROBS}  # grpo's with its KL term
     assert SDPOLoss(policy=ClippedISLoss(), weight=0.0, **cfg).reads == {WEIGHTS, SAMPLER_LOGPROBS, ADVANTAGES}
     # what the stage's batches hold covers what the loss reads, for each mode
-    stage_keys = {
-        "distillation_mode": cfg["mode"],
-        "distillation_alpha": cfg.get("alpha", 1.0),
-        "distillation_topk": cfg.get("topk"),
-        "distillation_topk_support": cfg.get("topk_support", "student"),
+    distillation = {
+        "mode": cfg["mode"],
+        "alpha": cfg.get("alpha", 1.0),
+        "topk": cfg.get("topk"),
+        "topk_support": cfg.get("topk_support", "student"),
     }
     for weight in (1.0, 0.5, 0.0):
-        stage = SDPO(distillation_weight=weight, **stage_keys)
+        stage = SDPO(distillation={"weight": weight, **distillation})
         check_reads(
             SDPOLoss(policy=GRPOLoss(beta=0.04), weight=weight, **cfg),
             stage.batch_inputs(GRPOLoss()),
             "stages[0].loss",
             "sdpo",
         )
-    assert DISTILL_WEIGHTS not in SDPO(distillation_weight=0.0).batch_inputs(GRPOLoss())
+    assert DISTILL_WEIGHTS not in SDPO(distillation={"weight": 0.0}).batch_inputs(GRPOLoss())
 
 
 def test_a_loss_the_sdpo_stage_cannot_feed_is_one_line():
@@ -87,7 +87,7 @@ def test_sdpo_builtin_is_declared_backend_neutrally():
         "blended with the policy loss"
     )
     assert builtin_of(SDPOLoss(mode="full_logits"), batch) == NoBuiltin(
-        "Use distillation_mode: sampled_token for SDPO on Tinker."
+        "Use distillation.mode: sampled_token for SDPO on Tinker."
     )
     policy_only = builtin_of(SDPOLoss(policy=ClippedISLoss(), weight=0.0), batch)  # weight 0: the policy loss itself
     assert isinstance(policy_only, BuiltinLoss) and policy_only.name == "ppo"

@@ -4,7 +4,7 @@ teacher, on-policy and three steps stale.
 An untrained tiny Llama answers sums; every answer is wrong, and exact_match's feedback says what
 was expected ("expected '46', got '45'"). The teacher is the model as the stage began
 (``stage_start``, frozen), re-prompted with that feedback; the loss is the distillation alone
-(``distillation_weight: 1``, full distributions, forward KL). Measured (seed 0, 20 steps of
+(``distillation: {weight: 1}``, full distributions, forward KL). Measured (seed 0, 20 steps of
 8 prompts x 4): the distillation loss's mean over the last 3 steps is 0.12x its mean over the
 first 3 on-policy (0.0099 -> 0.0012); with the learning rate at 1e-12 it is 1.1x, and with the
 distillation term's sign flipped 52x (0.06 -> 3.19: the student runs from the teacher). The
@@ -24,7 +24,7 @@ MODEL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size"
 BOUND = 0.5  # last-3 over first-3 distillation loss; measured 0.12 (stale 0.11), broken 1.1 and 52-54
 
 
-def distillation_losses(tmp_path, **stage) -> list[float]:
+def distillation_losses(tmp_path, stale) -> list[float]:
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
     spec = {
         "name": "sdpo",
@@ -35,14 +35,14 @@ def distillation_losses(tmp_path, **stage) -> list[float]:
         "group_size": 4,
         "max_tokens": 3,
         "optimizer": {"learning_rate": 3e-3},
-        "teacher": "stage_start",
-        "distillation_mode": "full_logits",
-        "distillation_alpha": 0.0,
-        "use_successful_as_teacher": False,
-        "reprompt_template": "{feedback}{prompt}",
-        "feedback_template": "{feedback_raw} ",
+        "distillation": {"teacher": "stage_start", "mode": "full_logits", "alpha": 0.0},
+        "reprompt": {
+            "use_successful_as_teacher": False,
+            "reprompt_template": "{feedback}{prompt}",
+            "feedback_template": "{feedback_raw} ",
+        },
+        "stale": stale,
         "log_kl": False,
-        **stage,
     }
     result = Recipe(
         name="learn",
@@ -59,9 +59,9 @@ def distillation_losses(tmp_path, **stage) -> list[float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "stale", [{}, {"max_steps_off_policy": 3, "fixed_staleness": True}], ids=["on_policy", "stale_k3"]
+    "stale", [None, {"max_steps_off_policy": 3, "fixed_staleness": True}], ids=["on_policy", "stale_k3"]
 )
 def test_the_student_moves_to_its_feedback_conditioned_teacher(tmp_path, stale):
-    losses = distillation_losses(tmp_path, **stale)
+    losses = distillation_losses(tmp_path, stale)
     ratio = statistics.mean(losses[-3:]) / statistics.mean(losses[:3])
     assert ratio < BOUND, [round(x, 4) for x in losses]

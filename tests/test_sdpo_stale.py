@@ -1,9 +1,10 @@
-"""Stale SDPO (issue 23 item 3): the sdpo stage with ``max_steps_off_policy: k`` takes its
-rollouts from the offpolicy stage's asynchronous producer -- the same code
-(``StaleRollouts``) -- with its corrections: the policy loss's advantages capped and
-normalised, PPO's clip around the sampler's policy, the distillation term's importance weight
-clipped to [distillation_is_clip_low, distillation_is_clip]; the teacher is scored at training
-time with the current teacher weights on the stale sample's tokens."""
+"""Stale SDPO (issue 23 item 3): the sdpo stage with a ``stale: {max_steps_off_policy: k}``
+block takes its rollouts from the asynchronous producer through the component the offpolicy
+stage holds too (``tempering.training.stale.StaleRollouts``) -- with its corrections: the policy
+loss's advantages capped and normalised, PPO's clip around the sampler's policy, the
+distillation term's importance weight clipped to [distillation.is_clip_low,
+distillation.is_clip]; the teacher is scored at training time with the current teacher weights
+on the stale sample's tokens."""
 
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ import pytest
 import torch
 from tiny_runs import tiny_recipe
 
-from tempering.algorithms.offpolicy.algorithm import OffPolicyRL, StaleRollouts
-from tempering.algorithms.offpolicy.loss import ClippedISLoss, OffPolicyObjective
+from tempering.algorithms.grpo.algorithm import GRPO
+from tempering.algorithms.offpolicy.algorithm import OffPolicyRL
+from tempering.algorithms.offpolicy.loss import ClippedISLoss
 from tempering.algorithms.sdpo.algorithm import SDPO
 from tempering.algorithms.sdpo.loss import SDPOLoss
 from tempering.loss_contract import DISTILL_WEIGHTS, TEACHER_TOKEN_LOGPROBS
 from tempering.training.recipe import Recipe
-from tempering.types import Batch, Datum
+from tempering.training.stale import OffPolicyObjective, Staleness, StaleRollouts
+from tempering.types import Batch, Datum, SamplingParams
 
 CHARS = string.digits + string.ascii_letters + " +=:,.'\n"
 SMALL = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64, "chars": CHARS}
@@ -50,12 +53,14 @@ def test_stale_corrections_on_a_constructed_batch():
     """The advantage cap (3x the running mean |A|: mean 3.25, cap 9.75), the token-mean fold,
     PPO's clip of the policy part and the two-sided clip of the distillation weight, blended
     50/50: every number by hand."""
-    stage = SDPO(max_steps_off_policy=3, distillation_weight=0.5, distillation_is_clip_low=0.5)
     loss = SDPOLoss(policy=ClippedISLoss(), weight=0.5, is_clip=2.0, is_clip_low=0.5)
-    objective = stage.setup_corrections(ClippedISLoss(), loss, {}, "stages[0]")
-    assert isinstance(objective, OffPolicyObjective) and objective.inner is loss and stage._fold == "token_mean"
+    corrections = StaleRollouts(
+        Staleness(max_steps_off_policy=3), ClippedISLoss(), loss, SamplingParams(), {}, "stages[0]"
+    )
+    objective = corrections.objective
+    assert isinstance(objective, OffPolicyObjective) and objective.inner is loss and corrections.fold == "token_mean"
     batch, lp = corrected_batch()
-    metrics = stage.prepare_advantages(batch, stage.capper)
+    metrics = corrections.prepare(batch)
     assert metrics == {"advantage/cap": 9.75, "advantage/capped_frac": 0.25}
     assert [d.advantages[1] for d in batch.data] == [9.75 / 4, 0.25, 0.25, 0.25]  # capped, then / 4 tokens
 
@@ -82,12 +87,38 @@ def test_the_distillation_cap_alone_is_one_sided():
     assert out.loss.item() == pytest.approx(-2.625 / 4, abs=1e-7) and out.metrics["sdpo/is_clip_frac"] == 0.25
 
 
-def test_offpolicy_and_sdpo_share_the_stale_machinery():
-    """One piece of code: both stages are StaleRollouts, and neither redefines its methods."""
-    assert issubclass(OffPolicyRL, StaleRollouts) and issubclass(SDPO, StaleRollouts)
-    for name in ("check_staleness_keys", "setup_corrections", "async_rollouts", "prepare_advantages", "publish_after"):
-        assert getattr(OffPolicyRL, name) is getattr(SDPO, name) is getattr(StaleRollouts, name)
-    assert SDPO().max_steps_off_policy is None and not SDPO().stale and OffPolicyRL().max_steps_off_policy == 1
+def set_up(tmp_path: Any, folder: str, **stage: Any) -> Any:
+    """The stage of a one-stage recipe, built and set up on the tiny local backend (its
+    rollouts started), as the recipe would before its first step."""
+    from tempering.plugins.backends.local.backend import LocalBackend
+    from tempering.registry import get_registry
+    from tempering.training.recipe import RunContext
+
+    rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(4)]
+    spec = {"dataset": rows, "reward": digit_reward, "steps": 2, "prompts_per_step": 2, "group_size": 2, **stage}
+    recipe = Recipe(name=folder, output_dir=str(tmp_path / folder), loggers=[], stages=[spec])
+    built = get_registry().build("algorithm", recipe.stages[0], "stages[0]")
+    backend = LocalBackend(model="tiny_llama", model_kwargs=SMALL, num_threads=1, threaded=False)
+    ctx = RunContext(get_registry(), backend, {}, str(tmp_path / folder), [], 0)
+    built.setup(ctx, {})
+    built.teardown(ctx, False)
+    return built
+
+
+def test_offpolicy_and_sdpo_hold_the_same_stale_component(tmp_path):
+    """Composition, not inheritance: after setup both stages hold a StaleRollouts (the one
+    class), neither inherits from another algorithm, and on-policy SDPO (``stale: null``, the
+    default) holds none."""
+    offpolicy = set_up(tmp_path, "offpolicy", name="offpolicy", stale={"max_steps_off_policy": 2})
+    stale = set_up(tmp_path, "stale", name="sdpo", stale={"max_steps_off_policy": 2})
+    on_policy = set_up(tmp_path, "on_policy", name="sdpo")
+    assert type(offpolicy) is OffPolicyRL and type(stale) is type(on_policy) is SDPO
+    assert type(offpolicy.corrections) is type(stale.corrections) is StaleRollouts
+    assert offpolicy.corrections.keys.max_steps_off_policy == stale.corrections.keys.max_steps_off_policy == 2
+    assert on_policy.stale is None and on_policy.corrections is None
+    for stage in (SDPO, OffPolicyRL, GRPO):
+        from_algorithms = [c for c in stage.__mro__ if c.__module__.startswith("tempering.algorithms.")]
+        assert from_algorithms == [stage], (stage, from_algorithms)
 
 
 # --------------------------------------------------------------------------- end to end, tiny model
@@ -95,7 +126,7 @@ def digit_reward(completion: str, example: dict) -> float:
     return 1.0 if completion[:1].isdigit() else 0.0
 
 
-def stale_recipe(tmp_path: Any, name: str, **stage: Any) -> Recipe:
+def stale_recipe(tmp_path: Any, name: str, teacher: str) -> Recipe:
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
     spec = {
         "name": "sdpo",
@@ -106,14 +137,11 @@ def stale_recipe(tmp_path: Any, name: str, **stage: Any) -> Recipe:
         "group_size": 4,
         "max_tokens": 3,
         "optimizer": {"learning_rate": 1e-2},
-        "max_steps_off_policy": 2,
-        "fixed_staleness": True,
+        "stale": {"max_steps_off_policy": 2, "fixed_staleness": True},
         "loss": "clipped_is",
-        "distillation_weight": 0.5,
-        "distillation_is_clip_low": 0.5,
-        "success_reward_threshold": 0.0,
+        "distillation": {"weight": 0.5, "is_clip_low": 0.5, "teacher": teacher},
+        "reprompt": {"success_reward_threshold": 0.0},
         "log_kl": False,
-        **stage,
     }
     return tiny_recipe(tmp_path, name, spec, SMALL)
 
@@ -163,8 +191,8 @@ def test_the_yaml_recipe_runs(tmp_path):
         "stages.rl.steps=5",
         "stages.rl.prompts_per_step=2",
         "stages.rl.group_size=3",
-        "stages.rl.success_reward_threshold=0.0",
-        "stages.rl.fixed_staleness=true",
+        "stages.rl.reprompt.success_reward_threshold=0.0",
+        "stages.rl.stale.fixed_staleness=true",
     ]
     result = Recipe.from_yaml(STALE, overrides).run()
     rows = [h for h in result.history if "sdpo/signal_frac" in h]
@@ -181,24 +209,37 @@ backend: {{name: local, model: tiny_llama,
 loggers: []
 stages:
   - {{id: rl, name: sdpo, dataset: {{name: arithmetic, split: train}}, steps: 1, prompts_per_step: 2,
-      group_size: 2, max_tokens: 2, max_steps_off_policy: 1}}
+      group_size: 2, max_tokens: 2, stale: {{max_steps_off_policy: 1}}}}
 """
 
 BAD_INPUT = [
-    ("stages.rl.max_steps_off_policy=-1", "stages[0].max_steps_off_policy: must be >= 0, got -1"),
-    ("stages.rl.sync_every=3", "stages[0].sync_every: must be between 1 and max_steps_off_policy + 1 = 2"),
-    ("stages.rl.aggregation=mean", "stages[0].aggregation: use one of ('auto', 'token_mean', 'seq_mean', 'sum')"),
+    ("stages.rl.stale.max_steps_off_policy=-1", "stages[0].stale.max_steps_off_policy: must be >= 0, got -1"),
+    (
+        "stages.rl.stale.sync_every=3",
+        "stages[0].stale.sync_every: must be between 1 and max_steps_off_policy + 1 = 2",
+    ),
+    (
+        "stages.rl.stale.aggregation=mean",
+        "stages[0].stale.aggregation: use one of ('auto', 'token_mean', 'seq_mean', 'sum')",
+    ),
     (
         "stages.rl.temperature=0.7",
-        "stages[0].temperature: stale SDPO (max_steps_off_policy set) needs temperature: 1, got 0.7",
+        "stages[0].temperature: stale SDPO (a stale: block) needs temperature: 1, got 0.7",
     ),
-    ("stages.rl.top_k=5", "stages[0].top_k: stale SDPO (max_steps_off_policy set) needs top_k: 0, got 5"),
+    ("stages.rl.top_k=5", "stages[0].top_k: stale SDPO (a stale: block) needs top_k: 0, got 5"),
     ("stages.rl.recompute_logprobs=always", "stages[0].recompute_logprobs: stale SDPO keeps the sampler's logprobs"),
-    ("stages.rl.distillation_is_clip_low=1.5", "stages[0].distillation_is_clip_low: must be in (0, 1]"),
+    ("stages.rl.distillation.is_clip_low=1.5", "stages[0].distillation.is_clip_low: must be in (0, 1]"),
+    (  # a flat key of earlier versions: one line naming its block
+        "stages.rl.max_steps_off_policy=2",
+        "stages[0].max_steps_off_policy: 'max_steps_off_policy' moved: write it as stale: "
+        "{max_steps_off_policy: ...} (see CHANGELOG.md)",
+    ),
 ]
 
 
-@pytest.mark.parametrize("override, message", BAD_INPUT, ids=[o.split(".")[-1] for o, _ in BAD_INPUT])
+@pytest.mark.parametrize(
+    "override, message", BAD_INPUT, ids=[o.split("=")[0].removeprefix("stages.rl.") for o, _ in BAD_INPUT]
+)
 def test_bad_input_is_one_line_before_anything_trains(rejects_before_training, override, message):
     rejects_before_training(BAD_RECIPE, override, message)
 
@@ -207,6 +248,6 @@ def test_a_floor_without_a_cap_is_one_line():
     from tempering.algorithms.sdpo.loss import distillation_problem
 
     assert distillation_problem("sampled_token", 1.0, None, "student", None, 1.0, 0.5) == (
-        "distillation_is_clip_low",
-        "is a floor of the distillation_is_clip weight, which is off (null); set both",
+        "is_clip_low",
+        "is a floor of the is_clip weight, which is off (null); set both",
     )

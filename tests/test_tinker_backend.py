@@ -54,6 +54,7 @@ from tempering.plugins.backends.tinker.errors import (
 )
 from tempering.plugins.backends.tinker.mapping import plan_loss
 from tempering.plugins.tinker_server.builtin_losses import builtin_loss
+from tempering.training.stale import OffPolicyObjective
 from tempering.types import AdamParams, Batch, Completion, Datum, SamplingParams
 
 
@@ -313,7 +314,7 @@ OFFPOLICY = [
     offpolicy.CISPOLoss(),
     offpolicy.TISLoss(truncation=2.5),
     offpolicy.ClippedISLoss(),
-    offpolicy.OffPolicyObjective(offpolicy.PPOLoss()),
+    OffPolicyObjective(offpolicy.PPOLoss()),
 ]
 
 
@@ -363,7 +364,7 @@ def test_losses_tinker_cannot_run_fail_clearly(server):
     backend = make_backend(server)
     batch = grpo_batch()
     with pytest.raises(NotImplementedError, match="full logits"):
-        backend.forward_backward(batch, offpolicy.OffPolicyObjective(offpolicy.PPOLoss(), temperature=0.7))
+        backend.forward_backward(batch, OffPolicyObjective(offpolicy.PPOLoss(), temperature=0.7))
 
     class NoThresholds:
         needs_logits, tinker_builtin = False, "ppo"
@@ -808,7 +809,7 @@ def test_async_offpolicy_stage_samples_from_published_snapshots(server, tmp_path
         "prompts_per_step": 2,
         "group_size": 2,
         "max_tokens": 3,
-        "max_steps_off_policy": 1,
+        "stale": {"max_steps_off_policy": 1},
         "optimizer": {"learning_rate": 1e-2},
         "dataset": {"name": "arithmetic", "size": 32},
     }

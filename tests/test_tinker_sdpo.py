@@ -41,7 +41,7 @@ def run(out: Path, overrides: list[str]) -> list[dict]:
         "stages.rl.steps=2",
         "stages.rl.prompts_per_step=2",
         "stages.rl.group_size=3",
-        "stages.rl.success_reward_threshold=0.0",
+        "stages.rl.reprompt.success_reward_threshold=0.0",
     ]
     with pytest.warns(UserWarning, match="backend 'tinker' ignores local-backend keys"):
         Recipe.from_yaml(str(REPO / "examples" / "sdpo" / "recipe.yaml"), [*base, *overrides]).run()
@@ -54,7 +54,7 @@ def test_sampled_token_sdpo_on_tinker(server, tmp_path, fresh_registry, teacher)
     """The teacher's token logprobs come from the service with the teacher's weights; the blended
     loss (GRPO + sampled-token distillation) runs as a custom loss (no built-in computes the
     distillation surrogate): per step one forward pass, then a linear cross_entropy backward."""
-    rows = run(tmp_path / teacher, [f"stages.rl.teacher={teacher}"])
+    rows = run(tmp_path / teacher, [f"stages.rl.distillation.teacher={teacher}"])
     assert len(rows) == 2
     for r in rows:
         assert math.isfinite(r["loss"]) and r["tinker/custom_loss"] == 1.0
@@ -66,20 +66,23 @@ def test_sampled_token_sdpo_on_tinker(server, tmp_path, fresh_registry, teacher)
 @pytest.mark.parametrize(
     "override, message",
     [
-        (["stages.rl.teacher=ema"], "stages[1].teacher: 'ema' needs a backend that averages weights"),
         (
-            ["stages.rl.teacher=base", "stages.rl.distillation_mode=full_logits"],
-            "stages[1].distillation_mode: 'full_logits' (support: student) needs the teacher's full "
+            ["stages.rl.distillation.teacher=ema"],
+            "stages[1].distillation.teacher: 'ema' needs a backend that averages weights",
+        ),
+        (
+            ["stages.rl.distillation.teacher=base", "stages.rl.distillation.mode=full_logits"],
+            "stages[1].distillation.mode: 'full_logits' (support: student) needs the teacher's full "
             "next-token distributions",
         ),
         (
             [
-                "stages.rl.teacher=live",
-                "stages.rl.distillation_mode=topk_logits",
-                "stages.rl.distillation_topk=4",
-                "stages.rl.distillation_topk_support=teacher",
+                "stages.rl.distillation.teacher=live",
+                "stages.rl.distillation.mode=topk_logits",
+                "stages.rl.distillation.topk=4",
+                "stages.rl.distillation.topk_support=teacher",
             ],
-            "stages[1].distillation_mode: 'topk_logits' trains on the student's logits, "
+            "stages[1].distillation.mode: 'topk_logits' trains on the student's logits, "
             "which this backend does not give a loss",
         ),
     ],

@@ -200,7 +200,7 @@ def test_grpo_through_the_environment_raises_heldout_accuracy(tool_use_warmup: d
 @pytest.mark.timeout(600)
 def test_offpolicy_with_stale_episodes_raises_heldout_accuracy(tool_use_warmup: dict[str, Any], tmp_path: Path) -> None:
     rl_acc, rows = run_rl(
-        tool_use_warmup, tmp_path / "offpolicy", "stages.rl.name=offpolicy", "stages.rl.max_steps_off_policy=2"
+        tool_use_warmup, tmp_path / "offpolicy", "stages.rl.name=offpolicy", "stages.rl.stale.max_steps_off_policy=2"
     )
     staleness = [r["offpolicy/staleness_mean"] for r in rows]
     print("staleness per step:", staleness)

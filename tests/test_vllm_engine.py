@@ -289,7 +289,7 @@ def test_grpo_and_offpolicy_stages_run_on_the_engine(tmp_path: Path) -> None:
             "max_tokens": 3,
             "dataset": {"name": "arithmetic", "size": 20},
             "reward": partial_credit,
-            "max_steps_off_policy": 1,
+            "stale": {"max_steps_off_policy": 1},
         },
     ]
     Recipe.from_dict({"name": "v", "output_dir": str(tmp_path), "backend": backend, "stages": stages}).run()

@@ -138,7 +138,7 @@ stages:
     prompts_per_step: 2
     group_size: 4
     max_tokens: 12
-    max_steps_off_policy: 1
+    stale: {{max_steps_off_policy: 1}}
 """
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from tempering.interfaces import Loss
 from tempering.rollouts.async_rollout import AsyncRollouts
 from tempering.training.rl import RLStage
-from tempering.training.stale import MOVED_INTO_STALE, Staleness, StaleRollouts, staleness
+from tempering.training.stale import MOVED_KEYS, Staleness, StaleRollouts, staleness
 from tempering.types import Batch, Group
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -55,7 +55,7 @@ class OffPolicyRL(RLStage):
 
     label = "offpolicy"
     config_blocks: ClassVar[dict[str, type]] = {"stale": Staleness}
-    moved_keys: ClassVar[dict[str, str]] = MOVED_INTO_STALE
+    moved_keys: ClassVar[dict[str, str]] = MOVED_KEYS
     summary_keys = ("reward/mean", "accuracy", "loss", "is/ess", "ratio/max", "offpolicy/staleness_mean")
     postfix = {"reward": "reward/mean", "stale": "offpolicy/staleness_mean"}
 

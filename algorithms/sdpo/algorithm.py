@@ -68,7 +68,8 @@ from tempering.rollouts.async_rollout import AsyncRollouts
 from tempering.training.policy_gradient import PolicyGradient
 from tempering.training.rl import SyncRollouts
 from tempering.training.stage import Requirement
-from tempering.training.stale import MOVED_INTO_STALE, Staleness, StaleRollouts, staleness
+from tempering.training.stale import MOVED_KEYS as STALE_MOVED_KEYS
+from tempering.training.stale import Staleness, StaleRollouts, staleness
 from tempering.types import Batch, Group
 
 __all__ = ["SDPO"]
@@ -95,7 +96,7 @@ MOVED = {
             "feedback_template",
         )
     },
-    **MOVED_INTO_STALE,
+    **STALE_MOVED_KEYS,
 }
 
 

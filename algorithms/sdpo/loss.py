@@ -222,7 +222,7 @@ class SDPOLoss:
                 "SDPOLoss: no built-in computes the self-distillation term sg(lp - lp_teacher) * lp "
                 "blended with the policy loss"
             )
-        return NoBuiltin("Use distillation_mode: sampled_token for SDPO on Tinker.")
+        return NoBuiltin("Use distillation.mode: sampled_token for SDPO on Tinker.")
 
     def distillation(
         self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]

@@ -24,7 +24,7 @@ everything it needs is an argument.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import tempering.loss_contract as loss_contract
@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "AGGREGATIONS",
-    "MOVED_INTO_STALE",
+    "MOVED_KEYS",
     "OffPolicyObjective",
     "StaleRollouts",
     "Staleness",
@@ -59,8 +59,7 @@ AGGREGATIONS = ("auto", *FOLD_AGGREGATIONS)
 
 @dataclass
 class Staleness:
-    """The ``stale:`` block: how stale rollouts may be, how often the sampler syncs, and the
-    advantages' normaliser.
+    """The ``stale:`` block.
 
     - ``max_steps_off_policy`` (k): the staleness bound; 0 = synchronous on-policy.
     - ``sync_every``: publish a sampler snapshot every this many steps (1 <= it <= k + 1).
@@ -108,20 +107,9 @@ class Staleness:
         yield one_of("aggregation", aggregation, AGGREGATIONS, f"use one of {AGGREGATIONS} (got '{aggregation}')")
 
 
-#: The stage keys of earlier versions that moved into the ``stale:`` block (a stage's
-#: ``moved_keys``: an old recipe gets one line saying where to write them).
-MOVED_INTO_STALE = {
-    name: f"stale: {{{name}: ...}}"
-    for name in (
-        "max_steps_off_policy",
-        "sync_every",
-        "fixed_staleness",
-        "groups_per_sample",
-        "aggregation",
-        "max_resamples",
-        "seeded_sampling",
-    )
-}
+#: The flat keys of earlier versions -> the block they moved to: a stage's ``moved_keys``
+#: (:data:`tempering.registry.MOVED_KEYS_HOOK`), so an old recipe gets one line saying where.
+MOVED_KEYS = {f.name: f"stale: {{{f.name}: ...}}" for f in fields(Staleness)}
 
 
 def staleness(value: object, path: str) -> Staleness:

@@ -156,7 +156,7 @@ class TeacherWeights:
                     EmaWeights,
                     key,
                     "'ema' needs a backend that averages weights (ema_update, "
-                    "e.g. local); use teacher: stage_start, base or live",
+                    f"e.g. local); use {key}: stage_start, base or live",
                 )
             )
         return needs
