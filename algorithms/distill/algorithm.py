@@ -15,7 +15,7 @@ the student's vocabulary, which is checked when the stage starts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -26,8 +26,9 @@ from tempering.errors import ConfigError
 from tempering.interfaces import Distributions, FullDistributions, Loss, LossLogits, RunContext, supports
 from tempering.loss_contract import TEACHER_TOKEN_LOGPROBS
 from tempering.rollouts.rollout import recompute_sampler_logprobs, should_recompute
+from tempering.schema import Problem, choice_message
 from tempering.training.rl import RLStage
-from tempering.training.stage import Requirement, check_choice
+from tempering.training.stage import Requirement
 from tempering.training.teacher import attach_teacher
 from tempering.types import Batch, Datum, Group
 
@@ -68,23 +69,34 @@ class Distill(RLStage):
     postfix = {"kl": "distill/teacher_kl", "reward": "reward/mean"}
 
     # ------------------------------------------------------------------ validation and setup
+    @classmethod
+    def check_config(cls, config: Mapping[str, Any]) -> Iterator[Problem | None]:
+        """The RL engine's checks, then what the KL estimator rules out (a policy loss or a task
+        reward beside a ``top_k`` / ``full`` estimator, which is itself the loss). The blocks'
+        own checks run when :meth:`validate` reads them."""
+        yield from super().check_config(config)
+        if config["recompute_logprobs"] not in RECOMPUTE:
+            yield Problem("recompute_logprobs", choice_message(config["recompute_logprobs"], RECOMPUTE))
+        estimator = estimator_of(config["kl"])
+        if estimator == "sampled":
+            return
+        if config["loss"] != cls.__dataclass_fields__["loss"].default:
+            yield Problem(
+                "loss",
+                f"kl.estimator '{estimator}' is itself the loss (a reverse KL over distributions); "
+                "remove loss, or use kl.estimator: sampled to train its advantages with a policy loss",
+            )
+        if config["reward"] is not None:
+            yield Problem(
+                "reward",
+                f"a task reward adds policy-gradient advantages, which kl.estimator '{estimator}' "
+                "does not train; use kl.estimator: sampled, or remove reward",
+            )
+
     def validate(self, ctx: RunContext) -> None:
         path = ctx.path
-        term = kl_term(self.kl, f"{path}.kl")
+        kl_term(self.kl, f"{path}.kl")
         spec = teacher_spec(self.teacher, f"{path}.teacher")
-        check_choice(self.recompute_logprobs, RECOMPUTE, f"{path}.recompute_logprobs")
-        if not term.sampled and self.loss != type(self).__dataclass_fields__["loss"].default:
-            raise ConfigError(
-                f"kl.estimator '{term.estimator}' is itself the loss (a reverse KL over distributions); "
-                "remove loss, or use kl.estimator: sampled to train its advantages with a policy loss",
-                f"{path}.loss",
-            )
-        if not term.sampled and self.scored:
-            raise ConfigError(
-                f"a task reward adds policy-gradient advantages, which kl.estimator '{term.estimator}' "
-                "does not train; use kl.estimator: sampled, or remove reward",
-                f"{path}.reward",
-            )
         super().validate(ctx)
         check_teacher(spec, ctx)
 
@@ -154,6 +166,16 @@ class Distill(RLStage):
     def objective(self) -> ReverseKLLoss | Loss:
         """The ``top_k`` / ``full`` reverse KL, else the policy loss on the KL advantages."""
         return self.kl_loss if self.kl_loss is not None else self.loss_fn
+
+
+def estimator_of(kl: object) -> str:
+    """The estimator a ``kl:`` value names (a string, a mapping, or a built :class:`KLTerm`),
+    before the block is checked: what the stage's own keys are checked against."""
+    if isinstance(kl, str):
+        return kl
+    if isinstance(kl, KLTerm):
+        return kl.estimator
+    return str(kl.get("estimator", "sampled")) if isinstance(kl, Mapping) else "sampled"
 
 
 def teacher_kl(batch: Batch) -> dict[str, float]:

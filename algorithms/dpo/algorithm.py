@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -49,6 +49,7 @@ from tempering.rollouts.chat import Message, check_messages
 from tempering.rollouts.data import ExampleStream, encode_completion, encode_prompt, load_examples, user_turn
 from tempering.rollouts.renderer import Renderer, build_renderer, chat_text_prompts
 from tempering.rollouts.trajectory import as_context
+from tempering.schema import Problem
 from tempering.training.stage import Requirement, Stage, check_stage
 from tempering.types import Batch, Datum
 
@@ -113,18 +114,21 @@ class DPO(Stage):
     summary_prefixes = ("eval/", "rewards/")
     postfix = {"loss": "loss", "margin": "rewards/margins"}
 
+    @classmethod
+    def check_config(cls, config: Mapping[str, Any]) -> Iterator[Problem | None]:
+        """The stage's checks, then the reference's choices and the batch sizes."""
+        yield from super().check_config(config)
+        c = config
+        if c["reference"] not in REFERENCES:
+            yield Problem("reference", f"use one of {', '.join(REFERENCES)} (got '{c['reference']}')")
+        if c["reference_model"] not in REFERENCE_MODELS:
+            yield Problem("reference_model", f"use one of {', '.join(REFERENCE_MODELS)} (got '{c['reference_model']}')")
+        if c["batch_size"] < 1:
+            yield Problem("batch_size", f"must be >= 1 (pairs per step), got {c['batch_size']}")
+        if c["precompute_batch_size"] < 1:
+            yield Problem("precompute_batch_size", f"must be >= 1, got {c['precompute_batch_size']}")
+
     def validate(self, ctx: RunContext) -> None:
-        path = ctx.path
-        if self.reference not in REFERENCES:
-            raise ConfigError(f"use one of {', '.join(REFERENCES)} (got '{self.reference}')", f"{path}.reference")
-        if self.reference_model not in REFERENCE_MODELS:
-            raise ConfigError(
-                f"use one of {', '.join(REFERENCE_MODELS)} (got '{self.reference_model}')", f"{path}.reference_model"
-            )
-        if self.batch_size < 1:
-            raise ConfigError(f"must be >= 1 (pairs per step), got {self.batch_size}", f"{path}.batch_size")
-        if self.precompute_batch_size < 1:
-            raise ConfigError(f"must be >= 1, got {self.precompute_batch_size}", f"{path}.precompute_batch_size")
         pair = {self.chosen_key: "chosen_key", self.rejected_key: "rejected_key"}
         columns = {"": {self.prompt_key: "prompt_key", **pair}}
         if self.prompt_key == "prompt":  # a chat prompt instead

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,7 @@ from tempering.loss_contract import ADVANTAGES, ROW_INPUTS, SAMPLER_LOGPROBS, TE
 from tempering.rlmath.aggregation import fold_normaliser
 from tempering.rollouts.data import ExampleStream, load_examples
 from tempering.rollouts.rollout import collect, recompute_sampler_logprobs, should_recompute
+from tempering.schema import Problem
 from tempering.training import teacher as shared
 from tempering.training.evaluate import build_sampler, completion_sampler
 from tempering.training.stage import Requirement, SamplingKeys, Stage, check_stage
@@ -112,39 +113,36 @@ class SDFT(SamplingKeys, Stage):
         """The teacher's weights and snapshot lifecycle (:class:`tempering.training.teacher.TeacherWeights`)."""
         return TeacherWeights(self.teacher, self.ema_rate, f"{stage_id}/sdft_teacher")
 
-    def validate(self, ctx: RunContext) -> None:
-        path = ctx.path
-        self.teacher_weights().check(path)
-        if self.recompute_logprobs not in ("auto", "always", "never"):
-            raise ConfigError(
-                f"use auto, always or never (got '{self.recompute_logprobs}')", f"{path}.recompute_logprobs"
-            )
+    @classmethod
+    def check_config(cls, config: Mapping[str, Any]) -> Iterator[Problem | None]:
+        """The stage's and the sampling keys' checks, then SDFT's keys, at their keys."""
+        yield from super().check_config(config)
+        c = config
+        yield from TeacherWeights(c["teacher"], c["ema_rate"]).problems()
+        if c["recompute_logprobs"] not in ("auto", "always", "never"):
+            yield Problem("recompute_logprobs", f"use auto, always or never (got '{c['recompute_logprobs']}')")
         for key in ("prompts_per_step", "samples_per_prompt"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"must be >= 1, got {getattr(self, key)}", f"{path}.{key}")
-        if self.demonstration_placement not in PLACEMENTS:
-            raise ConfigError(
-                f"use one of {', '.join(PLACEMENTS)} (got '{self.demonstration_placement}')",
-                f"{path}.demonstration_placement",
-            )
-        if self.demonstration_placement == "earlier_turn" and self.renderer == "raw":
-            raise ConfigError(
+            if c[key] < 1:
+                yield Problem(key, f"must be >= 1, got {c[key]}")
+        placement = c["demonstration_placement"]
+        if placement not in PLACEMENTS:
+            yield Problem("demonstration_placement", f"use one of {', '.join(PLACEMENTS)} (got '{placement}')")
+        if placement == "earlier_turn" and c["renderer"] == "raw":
+            yield Problem(
+                "demonstration_placement",
                 "earlier_turn needs chat turns, and renderer: raw has none; use renderer: auto "
                 "(a chat model) or demonstration_placement: prompt",
-                f"{path}.demonstration_placement",
             )
-        if self.skip_first_tokens < 0:
-            raise ConfigError(f"must be >= 0, got {self.skip_first_tokens}", f"{path}.skip_first_tokens")
-        if self.dataset is None:
-            raise ConfigError(
-                f"SDFT needs a dataset with '{self.prompt_key}' and '{self.demonstration_key}'", f"{path}.dataset"
-            )
+        if c["skip_first_tokens"] < 0:
+            yield Problem("skip_first_tokens", f"must be >= 0, got {c['skip_first_tokens']}")
+        if c["dataset"] is None:
+            yield Problem("dataset", f"SDFT needs a dataset with '{c['prompt_key']}' and '{c['demonstration_key']}'")
         try:
-            teacher_prompt(self.teacher_template, "p", "d")
+            teacher_prompt(c["teacher_template"], "p", "d")
         except (KeyError, IndexError, ValueError) as err:
-            raise ConfigError(
-                f"bad placeholder {err}; use {{prompt}} and {{demonstration}}", f"{path}.teacher_template"
-            ) from None
+            yield Problem("teacher_template", f"bad placeholder {err}; use {{prompt}} and {{demonstration}}")
+
+    def validate(self, ctx: RunContext) -> None:
         check_stage(
             ctx, self, columns={"": {self.prompt_key: "prompt_key", self.demonstration_key: "demonstration_key"}}
         )

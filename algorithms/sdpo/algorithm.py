@@ -55,7 +55,7 @@ training time: the current teacher weights on the stale sample's tokens.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -65,6 +65,7 @@ from tempering.errors import ConfigError
 from tempering.interfaces import Loss, RunContext
 from tempering.loss_contract import check_reads
 from tempering.rollouts.async_rollout import AsyncRollouts
+from tempering.schema import Problem
 from tempering.training.policy_gradient import PolicyGradient
 from tempering.training.rl import SyncRollouts
 from tempering.training.stage import Requirement
@@ -145,29 +146,33 @@ class SDPO(PolicyGradient):
             problem = term.rules.check_encodable(ctx.backend.tokenizer)
             if problem is not None:
                 raise ConfigError(problem.message, f"{path}.reprompt.{problem.key}")
-        if self.staleness(path) is not None:
-            self.check_stale(path)
+        self.staleness(path)
         super().validate(ctx)
 
-    def check_stale(self, path: str) -> None:
-        """A sampler whose logprobs are those of the policy the trainer scores. Both loss parts
-        score the student untempered (the teacher too), so the importance ratios against the
-        sampler's logprobs are only ratios when the sampler drew from the untempered, unfiltered
-        policy; and they are never recomputed (a recomputation would be the current weights',
-        not the stale sampler's)."""
+    @classmethod
+    def check_config(cls, config: Mapping[str, Any]) -> Iterator[Problem | None]:
+        """The policy-gradient stage's checks; then, stale, a sampler whose logprobs are those of
+        the policy the trainer scores. Both loss parts score the student untempered (the teacher
+        too), so the importance ratios against the sampler's logprobs are only ratios when the
+        sampler drew from the untempered, unfiltered policy; and they are never recomputed (a
+        recomputation would be the current weights', not the stale sampler's). The blocks'
+        own checks run when :meth:`validate` reads them."""
+        yield from super().check_config(config)
+        if config["stale"] is None:
+            return
         for key, neutral in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0)):
-            if getattr(self, key) != neutral:
-                raise ConfigError(
-                    f"stale SDPO (a stale: block) needs {key}: {neutral:g}, got {getattr(self, key)}: the "
-                    "importance ratios compare the sampler's logprobs with the untempered policy the trainer (and "
-                    "the teacher) score",
-                    f"{path}.{key}",
+            if config[key] != neutral:
+                yield Problem(
+                    key,
+                    f"stale SDPO (a stale: block) needs {key}: {neutral:g}, got {config[key]}: the importance "
+                    "ratios compare the sampler's logprobs with the untempered policy the trainer (and the "
+                    "teacher) score",
                 )
-        if self.recompute_logprobs == "always":
-            raise ConfigError(
+        if config["recompute_logprobs"] == "always":
+            yield Problem(
+                "recompute_logprobs",
                 "stale SDPO keeps the sampler's logprobs as the importance ratios' 'old' (recomputed "
                 "ones would be the current weights'); use auto",
-                f"{path}.recompute_logprobs",
             )
 
     def required_capabilities(self) -> list[Requirement]:

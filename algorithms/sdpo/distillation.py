@@ -34,10 +34,10 @@ from tempering.algorithms.sdpo.loss import SDPOLoss, distillation_problem, teach
 from tempering.interfaces import Backend, Distributions, FullDistributions, Loss, LossLogits, Tokenizer
 from tempering.loss_contract import DISTILL_WEIGHTS, TEACHER_TOKEN_LOGPROBS
 from tempering.rollouts.rollout import SamplerContext
-from tempering.schema import Problem, one_of
+from tempering.schema import Problem
 from tempering.training import teacher as shared
 from tempering.training.stage import Requirement, sub_config
-from tempering.training.teacher import TEACHER_INPUT_KEYS, TEACHERS, TeacherWeights
+from tempering.training.teacher import TEACHER_INPUT_KEYS, TeacherWeights
 from tempering.types import Batch, Datum, Group, Sample
 
 __all__ = ["Distillation", "SelfDistillation", "TeacherRows", "distillation", "reprompt"]
@@ -74,11 +74,7 @@ class Distillation:
         )
         if problem is not None:
             yield Problem(*problem)
-        yield one_of("teacher", c["teacher"], TEACHERS, f"use one of {', '.join(TEACHERS)} (got '{c['teacher']}')")
-        if not 0.0 < c["ema_rate"] <= 1.0:
-            yield Problem("ema_rate", f"must be in (0, 1], got {c['ema_rate']}")
-        if c["ema_every"] < 1:
-            yield Problem("ema_every", f"must be >= 1, got {c['ema_every']}")
+        yield from TeacherWeights(c["teacher"], c["ema_rate"], every=c["ema_every"]).problems("ema_every")
 
     @property
     def teacher_input(self) -> str | None:

@@ -12,7 +12,7 @@ mean over the batch.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +22,8 @@ from tempering.loss_contract import ROW_INPUTS
 from tempering.rollouts.chat import check_messages
 from tempering.rollouts.data import ExampleStream, encode_completion, encode_prompt, load_examples, user_turn
 from tempering.rollouts.renderer import build_renderer, chat_text_prompts
-from tempering.training.stage import Stage, check_stage, require
+from tempering.schema import Problem
+from tempering.training.stage import Stage, check_stage
 from tempering.types import Batch, Segment
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,8 +48,14 @@ class SFT(Stage):
     label = "sft"
     summary_keys = ("loss", "nll")
 
+    @classmethod
+    def check_config(cls, config: Mapping[str, Any]) -> Iterator[Problem | None]:
+        """The stage's checks, then the batch size."""
+        yield from super().check_config(config)
+        if config["batch_size"] < 1:
+            yield Problem("batch_size", f"must be >= 1, got {config['batch_size']}")
+
     def validate(self, ctx: RunContext) -> None:
-        require(self.batch_size >= 1, f"{ctx.path}.batch_size", f"must be >= 1, got {self.batch_size}")
         check_stage(ctx, self, columns={"prompt": {self.completion_key: "completion_key"}, "messages": {}})
 
     def batch_inputs(self, loss: Loss) -> frozenset[str]:

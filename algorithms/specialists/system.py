@@ -28,7 +28,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from tempering.algorithms.specialists import report, routing
 from tempering.errors import ConfigError
 from tempering.rollouts.data import load_examples
+from tempering.schema import Problem, check_config_at, field_values
 from tempering.training import parallel
 from tempering.training.stage import config_only
 
@@ -81,38 +82,33 @@ class Specialists:
     label = "specialists"
 
     # ------------------------------------------------------------------ config
-    def validate(self, ctx: RunContext) -> None:
-        path = ctx.path
-        if not isinstance(self.domains, Mapping) or len(self.domains) < 2:
-            raise ConfigError("needs at least two domains: name -> {train: dataset, test: dataset}", f"{path}.domains")
-        for name, spec in self.domains.items():
+    @staticmethod
+    def check_config(config: Mapping[str, Any]) -> Iterator[Problem]:
+        """The shape of ``domains``, ``train`` and ``router`` and the token cap, each at its key
+        (run by the registry when it builds the system, and by :meth:`validate`)."""
+        domains, train, router = config["domains"], config["train"], config["router"]
+        if not isinstance(domains, Mapping) or len(domains) < 2:
+            yield Problem("domains", "needs at least two domains: name -> {train: dataset, test: dataset}")
+            return
+        for name, spec in domains.items():
             if name in (GENERALIST, ROUTER) or not str(name).isidentifier():
-                raise ConfigError(
-                    f"'{name}' cannot name a domain (a word, not {GENERALIST}/{ROUTER})", f"{path}.domains"
-                )
+                yield Problem("domains", f"'{name}' cannot name a domain (a word, not {GENERALIST}/{ROUTER})")
             missing = [k for k in ("train", "test") if not isinstance(spec, Mapping) or k not in spec]
             if missing:
-                raise ConfigError(
-                    f"missing {missing}: give {{train: dataset, test: dataset}}", f"{path}.domains.{name}"
-                )
-        if (
-            not isinstance(self.train, Sequence)
-            or not self.train
-            or not all(isinstance(s, Mapping) for s in self.train)
-        ):
-            raise ConfigError("a list of stage specs every run trains, e.g. [{name: sft, steps: 20}]", f"{path}.train")
-        if self.router is not None:
-            if not isinstance(self.router, Mapping):
-                raise ConfigError(
-                    f"a mapping {{steps, batch_size, optimizer, prefix}} or null, got {self.router!r}", f"{path}.router"
-                )
-            unknown = set(self.router) - {"steps", "batch_size", "optimizer", "prefix"}
-            if unknown:
-                raise ConfigError(
-                    f"unknown keys {sorted(unknown)} (steps, batch_size, optimizer, prefix)", f"{path}.router"
-                )
-        if self.max_tokens < 1:
-            raise ConfigError(f"must be >= 1, got {self.max_tokens}", f"{path}.max_tokens")
+                yield Problem(f"domains.{name}", f"missing {missing}: give {{train: dataset, test: dataset}}")
+        if not isinstance(train, Sequence) or not train or not all(isinstance(s, Mapping) for s in train):
+            yield Problem("train", "a list of stage specs every run trains, e.g. [{name: sft, steps: 20}]")
+        if router is not None:
+            if not isinstance(router, Mapping):
+                yield Problem("router", f"a mapping {{steps, batch_size, optimizer, prefix}} or null, got {router!r}")
+            elif unknown := set(router) - {"steps", "batch_size", "optimizer", "prefix"}:
+                yield Problem("router", f"unknown keys {sorted(unknown)} (steps, batch_size, optimizer, prefix)")
+        if config["max_tokens"] < 1:
+            yield Problem("max_tokens", f"must be >= 1, got {config['max_tokens']}")
+
+    def validate(self, ctx: RunContext) -> None:
+        path = ctx.path
+        check_config_at(type(self), field_values(self), path)  # built in Python: not checked yet
         ctx.check("reward", self.reward, "reward")
         out = Path(ctx.output_dir)
         paths = {role: "-" for role in self.roles()}

@@ -12,15 +12,15 @@ it instead of inheriting one another.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from tempering.errors import ConfigError
 from tempering.interfaces import Loss, LossOnTrainingForward, RunContext, WeightSnapshots, supports
 from tempering.loss_contract import REF_LOGPROBS, SAMPLER_LOGPROBS, WEIGHTS, reads_input
 from tempering.rlmath.kl import k3_kl
 from tempering.rollouts.rollout import recompute_sampler_logprobs, should_recompute
+from tempering.schema import Problem
 from tempering.training.rl import RLStage
 from tempering.types import Batch, Group
 
@@ -59,16 +59,16 @@ class PolicyGradient(RLStage):
 
     summary_keys = ("reward/mean", "accuracy", "loss", "kl", "kl_ref")
 
-    def validate(self, ctx: RunContext) -> None:
-        if self.recompute_logprobs not in ("auto", "always", "never"):
-            raise ConfigError(
-                f"use auto, always or never (got '{self.recompute_logprobs}')", f"{ctx.path}.recompute_logprobs"
-            )
-        if self.reference not in ("stage_start", "base"):
-            raise ConfigError(f"use stage_start or base (got '{self.reference}')", f"{ctx.path}.reference")
-        if self.kl_every < 1:
-            raise ConfigError(f"must be >= 1, got {self.kl_every}", f"{ctx.path}.kl_every")
-        super().validate(ctx)
+    @classmethod
+    def check_config(cls, config: Mapping[str, Any]) -> Iterator[Problem | None]:
+        """The RL engine's checks, then these keys' values, at their keys."""
+        yield from super().check_config(config)
+        if config["recompute_logprobs"] not in ("auto", "always", "never"):
+            yield Problem("recompute_logprobs", f"use auto, always or never (got '{config['recompute_logprobs']}')")
+        if config["reference"] not in ("stage_start", "base"):
+            yield Problem("reference", f"use stage_start or base (got '{config['reference']}')")
+        if config["kl_every"] < 1:
+            yield Problem("kl_every", f"must be >= 1, got {config['kl_every']}")
 
     def setup(self, ctx: RunContext, state: Mapping[str, Any]) -> None:
         super().setup(ctx, state)

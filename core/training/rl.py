@@ -17,7 +17,7 @@ trajectories alike: a trajectory's training rows carry weight 1 exactly on its s
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -30,9 +30,10 @@ from tempering.rollouts.rollout import RolloutBatch, collect, rollout_metrics
 from tempering.rollouts.scoring import RewardRunner
 from tempering.runs.collapse import DEFAULT_STEPS as COLLAPSE_STEPS
 from tempering.runs.rollout_log import DEFAULT_GROUPS, log_groups
+from tempering.schema import Problem
 from tempering.training.dataset_checks import Columns, check_rows, prompt_columns, reward_columns
 from tempering.training.evaluate import build_sampler
-from tempering.training.stage import SamplingKeys, Stage, build_checked, check_stage, require
+from tempering.training.stage import SamplingKeys, Stage, build_checked, check_stage
 from tempering.types import Batch, Group, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -146,49 +147,44 @@ class RLStage(SamplingKeys, Stage):
     reward_optional: ClassVar[bool] = False
 
     # ------------------------------------------------------------------ validation and setup
-    def validate(self, ctx: RunContext) -> None:
-        path = ctx.path
+    @classmethod
+    def check_config(cls, config: Mapping[str, Any]) -> Iterator[Problem | None]:
+        """The engine's keys' values that cannot work, at their keys (after the stage's and the
+        sampling keys' checks)."""
+        yield from super().check_config(config)
+        c = config
         for key in ("prompts_per_step", "group_size", "reward_concurrency", "failure_window"):
-            require(getattr(self, key) >= 1, f"{path}.{key}", f"must be >= 1, got {getattr(self, key)}")
-        samples = self.prompts_per_step * self.group_size
-        require(
-            samples <= MAX_SAMPLES_PER_STEP,
-            f"{path}.prompts_per_step",
-            f"{self.prompts_per_step} prompts x group_size {self.group_size} = {samples} samples a step; "
-            f"at most {MAX_SAMPLES_PER_STEP} are allowed (a step samples them all before it trains): "
-            "lower prompts_per_step",
-        )
-        require(
-            self.collapse_steps >= 0,
-            f"{path}.collapse_steps",
-            f"must be a number of steps >= 0 (0 = never warn), got {self.collapse_steps}",
-        )
-        require(
-            self.reward_timeout is None or self.reward_timeout > 0,
-            f"{path}.reward_timeout",
-            f"must be > 0 (seconds), got {self.reward_timeout}",
-        )
-        require(
-            self.log_rollouts >= -1,
-            f"{path}.log_rollouts",
-            f"must be a number of groups >= 0, or -1 for all, got {self.log_rollouts}",
-        )
-        for key in ("max_failed_fraction", "max_tool_error_fraction"):
-            require(
-                0 <= getattr(self, key) <= 1,
-                f"{path}.{key}",
-                f"must be in [0, 1] (1 = never stop), got {getattr(self, key)}",
+            if c[key] < 1:
+                yield Problem(key, f"must be >= 1, got {c[key]}")
+        samples = c["prompts_per_step"] * c["group_size"]
+        if samples > MAX_SAMPLES_PER_STEP:
+            yield Problem(
+                "prompts_per_step",
+                f"{c['prompts_per_step']} prompts x group_size {c['group_size']} = {samples} samples a step; "
+                f"at most {MAX_SAMPLES_PER_STEP} are allowed (a step samples them all before it trains): "
+                "lower prompts_per_step",
             )
-        require(
-            self.scored or self.reward_optional,
-            f"{path}.reward",
-            f"{self.label} learns from a reward; give one (e.g. reward: exact_match)",
-        )
-        require(
-            self.scored or not self.drop_zero_variance,
-            f"{path}.drop_zero_variance",
-            "without a reward every group has zero variance, so every group would be dropped: set it to false",
-        )
+        if c["collapse_steps"] < 0:
+            yield Problem(
+                "collapse_steps", f"must be a number of steps >= 0 (0 = never warn), got {c['collapse_steps']}"
+            )
+        if not (c["reward_timeout"] is None or c["reward_timeout"] > 0):
+            yield Problem("reward_timeout", f"must be > 0 (seconds), got {c['reward_timeout']}")
+        if c["log_rollouts"] < -1:
+            yield Problem("log_rollouts", f"must be a number of groups >= 0, or -1 for all, got {c['log_rollouts']}")
+        for key in ("max_failed_fraction", "max_tool_error_fraction"):
+            if not 0 <= c[key] <= 1:
+                yield Problem(key, f"must be in [0, 1] (1 = never stop), got {c[key]}")
+        scored = c["reward"] is not None
+        if not (scored or cls.reward_optional):
+            yield Problem("reward", f"{cls.label} learns from a reward; give one (e.g. reward: exact_match)")
+        if not scored and c["drop_zero_variance"]:
+            yield Problem(
+                "drop_zero_variance",
+                "without a reward every group has zero variance, so every group would be dropped: set it to false",
+            )
+
+    def validate(self, ctx: RunContext) -> None:
         components = ("reward", "advantage", "loss") if self.scored else ("advantage", "loss")
         built = check_stage(ctx, self, components, self.dataset_columns(ctx))
         if self.scored:  # without a reward the advantages are the stage's own (prepare)

@@ -20,7 +20,7 @@ stage and its reward read (:mod:`tempering.training.dataset_checks`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
@@ -46,18 +46,6 @@ SCHEDULES = ("constant", "linear", "cosine")  # the schedules tempering.training
 #: Components :func:`check_stage` builds (cheap, and their own checks -- enums such as a loss's
 #: ``loss_type`` -- run at build time); the others (rewards, samplers) are only name-checked.
 BUILT_TO_CHECK = ("loss", "advantage")
-
-
-def require(ok: bool, path: str, message: str) -> None:
-    """Raise ``ConfigError(message, path)`` unless ``ok``."""
-    if not ok:
-        raise ConfigError(message, path)
-
-
-def check_choice(value: Any, choices: Sequence[str], path: str) -> None:
-    """``value`` must be one of ``choices``; the error suggests the closest one."""
-    if value not in choices:
-        raise ConfigError(choice_message(value, choices), path)
 
 
 def sub_config(cls: type[T], value: Any, path: str) -> T:

@@ -29,12 +29,11 @@ divergence with :mod:`tempering.rlmath.divergence`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol, cast, runtime_checkable
 
-from tempering.errors import ConfigError
 from tempering.interfaces import (
     Backend,
     Distributions,
@@ -53,6 +52,7 @@ from tempering.loss_contract import (
     TEACHER_TOPK_LOGPROBS,
 )
 from tempering.rollouts.data import encode_prompt, user_turn
+from tempering.schema import Problem
 from tempering.training.stage import Requirement
 from tempering.types import Batch, Datum, Sample, Segment
 
@@ -128,14 +128,15 @@ class TeacherWeights:
     name: str = "teacher"
     every: int = 1
 
-    def check(self, path: str, kind_key: str = "teacher", rate_key: str = "ema_rate", every_key: str = "") -> None:
-        """One-line :class:`ConfigError` s for a bad kind, rate or interval, at the stage's keys."""
+    def problems(self, every_key: str = "") -> Iterator[Problem]:
+        """A bad kind (at ``teacher``), rate (``ema_rate``) or interval (``every_key``, when the
+        stage has one), as :class:`~tempering.schema.Problem` s for the stage's or block's check."""
         if self.kind not in TEACHERS:
-            raise ConfigError(f"use one of {', '.join(TEACHERS)} (got '{self.kind}')", f"{path}.{kind_key}")
+            yield Problem("teacher", f"use one of {', '.join(TEACHERS)} (got '{self.kind}')")
         if not 0.0 < self.rate <= 1.0:
-            raise ConfigError(f"must be in (0, 1], got {self.rate}", f"{path}.{rate_key}")
+            yield Problem("ema_rate", f"must be in (0, 1], got {self.rate}")
         if every_key and self.every < 1:
-            raise ConfigError(f"must be >= 1, got {self.every}", f"{path}.{every_key}")
+            yield Problem(every_key, f"must be >= 1, got {self.every}")
 
     @property
     def snapshotted(self) -> bool:
