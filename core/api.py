@@ -7,8 +7,10 @@ first. Everything here is re-exported from its home, unchanged, and the package 
 it too, lazily (``from tempering import Recipe``), so ``import tempering`` stays cheap.
 
 - Running: :class:`Recipe`.
-- Writing a plugin: :data:`hookimpl`; stages (:class:`Stage`, :class:`RLStage`, the
-  :class:`RunContext` they receive); losses (:class:`LossOutput`, the batch names a loss reads:
+- Writing a plugin: :data:`hookimpl`; stages (:class:`Stage`, :class:`RLStage`,
+  :class:`PolicyGradient`, the :class:`RunContext` they receive) and the parts a stage composes
+  (:class:`StaleRollouts` with its :class:`Staleness` block, :class:`TeacherWeights`,
+  :func:`sub_config` for a block of one's own); losses (:class:`LossOutput`, the batch names a loss reads:
   :data:`WEIGHTS`, :data:`ADVANTAGES`, :data:`SAMPLER_LOGPROBS`, :data:`REF_LOGPROBS`,
   :data:`TARGET_IDS`; :func:`aggregate` and :data:`LOSS_TYPES`); rewards
   (:class:`RewardResult`); environments (:class:`Environment`, :func:`tool`, :class:`Scored`,
@@ -34,8 +36,11 @@ from tempering.rollouts.feedback import Scored, mismatch, quote
 from tempering.rollouts.tools import tool
 from tempering.schema import Problem, one_of
 from tempering.training.recipe import Recipe
+from tempering.training.policy_gradient import PolicyGradient
 from tempering.training.rl import RLStage
-from tempering.training.stage import Stage
+from tempering.training.stage import Stage, sub_config
+from tempering.training.stale import StaleRollouts, Staleness
+from tempering.training.teacher import TeacherWeights
 from tempering.types import AdamParams, Batch, Completion, Datum, Group, Sample, SamplingParams
 
 __all__ = [
@@ -54,6 +59,7 @@ __all__ = [
     "Group",
     "LossOutput",
     "PluginError",
+    "PolicyGradient",
     "Problem",
     "RLStage",
     "Recipe",
@@ -63,6 +69,9 @@ __all__ = [
     "SamplingParams",
     "Scored",
     "Stage",
+    "StaleRollouts",
+    "Staleness",
+    "TeacherWeights",
     "TemperingError",
     "UnknownComponentError",
     "aggregate",
@@ -70,5 +79,6 @@ __all__ = [
     "mismatch",
     "one_of",
     "quote",
+    "sub_config",
     "tool",
 ]
