@@ -35,11 +35,11 @@ from tempering.rollouts.environment import Environment
 from tempering.rollouts.feedback import Scored, mismatch, quote
 from tempering.rollouts.tools import tool
 from tempering.schema import Problem, one_of
-from tempering.training.recipe import Recipe
 from tempering.training.policy_gradient import PolicyGradient
+from tempering.training.recipe import Recipe
 from tempering.training.rl import RLStage
 from tempering.training.stage import Stage, sub_config
-from tempering.training.stale import StaleRollouts, Staleness
+from tempering.training.stale import Staleness, StaleRollouts
 from tempering.training.teacher import TeacherWeights
 from tempering.types import AdamParams, Batch, Completion, Datum, Group, Sample, SamplingParams
 
