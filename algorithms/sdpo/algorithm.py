@@ -205,17 +205,7 @@ class SDPO(PolicyGradient):
         if keys is None:
             return super().make_rollouts(ctx, state)
         self.corrections = StaleRollouts(keys, self.loss_fn, self.blend, self.params, state, ctx.path)
-        return self.corrections.start(
-            self.backend,
-            self.stream,
-            self.rollout_sampler,
-            group_size=self.group_size,
-            groups_per_batch=self.prompts_per_step,
-            params=self.params,
-            steps=self.steps,
-            seed=self.seed + ctx.seed,
-            first_step=int(state.get("step", 0)),
-        )
+        return self.corrections.start(self, seed=self.seed + ctx.seed, first_step=int(state.get("step", 0)))
 
     def loop_state(self) -> dict[str, Any]:
         return {**super().loop_state(), **(self.corrections.state() if self.corrections is not None else {})}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tempering.algorithms.sdpo.context import (
@@ -30,7 +30,7 @@ from tempering.algorithms.sdpo.context import (
     reprompt_text,
     truncate_prompt,
 )
-from tempering.algorithms.sdpo.loss import SDPOLoss, distillation_problem, teacher_input
+from tempering.algorithms.sdpo.loss import DistillationSettings, SDPOLoss, distillation_problem, teacher_input
 from tempering.interfaces import Backend, Distributions, FullDistributions, Loss, LossLogits, Tokenizer
 from tempering.loss_contract import DISTILL_WEIGHTS, TEACHER_TOKEN_LOGPROBS
 from tempering.rollouts.rollout import SamplerContext
@@ -44,7 +44,7 @@ __all__ = ["Distillation", "SelfDistillation", "TeacherRows", "distillation", "r
 
 
 @dataclass
-class Distillation:
+class Distillation(DistillationSettings):
     """The ``distillation:`` block (TRL's ``SDPOConfig`` names without their ``distillation_``
     prefix): ``mode`` (``sampled_token``, ``full_logits``, ``topk_logits``), ``alpha`` (1:
     reverse KL; 0 forward; JSD between), ``topk`` (required by ``topk_logits``),
@@ -53,14 +53,6 @@ class Distillation:
     the teacher's weights: ``teacher`` (``ema``, ``base``, ``stage_start``, ``live``),
     ``ema_rate`` (0.05), ``ema_every`` (1)."""
 
-    mode: str = "sampled_token"
-    alpha: float = 1.0
-    topk: int | None = None
-    topk_support: str = "student"
-    add_tail: bool = False
-    is_clip: float | None = 2.0
-    is_clip_low: float | None = None
-    weight: float = 1.0
     teacher: str = "ema"
     ema_rate: float = 0.05
     ema_every: int = 1
@@ -158,17 +150,9 @@ class SelfDistillation:
 
     def loss(self, policy: Loss) -> SDPOLoss:
         """``(1 - weight) * policy + weight * distillation`` around the stage's policy loss."""
-        c = self.config
+        settings = {f.name: getattr(self.config, f.name) for f in fields(DistillationSettings)}
         return SDPOLoss(
-            policy=policy,
-            mode=c.mode,
-            alpha=float(c.alpha),
-            topk=c.topk,
-            topk_support=c.topk_support,
-            add_tail=c.add_tail,
-            is_clip=c.is_clip,
-            weight=float(c.weight),
-            is_clip_low=c.is_clip_low,
+            policy=policy, **{**settings, "alpha": float(self.config.alpha), "weight": float(self.config.weight)}
         )
 
     # ------------------------------------------------------------------ the stage's named points

@@ -140,12 +140,28 @@ def teacher_input(mode: str, support: str, weight: float) -> str | None:
 
 
 @dataclass
-class SDPOLoss:
+class DistillationSettings:
+    """What the distillation part of the loss is, and how much of the loss it is: the fields of
+    the ``distillation:`` block the loss reads (TRL's ``distillation_*`` keys without the
+    prefix), declared once for the block and the loss."""
+
+    mode: str = "sampled_token"
+    alpha: float = 1.0
+    topk: int | None = None
+    topk_support: str = "student"
+    add_tail: bool = False
+    is_clip: float | None = 2.0
+    is_clip_low: float | None = None
+    weight: float = 1.0
+
+
+@dataclass
+class SDPOLoss(DistillationSettings):
     """``(1 - weight) * policy + weight * distillation`` (see the module docstring).
 
     ``policy`` is the policy-gradient loss (a :class:`~tempering.interfaces.Loss`, e.g.
-    ``GRPOLoss()``; may be None when ``weight`` is 1). The other fields are the stage's
-    ``distillation_*`` keys without the prefix.
+    ``GRPOLoss()``; may be None when ``weight`` is 1). The other fields are the
+    :class:`DistillationSettings`.
 
     Reads ``weights``, ``advantages`` and ``sampler_logprobs`` (policy part; the latter also
     for ``is_clip``), ``distill_weights`` (the distillation mask), ``teacher_token_logprobs``
@@ -153,14 +169,6 @@ class SDPOLoss:
     or ``teacher_topk_logprobs`` / ``teacher_topk_ids`` (logit modes)."""
 
     policy: Any = None
-    mode: str = "sampled_token"
-    alpha: float = 1.0
-    topk: int | None = None
-    topk_support: str = "student"
-    add_tail: bool = False
-    is_clip: float | None = 2.0
-    weight: float = 1.0
-    is_clip_low: float | None = None
 
     def __post_init__(self) -> None:
         problem = distillation_problem(

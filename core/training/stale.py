@@ -16,9 +16,9 @@ trains on stale rollouts (``offpolicy`` always; ``sdpo`` when its ``stale:`` blo
 * a sampler snapshot is published after every ``sync_every`` optimizer steps.
 
 A stage builds :class:`StaleRollouts` at setup from its block (:class:`Staleness`) and calls it at
-four named points: ``start`` (the rollout source), ``prepare`` (the corrections, on the batch),
-``after_optim`` (publish) and ``state`` (what a checkpoint keeps). It reads nothing of the stage:
-everything it needs is an argument.
+four named points: ``start`` (the rollout source, from the stage's typed rollout settings),
+``prepare`` (the corrections, on the batch), ``after_optim`` (publish) and ``state`` (what a
+checkpoint keeps). Everything else it needs is an argument.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from tempering.types import Batch, SamplingParams
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from tempering.interfaces import Backend, Sampler
-    from tempering.rollouts.data import ExampleStream
+    from tempering.interfaces import Backend
+    from tempering.training.rl import RLStage
 
 __all__ = [
     "AGGREGATIONS",
@@ -148,38 +148,28 @@ class StaleRollouts:
         self.objective = OffPolicyObjective(objective, params.temperature, params.top_k, params.top_p)
         self.source: AsyncRollouts | None = None
 
-    def start(
-        self,
-        backend: Backend,
-        stream: ExampleStream,
-        sampler: Sampler,
-        *,
-        group_size: int,
-        groups_per_batch: int,
-        params: SamplingParams,
-        steps: int,
-        seed: int,
-        first_step: int,
-    ) -> AsyncRollouts:
-        """The producer, started at ``first_step`` (the resumed step) with a sampler of the
-        backend's current weights: the stage's rollout source."""
+    def start(self, stage: RLStage, seed: int, first_step: int) -> AsyncRollouts:
+        """The producer of ``stage``'s rollouts (its backend, example stream, sampler, group and
+        batch sizes, sampling params and steps), started at ``first_step`` (the resumed step)
+        with a sampler of the backend's current weights: the stage's rollout source. ``seed``
+        seeds each chunk's sampling (with ``seeded_sampling``)."""
         keys = self.keys
         self.source = AsyncRollouts(
-            backend,
-            stream,
-            sampler,
-            group_size=group_size,
-            groups_per_batch=groups_per_batch,
-            params=params,
+            stage.backend,
+            stage.stream,
+            stage.rollout_sampler,
+            group_size=stage.group_size,
+            groups_per_batch=stage.prompts_per_step,
+            params=stage.params,
             max_steps_off_policy=keys.max_steps_off_policy,
             groups_per_sample=keys.groups_per_sample,
             fixed_staleness=keys.fixed_staleness,
             first_batch=first_step,
-            last_batch=steps,
+            last_batch=stage.steps,
             seed=seed if keys.seeded_sampling else None,
             max_resamples=keys.max_resamples,
         )
-        self.source.start(sampler_of(backend), index=first_step)
+        self.source.start(sampler_of(stage.backend), index=first_step)
         return self.source
 
     def prepare(self, batch: Batch) -> dict[str, float]:
