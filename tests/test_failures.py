@@ -296,6 +296,25 @@ def test_evaluation_failures_are_logged_by_cause_and_printed_once(tmp_path, caps
     )
 
 
+def test_evaluation_gives_the_reward_the_stages_timeout(tmp_path):
+    """A reward that needs longer than the 60 s default (the monitor's whole batch) is given the
+    stage's ``reward_timeout`` in evaluation as in training: here 0.3 s fails an evaluation
+    that 5 s lets through, with the same slow reward."""
+    import asyncio
+
+    async def slow(c: str, e: dict) -> float:
+        await asyncio.sleep(0.6)
+        return 1.0
+
+    for timeout, failed in ((0.3, 2.0), (5.0, 0.0)):
+        out = tmp_path / str(timeout)
+        stage = rl(reward=slow, steps=1, reward_timeout=timeout, max_failed_fraction=1.0)
+        stage["eval"] = {"dataset": [{"prompt": "1+1=", "answer": "2"}] * 2, "every": 1}
+        run(out, stage)
+        evals = [r for r in rows(out) if "eval/n" in r]
+        assert evals and all(r.get("eval/failed", 0.0) == failed for r in evals), (timeout, evals)
+
+
 class Broken(Environment):
     """An environment whose reset raises: every episode fails."""
 

@@ -166,7 +166,12 @@ class StageEvaluator:
         self.examples = load_examples(ctx, cfg.dataset, "eval.dataset") if cfg.dataset is not None else None
         self.sampler = None
         if self.examples:
-            reward = RewardRunner(ctx.build("reward", eval_reward(cfg, stage), "eval.reward"))
+            # the stage's limits: a reward that needs minutes per batch in training (the monitor
+            # samples the policy, then asks a judge) needs them in evaluation too
+            limits = {
+                k: getattr(stage, f"reward_{k}") for k in ("timeout", "concurrency") if hasattr(stage, f"reward_{k}")
+            }
+            reward = RewardRunner(ctx.build("reward", eval_reward(cfg, stage), "eval.reward"), **limits)
             spec = cfg.sampler if cfg.sampler is not None else (stage.eval_sampler() if stage is not None else None)
             key = "eval.sampler" if cfg.sampler is not None else "sampler"
             self.sampler = build_sampler(ctx, spec or "completion", key, reward, getattr(stage, "renderer", "auto"))
