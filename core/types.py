@@ -97,7 +97,7 @@ class Segment:
         return sum(1 for w in self.weights if w)
 
     def to_datum(
-        self, advantage: float | None = None, weight: float = 1.0, logprobs: bool = True, **extra: Any
+        self, advantage: float | None = None, weight: float = 1.0, logprobs: bool = True, **extra: object
     ) -> Datum:
         """The shifted training row: sampled positions get ``weight`` and ``advantage``;
         ``logprobs=False`` leaves ``sampler_logprobs`` out (supervised rows have none)."""

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, cast
 from tempering.apps.export import exported_renderer
 from tempering.errors import ConfigError, TemperingError
 from tempering.interfaces import model_renderer
-from tempering.registry import get_registry
+from tempering.registry import Registry, get_registry
 from tempering.rollouts.data import load_examples
 from tempering.rollouts.renderer import check_renderer, resolved_name
 from tempering.rollouts.rollout import collect, rollout_metrics
@@ -118,7 +118,7 @@ def dataset_spec(text: str) -> Any:
 PATH_KEYS = ("path", "data_files")
 
 
-def resolve_paths(spec: Any, base: Any) -> Any:
+def resolve_paths(spec: object, base: object) -> Any:
     """A recipe's dataset spec with each relative file path (``path``, ``data_files``) that is
     not there from the current folder made absolute against ``base`` -- the folder the run
     resolved it from (``cwd`` in ``run.json``) -- where it is there: ``tempering eval RUN_DIR``
@@ -126,7 +126,7 @@ def resolve_paths(spec: Any, base: Any) -> Any:
     if not isinstance(base, str) or not isinstance(spec, Mapping):
         return spec
 
-    def fix(value: Any) -> Any:
+    def fix(value: object) -> Any:
         if isinstance(value, list):
             return [fix(v) for v in value]
         if not isinstance(value, str) or os.path.isabs(value) or os.path.exists(value):
@@ -161,7 +161,7 @@ class EvalContext:
 
     path = "eval"
 
-    def __init__(self, registry: Any, backend: Backend) -> None:
+    def __init__(self, registry: Registry, backend: Backend) -> None:
         self.registry, self.backend = registry, backend
 
     def build(self, kind: str, spec: Any, key: str, **context: Any) -> Any:

@@ -58,7 +58,7 @@ def export_run(
     to: str,
     step: int | None = None,
     adapter: bool = False,
-    registry: Any = None,
+    registry: object = None,
     base_model: str | None = None,
 ) -> Exported:
     """Export checkpoint ``step`` (default: the latest) of the run in ``run_dir`` to ``to``;
@@ -124,7 +124,7 @@ def export_downloaded(
         write_pretrained(model, backend.tokenizer, to, merge=True, keep=False)
 
 
-def adapter_base(name: Any, model_kwargs: Any, folder: str | None) -> Any:
+def adapter_base(name: object, model_kwargs: Any, folder: str | None) -> Any:
     """The base model an adapter trained on a service merges into: ``folder`` (``--base-model``),
     else the model builder ``name`` with ``model_kwargs`` at its own default seed (the local Tinker
     server's base), else the Hugging Face folder or cached hub model ``name`` -- never downloaded."""

@@ -114,7 +114,7 @@ def evaluate(
 
 
 def completion_sampler(
-    tokenizer: Tokenizer, declared: str | None, reward: RewardRunner | None, renderer: Any = "auto"
+    tokenizer: Tokenizer, declared: str | None, reward: RewardRunner | None, renderer: object = "auto"
 ) -> Any:
     """A ``completion`` sampler outside a recipe (tests, notebooks): renderer ``auto`` is
     resolved (to ``declared``, the model's own renderer: :func:`tempering.interfaces.model_renderer`)
@@ -142,7 +142,7 @@ def completion_sampler(
     )  # the built-in, through the registry
 
 
-def eval_reward(ev: Any, stage: Any) -> Any:
+def eval_reward(ev: Any, stage: object) -> Any:
     """The reward an evaluation (``ev``: an :class:`~tempering.training.stage.EvalConfig`) scores with:
     ``eval.reward``, else the stage's own ``reward``, else the built-in ``exact_match``."""
     if ev.reward is not None:
@@ -231,10 +231,10 @@ class StageEvaluator:
 
 def build_sampler(
     ctx: BuildContext,
-    spec: Any,
+    spec: object,
     key: str,
     reward: RewardRunner | None,
-    renderer: Any = "auto",
+    renderer: object = "auto",
     reward_key: str | None = None,
 ) -> Any:
     """Build a stage's sampler (``key`` is its config path under the stage), with the context

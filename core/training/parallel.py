@@ -136,7 +136,7 @@ def train_one(job: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _noop(_: Any = None) -> int:
+def _noop(_: object = None) -> int:
     return os.getpid()
 
 
@@ -159,7 +159,7 @@ class LoadSampler:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
         self.after = os.getloadavg()

@@ -54,7 +54,7 @@ def require(ok: bool, path: str, message: str) -> None:
         raise ConfigError(message, path)
 
 
-def check_choice(value: Any, choices: Sequence[str], path: str) -> None:
+def check_choice(value: object, choices: Sequence[str], path: str) -> None:
     """``value`` must be one of ``choices``; the error suggests the closest one."""
     if value not in choices:
         raise ConfigError(choice_message(value, choices), path)
@@ -144,7 +144,7 @@ class EvalConfig:
     stop_size: Any = None  # null: the whole held-out set
 
 
-def check_eval(ctx: RunContext, value: Any, stage: Any = None) -> EvalConfig:
+def check_eval(ctx: RunContext, value: object, stage: object = None) -> EvalConfig:
     """Validate an ``eval:`` block and the components it names (its dataset's rows:
     :func:`check_stage`, after every config check)."""
     ev = sub_config(EvalConfig, value, f"{ctx.path}.eval")
@@ -178,7 +178,7 @@ def stop_check(ev: EvalConfig, step: int, fresh_eval: bool) -> str | None:
     return "check" if ev.stop_every and step % ev.stop_every == 0 else None
 
 
-def check_sampler(ctx: RunContext, spec: Any, key: str) -> None:
+def check_sampler(ctx: RunContext, spec: object, key: str) -> None:
     """Validate a sampler spec and the environment it names, if any, before anything trains."""
     ctx.check("sampler", spec, key, context=("context",))
     params = spec if isinstance(spec, Mapping) else {}
@@ -275,7 +275,7 @@ def config_only() -> Iterator[None]:
         CHECK_DATA.reset(token)
 
 
-def build_checked(ctx: RunContext, kind: str, spec: Any, key: str, **context: Any) -> Any:
+def build_checked(ctx: RunContext, kind: str, spec: object, key: str, **context: object) -> Any:
     """Build a component. Its schema (fields and ``check_config``) is checked by the registry
     first, each problem at its own key (:mod:`tempering.schema`); a component without a check
     that refuses its values in its constructor (a ``ValueError`` / ``TypeError``) is reported as

@@ -103,7 +103,7 @@ class HarnessThread(LoopThread):
             raise HarnessTimeout(f"{what} did not return within {timeout:g} s") from None
 
 
-def load_harness(target: Any, path: str) -> Callable[..., Any]:
+def load_harness(target: object, path: str) -> Callable[..., Any]:
     """The harness ``target`` names: a registered harness (``register_harnesses``, an entry-point
     plugin's: ``name`` or ``dist:name``), ``module:function`` (imported with the working folder
     on ``sys.path``; tried first when that module exists), or a callable given from Python. Any
@@ -430,7 +430,7 @@ async def guarded(run: Awaitable[Any], path: str) -> Outcome:
         )
 
 
-def read_result(value: Any) -> tuple[float | None, dict[str, float], str | None]:
+def read_result(value: object) -> tuple[float | None, dict[str, float], str | None]:
     """A harness's return value as ``(reward or None, metrics, feedback)``."""
     if isinstance(value, Mapping):
         unknown = set(value) - {"reward", "metrics", "feedback"}

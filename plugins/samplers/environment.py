@@ -113,7 +113,7 @@ class EnvironmentSampler:
         if gate is None:
             queue.join(*range(len(examples) * group_size))  # all join before any samples: no half batches
 
-        async def episode(env: Any, example: dict[str, Any], key: int) -> Any:
+        async def episode(env: object, example: dict[str, Any], key: int) -> Any:
             if gate is None:
                 return await run_episode(env, example, renderer, queue, key, self.limits, params.max_tokens)
             async with gate:  # the environment's session limit: join the batch once a slot is free
@@ -191,7 +191,7 @@ class EnvironmentSampler:
             stacklevel=2,
         )
 
-    async def _group_reward(self, env: Any, samples: list[Sample]) -> None:
+    async def _group_reward(self, env: object, samples: list[Sample]) -> None:
         """Add the environment's group reward (if it defines one) to each trainable sample, and
         its feedback (a :class:`~tempering.rollouts.feedback.Scored` value's) to the sample's."""
         fn = getattr(env, "group_reward", None)

@@ -167,7 +167,7 @@ def decode_json(body: bytes, max_depth: int) -> Any:
     return value
 
 
-def json_depth(value: Any) -> int:
+def json_depth(value: object) -> int:
     """How deep lists and objects nest in a decoded value (a scalar is 0), without recursion."""
     deepest, stack = 0, [(value, 1)]
     while stack:
@@ -180,7 +180,7 @@ def json_depth(value: Any) -> int:
     return deepest
 
 
-async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+async def in_thread(fn: Callable[..., T], *args: object) -> T:
     """``fn(*args)`` in a fresh daemon thread, awaited without blocking the loop. Daemon: a
     request blocked on a model that never answers must not hold the process at exit (a pool's
     threads are joined then); a thread costs ~0.1 ms next to any request's own work."""
@@ -211,7 +211,7 @@ class GuardedApp:
     def __init__(self, app: ASGIApp, counters: Counters) -> None:
         self.app, self.counters = app, counters
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: object, receive: object, send: object) -> None:
         await self.app(scope, receive, send)
 
 

@@ -198,7 +198,7 @@ class SamplerCopy:
         self.loaded: LocalSamplingClient | None = None
         self.executor: ThreadPoolExecutor | None = None
 
-    def prepare(self, policy: Any, copy_model: bool) -> None:
+    def prepare(self, policy: object, copy_model: bool) -> None:
         """On the training thread: copy ``policy`` (unless ``copy_model`` is false: a vLLM engine
         holds its own copy) and start the sampling thread, each once."""
         if self.model is None and copy_model:
@@ -209,7 +209,7 @@ class SamplerCopy:
         if self.threaded and self.executor is None:
             self.executor = ThreadPoolExecutor(1, thread_name_prefix="tempering-sampler")
 
-    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+    def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
         """Run ``fn`` on the sampling thread (FIFO), or inline when unthreaded."""
         return run_on(self.executor, fn, *args)
 
@@ -276,7 +276,7 @@ class _StopStrings(StoppingCriteria):
         self.window = 4 * max(len(s) for s in self.stops) + 4  # a character may take up to 4 byte-tokens
         self.done_at: list[int | None] = [None] * batch_size
 
-    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
+    def __call__(self, input_ids: torch.LongTensor, scores: object, **kwargs: object) -> torch.BoolTensor:
         generated = input_ids[:, self.prompt_width :]
         n = generated.shape[1]
         open_rows = [i for i, d in enumerate(self.done_at) if d is None]

@@ -55,7 +55,7 @@ PARALLEL_MODES = ("ddp", "fsdp")
 ``fsdp`` shards it. Both are the plain single-process path when ``WORLD_SIZE`` is 1."""
 
 
-def transformers_model(model: Any) -> Any:
+def transformers_model(model: object) -> Any:
     """The transformers model inside ``model`` (a peft wrapper's base model, or itself)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model

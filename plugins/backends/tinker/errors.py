@@ -58,7 +58,7 @@ class TinkerLossError(TinkerBackendError, ValueError):
     """A custom loss failed its local dry run: nothing was sent, the training client is intact."""
 
 
-def one_line(text: Any) -> str:
+def one_line(text: object) -> str:
     return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
 
 

@@ -199,7 +199,7 @@ def _require(batch: Batch, fields: Sequence[str], who: str) -> None:
             raise KeyError(f"{who} needs Datum.{name} on every row; rows {missing[:5]} have none")
 
 
-def _logits_message(loss: Any, reason: str) -> str:
+def _logits_message(loss: object, reason: str) -> str:
     """Why a loss that needs logits cannot run on Tinker, with what to do instead: the loss's
     own word when its ``builtin(batch)`` declared none (:class:`~tempering.loss_contract.NoBuiltin`),
     else the general way out."""

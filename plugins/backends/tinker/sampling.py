@@ -98,7 +98,7 @@ def sample_prompts(
 
 def completion(
     session: Session,
-    client: Any,
+    client: object,
     prompt: list[int],
     seq: Any,
     params: SamplingParams,

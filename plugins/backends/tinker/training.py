@@ -115,7 +115,7 @@ def tinker_adam(types: Any, params: AdamParams) -> Any:
     )
 
 
-def optim_metrics(response: Any, lr: float) -> dict[str, float]:
+def optim_metrics(response: object, lr: float) -> dict[str, float]:
     """The learning rate used and the service's own optimizer metrics (``tinker/...``)."""
     metrics = {"lr": lr}
     for key, value in (getattr(response, "metrics", None) or {}).items():
