@@ -43,7 +43,7 @@ import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tempering.errors import ConfigError, UnknownComponentError
 from tempering.plugins.samplers.common import with_stops
@@ -64,6 +64,9 @@ from tempering.rollouts.trajectory import Trajectory, Turn
 from tempering.runs.failures import debug, format_traceback, mark_failed
 from tempering.schema import Problem
 from tempering.types import Completion, Group, Sample, SamplingParams, Segment
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tempering.interfaces import SamplingClient
 
 #: ``pip install`` hint for the client the harness is given.
 OPENAI_HINT = "pip install 'tempering[openai]'"
@@ -213,7 +216,12 @@ class EndpointSampler:
 
     # ------------------------------------------------------------------ sampling
     async def sample(
-        self, client: Any, examples: list[dict[str, Any]], group_size: int, params: SamplingParams, first_id: int = 0
+        self,
+        client: SamplingClient,
+        examples: list[dict[str, Any]],
+        group_size: int,
+        params: SamplingParams,
+        first_id: int = 0,
     ) -> Rollout:
         assert self.context is not None, "AgentSampler needs its stage's context"
         renderer = self.context.renderer()

@@ -27,7 +27,7 @@ import asyncio
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tempering.errors import ConfigError
 from tempering.plugins.samplers.common import with_stops
@@ -44,6 +44,9 @@ from tempering.rollouts.rollout import Rollout, SamplerContext
 from tempering.rollouts.scoring import ScoreStats
 from tempering.runs.failures import debug, format_traceback, mark_failed
 from tempering.types import Completion, Group, Sample, SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tempering.interfaces import SamplingClient
 
 
 @dataclass
@@ -101,7 +104,12 @@ class EnvironmentSampler:
         return self.context.reward if self.context is not None else None
 
     async def sample(
-        self, client: Any, examples: list[dict[str, Any]], group_size: int, params: SamplingParams, first_id: int = 0
+        self,
+        client: SamplingClient,
+        examples: list[dict[str, Any]],
+        group_size: int,
+        params: SamplingParams,
+        first_id: int = 0,
     ) -> Rollout:
         assert self.context is not None and self._factory is not None, "EnvironmentSampler needs its stage's context"
         renderer = self.context.renderer()

@@ -105,7 +105,7 @@ class Call:
     _turn_end: list[int] | None = field(default=None, init=False, repr=False)
     _turn_end_known: bool = field(default=False, init=False, repr=False)
 
-    def turn_end(self, renderer: object) -> list[int] | None:
+    def turn_end(self, renderer: Renderer) -> list[int] | None:
         """The canonical tokens of this call's prompt and returned turn (computed once)."""
         if self.canonical is None or self.returned is None or self.messages is None:
             return None  # not a chat call, or not answered yet

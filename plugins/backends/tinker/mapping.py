@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import tempering.loss_contract as loss_contract
@@ -215,7 +216,7 @@ def _logits_message(loss: object, reason: str) -> str:
 
 
 # ---------------------------------------------------------------------- to the SDK's types
-def to_tinker_data(batch: Batch, plan: LossPlan, types: Any) -> list[Any]:
+def to_tinker_data(batch: Batch, plan: LossPlan, types: ModuleType) -> list[Any]:
     """``tinker.types.Datum`` rows: ``model_input`` = our ``input_tokens``, ``loss_fn_inputs`` =
     the plan's, as explicitly typed ``TensorData`` (int64 tokens, float32 values)."""
     import numpy as np

@@ -11,6 +11,7 @@ the loss's own metrics.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -103,7 +104,7 @@ def loss_metrics(
     return metrics
 
 
-def tinker_adam(types: Any, params: AdamParams) -> Any:
+def tinker_adam(types: ModuleType, params: AdamParams) -> Any:
     """Ours -> ``tinker.types.AdamParams`` (the same fields)."""
     return types.AdamParams(
         learning_rate=float(params.learning_rate),
