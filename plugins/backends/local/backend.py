@@ -448,7 +448,7 @@ class LocalBackend:
         prompts: list[list[int]],
         num_samples: int,
         params: SamplingParams,
-        model: object = None,
+        model: torch.nn.Module | None = None,
         version: int | None = None,
         weights: Mapping[str, torch.Tensor] | None = None,
     ) -> list[list[Completion]]:

@@ -101,7 +101,7 @@ class Generator:
         self.prefill_once = prefill_once
 
     def sample(
-        self, model: Any, prompts: list[list[int]], num_samples: int, params: SamplingParams, version: int
+        self, model: torch.nn.Module, prompts: list[list[int]], num_samples: int, params: SamplingParams, version: int
     ) -> list[list[Completion]]:
         """Completions grouped per prompt, in order, each stamped with ``version``."""
         rows = [p for p in prompts for _ in range(num_samples)]
@@ -306,7 +306,7 @@ _CACHE_KEY = _cache_name()
 MIN_SHARED_PREFIX = 16
 
 
-def _prefill_once(model: Any, rows: list[list[int]], input_ids: torch.Tensor, mask: torch.Tensor) -> Any:
+def _prefill_once(model: torch.nn.Module, rows: list[list[int]], input_ids: torch.Tensor, mask: torch.Tensor) -> Any:
     """The KV cache of every row's prompt but its last token, with shared work done once; None
     when nothing is shared (or the model cannot take it).
 
@@ -362,7 +362,7 @@ def _common_prefix(rows: list[list[int]]) -> int:
     return n
 
 
-def _shared_prefix_cache(model: Any, prefix: list[int], attention: torch.Tensor) -> tuple[Any, int]:
+def _shared_prefix_cache(model: torch.nn.Module, prefix: list[int], attention: torch.Tensor) -> tuple[Any, int]:
     """A cache of the rows' first ``C`` columns from one forward of the shared ``prefix``, and C.
 
     Rows are left-padded, so row i's prefix sits at columns ``pad_i ..`` -- but at the same

@@ -187,7 +187,7 @@ class WorkerSync:
         _repack_tied_layers(self.model_runner.get_model())  # type: ignore[attr-defined]
 
 
-def _repack_tied_layers(model: Any) -> None:
+def _repack_tied_layers(model: torch.nn.Module) -> None:
     """Re-pack the CPU kernels of layers whose weight is another layer's (tied embeddings).
 
     Why: vLLM's CPU linear layers compute with a packed copy of their weight (``cpu_linear``,
