@@ -231,7 +231,7 @@ class Batch:
     def __len__(self) -> int:
         return len(self.data)
 
-    def to_tensors(self, pad_token_id: int = 0, device: Any = None) -> dict[str, torch.Tensor]:
+    def to_tensors(self, pad_token_id: int = 0, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
         """Right-pad into ``(B, T)`` tensors.
 
         Returns ``input_ids``, ``attention_mask``, ``target_ids``, ``weights`` and, when every

@@ -26,7 +26,7 @@ from tempering.types import Group, Sample, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
     from tempering.interfaces import Backend, BuildContext, RunContext, Sampler
-    from tempering.training.stage import EvalConfig
+    from tempering.training.stage import EvalConfig, Stage
 
 
 def evaluate(
@@ -159,7 +159,7 @@ class StageEvaluator:
     evaluated on whole episodes), with the stage's renderer.
     """
 
-    def __init__(self, ctx: RunContext, cfg: EvalConfig, stage: Any = None) -> None:
+    def __init__(self, ctx: RunContext, cfg: EvalConfig, stage: Stage | None = None) -> None:
         self.ctx, self.cfg, self.stage = ctx, cfg, stage
         #: The stage's progress bar: an evaluation shows its phase there and is paused out of
         #: its time estimate (:func:`tempering.training.progress.paused`); None: no bar.

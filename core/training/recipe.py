@@ -23,7 +23,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from tempering.errors import (
     ConfigError,
@@ -378,8 +378,15 @@ def _resume(ctx: RunContext, progress: Mapping[str, Any] | None, primary: bool) 
     return list(ctx.progress["completed"])
 
 
+class RunsStage(Protocol):
+    """What a recipe runs as a stage: a :class:`~tempering.training.stage.Stage`, or any
+    component with ``run(ctx)`` (the specialists system runs whole recipes of its own)."""
+
+    def run(self, ctx: RunContext) -> dict[str, Any] | None: ...
+
+
 def _run_stage(
-    ctx: RunContext, index: int, sid: str, algorithm: Any, progress: Mapping[str, Any] | None
+    ctx: RunContext, index: int, sid: str, algorithm: RunsStage, progress: Mapping[str, Any] | None
 ) -> dict[str, Any]:
     """Run one stage and checkpoint it: finished, or unfinished when it ran out of budget or
     raised :class:`StopRun` (which becomes :class:`RunStopped`)."""

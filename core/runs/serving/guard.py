@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import anyio
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger("tempering.serving")
 T = TypeVar("T")
@@ -211,7 +212,7 @@ class GuardedApp:
     def __init__(self, app: ASGIApp, counters: Counters) -> None:
         self.app, self.counters = app, counters
 
-    async def __call__(self, scope: object, receive: object, send: object) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.app(scope, receive, send)
 
 
@@ -289,7 +290,7 @@ def guarded_app(policy: Policy, handler: Callable[[Call], Reply]) -> GuardedApp:
         data = content if isinstance(content, bytes) else json.dumps(content, ensure_ascii=False).encode()
         return Response(data, reply.status, dict(reply.headers), reply.content_type)
 
-    async def app(scope: Any, receive: Any, send: Any) -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
         request = Request(scope, receive)

@@ -416,7 +416,7 @@ def _cut_point(tokens: list[int], eos: set[int], string_end: int | None) -> tupl
     return eos_end, False
 
 
-def _left_pad(rows: list[list[int]], pad_id: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _left_pad(rows: list[list[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """Left padding so every row's next token is in the last column, as ``generate`` needs."""
     width = max(len(r) for r in rows)
     ids = [[pad_id] * (width - len(r)) + r for r in rows]
