@@ -95,14 +95,14 @@ def choice_message(value: object, choices: Iterable[str]) -> str:
     return f"use one of {', '.join(options)} (got '{value}').{hint}"
 
 
-def config_problems(factory: object, config: Mapping[str, Any]) -> list[Problem]:
+def config_problems(factory: Callable[..., Any], config: Mapping[str, Any]) -> list[Problem]:
     """The problems ``factory``'s check finds in ``config`` (every key), in the order it yields
     them; none for a factory without a check."""
     check = getattr(factory, CHECK_CONFIG, None)
     return [p for p in (check(config) if callable(check) else ()) if p is not None]
 
 
-def first_problem(factory: object, config: Mapping[str, Any]) -> Problem | None:
+def first_problem(factory: Callable[..., Any], config: Mapping[str, Any]) -> Problem | None:
     """The first problem ``factory``'s check finds in ``config``, or ``None``. The check runs
     only that far: what it would look at after a problem (the local backend's hub lookup of its
     model name) is not done for an error that will not be shown."""
@@ -145,7 +145,7 @@ def raise_problems(component: object) -> None:
         raise ValueError(problem.message)
 
 
-def check_config_at(factory: object, config: Mapping[str, Any], path: str) -> None:
+def check_config_at(factory: Callable[..., Any], config: Mapping[str, Any], path: str) -> None:
     """Raise the first problem of ``factory``'s check on ``config`` as a one-line
     :class:`ConfigError` at its full key path (``path``: the component's)."""
     problem = first_problem(factory, config)
