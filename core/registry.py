@@ -339,7 +339,7 @@ class Registry:
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ building
-    def build(self, kind: str, spec: Any, path: str = "", **context: Any) -> Any:
+    def build(self, kind: str, spec: object, path: str = "", **context: object) -> Any:
         """Build a component from ``spec``: a name, or a mapping ``{name: ..., <params>}``.
 
         Params are validated against the factory's schema (see :func:`params_schema`) so that a
@@ -351,7 +351,7 @@ class Registry:
         factory, kwargs = self._resolve(kind, spec, path, set(context))
         return factory(**kwargs, **context)
 
-    def factory(self, kind: str, spec: Any, path: str = "", **context: Any) -> Callable[[], Any]:
+    def factory(self, kind: str, spec: object, path: str = "", **context: object) -> Callable[[], Any]:
         """A zero-argument callable that builds a *new* component per call, validated once now.
 
         For components used one instance per use (an environment: one per episode). A Python
@@ -366,13 +366,15 @@ class Registry:
             path or kind,
         )
 
-    def check(self, kind: str, spec: Any, path: str = "", context: Iterable[str] = ()) -> None:
+    def check(self, kind: str, spec: object, path: str = "", context: Iterable[str] = ()) -> None:
         """Validate ``spec`` (its name, keys and the factory's ``check_config``) without building
         it: lets a recipe fail on a typo in its last stage before its first stage trains."""
         if isinstance(spec, (str, Mapping)) or _is_omegaconf(spec):
             self._resolve(kind, spec, path, set(context))
 
-    def _resolve(self, kind: str, spec: Any, path: str, context: set[str]) -> tuple[Callable[..., Any], dict[str, Any]]:
+    def _resolve(
+        self, kind: str, spec: object, path: str, context: set[str]
+    ) -> tuple[Callable[..., Any], dict[str, Any]]:
         path = path or kind
         name, params = split_spec(spec, path)
         try:
@@ -387,7 +389,7 @@ class Registry:
         return factory, kwargs
 
 
-def _is_omegaconf(obj: Any) -> bool:
+def _is_omegaconf(obj: object) -> bool:
     return type(obj).__module__.startswith("omegaconf")
 
 
@@ -396,7 +398,7 @@ def plural(kind: str) -> str:
     return kind + ("es" if kind.endswith(("s", "sh", "ch", "x")) else "s")
 
 
-def split_spec(spec: Any, path: str) -> tuple[str, dict[str, Any]]:
+def split_spec(spec: object, path: str) -> tuple[str, dict[str, Any]]:
     """``"name"`` or ``{name: ..., **params}`` -> (name, params)."""
     from omegaconf import DictConfig, OmegaConf
 
@@ -482,7 +484,7 @@ def registered_builder(
 _SIMPLE = (int, float, bool, str)
 
 
-def _hint(owner: Any, name: str, annotation: Any) -> Any:
+def _hint(owner: Any, name: str, annotation: object) -> Any:
     """An omegaconf-friendly type for ``name``: the real hint when omegaconf can check it."""
     # a plain class's config keys are its __init__'s parameters (``owner`` is Any: any class)
     is_plain_class = isinstance(owner, type) and not dataclasses.is_dataclass(owner)
@@ -499,7 +501,7 @@ def _hint(owner: Any, name: str, annotation: Any) -> Any:
     return _omegaconf_type(annotation)
 
 
-def _omegaconf_type(t: Any) -> Any:
+def _omegaconf_type(t: object) -> Any:
     if t in _SIMPLE:
         return t
     origin = typing.get_origin(t)
@@ -575,7 +577,7 @@ def validate_params(
     return {k: container[k] if k in plain else v for k, v in params.items()}
 
 
-def is_plain_data(value: Any, leaf: Callable[[Any], bool] = lambda value: False) -> bool:
+def is_plain_data(value: object, leaf: Callable[[Any], bool] = lambda value: False) -> bool:
     """Config-file data: None, bool, int, float, str, and str-keyed mappings and lists of them,
     plus whatever ``leaf`` admits (the validator admits OmegaConf nodes)."""
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -587,7 +589,7 @@ def is_plain_data(value: Any, leaf: Callable[[Any], bool] = lambda value: False)
     return leaf(value)
 
 
-def _is_plain(value: Any) -> bool:
+def _is_plain(value: object) -> bool:
     return is_plain_data(value, _is_omegaconf)
 
 

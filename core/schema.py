@@ -76,7 +76,7 @@ class Problem(NamedTuple):
     message: str
 
 
-def one_of(key: str, value: Any, choices: Iterable[str], message: str) -> Problem | None:
+def one_of(key: str, value: object, choices: Iterable[str], message: str) -> Problem | None:
     """A :class:`Problem` at ``key`` when ``value`` is not one of ``choices``: ``message``, plus
     the closest choice when the value is a string (``. Did you mean 'dapo'?``); else ``None``."""
     options = list(choices)
@@ -86,7 +86,7 @@ def one_of(key: str, value: Any, choices: Iterable[str], message: str) -> Proble
     return Problem(key, message + (f". Did you mean '{close[0]}'?" if close else ""))
 
 
-def choice_message(value: Any, choices: Iterable[str]) -> str:
+def choice_message(value: object, choices: Iterable[str]) -> str:
     """The stages' wording for a value outside ``choices``: ``use one of a, b (got 'x').`` and
     the closest choice (``Did you mean 'a'?``)."""
     options = list(choices)
@@ -95,14 +95,14 @@ def choice_message(value: Any, choices: Iterable[str]) -> str:
     return f"use one of {', '.join(options)} (got '{value}').{hint}"
 
 
-def config_problems(factory: Any, config: Mapping[str, Any]) -> list[Problem]:
+def config_problems(factory: Callable[..., Any], config: Mapping[str, Any]) -> list[Problem]:
     """The problems ``factory``'s check finds in ``config`` (every key), in the order it yields
     them; none for a factory without a check."""
     check = getattr(factory, CHECK_CONFIG, None)
     return [p for p in (check(config) if callable(check) else ()) if p is not None]
 
 
-def first_problem(factory: Any, config: Mapping[str, Any]) -> Problem | None:
+def first_problem(factory: Callable[..., Any], config: Mapping[str, Any]) -> Problem | None:
     """The first problem ``factory``'s check finds in ``config``, or ``None``. The check runs
     only that far: what it would look at after a problem (the local backend's hub lookup of its
     model name) is not done for an error that will not be shown."""
@@ -110,7 +110,7 @@ def first_problem(factory: Any, config: Mapping[str, Any]) -> Problem | None:
     return next((p for p in (check(config) if callable(check) else ()) if p is not None), None)
 
 
-def caught(root: str, helper: Callable[..., object], *args: Any) -> Problem | None:
+def caught(root: str, helper: Callable[..., object], *args: object) -> Problem | None:
     """What ``helper(*args)`` raises, as a :class:`Problem`; ``None`` when it returns.
 
     ``helper`` raises a :class:`ConfigError` at a key path under ``root``, a stand-in for the
@@ -136,7 +136,7 @@ def field_values(component: Any) -> dict[str, Any]:
     return {f.name: getattr(component, f.name) for f in dataclasses.fields(component)}
 
 
-def raise_problems(component: Any) -> None:
+def raise_problems(component: object) -> None:
     """For a dataclass component's ``__post_init__``: run its class's check on its own fields and
     raise the first problem as a ``ValueError`` (a Python caller's error; the registry reports
     the same problem as a :class:`ConfigError` at its key, before building)."""
@@ -145,7 +145,7 @@ def raise_problems(component: Any) -> None:
         raise ValueError(problem.message)
 
 
-def check_config_at(factory: Any, config: Mapping[str, Any], path: str) -> None:
+def check_config_at(factory: Callable[..., Any], config: Mapping[str, Any], path: str) -> None:
     """Raise the first problem of ``factory``'s check on ``config`` as a one-line
     :class:`ConfigError` at its full key path (``path``: the component's)."""
     problem = first_problem(factory, config)

@@ -104,7 +104,7 @@ class CharTokenizer:
         return "".join(chr(i - 3) for i in ids if i > 2 or not skip_special_tokens)
 
 
-def _done(value: Any) -> Future[Any]:
+def _done(value: object) -> Future[Any]:
     fut: Future[Any] = Future()
     fut.set_result(value)
     return fut

@@ -97,7 +97,7 @@ class Segment:
         return sum(1 for w in self.weights if w)
 
     def to_datum(
-        self, advantage: float | None = None, weight: float = 1.0, logprobs: bool = True, **extra: Any
+        self, advantage: float | None = None, weight: float = 1.0, logprobs: bool = True, **extra: object
     ) -> Datum:
         """The shifted training row: sampled positions get ``weight`` and ``advantage``;
         ``logprobs=False`` leaves ``sampler_logprobs`` out (supervised rows have none)."""
@@ -231,7 +231,7 @@ class Batch:
     def __len__(self) -> int:
         return len(self.data)
 
-    def to_tensors(self, pad_token_id: int = 0, device: Any = None) -> dict[str, torch.Tensor]:
+    def to_tensors(self, pad_token_id: int = 0, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
         """Right-pad into ``(B, T)`` tensors.
 
         Returns ``input_ids``, ``attention_mask``, ``target_ids``, ``weights`` and, when every

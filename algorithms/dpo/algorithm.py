@@ -61,7 +61,7 @@ _REF_C, _REF_R = "_ref_chosen", "_ref_rejected"
 SLOT = DPO_SLOT  # Datum.extra: pair i's chosen rows hold 2i, its rejected rows 2i + 1 (multi-row sides)
 
 
-def completion_datum(prompt: list[int], completion: list[int], **extra: Any) -> Datum:
+def completion_datum(prompt: list[int], completion: list[int], **extra: object) -> Datum:
     """A row that scores ``completion`` after ``prompt``: weight 1 on completion targets."""
     tokens = prompt + completion
     return Datum(tokens[:-1], tokens[1:], [0.0] * (len(prompt) - 1) + [1.0] * len(completion), extra=dict(extra))
@@ -72,7 +72,7 @@ def is_multi_turn(row: Mapping[str, Any], key: str) -> bool:
     return isinstance(row.get(key), (list, tuple, Mapping))
 
 
-def continuation(value: Any, where: str) -> list[Message]:
+def continuation(value: object, where: str) -> list[Message]:
     """A side of a multi-turn pair as messages: a list starting with an assistant turn."""
     messages = check_messages([value] if isinstance(value, Mapping) else value, where)
     if not messages or messages[0].get("role") != "assistant":

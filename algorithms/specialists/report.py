@@ -88,7 +88,7 @@ def timing(
     return out
 
 
-def _pct(x: Any) -> str:
+def _pct(x: float | None) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}"
 
 

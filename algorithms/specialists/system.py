@@ -42,6 +42,7 @@ from tempering.training.stage import config_only
 
 if TYPE_CHECKING:  # pragma: no cover
     from tempering.interfaces import RunContext
+    from tempering.training.recipe import Recipe
 
 #: Modules the workers' fork server imports once, besides :data:`tempering.training.parallel.PRELOAD`
 #: (a name that does not import is skipped).
@@ -267,19 +268,19 @@ def _write_jsonl(path: Path, rows: Sequence[Mapping[str, Any]]) -> str:
     return str(path)
 
 
-def _moved(recipe: Any, output_dir: Path) -> Any:
+def _moved(recipe: Recipe, output_dir: Path) -> Any:
     from tempering.training.recipe import Recipe
 
     return Recipe.from_dict({**recipe.to_dict(), "output_dir": str(output_dir)})
 
 
-def _check(recipe: Any) -> None:
+def _check(recipe: Recipe) -> None:
     from tempering.training.recipe import check_recipe
 
     check_recipe(recipe.to_dict())
 
 
-def _steps(recipe: Any) -> str:
+def _steps(recipe: Recipe) -> str:
     return " + ".join(f"{s['steps']} {s['name']}" for s in recipe.stages)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, cast
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, cast
 from tempering.apps.export import exported_renderer
 from tempering.errors import ConfigError, TemperingError
 from tempering.interfaces import model_renderer
-from tempering.registry import get_registry
+from tempering.registry import Registry, get_registry
 from tempering.rollouts.data import load_examples
 from tempering.rollouts.renderer import check_renderer, resolved_name
 from tempering.rollouts.rollout import collect, rollout_metrics
@@ -118,7 +118,7 @@ def dataset_spec(text: str) -> Any:
 PATH_KEYS = ("path", "data_files")
 
 
-def resolve_paths(spec: Any, base: Any) -> Any:
+def resolve_paths(spec: object, base: object) -> Any:
     """A recipe's dataset spec with each relative file path (``path``, ``data_files``) that is
     not there from the current folder made absolute against ``base`` -- the folder the run
     resolved it from (``cwd`` in ``run.json``) -- where it is there: ``tempering eval RUN_DIR``
@@ -126,7 +126,7 @@ def resolve_paths(spec: Any, base: Any) -> Any:
     if not isinstance(base, str) or not isinstance(spec, Mapping):
         return spec
 
-    def fix(value: Any) -> Any:
+    def fix(value: object) -> Any:
         if isinstance(value, list):
             return [fix(v) for v in value]
         if not isinstance(value, str) or os.path.isabs(value) or os.path.exists(value):
@@ -161,16 +161,16 @@ class EvalContext:
 
     path = "eval"
 
-    def __init__(self, registry: Any, backend: Backend) -> None:
+    def __init__(self, registry: Registry, backend: Backend) -> None:
         self.registry, self.backend = registry, backend
 
-    def build(self, kind: str, spec: Any, key: str, **context: Any) -> Any:
+    def build(self, kind: str, spec: object, key: str, **context: object) -> Any:
         return self.registry.build(kind, spec, f"--{key}", **context)
 
-    def factory(self, kind: str, spec: Any, key: str, **context: Any) -> Any:
+    def factory(self, kind: str, spec: object, key: str, **context: object) -> Any:
         return self.registry.factory(kind, spec, f"--{key}", **context)
 
-    def check(self, kind: str, spec: Any, key: str, context: Any = ()) -> None:
+    def check(self, kind: str, spec: object, key: str, context: Iterable[str] = ()) -> None:
         self.registry.check(kind, spec, f"--{key}", context)
 
 
@@ -185,7 +185,7 @@ class EvalReport:
     files: dict[str, str] = field(default_factory=dict)
 
 
-def evaluate_policy(backend: Backend, spec: EvalSpec, registry: Any = None) -> EvalReport:
+def evaluate_policy(backend: Backend, spec: EvalSpec, registry: Registry | None = None) -> EvalReport:
     """Sample ``spec.samples`` rollouts per example of ``spec.dataset`` with ``backend`` through
     the spec's sampler, score them, and compute the metrics (see the module docs)."""
 
@@ -257,7 +257,7 @@ def score_groups(groups: Sequence[Group], success_threshold: float = 1.0) -> dic
     return out
 
 
-def check_spec(registry: Any, spec: EvalSpec) -> None:
+def check_spec(registry: Registry, spec: EvalSpec) -> None:
     """The spec's values and the names and keys of its components, without building them."""
 
     spec.check()
@@ -270,7 +270,11 @@ def check_spec(registry: Any, spec: EvalSpec) -> None:
 
 
 def run_eval(
-    target: str, spec: Mapping[str, Any], out: str | None = None, step: int | None = None, registry: Any = None
+    target: str,
+    spec: Mapping[str, Any],
+    out: str | None = None,
+    step: int | None = None,
+    registry: Registry | None = None,
 ) -> EvalReport:
     """Evaluate a run's checkpoint (``target`` a run folder: ``step``, default the latest) or a
     Hugging Face model folder; ``spec`` holds the given :class:`EvalSpec` fields (a run's recipe

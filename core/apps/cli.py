@@ -460,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         category: type[Warning],
         filename: str,
         lineno: int,
-        file: Any = None,
+        file: object = None,
         line: str | None = None,
     ) -> None:
         """Every warning is one line, like the errors (no file:line, no source line): tempering's

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from tempering.errors import ConfigError
 from tempering.interfaces import DownloadableWeights, Exportable, LoadedModel, model_renderer, supports
-from tempering.registry import registered_builder
+from tempering.registry import Registry, registered_builder
 from tempering.runs.pretrained import write_pretrained
 from tempering.training.rundata import RunDir, run_backend
 
@@ -58,7 +58,7 @@ def export_run(
     to: str,
     step: int | None = None,
     adapter: bool = False,
-    registry: Any = None,
+    registry: Registry | None = None,
     base_model: str | None = None,
 ) -> Exported:
     """Export checkpoint ``step`` (default: the latest) of the run in ``run_dir`` to ``to``;
@@ -124,7 +124,7 @@ def export_downloaded(
         write_pretrained(model, backend.tokenizer, to, merge=True, keep=False)
 
 
-def adapter_base(name: Any, model_kwargs: Any, folder: str | None) -> Any:
+def adapter_base(name: object, model_kwargs: Mapping[str, Any] | None, folder: str | None) -> Any:
     """The base model an adapter trained on a service merges into: ``folder`` (``--base-model``),
     else the model builder ``name`` with ``model_kwargs`` at its own default seed (the local Tinker
     server's base), else the Hugging Face folder or cached hub model ``name`` -- never downloaded."""

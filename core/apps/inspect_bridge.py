@@ -48,7 +48,7 @@ def model_class() -> type:
             step: int | None = None,
             renderer: str = "auto",
             chat: bool | None = None,
-            **model_args: Any,
+            **model_args: object,
         ) -> None:
             # on first use: inspect imports this entry point on every start, the runner stays unloaded
             from tempering.apps.export import exported_renderer

@@ -76,7 +76,7 @@ def keys_of(factory: Callable[..., Any], exclude: Iterable[str] = ()) -> list[Ke
     return out
 
 
-def type_name(t: Any) -> str:
+def type_name(t: object) -> str:
     if t in (int, float, bool, str):
         return t.__name__
     args = [a for a in typing.get_args(t) if a is not type(None)]
@@ -87,7 +87,7 @@ def type_name(t: Any) -> str:
     return "any"
 
 
-def show(value: Any) -> str:
+def show(value: object) -> str:
     """A default as YAML would write it (a callable or object default: its name)."""
     if callable(value) and not isinstance(value, type):
         return f"({getattr(value, '__name__', type(value).__name__)})"

@@ -45,7 +45,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tempering.interfaces import Backend
+from tempering.interfaces import Backend, Sampler
 from tempering.rollouts.data import ExampleStream
 from tempering.rollouts.rollout import RolloutBatch
 from tempering.rollouts.scoring import ScoreStats
@@ -111,7 +111,7 @@ class AsyncRollouts:
         self,
         backend: Backend,
         stream: ExampleStream,
-        sampler: Any,
+        sampler: Sampler,
         *,
         group_size: int,
         groups_per_batch: int,
@@ -166,14 +166,14 @@ class AsyncRollouts:
         self._started = threading.Event()
 
     # ------------------------------------------------------------------ trainer side
-    def start(self, sampler: Any, index: int | None = None) -> None:
+    def start(self, sampler: object, index: int | None = None) -> None:
         """Publish the first sampler (or a future of one) and start producing."""
         self.publish(sampler, index=self._first_slot // self.per_batch if index is None else index)
         self._thread = threading.Thread(target=self._run_loop, name="tempering-rollouts", daemon=True)
         self._thread.start()
         self._started.wait()
 
-    def publish(self, sampler: Any, index: int) -> None:
+    def publish(self, sampler: object, index: int) -> None:
         """Make a sampler of the weights after ``index`` loop steps available to the producer."""
         with self._lock:
             if self._published and index < self._published[-1].index:
@@ -248,7 +248,7 @@ class AsyncRollouts:
     def __enter__(self) -> AsyncRollouts:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ------------------------------------------------------------------ shared helpers

@@ -110,7 +110,7 @@ def text_of(message: Mapping[str, Any]) -> str:
     return "".join(parts)
 
 
-def check_messages(messages: Any, where: str) -> list[Message]:
+def check_messages(messages: object, where: str) -> list[Message]:
     """Validate a message list early, with a message that says which one is wrong and why."""
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
         raise ValueError(f"{where}: messages must be a list of {{role, content}} dicts, got {type(messages).__name__}")

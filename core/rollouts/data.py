@@ -72,7 +72,7 @@ def encode_completion(tokenizer: Tokenizer, text: str, add_eos: bool = True) -> 
     return ids
 
 
-def load_examples(ctx: BuildContext, spec: Any, key: str) -> list[dict[str, Any]]:
+def load_examples(ctx: BuildContext, spec: object, key: str) -> list[dict[str, Any]]:
     """A dataset spec (name, mapping, or an already-built list of dicts) -> list of examples."""
     if isinstance(spec, list):
         return [dict(x) for x in spec]

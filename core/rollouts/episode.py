@@ -85,7 +85,7 @@ class EnvironmentCalls:
         self.stuck = False  # a timed-out call still holds the loop: later calls would only wait too
         self.worker = LoopThread("tempering-environment")
 
-    async def call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    async def call(self, what: str, fn: Callable[..., Any], *args: object) -> Any:
         """``await fn(*args)`` (or its plain value) on the episode's loop, within the timeout;
         :class:`EnvironmentTimeout` past it, naming ``what`` and the key."""
         if self.stuck:
@@ -333,7 +333,7 @@ async def run_episode(
     return traj, total
 
 
-def model_view(env: Any, messages: list[Any]) -> list[Any]:
+def model_view(env: object, messages: list[Any]) -> list[Any]:
     """What the model sees of ``messages``: the environment's :meth:`~tempering.rollouts.environment.Environment.view`
     (on a copy, so a view cannot edit the history), or all of it."""
     view = getattr(env, "view", None)

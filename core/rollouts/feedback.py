@@ -24,7 +24,6 @@ parts are joined one per line. ``None`` means nothing was said.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 #: The longest one part of feedback may be (longer text is cut, ending in "...").
 MAX_CHARS = 500
@@ -56,20 +55,20 @@ def clip(text: str, limit: int = MAX_CHARS) -> str:
     return text if len(text) <= limit else text[: max(0, limit - 3)] + "..."
 
 
-def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
+def quote(value: object, limit: int = QUOTE_CHARS) -> str:
     """``value`` as text, clipped to ``limit`` characters and quoted as Python would
     (``'41'``): a feedback text shows what was answered, never a whole completion."""
     return repr(clip(str(value), limit))
 
 
-def mismatch(expected: Any, got: Any) -> str:
+def mismatch(expected: object, got: object) -> str:
     """The feedback of a wrong answer: ``expected '42', got '41'`` (``got nothing`` for an
     empty answer); both sides clipped (:func:`quote`)."""
     shown = quote(got) if str(got).strip() else "nothing"
     return f"expected {quote(expected)}, got {shown}"
 
 
-def feedback_of(value: Any, who: str = "reward") -> str | None:
+def feedback_of(value: object, who: str = "reward") -> str | None:
     """The feedback a reward's (or an environment's) return carries: a mapping's ``"feedback"``
     key, else a ``feedback`` attribute (:class:`~tempering.interfaces.RewardResult`,
     :class:`Scored`, :class:`~tempering.rollouts.environment.StepResult`), else ``None``. Empty text is

@@ -97,7 +97,7 @@ def default_renderer_name(tokenizer: Tokenizer, declared: str | None) -> str:
     return declared_renderer(tokenizer, declared) or "tiny_chat"
 
 
-def chat_text_prompts(spec: Any, tokenizer: Tokenizer, declared: str | None) -> bool:
+def chat_text_prompts(spec: object, tokenizer: Tokenizer, declared: str | None) -> bool:
     """Whether a stage renders a text ``prompt`` as one user turn through its renderer (and
     parses the answer back through it) rather than sending the raw text: yes when the stage
     names a renderer, or leaves it ``auto`` and the model declares a chat format
@@ -110,7 +110,7 @@ def chat_text_prompts(spec: Any, tokenizer: Tokenizer, declared: str | None) -> 
     return True
 
 
-def renderer_spec(spec: Any, tokenizer: Tokenizer, declared: str | None, path: str = "renderer") -> Any:
+def renderer_spec(spec: object, tokenizer: Tokenizer, declared: str | None, path: str = "renderer") -> Any:
     """A stage's renderer spec with ``auto`` resolved for the model; ``raw`` is refused
     here, where a chat (``messages``, an environment's episode) needs a renderer."""
     if spec == RAW:
@@ -122,7 +122,7 @@ def renderer_spec(spec: Any, tokenizer: Tokenizer, declared: str | None, path: s
     return default_renderer_name(tokenizer, declared) if spec is None or spec == AUTO else spec
 
 
-def resolved_name(spec: Any, tokenizer: Tokenizer, declared: str | None) -> Any:
+def resolved_name(spec: object, tokenizer: Tokenizer, declared: str | None) -> Any:
     """``spec`` with ``auto`` replaced by the model's declared chat format
     (:func:`declared_renderer`), for records (``eval.json``, ``tempering show --resolved``):
     naming it then changes nothing. For a model without one ``auto`` stays ``auto`` -- its text
@@ -132,7 +132,7 @@ def resolved_name(spec: Any, tokenizer: Tokenizer, declared: str | None) -> Any:
     return declared_renderer(tokenizer, declared) or AUTO
 
 
-def build_renderer(ctx: BuildContext, spec: Any, key: str = "renderer") -> Renderer:
+def build_renderer(ctx: BuildContext, spec: object, key: str = "renderer") -> Renderer:
     """Build a stage's renderer for the backend's tokenizer (``auto`` resolved first)."""
     tokenizer = ctx.backend.tokenizer
     path = f"{getattr(ctx, 'path', '')}.{key}".lstrip(".")
@@ -140,7 +140,7 @@ def build_renderer(ctx: BuildContext, spec: Any, key: str = "renderer") -> Rende
     return ctx.build("renderer", spec, key, tokenizer=tokenizer)
 
 
-def check_renderer(ctx: BuildContext, spec: Any, key: str = "renderer") -> None:
+def check_renderer(ctx: BuildContext, spec: object, key: str = "renderer") -> None:
     """Validate a renderer spec before training (``auto`` needs the backend: checked at build)."""
     if spec is not None and spec not in (AUTO, RAW):
         ctx.check("renderer", spec, key, context=("tokenizer",))

@@ -20,7 +20,7 @@ from tempering.interfaces import Sampler, SamplingClient, Tokenizer
 from tempering.rollouts.scoring import RewardRunner, ScoreStats, run_coroutine
 from tempering.runs.failures import SAMPLES_KEY, failure_metrics
 from tempering.runs.outcomes import outcome_metrics
-from tempering.types import Group, SamplingParams
+from tempering.types import Batch, Group, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
     from tempering.interfaces import Backend
@@ -141,7 +141,7 @@ def should_recompute(mode: str, params: SamplingParams) -> bool:
     return mode == "always" or (mode == "auto" and not plain)
 
 
-def recompute_sampler_logprobs(backend: Backend, batch: Any) -> None:
+def recompute_sampler_logprobs(backend: Backend, batch: Batch) -> None:
     """Replace each row's ``sampler_logprobs`` by the backend's forward-pass logprobs (0 where
     the row has weight 0, as :meth:`tempering.types.Segment.to_datum` lays them out)."""
     for d, lp in zip(batch.data, backend.logprobs(batch).result()):

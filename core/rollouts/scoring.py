@@ -65,7 +65,7 @@ class RewardValueError(ValueError):
         self.cause = cause
 
 
-def reward_number(value: Any) -> float:
+def reward_number(value: object) -> float:
     """``value`` as a reward: a finite real number (int, float, a numpy scalar, a Fraction; a
     bool counts as 0/1), else :class:`RewardValueError` naming what it got."""
     if isinstance(value, bool):
@@ -394,7 +394,7 @@ def run_coroutine(coro: Awaitable[T]) -> T:
     return box[0]
 
 
-async def _aclose(reward: Any) -> None:
+async def _aclose(reward: object) -> None:
     close = getattr(reward, "aclose", None)
     if close is None:
         return
@@ -406,5 +406,5 @@ async def _aclose(reward: Any) -> None:
         pass
 
 
-def _is_async(fn: Any) -> bool:
+def _is_async(fn: object) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))

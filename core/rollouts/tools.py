@@ -42,7 +42,7 @@ def tool(fn: F | None = None, *, name: str | None = None, timeout: float | None 
     return mark(fn) if fn is not None else mark
 
 
-def is_tool(obj: Any) -> bool:
+def is_tool(obj: object) -> bool:
     return callable(obj) and hasattr(obj, _MARK)
 
 
@@ -164,7 +164,7 @@ def _in_daemon_thread(call: Callable[[], Any]) -> asyncio.Future[Any]:
     return future
 
 
-def format_result(value: Any) -> str:
+def format_result(value: object) -> str:
     """A tool's return value as the text of its tool message: strings as they are, JSON for
     containers, ``str()`` otherwise."""
     if isinstance(value, str):
@@ -174,7 +174,7 @@ def format_result(value: Any) -> str:
     return str(value)
 
 
-def tools_of(obj: Any) -> list[Tool]:
+def tools_of(obj: object) -> list[Tool]:
     """The ``@tool``-marked methods of ``obj`` (an environment), in definition order."""
     found = []
     seen: set[str] = set()

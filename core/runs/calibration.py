@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tempering.registry import get_registry
+from tempering.registry import Registry, get_registry
 
 if TYPE_CHECKING:  # pragma: no cover
     from tempering.types import Group
@@ -140,7 +140,7 @@ def reliability_diagram(cal: Calibration, path: str, title: str = "") -> str:
 
 
 def forecasts_of(
-    groups: Sequence[Group], outcome_key: str | None = None, registry: Any = None
+    groups: Sequence[Group], outcome_key: str | None = None, registry: Registry | None = None
 ) -> list[tuple[float, float]]:
     """(forecast, outcome) pairs: from the reward's parts (``p``, ``y``: the ``brier`` rewards),
     else -- with ``outcome_key`` -- the probability read from the completion and the example's

@@ -31,12 +31,12 @@ _SECRET = re.compile(
 )
 
 
-def is_secret_key(key: Any) -> bool:
+def is_secret_key(key: object) -> bool:
     """Whether a config key names a secret (its value is redacted)."""
     return isinstance(key, str) and bool(_SECRET.search(key))
 
 
-def redact(node: Any) -> Any:
+def redact(node: object) -> Any:
     """A copy of ``node`` (mappings, lists, tuples, scalars) with every secret key's value, when
     it is set (not None, not empty), replaced by :data:`REDACTED`."""
     if isinstance(node, Mapping):

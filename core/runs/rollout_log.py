@@ -226,7 +226,7 @@ def rewind(output_dir: str, rows: int) -> None:
     os.truncate(path, keep)
 
 
-def jsonable(value: Any) -> Any:
+def jsonable(value: object) -> Any:
     """``value`` as plain JSON: nested mappings and lists kept, non-finite floats as text
     (JSON has no NaN; ``"nan"`` stays visible), tensors and numpy scalars as numbers, anything
     else as its ``str``."""

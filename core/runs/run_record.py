@@ -29,7 +29,7 @@ NOT_COMPARED = frozenset({"resume"})
 _UNSET = object()
 
 
-def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(node: object, prefix: str = "") -> dict[str, Any]:
     """Leaf values by key path: ``{"stages[0].optimizer.learning_rate": 0.001, ...}``. An empty
     mapping or list is a leaf, so adding one is a change too."""
     if isinstance(node, Mapping) and node:
@@ -61,7 +61,7 @@ def changed_keys(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tu
 def describe(changes: Mapping[str, tuple[Any, Any]], most: int = 6) -> str:
     """``key (old -> new), ...``: the first ``most`` changes, then how many more."""
 
-    def show(value: Any) -> str:
+    def show(value: object) -> str:
         text = json.dumps(value) if value is not None else "unset"
         return text if len(text) <= 40 else text[:37] + "..."
 

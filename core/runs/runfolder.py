@@ -164,7 +164,7 @@ class RunLock:
         self.acquire()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
     def _refusal(self, holder: Mapping[str, Any], same_host: bool) -> str:
@@ -212,7 +212,7 @@ def _on_this_host(holder: Mapping[str, Any]) -> bool:
     return holder.get("host") == socket.gethostname()
 
 
-def _pid_alive(pid: Any) -> bool:
+def _pid_alive(pid: object) -> bool:
     """Whether a process with this pid exists on this host (used where there are no file locks)."""
     if not isinstance(pid, int):
         return True  # unreadable: assume the worst

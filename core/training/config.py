@@ -107,7 +107,7 @@ def _list_index(items: list[Any], part: str, where: str) -> int:
     raise ConfigError(f"no item '{part}' in this list; use an index or one of: {', '.join(ids)}", where)
 
 
-def stage_id(stage: Any, index: int) -> str:
+def stage_id(stage: object, index: int) -> str:
     if isinstance(stage, Mapping):
         return str(stage.get("id") or stage.get("name") or index)
     return str(index)
@@ -194,7 +194,7 @@ def resolve_recipe(data: Mapping[str, Any], overrides: Iterable[str] = ()) -> di
     return cast("dict[str, Any]", out)
 
 
-def _plain(data: Any) -> Any:
+def _plain(data: object) -> Any:
     """Deep copy into plain dicts/lists (accepts omegaconf containers and dataclasses)."""
     from omegaconf import DictConfig, ListConfig, OmegaConf
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
 Columns = Mapping[str, Mapping[str, str]]
 
 
-def prompt_columns(sampler: Any, needed: Mapping[str, str]) -> Columns:
+def prompt_columns(sampler: object, needed: Mapping[str, str]) -> Columns:
     """Rows rolled out by ``sampler``: ``prompt`` text or a ``messages`` chat for the
     ``completion`` sampler, each with the columns in ``needed``; any row for a sampler that
     builds its own prompts (an environment)."""
@@ -43,7 +43,7 @@ def prompt_columns(sampler: Any, needed: Mapping[str, str]) -> Columns:
     return {"prompt": dict(needed), "messages": dict(needed)}
 
 
-def reward_columns(ctx: BuildContext, spec: Any, key: str = "reward") -> dict[str, str]:
+def reward_columns(ctx: BuildContext, spec: object, key: str = "reward") -> dict[str, str]:
     """The dataset columns a reward reads, from its config without building it: a reward
     class lists the config keys that name columns in ``column_keys`` (``ExactMatch``:
     ``("answer_key",)``). Unknown for a reward given as a Python object."""
@@ -64,7 +64,7 @@ def reward_columns(ctx: BuildContext, spec: Any, key: str = "reward") -> dict[st
     return out
 
 
-def preview_rows(ctx: BuildContext, spec: Any, key: str) -> list[dict[str, Any]] | None:
+def preview_rows(ctx: BuildContext, spec: object, key: str) -> list[dict[str, Any]] | None:
     """The rows :func:`check_dataset` looks at, without training anything.
 
     A list is used as it is. A registered dataset is loaded -- cheap for the built-in ones --
@@ -87,7 +87,7 @@ def preview_rows(ctx: BuildContext, spec: Any, key: str) -> list[dict[str, Any]]
         raise ConfigError(f"the dataset does not load: {type(exc).__name__}: {exc}", f"{ctx.path}.{key}") from None
 
 
-def check_dataset(ctx: BuildContext, spec: Any, key: str, columns: Columns | None = None) -> None:
+def check_dataset(ctx: BuildContext, spec: object, key: str, columns: Columns | None = None) -> None:
     """The dataset at ``key`` loads, is not empty and every row has the ``columns`` (see
     :data:`Columns`) -- checked before any stage trains, so a later stage's missing column
     does not surface after the earlier stages trained."""
@@ -96,7 +96,7 @@ def check_dataset(ctx: BuildContext, spec: Any, key: str, columns: Columns | Non
         check_rows(rows, columns or {}, ctx.path, key, renames=takes_rename(ctx, spec, key))
 
 
-def takes_rename(ctx: BuildContext, spec: Any, key: str) -> bool:
+def takes_rename(ctx: BuildContext, spec: object, key: str) -> bool:
     """The dataset at ``key`` has a ``rename`` key (``jsonl``, ``hf``: a user's own files), so a
     missing column's fix is to rename one; a built-in dataset made for another task has none."""
     if isinstance(spec, list):

@@ -25,7 +25,8 @@ from tempering.training.progress import paused
 from tempering.types import Group, Sample, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
-    from tempering.interfaces import Backend, BuildContext, RunContext
+    from tempering.interfaces import Backend, BuildContext, RunContext, Sampler
+    from tempering.training.stage import EvalConfig, Stage
 
 
 def evaluate(
@@ -36,7 +37,7 @@ def evaluate(
     temperature: float = 0.0,
     batch_size: int = 256,
     success_threshold: float = 1.0,
-    sampler: Any = None,
+    sampler: Sampler | None = None,
     on_groups: Callable[[list[Group]], Any] | None = None,
     tracebacks: bool = False,
     on_progress: Callable[[int, int], Any] | None = None,
@@ -114,7 +115,7 @@ def evaluate(
 
 
 def completion_sampler(
-    tokenizer: Tokenizer, declared: str | None, reward: RewardRunner | None, renderer: Any = "auto"
+    tokenizer: Tokenizer, declared: str | None, reward: RewardRunner | None, renderer: object = "auto"
 ) -> Any:
     """A ``completion`` sampler outside a recipe (tests, notebooks): renderer ``auto`` is
     resolved (to ``declared``, the model's own renderer: :func:`tempering.interfaces.model_renderer`)
@@ -142,7 +143,7 @@ def completion_sampler(
     )  # the built-in, through the registry
 
 
-def eval_reward(ev: Any, stage: Any) -> Any:
+def eval_reward(ev: EvalConfig, stage: object) -> Any:
     """The reward an evaluation (``ev``: an :class:`~tempering.training.stage.EvalConfig`) scores with:
     ``eval.reward``, else the stage's own ``reward``, else the built-in ``exact_match``."""
     if ev.reward is not None:
@@ -158,7 +159,7 @@ class StageEvaluator:
     evaluated on whole episodes), with the stage's renderer.
     """
 
-    def __init__(self, ctx: RunContext, cfg: Any, stage: Any = None) -> None:
+    def __init__(self, ctx: RunContext, cfg: EvalConfig, stage: Stage | None = None) -> None:
         self.ctx, self.cfg, self.stage = ctx, cfg, stage
         #: The stage's progress bar: an evaluation shows its phase there and is paused out of
         #: its time estimate (:func:`tempering.training.progress.paused`); None: no bar.
@@ -236,10 +237,10 @@ class StageEvaluator:
 
 def build_sampler(
     ctx: BuildContext,
-    spec: Any,
+    spec: object,
     key: str,
     reward: RewardRunner | None,
-    renderer: Any = "auto",
+    renderer: object = "auto",
     reward_key: str | None = None,
 ) -> Any:
     """Build a stage's sampler (``key`` is its config path under the stage), with the context

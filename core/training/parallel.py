@@ -19,7 +19,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tempering.interfaces import Backend
+    from tempering.training.recipe import Recipe
 
 #: Imported once by the fork server (callers add their own modules).
 PRELOAD = (
@@ -44,7 +48,7 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def build_backend(recipe: Any) -> Any:
+def build_backend(recipe: Recipe) -> Any:
     """The recipe's backend, seeded like ``run_recipe`` would (one seed for the whole recipe)."""
     from tempering.registry import get_registry
     from tempering.training.recipe import _accepts
@@ -57,7 +61,7 @@ def build_backend(recipe: Any) -> Any:
 
 
 def answer_with(
-    backend: Any, prompts: Sequence[str | Mapping[str, Any]], max_tokens: int = ANSWER_TOKENS, batch_size: int = 256
+    backend: Backend, prompts: Sequence[str | Mapping[str, Any]], max_tokens: int = ANSWER_TOKENS, batch_size: int = 256
 ) -> list[str]:
     """Greedy answers of ``backend``'s current model to ``prompts`` (text, or dataset rows),
     rendered as a stage renders them (a chat model's template for an instruct model)."""
@@ -76,7 +80,7 @@ def answer_with(
     return texts
 
 
-def samples_seen(recipe: Any) -> dict[str, int]:
+def samples_seen(recipe: Recipe) -> dict[str, int]:
     """What a run trains on: SFT rows plus GRPO completions (prompts x group size)."""
     out = {"sft_rows": 0, "grpo_prompts": 0, "grpo_completions": 0}
     for s in recipe.stages:
@@ -104,7 +108,7 @@ def train_one(job: Mapping[str, Any]) -> dict[str, Any]:
 
     max_tokens = int(job.get("max_tokens", ANSWER_TOKENS))
 
-    def one(recipe: Any, backend: Any, prompts: Sequence[Any]) -> dict[str, Any]:
+    def one(recipe: Recipe, backend: Backend, prompts: Sequence[Any]) -> dict[str, Any]:
         t0, c0 = time.time(), cpu_seconds()
         result = recipe.run(backend=backend)
         t1, c1 = time.time(), cpu_seconds()
@@ -136,7 +140,7 @@ def train_one(job: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _noop(_: Any = None) -> int:
+def _noop(_: object = None) -> int:
     return os.getpid()
 
 
@@ -159,7 +163,7 @@ class LoadSampler:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
         self.after = os.getloadavg()

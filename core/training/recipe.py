@@ -23,7 +23,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from tempering.errors import (
     ConfigError,
@@ -80,14 +80,14 @@ class RunContext:
         """Config path of the current stage, for error messages."""
         return f"stages[{self.stage_index}]"
 
-    def build(self, kind: str, spec: Any, key: str, **context: Any) -> Any:
+    def build(self, kind: str, spec: object, key: str, **context: object) -> Any:
         return self.registry.build(kind, spec, f"{self.path}.{key}", **context)
 
-    def factory(self, kind: str, spec: Any, key: str, **context: Any) -> Any:
+    def factory(self, kind: str, spec: object, key: str, **context: object) -> Any:
         """A callable building a new component per call (see :meth:`Registry.factory`)."""
         return self.registry.factory(kind, spec, f"{self.path}.{key}", **context)
 
-    def check(self, kind: str, spec: Any, key: str, context: Iterable[str] = ()) -> None:
+    def check(self, kind: str, spec: object, key: str, context: Iterable[str] = ()) -> None:
         self.registry.check(kind, spec, f"{self.path}.{key}", context)
 
     def log(self, metrics: Mapping[str, Any]) -> None:
@@ -378,8 +378,15 @@ def _resume(ctx: RunContext, progress: Mapping[str, Any] | None, primary: bool) 
     return list(ctx.progress["completed"])
 
 
+class RunsStage(Protocol):
+    """What a recipe runs as a stage: a :class:`~tempering.training.stage.Stage`, or any
+    component with ``run(ctx)`` (the specialists system runs whole recipes of its own)."""
+
+    def run(self, ctx: RunContext) -> dict[str, Any] | None: ...
+
+
 def _run_stage(
-    ctx: RunContext, index: int, sid: str, algorithm: Any, progress: Mapping[str, Any] | None
+    ctx: RunContext, index: int, sid: str, algorithm: RunsStage, progress: Mapping[str, Any] | None
 ) -> dict[str, Any]:
     """Run one stage and checkpoint it: finished, or unfinished when it ran out of budget or
     raised :class:`StopRun` (which becomes :class:`RunStopped`)."""
@@ -408,7 +415,7 @@ def _run_stage(
 def _check_run_keys(cfg: Mapping[str, Any]) -> None:
     """The checkpoint keys, checked before anything runs (one line: key, problem, fix)."""
 
-    def number(value: Any, kinds: tuple[type, ...]) -> bool:
+    def number(value: object, kinds: tuple[type, ...]) -> bool:
         return isinstance(value, kinds) and not isinstance(value, bool)
 
     every, minutes = cfg["checkpoint_every"], cfg["checkpoint_minutes"]
@@ -439,14 +446,14 @@ def _accepts(registry: Registry, spec: Mapping[str, Any], key: str) -> bool:
     return schema is None or key in {f.name for f in dataclasses.fields(schema)}
 
 
-def _loading(spec: Any) -> str:
+def _loading(spec: object) -> str:
     """What the phase line names while the backend is built: its model and backend name."""
     if isinstance(spec, Mapping):
         return f"{spec.get('model', 'default model')} on the {spec.get('name')} backend"
     return str(spec)
 
 
-def _as_list(x: Any) -> list[Any]:
+def _as_list(x: object) -> list[Any]:
     if x is None:
         return []
     return list(x) if isinstance(x, (list, tuple)) else [x]
@@ -456,7 +463,7 @@ def _metadata(registry: Registry, cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Which provider and version each named component resolved to: reproducibility."""
     used: dict[str, str] = {}
 
-    def visit(node: Any, kind_hint: str | None) -> None:
+    def visit(node: object, kind_hint: str | None) -> None:
         if isinstance(node, Mapping):
             name = node.get("name")
             if kind_hint and isinstance(name, str):
@@ -486,7 +493,7 @@ def _metadata(registry: Registry, cfg: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _stage_record(spec: Any) -> Any:
+def _stage_record(spec: object) -> Any:
     """A stage built in Python (a dataclass) recorded by its keys, not as an opaque object: the
     record says what it trained with, and a rerun can compare keys (:mod:`tempering.runs.run_record`)."""
     if not dataclasses.is_dataclass(spec) or isinstance(spec, type):
@@ -495,7 +502,7 @@ def _stage_record(spec: Any) -> Any:
     return {"name": f"<python object {type(spec).__qualname__}>", **keys}
 
 
-def _jsonable(x: Any) -> Any:
+def _jsonable(x: object) -> Any:
     if isinstance(x, Mapping):
         return {str(k): _jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -505,7 +512,7 @@ def _jsonable(x: Any) -> Any:
     return f"<python object {getattr(x, '__qualname__', type(x).__name__)}>"
 
 
-def _objects_to_placeholders(data: Any, store: dict[str, Any]) -> Any:
+def _objects_to_placeholders(data: object, store: dict[str, Any]) -> Any:
     """omegaconf holds only plain data: park Python objects (a reward function) meanwhile."""
     if isinstance(data, Mapping):
         return {k: _objects_to_placeholders(v, store) for k, v in data.items()}
@@ -518,7 +525,7 @@ def _objects_to_placeholders(data: Any, store: dict[str, Any]) -> Any:
     return key
 
 
-def _placeholders_to_objects(data: Any, store: Mapping[str, Any]) -> Any:
+def _placeholders_to_objects(data: object, store: Mapping[str, Any]) -> Any:
     if isinstance(data, dict):
         return {k: _placeholders_to_objects(v, store) for k, v in data.items()}
     if isinstance(data, list):

@@ -109,7 +109,7 @@ def model_tokenizer(spec: Any, registry: Registry | None = None) -> tuple[Any, s
     return None
 
 
-def component(registry: Registry, kind: str, spec: Any) -> Any:
+def component(registry: Registry, kind: str, spec: object) -> Any:
     """``spec`` as ``{name: ..., **defaults, **spec}``, its nested components expanded too
     (``spec`` unchanged when it is not a registered component's name or mapping)."""
     written = spec
@@ -147,7 +147,7 @@ def component(registry: Registry, kind: str, spec: Any) -> Any:
     return out
 
 
-def _stage(registry: Registry, spec: Any) -> Any:
+def _stage(registry: Registry, spec: object) -> Any:
     sid = spec.get("id") if isinstance(spec, Mapping) else None
     body = {k: v for k, v in spec.items() if k != "id"} if isinstance(spec, Mapping) else spec
     out = component(registry, "algorithm", body)

@@ -18,7 +18,7 @@ from typing import Any
 
 from tempering.errors import ConfigError
 from tempering.interfaces import Closeable
-from tempering.registry import get_registry
+from tempering.registry import Registry, get_registry
 from tempering.runs import rollout_log
 from tempering.runs.redact import REDACTED
 from tempering.runs.runfolder import CHECKPOINTS, PROGRESS_FILE
@@ -118,7 +118,9 @@ class RunDir:
 
 
 @contextmanager
-def run_backend(run: RunDir, step: int | None = None, registry: Any = None) -> Iterator[tuple[Any, dict[str, Any]]]:
+def run_backend(
+    run: RunDir, step: int | None = None, registry: Registry | None = None
+) -> Iterator[tuple[Any, dict[str, Any]]]:
     """The run's backend, rebuilt as the run built it, with checkpoint ``step`` (default: the
     latest) loaded; yields ``(backend, checkpoint entry)`` and closes the backend after."""
     registry = registry or get_registry()

@@ -151,7 +151,7 @@ class EvalConfig:
             yield Problem("stop_at_accuracy", "needs eval.every or eval.stop_every > 0 and a value in (0, 1]")
 
 
-def check_eval(ctx: RunContext, value: Any, stage: Any = None) -> EvalConfig:
+def check_eval(ctx: RunContext, value: object, stage: object = None) -> EvalConfig:
     """Validate an ``eval:`` block and the components it names (its dataset's rows:
     :func:`check_stage`, after every config check)."""
     ev = sub_config(EvalConfig, value, f"{ctx.path}.eval")  # its fields and their values
@@ -173,7 +173,7 @@ def stop_check(ev: EvalConfig, step: int, fresh_eval: bool) -> str | None:
     return "check" if ev.stop_every and step % ev.stop_every == 0 else None
 
 
-def check_sampler(ctx: RunContext, spec: Any, key: str) -> None:
+def check_sampler(ctx: RunContext, spec: object, key: str) -> None:
     """Validate a sampler spec and the environment it names, if any, before anything trains."""
     ctx.check("sampler", spec, key, context=("context",))
     params = spec if isinstance(spec, Mapping) else {}
@@ -264,7 +264,7 @@ def config_only() -> Iterator[None]:
         CHECK_DATA.reset(token)
 
 
-def build_checked(ctx: RunContext, kind: str, spec: Any, key: str, **context: Any) -> Any:
+def build_checked(ctx: RunContext, kind: str, spec: object, key: str, **context: object) -> Any:
     """Build a component. Its schema (fields and ``check_config``) is checked by the registry
     first, each problem at its own key (:mod:`tempering.schema`); a component without a check
     that refuses its values in its constructor (a ``ValueError`` / ``TypeError``) is reported as

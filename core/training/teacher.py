@@ -316,7 +316,7 @@ def attach_teacher(
         d.extra[TEACHER_TOKEN_LOGPROBS] = [0.0] * pad + token_lp.tolist()
 
 
-def uniform_filler(rows: int, vocab: int, dtype: Any = None) -> torch.Tensor:
+def uniform_filler(rows: int, vocab: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``rows`` uniform log-distributions over ``vocab``: what positions without a teacher hold
     (a finite, valid distribution, so a masked divergence stays finite)."""
     import torch
@@ -324,7 +324,7 @@ def uniform_filler(rows: int, vocab: int, dtype: Any = None) -> torch.Tensor:
     return torch.full((rows, vocab), -math.log(vocab), dtype=dtype or torch.float32)
 
 
-def topk_filler(rows: int, k: int, ids_dtype: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_filler(rows: int, k: int, ids_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` uniform top-k placeholders (values, ids) for positions without a teacher."""
     import torch
 

@@ -45,7 +45,7 @@ def checked_extra(extra: Mapping[str, Any] | None, who: str) -> dict[str, Any]:
     return payload
 
 
-def run_on(executor: Executor | None, fn: Callable[..., T], *args: Any) -> Future[T]:
+def run_on(executor: Executor | None, fn: Callable[..., T], *args: object) -> Future[T]:
     """Submit ``fn`` to ``executor``, or run it inline into a finished future (unthreaded)."""
     if executor is not None:
         return executor.submit(fn, *args)

@@ -71,7 +71,7 @@ def hf(
     path: str,
     split: str = "train",
     name: str | None = None,
-    data_files: Any = None,
+    data_files: object = None,
     rename: dict[str, str] | None = None,
     size: int | None = None,
 ) -> list[dict[str, Any]]:

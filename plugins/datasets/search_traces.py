@@ -40,8 +40,8 @@ def agentic_search(
     size: int | None = None,
     hops: Sequence[int] = (1, 2, 3),
     prune: bool = False,
-    corpus: Any = None,
-    environment: Any = None,
+    corpus: object = None,
+    environment: object = None,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
     """Rows of ``split`` (train, val, test) in ``format`` (tasks, transcripts, pairs) for the
@@ -95,7 +95,7 @@ def search_tasks(split: str, hops: Sequence[int], corpus: Any = None, seed: int 
 
 
 # ---------------------------------------------------------------------- playing turns
-def call(name: str, **arguments: Any) -> ToolCall:
+def call(name: str, **arguments: object) -> ToolCall:
     return ToolCall(name, dict(arguments))
 
 

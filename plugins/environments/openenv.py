@@ -224,7 +224,7 @@ class OpenEnv(Environment):
         parameters = {"type": "object", "properties": schema["properties"], "required": schema["required"]}
         return [Tool(name=self.tool_name, fn=self.act, description=description, parameters=parameters)]
 
-    async def act(self, **action: Any) -> str:
+    async def act(self, **action: object) -> str:
         """One ``step`` with the tool call's arguments as the action; its observation as text."""
         if self.server_done:
             raise RuntimeError("the episode is over (the server said done)")

@@ -50,7 +50,7 @@ class Retry(Environment):
 
     def __init__(
         self,
-        check: Any = "math_answer",
+        check: object = "math_answer",
         attempts: int = 2,
         latency_s: float = 0.0,
         retry_message: str = RETRY_MESSAGE,

@@ -251,7 +251,7 @@ class Search(Environment):
             raise KeyError(f"no document '{doc_id}'")
         return found
 
-    def _prunable(self, doc_ids: Any) -> list[str]:
+    def _prunable(self, doc_ids: object) -> list[str]:
         if not isinstance(doc_ids, list) or not doc_ids or not all(isinstance(d, str) for d in doc_ids):
             raise TypeError(f'doc_ids must be a non-empty list of document ids such as ["d3"], got {doc_ids!r}')
         visible = self.visible()
@@ -336,7 +336,7 @@ _INDEXES: dict[int, Index] = {}
 _INDEX_LOCK = threading.Lock()
 
 
-def index_of(corpus: Any) -> Index:
+def index_of(corpus: object) -> Index:
     """The corpus's index, built once (corpora are cached, so every episode shares one)."""
     with _INDEX_LOCK:
         found = _INDEXES.get(id(corpus))

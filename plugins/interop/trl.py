@@ -94,7 +94,7 @@ class _Loop:
             raise TimeoutError(f"{what} did not return within {limit} (environment_factory(timeout=...))") from None
 
 
-async def _value(x: Any) -> Any:
+async def _value(x: object) -> Any:
     return await x if inspect.isawaitable(x) else x
 
 
@@ -134,7 +134,7 @@ class TRLEnvironment:
         self._errors: list[str] = []
         self._transcript: list[dict[str, Any]] = []
 
-    def reset(self, **row: Any) -> str | None:
+    def reset(self, **row: object) -> str | None:
         """Start a new episode from a dataset row. Returns the environment's first user message
         for TRL to append to the (empty) prompt, or ``None`` when the row's ``prompt`` already is
         the environment's first messages."""
@@ -227,7 +227,7 @@ def _first_traceback(label: str, exc: BaseException) -> None:
         log.warning("%s: first environment failure:\n%s", label, "".join(traceback.format_exception(exc)))
 
 
-def _same_messages(prompt: Any, messages: Sequence[Mapping[str, Any]]) -> bool:
+def _same_messages(prompt: object, messages: Sequence[Mapping[str, Any]]) -> bool:
     if not isinstance(prompt, list) or len(prompt) != len(messages):
         return False
     return all(
@@ -254,7 +254,7 @@ def _tool_method(tool: Tool) -> Callable[..., str]:
     too."""
     name = tool.name
 
-    def method(self: TRLEnvironment, **arguments: Any) -> str:
+    def method(self: TRLEnvironment, **arguments: object) -> str:
         return self._tool(name, arguments)
 
     props: dict[str, Any] = dict((tool.parameters or {}).get("properties") or {})
@@ -279,7 +279,7 @@ def _tool_method(tool: Tool) -> Callable[..., str]:
 
 
 def environment_factory(
-    spec: str | Mapping[str, Any] | Callable[[], Environment], *, timeout: float | None = 60.0, **args: Any
+    spec: str | Mapping[str, Any] | Callable[[], Environment], *, timeout: float | None = 60.0, **args: object
 ) -> type[TRLEnvironment]:
     """A TRL ``environment_factory`` for a tempering environment.
 
@@ -314,7 +314,7 @@ def environment_reward(
     completions: Sequence[Any],
     environments: Sequence[Any] | None = None,
     log_metric: Callable[[str, float], None] | None = None,
-    **_: Any,
+    **_: object,
 ) -> list[float | None]:
     """TRL reward function: the episode's reward from the tempering environment.
 
@@ -372,7 +372,7 @@ def reward_funcs(*specs: str | Mapping[str, Any]) -> list[Callable[..., list[flo
 
 
 def _reward_function(reward: Callable[..., Any], name: str) -> Callable[..., list[float | None]]:
-    def score(prompts: Sequence[Any], completions: Sequence[Any], **columns: Any) -> list[float | None]:
+    def score(prompts: Sequence[Any], completions: Sequence[Any], **columns: object) -> list[float | None]:
         rows = _rows(len(completions), columns)
         out: list[float | None] = []
         for completion, example in zip(completions, rows, strict=True):

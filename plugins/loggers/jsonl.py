@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 
-def _clean(v: Any) -> Any:
+def _clean(v: object) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)  # JSON has no NaN; keep it visible rather than dropping the key
     if isinstance(v, (int, float, str, bool)) or v is None:

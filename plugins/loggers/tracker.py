@@ -69,7 +69,7 @@ def numeric(row: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def flatten(config: Any, prefix: str = "") -> dict[str, str]:
+def flatten(config: object, prefix: str = "") -> dict[str, str]:
     """Nested config as ``a.b.0.c -> value`` pairs (for trackers whose parameters are flat)."""
     if isinstance(config, Mapping):
         items = [(f"{prefix}{k}", v) for k, v in config.items()]

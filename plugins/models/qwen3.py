@@ -74,7 +74,7 @@ class TmlTokenizer:
                 out += self.lib.encode_ordinary(part)
         return out
 
-    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True, **_: Any) -> dict[str, Any]:
+    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True, **_: object) -> dict[str, Any]:
         if isinstance(text, str):
             ids: Any = self.encode(text)
             mask: Any = [1] * len(ids)
@@ -83,14 +83,14 @@ class TmlTokenizer:
             mask = [[1] * len(i) for i in ids]
         return {"input_ids": ids, "attention_mask": mask}
 
-    def decode(self, ids: Any, skip_special_tokens: bool = False, **_: Any) -> str:
+    def decode(self, ids: Any, skip_special_tokens: bool = False, **_: object) -> str:
         ids = ids.tolist() if hasattr(ids, "tolist") else ids
         ids = [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
         if skip_special_tokens:
             ids = [i for i in ids if i not in self._special_set]
         return self.lib.decode(ids)  # lossy on partial UTF-8 (U+FFFD), like Hugging Face
 
-    def batch_decode(self, sequences: Any, skip_special_tokens: bool = False, **kw: Any) -> list[str]:
+    def batch_decode(self, sequences: Any, skip_special_tokens: bool = False, **kw: object) -> list[str]:
         return [self.decode(s, skip_special_tokens=skip_special_tokens) for s in sequences]
 
     def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> Any:
@@ -101,7 +101,7 @@ class TmlTokenizer:
         ids = self.lib.encode_ordinary(tokens)
         return int(ids[0]) if len(ids) == 1 else None
 
-    def save_pretrained(self, path: str, **_: Any) -> tuple[str]:
+    def save_pretrained(self, path: str, **_: object) -> tuple[str]:
         """Write which bundled tokenizer this is (``tml_tokenizer.json``); :meth:`from_pretrained`
         reads it back. Not a Hugging Face tokenizer folder: outside tempering, use the real
         ``Qwen/Qwen3-*`` tokenizer, whose ids these are."""

@@ -201,7 +201,7 @@ def _hf_message(m: Message) -> dict[str, Any]:
     return {**m, "tool_calls": calls}
 
 
-def stop_ids(tokenizer: PreTrainedTokenizerBase, template: Any) -> list[int]:
+def stop_ids(tokenizer: PreTrainedTokenizerBase, template: object) -> list[int]:
     """EOS id(s), the :data:`END_OF_TURN` markers the template uses, and the first special token
     the template writes after an assistant message's text (``template(messages, tools,
     generation)`` renders; see the module docstring)."""

@@ -154,7 +154,7 @@ def signature(spec: dict[str, Any]) -> str:
     return f"{fn['name']}({','.join(params)})"
 
 
-def format_value(v: Any) -> str:
+def format_value(v: object) -> str:
     """A Python literal that :func:`ast.literal_eval` reads back as ``v`` (no spaces)."""
     if isinstance(v, str):
         return format_string(v)

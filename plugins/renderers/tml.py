@@ -294,7 +294,7 @@ def _family(
     prefix_preserving: bool,
     supports_tools: bool = True,
     variant: str | None = None,
-    **options: Any,
+    **options: object,
 ) -> TmlRenderer:
     """``tml_renderers.renderers.<cls>(**options)`` (or its ``variant`` constructor) as
     ``name``; an option value the family refuses is a ConfigError."""

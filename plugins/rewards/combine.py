@@ -182,7 +182,7 @@ def _entry(i: int, entry: Any, path: str) -> tuple[str, Any, float]:
     return label, reward, weight
 
 
-def weighted(rewards: Any, normalize: bool = False) -> WeightedReward:
+def weighted(rewards: object, normalize: bool = False) -> WeightedReward:
     """Build a weighted combination. ``rewards`` entries: ``{name: ..., weight: w, <params>}``,
     ``{reward: <spec or object>, weight: w}``, ``[spec, w]`` or a bare spec (weight 1)."""
     if type(rewards).__module__.startswith("omegaconf"):

@@ -105,7 +105,7 @@ def normalize_minus(text: str) -> str:
     return text.replace("\u2212", "-").replace("\u2013", "-").replace("\u2014", "-")
 
 
-def as_finite(value: Any, what: str) -> float:
+def as_finite(value: object, what: str) -> float:
     """``value`` (a number, :class:`RewardResult` or ``{"reward": ...}``) as a finite float,
     or a :class:`RewardError` naming ``what``. As strict as the reward runner
     (:func:`tempering.rollouts.scoring.reward_number`): ``"1.0"`` is not a number."""
@@ -121,7 +121,7 @@ def as_finite(value: Any, what: str) -> float:
         raise RewardError(f"{what} {exc}") from None
 
 
-def info_of(value: Any) -> dict[str, Any]:
+def info_of(value: object) -> dict[str, Any]:
     """A reward return's diagnostics: a :class:`RewardResult`'s ``info``, or a mapping's keys
     but ``reward`` and ``feedback`` (as the reward runner reads them)."""
     if isinstance(value, RewardResult):
@@ -131,7 +131,7 @@ def info_of(value: Any) -> dict[str, Any]:
     return {}
 
 
-def json_safe(obj: Any) -> Any:
+def json_safe(obj: object) -> Any:
     """``obj`` with what JSON cannot hold replaced: NaN/inf become ``None``, unknown objects
     their ``str``."""
     if obj is None or isinstance(obj, (bool, int, str)):
@@ -207,12 +207,12 @@ def resolve_reward(spec: Any, params: Mapping[str, Any] | None = None, path: str
         ) from None
 
 
-def reward_name(reward: Any) -> str:
+def reward_name(reward: object) -> str:
     name = getattr(reward, "__name__", None) or type(reward).__name__
     return str(name)
 
 
-def is_async_callable(fn: Any) -> bool:
+def is_async_callable(fn: object) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
@@ -263,7 +263,7 @@ class HTTPRewardError(RewardError):
 async def post_json(
     client: Any,
     url: str,
-    payload: Any,
+    payload: object,
     *,
     retries: int,
     backoff: float,
@@ -325,7 +325,7 @@ class MicroBatcher:
         self.send, self.batch_size, self.batch_wait = send, batch_size, batch_wait
         self._state: LoopLocal[_BatchState] = LoopLocal(_BatchState)
 
-    async def submit(self, item: Any) -> Any:
+    async def submit(self, item: object) -> Any:
         state = self._state.get()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()

@@ -51,7 +51,7 @@ _TRUE = {"1", "1.0", "true", "yes", "y", "t"}
 _FALSE = {"0", "0.0", "false", "no", "n", "f"}
 
 
-def parse_outcome(value: Any, key: str) -> float:
+def parse_outcome(value: object, key: str) -> float:
     """An outcome as 0.0 or 1.0 (``True``/``1``/``"yes"``...); a probability in [0, 1] is also
     accepted (a soft label)."""
     if isinstance(value, bool):

@@ -170,7 +170,7 @@ def _prompt_text(example: Mapping[str, Any], key: str) -> str:
     )
 
 
-async def _resolve(value: Any) -> Any:
+async def _resolve(value: object) -> Any:
     """A sampler's answer: a concurrent future, an awaitable or a plain value."""
     if isinstance(value, concurrent.futures.Future):
         return await asyncio.wrap_future(value)

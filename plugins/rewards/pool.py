@@ -35,7 +35,7 @@ from tempering.schema import Problem, check_config_at, field_values
 _WORKER_CACHE: dict[str, Any] = {}
 
 
-def _worker_reward(key: str | None, spec: Any, params: Mapping[str, Any]) -> Any:
+def _worker_reward(key: str | None, spec: object, params: Mapping[str, Any]) -> Any:
     if key is None:  # a picklable callable, sent with each call
         return spec
     reward = _WORKER_CACHE.get(key)
@@ -44,7 +44,7 @@ def _worker_reward(key: str | None, spec: Any, params: Mapping[str, Any]) -> Any
     return reward
 
 
-def _call_in_worker(key: str | None, spec: Any, params: Mapping[str, Any], completion: str, example: dict) -> Any:
+def _call_in_worker(key: str | None, spec: object, params: Mapping[str, Any], completion: str, example: dict) -> Any:
     value = _worker_reward(key, spec, params)(completion, example)
     if inspect.isawaitable(value):  # an async reward in a worker: give it a loop of its own
 
@@ -55,7 +55,7 @@ def _call_in_worker(key: str | None, spec: Any, params: Mapping[str, Any], compl
     return value
 
 
-def _init_worker(ready: Any, key: str | None, spec: Any, params: Mapping[str, Any]) -> None:
+def _init_worker(ready: Any, key: str | None, spec: object, params: Mapping[str, Any]) -> None:
     """Runs once in each new worker: import and build the reward, then say so. A build error
     is not raised here (it would break the whole pool): the first call raises it instead."""
     try:
@@ -84,7 +84,7 @@ class _Pool:
         workers: int,
         start_method: str,
         key: str | None,
-        spec: Any,
+        spec: object,
         params: Mapping[str, Any],
         startup_timeout: float,
     ) -> None:
@@ -266,7 +266,7 @@ class ProcessPoolReward:
     def __enter__(self) -> ProcessPoolReward:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __getstate__(self) -> dict[str, Any]:  # picklable as a config, without its pool

@@ -63,7 +63,7 @@ def load_function(target: Any, path: str) -> Any:
         raise ConfigError(f"importing '{module}' raised {type(exc).__name__}: {exc}", path) from None
 
 
-def bind(obj: Any, params: Mapping[str, Any] | None, path: str, build: bool = True) -> Callable[..., Any] | None:
+def bind(obj: object, params: Mapping[str, Any] | None, path: str, build: bool = True) -> Callable[..., Any] | None:
     """The reward for the imported ``obj``: a class instantiated with ``params``, a function
     with ``params`` bound as keyword arguments, a callable object as it is. ``path`` is the
     component's config path; ``build=False`` only checks."""
@@ -94,7 +94,7 @@ def python_reward(function: str, params: Mapping[str, Any] | None = None) -> Cal
     return reward
 
 
-def check_reward(function: Any, params: Mapping[str, Any] | None, path: str) -> None:
+def check_reward(function: object, params: Mapping[str, Any] | None, path: str) -> None:
     """Import ``function`` and fit ``params`` to it without building the reward; a
     :class:`ConfigError` under ``path`` (the component's path) for the first thing wrong."""
     bind(load_function(function, f"{path}.function"), params, path, build=False)

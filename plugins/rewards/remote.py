@@ -160,7 +160,7 @@ class RemoteReward:
         return _parse_reply(reply, len(items), self.endpoint)
 
 
-def _parse_reply(reply: Any, n: int, url: str) -> list[Any]:
+def _parse_reply(reply: object, n: int, url: str) -> list[Any]:
     if not isinstance(reply, Mapping) or not isinstance(reply.get("rewards"), list):
         raise HTTPRewardError(f"{url} answered {str(reply)[:200]!r}, not {{'rewards': [...], 'errors': [...]}}")
     rewards = reply["rewards"]
@@ -191,7 +191,7 @@ def _unwrap(result: Any) -> Any:
     return RewardResult(float(reward), dict(info), feedback) if info or feedback is not None else float(reward)
 
 
-def _try_unwrap(result: Any) -> Any:
+def _try_unwrap(result: object) -> Any:
     try:
         return _unwrap(result)
     except Exception as exc:  # noqa: BLE001

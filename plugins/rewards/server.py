@@ -108,7 +108,7 @@ def check_access(host: str, token: str | None) -> None:
         )
 
 
-def score_payload(runner: RewardRunner, payload: Any) -> dict[str, Any]:
+def score_payload(runner: RewardRunner, payload: object) -> dict[str, Any]:
     """The ``/score`` response for a decoded request body (raises ``ValueError`` if malformed)."""
     if not isinstance(payload, Mapping) or not isinstance(payload.get("samples"), list):
         raise ValueError('expected a JSON object {"samples": [{"completion": str, "example": {...}}, ...]}')

@@ -43,7 +43,7 @@ import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tempering.errors import ConfigError, UnknownComponentError
 from tempering.plugins.samplers.common import with_stops
@@ -64,6 +64,9 @@ from tempering.rollouts.trajectory import Trajectory, Turn
 from tempering.runs.failures import debug, format_traceback, mark_failed
 from tempering.schema import Problem
 from tempering.types import Completion, Group, Sample, SamplingParams, Segment
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tempering.interfaces import SamplingClient
 
 #: ``pip install`` hint for the client the harness is given.
 OPENAI_HINT = "pip install 'tempering[openai]'"
@@ -103,7 +106,7 @@ class HarnessThread(LoopThread):
             raise HarnessTimeout(f"{what} did not return within {timeout:g} s") from None
 
 
-def load_harness(target: Any, path: str) -> Callable[..., Any]:
+def load_harness(target: object, path: str) -> Callable[..., Any]:
     """The harness ``target`` names: a registered harness (``register_harnesses``, an entry-point
     plugin's: ``name`` or ``dist:name``), ``module:function`` (imported with the working folder
     on ``sys.path``; tried first when that module exists), or a callable given from Python. Any
@@ -213,7 +216,12 @@ class EndpointSampler:
 
     # ------------------------------------------------------------------ sampling
     async def sample(
-        self, client: Any, examples: list[dict[str, Any]], group_size: int, params: SamplingParams, first_id: int = 0
+        self,
+        client: SamplingClient,
+        examples: list[dict[str, Any]],
+        group_size: int,
+        params: SamplingParams,
+        first_id: int = 0,
     ) -> Rollout:
         assert self.context is not None, "AgentSampler needs its stage's context"
         renderer = self.context.renderer()
@@ -430,7 +438,7 @@ async def guarded(run: Awaitable[Any], path: str) -> Outcome:
         )
 
 
-def read_result(value: Any) -> tuple[float | None, dict[str, float], str | None]:
+def read_result(value: object) -> tuple[float | None, dict[str, float], str | None]:
     """A harness's return value as ``(reward or None, metrics, feedback)``."""
     if isinstance(value, Mapping):
         unknown = set(value) - {"reward", "metrics", "feedback"}

@@ -73,7 +73,12 @@ class CompletionSampler:
         return completions
 
     async def sample(
-        self, client: Any, examples: list[dict[str, Any]], group_size: int, params: SamplingParams, first_id: int = 0
+        self,
+        client: SamplingClient,
+        examples: list[dict[str, Any]],
+        group_size: int,
+        params: SamplingParams,
+        first_id: int = 0,
     ) -> Rollout:
         assert self.context is not None, "CompletionSampler needs its stage's context"
         t0 = time.perf_counter()

@@ -27,7 +27,7 @@ import asyncio
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tempering.errors import ConfigError
 from tempering.plugins.samplers.common import with_stops
@@ -44,6 +44,9 @@ from tempering.rollouts.rollout import Rollout, SamplerContext
 from tempering.rollouts.scoring import ScoreStats
 from tempering.runs.failures import debug, format_traceback, mark_failed
 from tempering.types import Completion, Group, Sample, SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tempering.interfaces import SamplingClient
 
 
 @dataclass
@@ -101,7 +104,12 @@ class EnvironmentSampler:
         return self.context.reward if self.context is not None else None
 
     async def sample(
-        self, client: Any, examples: list[dict[str, Any]], group_size: int, params: SamplingParams, first_id: int = 0
+        self,
+        client: SamplingClient,
+        examples: list[dict[str, Any]],
+        group_size: int,
+        params: SamplingParams,
+        first_id: int = 0,
     ) -> Rollout:
         assert self.context is not None and self._factory is not None, "EnvironmentSampler needs its stage's context"
         renderer = self.context.renderer()
@@ -113,7 +121,7 @@ class EnvironmentSampler:
         if gate is None:
             queue.join(*range(len(examples) * group_size))  # all join before any samples: no half batches
 
-        async def episode(env: Any, example: dict[str, Any], key: int) -> Any:
+        async def episode(env: object, example: dict[str, Any], key: int) -> Any:
             if gate is None:
                 return await run_episode(env, example, renderer, queue, key, self.limits, params.max_tokens)
             async with gate:  # the environment's session limit: join the batch once a slot is free
@@ -191,7 +199,7 @@ class EnvironmentSampler:
             stacklevel=2,
         )
 
-    async def _group_reward(self, env: Any, samples: list[Sample]) -> None:
+    async def _group_reward(self, env: object, samples: list[Sample]) -> None:
         """Add the environment's group reward (if it defines one) to each trainable sample, and
         its feedback (a :class:`~tempering.rollouts.feedback.Scored` value's) to the sample's."""
         fn = getattr(env, "group_reward", None)

@@ -51,6 +51,7 @@ from urllib.parse import urlsplit
 from tempering.interfaces import Tokenizer
 from tempering.plugins.samplers.splice import spliced_prompt, turn_end
 from tempering.rollouts.chat import ROLES, ParsedResponse, ToolCall, assign_call_ids, text_of
+from tempering.rollouts.renderer import Renderer
 from tempering.runs.serving import BackgroundServer, Limits, Policy, Reply, guarded_app
 from tempering.runs.serving import Call as HttpCall
 from tempering.types import Completion
@@ -104,7 +105,7 @@ class Call:
     _turn_end: list[int] | None = field(default=None, init=False, repr=False)
     _turn_end_known: bool = field(default=False, init=False, repr=False)
 
-    def turn_end(self, renderer: Any) -> list[int] | None:
+    def turn_end(self, renderer: Renderer) -> list[int] | None:
         """The canonical tokens of this call's prompt and returned turn (computed once)."""
         if self.canonical is None or self.returned is None or self.messages is None:
             return None  # not a chat call, or not answered yet
@@ -172,7 +173,7 @@ class PolicyEndpoint:
     closes it.
     """
 
-    def __init__(self, model: ModelFn, renderer: Any, tokenizer: Tokenizer, limits: EndpointLimits) -> None:
+    def __init__(self, model: ModelFn, renderer: Renderer, tokenizer: Tokenizer, limits: EndpointLimits) -> None:
         self.model, self.renderer, self.tokenizer, self.limits = model, renderer, tokenizer, limits
         self.token = secrets.token_urlsafe(32)
         # Renderers and tokenizers are not promised to be thread-safe (a fast tokenizer whose
@@ -411,7 +412,7 @@ class PolicyEndpoint:
             "model": str(request.get("model") or MODEL_NAME),
         }
 
-    def _completion_prompt(self, prompt: Any) -> list[int]:
+    def _completion_prompt(self, prompt: object) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
@@ -551,7 +552,7 @@ def check_unsupported(request: Mapping[str, Any]) -> None:
             raise RequestError(400, f"{key}={json.dumps(value)} is not supported by this endpoint: {why}", key)
 
 
-def check_stop(stop: Any) -> list[str]:
+def check_stop(stop: object) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if stops is None:
         return []
@@ -562,7 +563,7 @@ def check_stop(stop: Any) -> list[str]:
     return list(stops)
 
 
-def check_chat_messages(messages: Any) -> list[dict[str, Any]]:
+def check_chat_messages(messages: object) -> list[dict[str, Any]]:
     """The request's messages in the form the renderers read: roles checked, text content
     parts joined, tool-call arguments decoded once to catch malformed JSON."""
     if not isinstance(messages, list) or not messages:
@@ -595,7 +596,7 @@ def check_chat_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def check_tools(tools: Any, tool_choice: Any) -> list[dict[str, Any]]:
+def check_tools(tools: object, tool_choice: object) -> list[dict[str, Any]]:
     if tool_choice not in (None, "auto", "none"):
         raise RequestError(
             400,

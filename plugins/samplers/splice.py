@@ -27,13 +27,20 @@ re-rendering would; that token is context (weight 0), never trained.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tempering.rollouts.chat import Message
 
+if TYPE_CHECKING:  # pragma: no cover
+    from tempering.rollouts.renderer import Renderer
+
 
 def turn_end(
-    renderer: Any, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None, turn: Message, prompt: list[int]
+    renderer: Renderer,
+    messages: Sequence[Message],
+    tools: Sequence[dict[str, Any]] | None,
+    turn: Message,
+    prompt: list[int],
 ) -> list[int] | None:
     """The canonical tokens of ``messages`` followed by the assistant ``turn`` as the renderer
     writes it for the model to emit (up to its end-of-turn token), when they start with
@@ -55,7 +62,7 @@ def turn_end(
     return head if len(head) > len(prompt) and head[: len(prompt)] == prompt else None
 
 
-def spliced_prompt(canonical: list[int], calls: Sequence[Any], renderer: Any) -> list[int]:
+def spliced_prompt(canonical: list[int], calls: Sequence[Any], renderer: Renderer) -> list[int]:
     """``canonical`` (a request's rendering) with the latest earlier turn it holds as the tokens
     sampled for it (see the module docs). ``calls`` are the episode's recorded calls
     (:class:`~tempering.plugins.samplers.openai_endpoint.Call`): chat calls carry their canonical
@@ -81,7 +88,9 @@ def spliced_prompt(canonical: list[int], calls: Sequence[Any], renderer: Any) ->
     return [*call.prompt, *sampled, *rest]
 
 
-def _turn_in_history(renderer: Any, canonical: list[int], start: int, turn: list[int], stops: set[int]) -> int | None:
+def _turn_in_history(
+    renderer: Renderer, canonical: list[int], start: int, turn: list[int], stops: set[int]
+) -> int | None:
     """Where the text of ``turn`` (its end-of-turn tokens left out) ends in ``canonical`` from
     ``start``, or None when the history does not hold it there. The history may spell the same
     text in other pieces than the turn (tml-renderers encode a supervised turn in spans): the

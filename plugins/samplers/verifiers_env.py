@@ -82,7 +82,7 @@ def error_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text or 'no message'}"
 
 
-def id_problem(id: Any) -> str | None:
+def id_problem(id: object) -> str | None:
     """Why ``id`` names no installed verifiers environment, in one line; None when it does."""
     if not isinstance(id, str) or not id.strip():
         return f"needs the id of an installed verifiers environment, got {id!r}"

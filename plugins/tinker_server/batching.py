@@ -31,7 +31,7 @@ class SampleBatcher:
         self._lock = threading.Lock()
         self.calls = 0  # backend calls made (for tests and measurements)
 
-    def sample(self, prompt: list[int], n: int, params: Any) -> Future[list[Any]]:
+    def sample(self, prompt: list[int], n: int, params: object) -> Future[list[Any]]:
         out: Future[list[Any]] = Future()
         with self._lock:
             self._pending.append((list(prompt), int(n), params, out))

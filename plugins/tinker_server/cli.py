@@ -133,7 +133,7 @@ def _mb(size: int) -> str:
     return f"{size / 2**20:10.1f} MB"
 
 
-def model_problem(model: str, model_kwargs: Any) -> str | None:
+def model_problem(model: str, model_kwargs: object) -> str | None:
     """What is wrong with the served model's source, as one line at the option that sets it
     (``--model-kwargs.hiden_size: unknown key ...``), or ``None``: the local backend's own check
     of ``model`` and ``model_kwargs``, so a typo fails at start, not at the first request."""

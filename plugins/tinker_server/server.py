@@ -226,7 +226,7 @@ class _Pending:
     answered: float | None = None  # when its outcome was sent (it is forgotten a while after)
 
 
-def _json(value: Any) -> tuple[str, bytes]:
+def _json(value: object) -> tuple[str, bytes]:
     return "application/json", json.dumps(value).encode()
 
 
@@ -346,7 +346,7 @@ class LocalTinkerServer:
     def __enter__(self) -> LocalTinkerServer:
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     # ------------------------------------------------------------------ for tests
@@ -375,7 +375,7 @@ class LocalTinkerServer:
         return len(gone)
 
     # ------------------------------------------------------------------ internals
-    def _record(self, route: str, kind: str, body: Any) -> None:
+    def _record(self, route: str, kind: str, body: object) -> None:
         with self._lock:
             self.received.append(Received(route, kind, body))
 
@@ -385,7 +385,7 @@ class LocalTinkerServer:
         future: Future[Any],
         render: Callable[[Any], tuple[str, bytes]],
         model_id: str | None = None,
-        **extra: Any,
+        **extra: object,
     ) -> dict[str, Any]:
         """Register a server future (applying a planned fault for ``kind``): the UntypedAPIFuture."""
         request_id = f"req-{next(self._ids)}"

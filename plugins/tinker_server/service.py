@@ -54,7 +54,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -70,6 +70,11 @@ from tempering.plugins.tinker_server.registry import CheckpointRecord, Registry,
 from tempering.plugins.tinker_server.stability import StabilityRecords, session_of
 from tempering.runs.rng import kept_rng
 from tempering.types import AdamParams, Batch, Datum, SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tinker import types
+
+    from tempering.plugins.tinker_server.wire import ForwardBackwardCall
 
 __all__ = ["ServedModel", "LocalService", "Rejected", "UserError", "MIN_TTL_SECONDS"]
 
@@ -652,7 +657,7 @@ class LocalService:
             RunRecord(model_id, base_model, rank if backend.lora is not None else None, session_of(model_id), meta)
         )
 
-    def create_model(self, req: Any) -> tuple[str, Future[Any]]:
+    def create_model(self, req: types.CreateModelRequest) -> tuple[str, Future[Any]]:
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
         self.seen(req.session_id)
         rank = req.lora_config.rank if req.lora_config is not None else 32
@@ -687,7 +692,9 @@ class LocalService:
 
         return cached_name(base_model) or self.tokenizer_dir(base_model)
 
-    def forward_backward(self, call: Any) -> Future[tuple[list[dict[str, np.ndarray]], dict[str, float]]]:
+    def forward_backward(
+        self, call: ForwardBackwardCall
+    ) -> Future[tuple[list[dict[str, np.ndarray]], dict[str, float]]]:
         run = self.run(call.model_id)
         session = session_of(call.model_id)
 
@@ -837,7 +844,7 @@ class LocalService:
         if not optimizer:  # weights only: the next optim_step starts a fresh Adam
             backend._submit(lambda: setattr(backend._trainer, "optimizer", None)).result()
 
-    def load_state(self, req: Any) -> tuple[str, Future[Any]]:
+    def load_state(self, req: types.LoadWeightsRequest) -> tuple[str, Future[Any]]:
         """``load_weights``: a saved state into a new run (``create_training_client_from_state``,
         with or without its optimizer state) or into a live run, in its order
         (``load_state`` / ``load_state_with_optimizer``)."""
@@ -1026,7 +1033,7 @@ class LocalService:
                 self.sampler_paths[path] = self._sampler(backend, record.base_model, None, None, path)
             return self.sampler_paths[path]
 
-    def create_sampling_session(self, req: Any) -> str:
+    def create_sampling_session(self, req: types.CreateSamplingSessionRequest) -> str:
         session = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
         self.seen(req.session_id)
         if req.model_path:

@@ -68,7 +68,7 @@ class RolloutQuery:
         return not self.text or self.text.lower() in searchable(r)
 
 
-def _within(value: Any, low: float | None, high: float | None) -> bool:
+def _within(value: object, low: float | None, high: float | None) -> bool:
     if low is None and high is None:
         return True
     if not isinstance(value, (int, float)) or isinstance(value, bool):

@@ -211,5 +211,5 @@ class ViewServer:
     def __enter__(self) -> ViewServer:
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

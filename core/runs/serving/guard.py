@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import anyio
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger("tempering.serving")
 T = TypeVar("T")
@@ -167,7 +168,7 @@ def decode_json(body: bytes, max_depth: int) -> Any:
     return value
 
 
-def json_depth(value: Any) -> int:
+def json_depth(value: object) -> int:
     """How deep lists and objects nest in a decoded value (a scalar is 0), without recursion."""
     deepest, stack = 0, [(value, 1)]
     while stack:
@@ -180,7 +181,7 @@ def json_depth(value: Any) -> int:
     return deepest
 
 
-async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+async def in_thread(fn: Callable[..., T], *args: object) -> T:
     """``fn(*args)`` in a fresh daemon thread, awaited without blocking the loop. Daemon: a
     request blocked on a model that never answers must not hold the process at exit (a pool's
     threads are joined then); a thread costs ~0.1 ms next to any request's own work."""
@@ -211,7 +212,7 @@ class GuardedApp:
     def __init__(self, app: ASGIApp, counters: Counters) -> None:
         self.app, self.counters = app, counters
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.app(scope, receive, send)
 
 
@@ -289,7 +290,7 @@ def guarded_app(policy: Policy, handler: Callable[[Call], Reply]) -> GuardedApp:
         data = content if isinstance(content, bytes) else json.dumps(content, ensure_ascii=False).encode()
         return Response(data, reply.status, dict(reply.headers), reply.content_type)
 
-    async def app(scope: Any, receive: Any, send: Any) -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
         request = Request(scope, receive)

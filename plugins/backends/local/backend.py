@@ -381,7 +381,7 @@ class LocalBackend:
             self._vllm.close()
 
     # ------------------------------------------------------------------ execution
-    def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+    def _submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
         """Run ``fn`` on the worker thread (FIFO, so calls apply in submission order)."""
         return run_on(self._executor, fn, *args)
 
@@ -448,7 +448,7 @@ class LocalBackend:
         prompts: list[list[int]],
         num_samples: int,
         params: SamplingParams,
-        model: Any = None,
+        model: torch.nn.Module | None = None,
         version: int | None = None,
         weights: Mapping[str, torch.Tensor] | None = None,
     ) -> list[list[Completion]]:
@@ -471,7 +471,7 @@ class LocalBackend:
             self._weights.snapshots[snapshot] = weights
         return LocalSamplingClient(self, weights, self.step)
 
-    def _submit_sampler(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+    def _submit_sampler(self, fn: Callable[..., T], *args: object) -> Future[T]:
         """Run ``fn`` on the sampling thread (FIFO), or inline when the backend is unthreaded."""
         return self._sampling.submit(fn, *args)
 

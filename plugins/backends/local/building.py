@@ -66,7 +66,7 @@ class ModelSource:
         return model, tokenizer
 
 
-def special_ids(model: Any, tokenizer: Tokenizer) -> tuple[int, set[int]]:
+def special_ids(model: torch.nn.Module, tokenizer: Tokenizer) -> tuple[int, set[int]]:
     """Pad id (eos when the tokenizer has none) and every id that ends a completion."""
     eos: set[int] = set()
     for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
@@ -88,7 +88,7 @@ def neutral_generation_config(tokenizer: Tokenizer, pad_token_id: int, eos_token
     return GenerationConfig(pad_token_id=pad_token_id, bos_token_id=bos, eos_token_id=sorted(eos_token_ids))
 
 
-def apply_lora(model: Any, cfg: Mapping[str, Any], seed: int) -> Any:
+def apply_lora(model: torch.nn.Module, cfg: Mapping[str, Any], seed: int) -> Any:
     """``model`` wrapped in a peft LoRA adapter per the ``lora:`` block, initialised from
     ``seed`` with a private RNG."""
     from peft import LoraConfig, get_peft_model
@@ -120,7 +120,7 @@ def enable_gradient_checkpointing(model: Any, key: str) -> None:
         raise ConfigError(f"gradient checkpointing cannot be turned on: {exc}; set it to false", key) from None
 
 
-def fingerprint(model: Any) -> list[float]:
+def fingerprint(model: torch.nn.Module) -> list[float]:
     """A cheap checksum of up to 8 parameter tensors spread over the model."""
     params = list(model.parameters())
     picked = params[:: max(1, len(params) // 8)]

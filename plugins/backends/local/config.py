@@ -60,7 +60,7 @@ def check_config(config: Mapping[str, Any]) -> Iterator[Problem | None]:
         yield caught(ROOT, check_model, config["model"], config["model_kwargs"], ROOT)
 
 
-def check_lora(lora: Any, path: str) -> dict[str, Any] | None:
+def check_lora(lora: object, path: str) -> dict[str, Any] | None:
     """The ``lora:`` block with defaults filled in (``None``: full fine-tuning)."""
     from tempering.registry import validate_params
 

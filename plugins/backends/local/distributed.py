@@ -119,7 +119,7 @@ def broadcast_(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         dist.broadcast(t.data, src=src)
 
 
-def gather_to_main(obj: Any) -> list[Any] | None:
+def gather_to_main(obj: object) -> list[Any] | None:
     """Every rank's ``obj`` as a list on rank 0 (``None`` elsewhere); ``[obj]`` without a group.
 
     Lets rank 0 alone write a checkpoint that still holds each rank's RNG state.
@@ -134,7 +134,7 @@ def gather_to_main(obj: Any) -> list[Any] | None:
     return out
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
+def broadcast_object(obj: object, src: int = 0) -> Any:
     """Rank ``src``'s ``obj`` on every rank (``obj`` itself without a group): e.g. the folder
     rank 0 wrote, which the other ranks then read."""
     import torch.distributed as dist

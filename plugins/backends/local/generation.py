@@ -101,7 +101,7 @@ class Generator:
         self.prefill_once = prefill_once
 
     def sample(
-        self, model: Any, prompts: list[list[int]], num_samples: int, params: SamplingParams, version: int
+        self, model: torch.nn.Module, prompts: list[list[int]], num_samples: int, params: SamplingParams, version: int
     ) -> list[list[Completion]]:
         """Completions grouped per prompt, in order, each stamped with ``version``."""
         rows = [p for p in prompts for _ in range(num_samples)]
@@ -198,7 +198,7 @@ class SamplerCopy:
         self.loaded: LocalSamplingClient | None = None
         self.executor: ThreadPoolExecutor | None = None
 
-    def prepare(self, policy: Any, copy_model: bool) -> None:
+    def prepare(self, policy: object, copy_model: bool) -> None:
         """On the training thread: copy ``policy`` (unless ``copy_model`` is false: a vLLM engine
         holds its own copy) and start the sampling thread, each once."""
         if self.model is None and copy_model:
@@ -209,7 +209,7 @@ class SamplerCopy:
         if self.threaded and self.executor is None:
             self.executor = ThreadPoolExecutor(1, thread_name_prefix="tempering-sampler")
 
-    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+    def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
         """Run ``fn`` on the sampling thread (FIFO), or inline when unthreaded."""
         return run_on(self.executor, fn, *args)
 
@@ -276,7 +276,7 @@ class _StopStrings(StoppingCriteria):
         self.window = 4 * max(len(s) for s in self.stops) + 4  # a character may take up to 4 byte-tokens
         self.done_at: list[int | None] = [None] * batch_size
 
-    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
+    def __call__(self, input_ids: torch.LongTensor, scores: object, **kwargs: object) -> torch.BoolTensor:
         generated = input_ids[:, self.prompt_width :]
         n = generated.shape[1]
         open_rows = [i for i, d in enumerate(self.done_at) if d is None]
@@ -306,7 +306,7 @@ _CACHE_KEY = _cache_name()
 MIN_SHARED_PREFIX = 16
 
 
-def _prefill_once(model: Any, rows: list[list[int]], input_ids: torch.Tensor, mask: torch.Tensor) -> Any:
+def _prefill_once(model: torch.nn.Module, rows: list[list[int]], input_ids: torch.Tensor, mask: torch.Tensor) -> Any:
     """The KV cache of every row's prompt but its last token, with shared work done once; None
     when nothing is shared (or the model cannot take it).
 
@@ -362,7 +362,7 @@ def _common_prefix(rows: list[list[int]]) -> int:
     return n
 
 
-def _shared_prefix_cache(model: Any, prefix: list[int], attention: torch.Tensor) -> tuple[Any, int]:
+def _shared_prefix_cache(model: torch.nn.Module, prefix: list[int], attention: torch.Tensor) -> tuple[Any, int]:
     """A cache of the rows' first ``C`` columns from one forward of the shared ``prefix``, and C.
 
     Rows are left-padded, so row i's prefix sits at columns ``pad_i ..`` -- but at the same
@@ -416,7 +416,7 @@ def _cut_point(tokens: list[int], eos: set[int], string_end: int | None) -> tupl
     return eos_end, False
 
 
-def _left_pad(rows: list[list[int]], pad_id: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _left_pad(rows: list[list[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """Left padding so every row's next token is in the last column, as ``generate`` needs."""
     width = max(len(r) for r in rows)
     ids = [[pad_id] * (width - len(r)) + r for r in rows]

@@ -53,7 +53,7 @@ def trained_positions(weights: torch.Tensor) -> torch.Tensor | None:
 
 
 def model_logits(
-    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor | None = None
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The model's logits at ``positions`` of every row, ``(B, K, V)``, or at every position.
 

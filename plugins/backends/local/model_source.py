@@ -23,7 +23,6 @@ import difflib
 import functools
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any
 
 from tempering.errors import ConfigError, PluginError
 from tempering.registry import get_registry, registered_builder, validate_params  # registered_builder: re-exported
@@ -65,7 +64,7 @@ def source_folder(name: str) -> str:
     return name
 
 
-def check_model(name: Any, model_kwargs: Any, path: str) -> None:
+def check_model(name: object, model_kwargs: object, path: str) -> None:
     """Raise a one-line :class:`ConfigError` under ``path`` (the backend's config path) unless
     ``name`` is a builder whose arguments ``model_kwargs`` fit, a saved-model folder, or a hub id
     that exists."""

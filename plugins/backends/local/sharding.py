@@ -55,7 +55,7 @@ PARALLEL_MODES = ("ddp", "fsdp")
 ``fsdp`` shards it. Both are the plain single-process path when ``WORLD_SIZE`` is 1."""
 
 
-def transformers_model(model: Any) -> Any:
+def transformers_model(model: object) -> Any:
     """The transformers model inside ``model`` (a peft wrapper's base model, or itself)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
@@ -70,7 +70,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def shard_model(model: Any, dtype: torch.dtype) -> None:
+def shard_model(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Shard ``model`` (a transformers model, or a peft model around one) in place across the
     default process group: every decoder layer, then the transformers model as the root.
 
@@ -138,7 +138,7 @@ def _options(lora: bool, cpu_offload: bool) -> Any:
 
 
 def gather_state(
-    model: Any, optimizer: torch.optim.Optimizer | None, names: Sequence[str], lora: bool
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, names: Sequence[str], lora: bool
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """Full (unsharded) weights and optimizer state on rank 0, ``({}, None)`` elsewhere.
 
@@ -167,7 +167,7 @@ def _full_weights(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return cast(dict[str, torch.Tensor], state)
 
 
-def load_weights(model: Any, weights: Mapping[str, torch.Tensor], lora: bool) -> None:
+def load_weights(model: torch.nn.Module, weights: Mapping[str, torch.Tensor], lora: bool) -> None:
     """Load full (single-process format) weights into the sharded ``model``: every rank passes
     the same full tensors and keeps its slice. With ``lora`` only the adapter is expected."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
@@ -176,7 +176,7 @@ def load_weights(model: Any, weights: Mapping[str, torch.Tensor], lora: bool) ->
 
 
 def load_optimizer(
-    model: Any, optimizer: torch.optim.Optimizer, state: Mapping[str, Any], names: Sequence[str]
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any], names: Sequence[str]
 ) -> None:
     """Load a single-process (position-keyed) optimizer state into the optimizer of the sharded
     ``model``; ``names`` are its parameters in the optimizer's order."""

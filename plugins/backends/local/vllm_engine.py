@@ -135,7 +135,7 @@ def _is_gpu(device: str) -> bool:
     return device.startswith("cuda")
 
 
-def check_engine(engine: Any, options: Any, path: str = "backend", device: str = "cpu") -> VllmParams | None:
+def check_engine(engine: object, options: object, path: str = "backend", device: str = "cpu") -> VllmParams | None:
     """Validate ``engine`` and its ``vllm`` block; the block's values (None when the engine,
     once ``auto`` is resolved for ``device``, is ``generate``)."""
     from tempering.registry import validate_params
@@ -187,7 +187,7 @@ class WorkerSync:
         _repack_tied_layers(self.model_runner.get_model())  # type: ignore[attr-defined]
 
 
-def _repack_tied_layers(model: Any) -> None:
+def _repack_tied_layers(model: torch.nn.Module) -> None:
     """Re-pack the CPU kernels of layers whose weight is another layer's (tied embeddings).
 
     Why: vLLM's CPU linear layers compute with a packed copy of their weight (``cpu_linear``,
@@ -251,7 +251,7 @@ def _gathered(tensor: Any) -> torch.Tensor:
     return sharding.full_tensor(tensor.detach())
 
 
-def _parents(root: Any, module_name: str) -> Iterator[Any]:
+def _parents(root: object, module_name: str) -> Iterator[Any]:
     """The modules on the path from ``root`` down to (not including) ``module_name``."""
     parts = module_name.split(".") if module_name else []
     node = root

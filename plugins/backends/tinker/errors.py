@@ -18,7 +18,7 @@ What the SDK (0.38) raises, and where:
 
 from __future__ import annotations
 
-from typing import Any
+from types import ModuleType
 
 from tempering.errors import TemperingError
 
@@ -58,18 +58,18 @@ class TinkerLossError(TinkerBackendError, ValueError):
     """A custom loss failed its local dry run: nothing was sent, the training client is intact."""
 
 
-def one_line(text: Any) -> str:
+def one_line(text: object) -> str:
     return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
 
 
-def is_user_failure(tinker: Any, err: BaseException) -> bool:
+def is_user_failure(tinker: ModuleType, err: BaseException) -> bool:
     """The service failed the request because of the request itself (repeating it cannot help)."""
     if isinstance(err, tinker.RequestFailedError):
         return str(getattr(err, "category", "")).lower().endswith("user")
     return isinstance(err, (tinker.BadRequestError, tinker.UnprocessableEntityError, tinker.ConflictError))
 
 
-def retryable(tinker: Any, err: BaseException) -> bool:
+def retryable(tinker: ModuleType, err: BaseException) -> bool:
     """Worth sending again (for a request that changes nothing on the service)."""
     from tinker.lib.retryable_exception import RetryableException
 
@@ -92,7 +92,7 @@ def retryable(tinker: Any, err: BaseException) -> bool:
 
 
 def translate(
-    tinker: Any, err: BaseException, what: str, training: bool = False, attempts: int | None = None
+    tinker: ModuleType, err: BaseException, what: str, training: bool = False, attempts: int | None = None
 ) -> TemperingError:
     """A one-line error that says what happened and what to do.
 

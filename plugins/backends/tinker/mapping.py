@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import tempering.loss_contract as loss_contract
@@ -199,7 +200,7 @@ def _require(batch: Batch, fields: Sequence[str], who: str) -> None:
             raise KeyError(f"{who} needs Datum.{name} on every row; rows {missing[:5]} have none")
 
 
-def _logits_message(loss: Any, reason: str) -> str:
+def _logits_message(loss: object, reason: str) -> str:
     """Why a loss that needs logits cannot run on Tinker, with what to do instead: the loss's
     own word when its ``builtin(batch)`` declared none (:class:`~tempering.loss_contract.NoBuiltin`),
     else the general way out."""
@@ -215,7 +216,7 @@ def _logits_message(loss: Any, reason: str) -> str:
 
 
 # ---------------------------------------------------------------------- to the SDK's types
-def to_tinker_data(batch: Batch, plan: LossPlan, types: Any) -> list[Any]:
+def to_tinker_data(batch: Batch, plan: LossPlan, types: ModuleType) -> list[Any]:
     """``tinker.types.Datum`` rows: ``model_input`` = our ``input_tokens``, ``loss_fn_inputs`` =
     the plan's, as explicitly typed ``TensorData`` (int64 tokens, float32 values)."""
     import numpy as np

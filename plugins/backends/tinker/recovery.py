@@ -121,7 +121,7 @@ class TrainingCalls:
             self.journal = [c for c in self.journal if c.order > call.order]
             self.state = path
 
-    def reset(self, client: Any, state: str | None) -> None:
+    def reset(self, client: object, state: str | None) -> None:
         """A client restored from ``state`` (``load``): earlier calls are moot."""
         with self.lock:
             self.generation += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
+from types import ModuleType
 from typing import Any
 
 from tempering.plugins.backends.tinker.errors import TinkerServiceError
@@ -21,7 +22,7 @@ from tempering.types import Completion, SamplingParams
 SampleFn = Callable[[list[list[int]], int, SamplingParams], "Future[list[list[Completion]]]"]
 
 
-def sampling_params(types: Any, params: SamplingParams, eos_ids: list[int]) -> Any:
+def sampling_params(types: ModuleType, params: SamplingParams, eos_ids: list[int]) -> Any:
     """Ours -> ``tinker.types.SamplingParams``. Stops are always explicit: stop strings as
     given, else the stop ids given (a renderer's) plus every EOS id, so a completion ends where
     it would on the local backend whatever the service's implicit stop for the model is
@@ -98,7 +99,7 @@ def sample_prompts(
 
 def completion(
     session: Session,
-    client: Any,
+    client: object,
     prompt: list[int],
     seq: Any,
     params: SamplingParams,

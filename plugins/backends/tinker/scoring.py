@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from tempering.plugins.backends.tinker.session import Session
 from tempering.types import Batch
 
 
-def forward_data(types: Any, batch: Batch) -> list[Any]:
+def forward_data(types: ModuleType, batch: Batch) -> list[Any]:
     """The batch as ``tinker.types.Datum`` rows for the trainer's ``forward`` (cross-entropy
     inputs: the targets and their weights)."""
     return [

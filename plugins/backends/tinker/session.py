@@ -15,6 +15,7 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from types import ModuleType
 from typing import Any, TypeVar
 
 from tempering.errors import TemperingError
@@ -44,7 +45,7 @@ class Session:
 
     def __init__(
         self,
-        tinker: Any,
+        tinker: ModuleType,
         service: Any,
         base_url: str,
         api_key: str | None,
@@ -107,7 +108,7 @@ class Session:
             raise self.translate(err, what) from err
 
     # ------------------------------------------------------------------ results
-    def spawn(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+    def spawn(self, fn: Callable[..., T], *args: object) -> Future[T]:
         """Run ``fn`` (which waits on SDK futures) on a worker thread; errors become ours."""
 
         def run() -> T:
@@ -122,7 +123,7 @@ class Session:
 
         return self._pool.submit(run)
 
-    def wait(self, fut: Any, what: str, training: bool = False) -> Any:
+    def wait(self, fut: object, what: str, training: bool = False) -> Any:
         """``fut.result()`` within ``request_timeout_seconds`` (warning after
         ``wait_warning_seconds``), the service's errors translated (no retry). A training call
         past its time is a :class:`TinkerTrainingError` (recoverable: its client is abandoned)."""
@@ -174,7 +175,7 @@ class Session:
             failed.set_exception(err)
             return failed
 
-    def result_with_retry(self, what: str, fut: Any, resubmit: Callable[[], Any]) -> Any:
+    def result_with_retry(self, what: str, fut: object, resubmit: Callable[[], Any]) -> Any:
         """The result of an *idempotent* request, resubmitting it after a retryable failure
         (each attempt bounded by ``request_timeout_seconds``)."""
         attempt = 0

@@ -11,6 +11,7 @@ the loss's own metrics.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -103,7 +104,7 @@ def loss_metrics(
     return metrics
 
 
-def tinker_adam(types: Any, params: AdamParams) -> Any:
+def tinker_adam(types: ModuleType, params: AdamParams) -> Any:
     """Ours -> ``tinker.types.AdamParams`` (the same fields)."""
     return types.AdamParams(
         learning_rate=float(params.learning_rate),
@@ -115,7 +116,7 @@ def tinker_adam(types: Any, params: AdamParams) -> Any:
     )
 
 
-def optim_metrics(response: Any, lr: float) -> dict[str, float]:
+def optim_metrics(response: object, lr: float) -> dict[str, float]:
     """The learning rate used and the service's own optimizer metrics (``tinker/...``)."""
     metrics = {"lr": lr}
     for key, value in (getattr(response, "metrics", None) or {}).items():

@@ -77,7 +77,7 @@ def parse_test(source: str) -> CodeTest:
     return CodeTest(source, f"bool({ast.unparse(test)})", True)
 
 
-def parse_tests(tests: Any, key: str) -> list[CodeTest]:
+def parse_tests(tests: object, key: str) -> list[CodeTest]:
     """An example's ``tests`` (a list of assert strings, or one string of assert lines) as
     :class:`CodeTest` s; a ``ValueError`` naming the example's ``key`` for anything else."""
     if isinstance(tests, str):
@@ -90,7 +90,7 @@ def parse_tests(tests: Any, key: str) -> list[CodeTest]:
     return [parse_test(t) for t in tests]
 
 
-def passed(test: CodeTest, report: Any) -> bool:
+def passed(test: CodeTest, report: object) -> bool:
     """Whether the sandbox's ``report`` for ``test`` (``["ok", repr]`` or ``["error", text]``)
     shows the expected value. A ``repr`` that is not a literal, or too long, fails."""
     if not (isinstance(report, list) and len(report) == 2 and report[0] == "ok" and isinstance(report[1], str)):
