@@ -64,10 +64,9 @@ from tempering.algorithms.sdpo.distillation import Distillation, SelfDistillatio
 from tempering.errors import ConfigError
 from tempering.interfaces import Loss, RunContext
 from tempering.loss_contract import check_reads
-from tempering.rollouts.async_rollout import AsyncRollouts
+from tempering.rollouts.rollout import RolloutSource
 from tempering.schema import Problem
 from tempering.training.policy_gradient import PolicyGradient
-from tempering.training.rl import SyncRollouts
 from tempering.training.stage import Requirement
 from tempering.training.stale import MOVED_KEYS as STALE_MOVED_KEYS
 from tempering.training.stale import Staleness, StaleRollouts, staleness
@@ -195,7 +194,7 @@ class SDPO(PolicyGradient):
             self._objective = self.corrections.objective
         self.distiller.start(self.backend, resuming=int(state.get("step", 0)) > 0, path=ctx.path)
 
-    def make_rollouts(self, ctx: RunContext, state: Mapping[str, Any]) -> AsyncRollouts | SyncRollouts:
+    def make_rollouts(self, ctx: RunContext, state: Mapping[str, Any]) -> RolloutSource:
         """The blended loss (the policy loss is built by now: the RL engine calls this last in its
         setup), then on-policy rollouts, or (a ``stale:`` block) the stale-rollout component's
         producer, set up for the policy loss and the blend."""

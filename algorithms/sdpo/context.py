@@ -28,6 +28,7 @@ from typing import Any
 
 from tempering.interfaces import Tokenizer
 from tempering.schema import Problem
+from tempering.types import Sample
 
 __all__ = [
     "DEFAULT_FEEDBACK_TEMPLATE",
@@ -133,7 +134,7 @@ class TeacherSignal:
         return self.solution is not None or self.feedback is not None
 
 
-def has_feedback(feedback: Any) -> bool:
+def has_feedback(feedback: object) -> bool:
     """Feedback counts when it is a non-blank string."""
     return isinstance(feedback, str) and feedback.strip() != ""
 
@@ -166,14 +167,14 @@ def choose_signals(
     return out
 
 
-def demonstration_text(tokenizer: Tokenizer, sample: Any, remove_thinking: bool = False) -> str:
+def demonstration_text(tokenizer: Tokenizer, sample: Sample, remove_thinking: bool = False) -> str:
     """A successful sample's attempt as the text a teacher is shown.
 
     Single turn: its sampled tokens decoded without special tokens (what TRL shows). Multi
     turn: each model turn decoded the same way, followed by the contents of the messages the
     environment answered it with (tool results), one per line -- the episode as the student
     lived it, without any chat markup. ``remove_thinking`` drops ``<think>...</think>`` blocks."""
-    traj = getattr(sample, "trajectory", None)
+    traj = sample.trajectory
     if traj is None or not traj.turns:
         text = tokenizer.decode(list(sample.completion.tokens), skip_special_tokens=True)
     else:

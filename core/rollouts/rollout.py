@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from tempering.interfaces import Sampler, SamplingClient, Tokenizer
 from tempering.rollouts.scoring import RewardRunner, ScoreStats, run_coroutine
@@ -68,6 +68,22 @@ class RolloutBatch:
 
     groups: list[Group]
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class RolloutSource(Protocol):
+    """Where an RL stage's batches of scored groups come from, one per step: sampled now with the
+    live weights (:class:`tempering.training.rl.SyncRollouts`) or by a background producer from
+    weights up to k steps old (:class:`tempering.rollouts.async_rollout.AsyncRollouts`).
+    ``position`` is the example stream's position just past the last batch taken (what a
+    checkpoint keeps to resume there); ``close`` stops whatever the source runs."""
+
+    @property
+    def position(self) -> int: ...
+
+    def next_batch(self, step: int) -> RolloutBatch: ...
+
+    def close(self) -> None: ...
 
 
 def collect(

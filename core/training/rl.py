@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from tempering.errors import ConfigError
-from tempering.interfaces import Loss
+from tempering.interfaces import AdvantageEstimator, Loss, Sampler
 from tempering.loss_contract import ADVANTAGES, ROW_INPUTS, SAMPLER_LOGPROBS, LossSetup, for_stage
 from tempering.registry import split_spec
 from tempering.rollouts.data import ExampleStream, load_examples
-from tempering.rollouts.rollout import RolloutBatch, collect, rollout_metrics
+from tempering.rollouts.rollout import RolloutBatch, RolloutSource, collect, rollout_metrics
 from tempering.rollouts.scoring import RewardRunner
 from tempering.runs.collapse import DEFAULT_STEPS as COLLAPSE_STEPS
 from tempering.runs.rollout_log import DEFAULT_GROUPS, log_groups
@@ -47,7 +47,7 @@ class SyncRollouts:
         self,
         backend: Backend,
         stream: ExampleStream,
-        sampler: Any,
+        sampler: Sampler,
         group_size: int,
         groups_per_batch: int,
         params: SamplingParams,
@@ -219,7 +219,7 @@ class RLStage(SamplingKeys, Stage):
         check_rows(examples, self.dataset_columns(ctx), ctx.path, "dataset")  # rows validate could not peek at
         self.stream = ExampleStream(examples, seed=self.seed + ctx.seed, position=int(state.get("position", 0)))
         self.params = self.sampling_params()
-        self.rollouts = self.make_rollouts(ctx, state)
+        self.rollouts: RolloutSource = self.make_rollouts(ctx, state)
 
     def batch_inputs(self, loss: Loss) -> frozenset[str]:
         """Each row's tokens and weights, the sampler's logprobs and the group-relative advantages
@@ -231,7 +231,7 @@ class RLStage(SamplingKeys, Stage):
         the reward reads (see :mod:`tempering.training.dataset_checks`)."""
         return prompt_columns(self.sampler, reward_columns(ctx, self.reward))
 
-    def make_rollouts(self, ctx: RunContext, state: Mapping[str, Any]) -> Any:
+    def make_rollouts(self, ctx: RunContext, state: Mapping[str, Any]) -> RolloutSource:
         """The rollout source: synchronous, on-policy by default."""
         return SyncRollouts(
             self.backend, self.stream, self.rollout_sampler, self.group_size, self.prompts_per_step, self.params
@@ -288,7 +288,7 @@ class RLStage(SamplingKeys, Stage):
         row alone does not say (siblings, feedback)."""
         return {}
 
-    def objective(self) -> Any:
+    def objective(self) -> Loss:
         """The loss ``forward_backward`` trains."""
         return self.loss_fn
 
@@ -296,7 +296,7 @@ class RLStage(SamplingKeys, Stage):
         """Called once the step's training calls are submitted (or the step was skipped)."""
 
 
-def check_group_size(ctx: RunContext, estimator: Any, group_size: int, name: str = "") -> None:
+def check_group_size(ctx: RunContext, estimator: AdvantageEstimator, group_size: int, name: str = "") -> None:
     """``group_size`` must give the advantage estimator something to compare: a probe batch
     of two groups with distinct rewards must get some non-zero, finite advantage. A
     group-relative estimator (``group_norm``, ``rloo``, ...) gives a group of 1 advantage 0
@@ -324,7 +324,7 @@ def check_group_size(ctx: RunContext, estimator: Any, group_size: int, name: str
 
 
 def build_group_batch(
-    groups: list[Group], estimator: Any, drop_zero_variance: bool = False, success_threshold: float = 1.0
+    groups: list[Group], estimator: AdvantageEstimator, drop_zero_variance: bool = False, success_threshold: float = 1.0
 ) -> tuple[Batch | None, dict[str, float]]:
     """Advantages over the trainable samples, then one :class:`~tempering.types.Datum` per
     training row (a single-turn sample has one; a multi-turn trajectory one per segment).
