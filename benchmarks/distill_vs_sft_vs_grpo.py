@@ -95,6 +95,7 @@ def run_one(method: str, seed: int, out: str, teacher: str, samples: str, s: dic
 def teacher_samples(teacher: str, n: int, path: str, seed: int) -> float:
     """``n`` teacher completions of the first ``n`` training questions (temperature 0.7, 16
     tokens), written to ``path`` as ``messages`` transcripts for SFT; returns the seconds."""
+    from tempering.interfaces import model_renderer
     from tempering.plugins.backends.local.backend import LocalBackend
     from tempering.plugins.datasets.math_questions import math_questions
     from tempering.rollouts.rollout import collect
@@ -105,7 +106,7 @@ def teacher_samples(teacher: str, n: int, path: str, seed: int) -> float:
     rows = math_questions("train")[:n]
     backend = LocalBackend(model=teacher, seed=seed, num_threads=1)
     try:
-        sampler = completion_sampler(backend.tokenizer, None, "chatml")
+        sampler = completion_sampler(backend.tokenizer, model_renderer(backend), None, "chatml")
         params = SamplingParams(max_tokens=16, temperature=0.7)
         groups = collect(sampler, backend, rows, 1, params).groups
     finally:
