@@ -160,7 +160,7 @@ class SamplingClients(Protocol):
     """``sampling_client()``: a future of a sampler of the current weights, frozen, that samples
     while the trainer trains (asynchronous RL). Without it a stage samples the live weights."""
 
-    def sampling_client(self) -> Future[Any]: ...
+    def sampling_client(self) -> Future[SamplingClient]: ...
 
 
 @runtime_checkable

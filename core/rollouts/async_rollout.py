@@ -45,7 +45,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tempering.interfaces import Backend, Sampler
+from tempering.interfaces import Backend, Sampler, SamplingClient
 from tempering.rollouts.data import ExampleStream
 from tempering.rollouts.rollout import RolloutBatch
 from tempering.rollouts.scoring import ScoreStats
@@ -61,7 +61,7 @@ class StalenessError(RuntimeError):
 @dataclass
 class _Published:
     index: int  # loop steps completed when the snapshot was taken
-    client: Any  # a sampler, or a Future of one
+    client: SamplingClient | Future[SamplingClient]
 
 
 @dataclass
@@ -73,13 +73,13 @@ class _Slot:
     reward_metrics: dict[str, float] = field(default_factory=dict)  # its chunk's, from a PolicyReward
 
 
-def sampler_of(backend: Backend) -> Future[Any]:
+def sampler_of(backend: Backend) -> Future[SamplingClient]:
     """A future of a sampler of the backend's current weights: ``backend.sampling_client()``
     when the backend has one, else the backend itself (which samples its live weights)."""
     make = getattr(backend, "sampling_client", None)
     if callable(make):
         return make()
-    done: Future[Any] = Future()
+    done: Future[SamplingClient] = Future()
     done.set_result(backend)
     return done
 
@@ -166,14 +166,14 @@ class AsyncRollouts:
         self._started = threading.Event()
 
     # ------------------------------------------------------------------ trainer side
-    def start(self, sampler: object, index: int | None = None) -> None:
+    def start(self, sampler: SamplingClient | Future[SamplingClient], index: int | None = None) -> None:
         """Publish the first sampler (or a future of one) and start producing."""
         self.publish(sampler, index=self._first_slot // self.per_batch if index is None else index)
         self._thread = threading.Thread(target=self._run_loop, name="tempering-rollouts", daemon=True)
         self._thread.start()
         self._started.wait()
 
-    def publish(self, sampler: object, index: int) -> None:
+    def publish(self, sampler: SamplingClient | Future[SamplingClient], index: int) -> None:
         """Make a sampler of the weights after ``index`` loop steps available to the producer."""
         with self._lock:
             if self._published and index < self._published[-1].index:
