@@ -68,7 +68,7 @@ class OffPolicyRL(RLStage):
         last in its setup, once the loss and sampler exist), and its producer."""
         keys = staleness(self.stale, f"{ctx.path}.stale")
         self.corrections = StaleRollouts(keys, self.loss_fn, self.loss_fn, self.params, state, ctx.path)
-        return self.corrections.start(self, seed=self.seed + ctx.seed, first_step=int(state.get("step", 0)))
+        return self.corrections.start(self, ctx, state)
 
     def loop_state(self) -> dict[str, Any]:
         return {**super().loop_state(), **self.corrections.state()}

@@ -188,10 +188,8 @@ class SDPO(PolicyGradient):
         self.distiller = self.term(ctx.stage_id, ctx.path)
         super().setup(ctx, state)
         check_reads(self.blend, self.batch_inputs(self.loss_fn), f"{ctx.path}.loss", self.label)
-        self._objective: Loss = self.blend
         if self.corrections is not None:
             self.recompute = False  # the sampler's logprobs are the ratios' "old" (checked in validate)
-            self._objective = self.corrections.objective
         self.distiller.start(self.backend, resuming=int(state.get("step", 0)) > 0, path=ctx.path)
 
     def make_rollouts(self, ctx: RunContext, state: Mapping[str, Any]) -> RolloutSource:
@@ -204,7 +202,7 @@ class SDPO(PolicyGradient):
         if keys is None:
             return super().make_rollouts(ctx, state)
         self.corrections = StaleRollouts(keys, self.loss_fn, self.blend, self.params, state, ctx.path)
-        return self.corrections.start(self, seed=self.seed + ctx.seed, first_step=int(state.get("step", 0)))
+        return self.corrections.start(self, ctx, state)
 
     def loop_state(self) -> dict[str, Any]:
         return {**super().loop_state(), **(self.corrections.state() if self.corrections is not None else {})}
@@ -212,7 +210,7 @@ class SDPO(PolicyGradient):
     def objective(self) -> Loss:
         """The :class:`~tempering.algorithms.sdpo.loss.SDPOLoss`; stale, wrapped in the off-policy
         objective (scored as the sampler drew, ratio diagnostics)."""
-        return self._objective
+        return self.corrections.objective if self.corrections is not None else self.blend
 
     def teardown(self, ctx: RunContext, finished: bool) -> None:
         super().teardown(ctx, finished)

@@ -41,7 +41,7 @@ from tempering.types import Batch, SamplingParams
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from tempering.interfaces import Backend
+    from tempering.interfaces import Backend, RunContext
     from tempering.training.rl import RLStage
 
 __all__ = [
@@ -148,12 +148,14 @@ class StaleRollouts:
         self.objective = OffPolicyObjective(objective, params.temperature, params.top_k, params.top_p)
         self.source: AsyncRollouts | None = None
 
-    def start(self, stage: RLStage, seed: int, first_step: int) -> AsyncRollouts:
+    def start(self, stage: RLStage, ctx: RunContext, state: Mapping[str, Any]) -> AsyncRollouts:
         """The producer of ``stage``'s rollouts (its backend, example stream, sampler, group and
-        batch sizes, sampling params and steps), started at ``first_step`` (the resumed step)
-        with a sampler of the backend's current weights: the stage's rollout source. ``seed``
-        seeds each chunk's sampling (with ``seeded_sampling``)."""
+        batch sizes, sampling params and steps), started at the resumed step (``state``) with a
+        sampler of the backend's current weights: the stage's rollout source. Each chunk's
+        sampling seed derives from the stage's and the run's seeds (with ``seeded_sampling``)."""
         keys = self.keys
+        first_step = int(state.get("step", 0))
+        seed = stage.seed + ctx.seed
         self.source = AsyncRollouts(
             stage.backend,
             stage.stream,
